@@ -1,0 +1,23 @@
+# horovod_sbc — the two commands a newcomer needs are `make demo` and `make test`.
+# Both run `install` first (idempotent: seconds when nothing changed).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+NP     ?= 2
+
+.PHONY: install demo test bench fuzz clean
+
+install:
+	bash scripts/install.sh
+
+demo: install
+	bash scripts/demo.sh $(NP)
+
+test: install
+	bash scripts/test.sh
+
+bench: install
+	$(PY) -m horovod_sbc.bench all --json benchmarks/results/bench.json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

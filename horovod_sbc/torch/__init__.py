@@ -1,0 +1,18 @@
+"""PyTorch adapter of horovod_sbc.
+
+* :class:`SBC` — the compressor; ``hvd.DistributedOptimizer(opt, named_parameters=...,
+  compression=SBC(density=0.01))`` with stock ``horovod.torch``.
+* :func:`DistributedOptimizer` — drop-in with communication delay, one fused allgather per sync,
+  checkpointable residuals.
+* :func:`broadcast_state` — start all ranks equal (parameters, optimizer state, reference weights).
+"""
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.py in a subprocess
+    raise ImportError("horovod_sbc.torch needs PyTorch: pip install 'horovod_sbc[torch]' "
+                      "(and Horovod built with HOROVOD_WITH_PYTORCH=1; see scripts/install.sh)") from e
+
+from .compressor import SBC
+from .optimizer import DistributedOptimizer, broadcast_state
+
+__all__ = ["SBC", "DistributedOptimizer", "broadcast_state"]

@@ -1,0 +1,266 @@
+"""``SBC``: the compressor object, usable as ``compression=`` of stock ``hvd.DistributedOptimizer``.
+
+One state object (like PyTorch's ``PowerSGDState``) holding the knobs and the
+:class:`~horovod_sbc.residual.ResidualManager`; the drop-in
+:func:`horovod_sbc.torch.DistributedOptimizer` uses the same object for its fused exchange.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import wire
+from ..core import validate_density
+from ..residual import ResidualManager
+from . import exchange
+from .codec import NonFiniteError, encode_update, subtract_sent_
+
+_NONFINITE = ("raise", "skip")
+
+
+def _residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp16/bf16 updates are accumulated in fp32 (small updates would vanish in 16 bits)
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class SBC:
+    r"""Sparse Binary Compression (Sattler et al., "Sparse Binary Compression: Towards Distributed
+    Deep Learning with minimal Communication", arXiv 1805.08768).
+
+    Each rank sends, per tensor, the positions of the top ``density`` fraction of its
+    residual-corrected update (Golomb-Rice coded) and one float: the mean of the larger-magnitude
+    sign side among them. What is not sent stays in a residual and is added next time (error
+    feedback), so nothing is lost, only delayed. Messages travel by ``allgather``; every rank
+    decodes all of them and averages, so all ranks apply bit-identical updates.
+
+    Args:
+        density: the paper's *p*, fraction of entries kept per tensor, in (0, 1]; at least one
+            entry of every non-empty tensor is kept. 0.01 keeps 1 %; about 8 bits per kept
+            position after Golomb coding. Lower is smaller and, with error feedback, usually
+            still converges; the paper goes down to 0.001-0.0001 combined with ``delay``.
+        delay: the paper's *n*, communication delay: every rank runs ``delay`` local optimizer
+            steps, then the accumulated weight update is compressed and exchanged. Only the
+            drop-in :func:`horovod_sbc.torch.DistributedOptimizer` can delay; with stock
+            ``hvd.DistributedOptimizer`` it must be 1 (gradients are compressed every step).
+        binarize: True (SBC) sends one mean per tensor; False sends the kept entries' own float32
+            values (top-k sparsification with error feedback, ~32 more bits per position).
+        nonfinite: what to do when an update holds NaN/Inf. ``"raise"``: every rank raises
+            ``ValueError`` naming the rank and parameter. ``"skip"``: every rank skips the sync
+            (a warning names the parameter); the weights stay at the last shared state, healthy
+            ranks keep their update in the residual, the failing rank drops its non-finite one.
+        named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
+            ``compress()``; by default SBC reads it from Horovod's optimizer that called it. Pass
+            this if you call ``compress()`` from elsewhere.
+    """
+
+    def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
+                 nonfinite: str = "raise", named_parameters=None):
+        self.density = validate_density(density)
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
+            raise ValueError(f"delay must be an integer >= 1, got {delay!r}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+        self.delay = delay
+        self.binarize = bool(binarize)
+        self.nonfinite = nonfinite
+        self.manager = ResidualManager()
+        self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize)
+        self._named = list(named_parameters) if named_parameters is not None else None
+        self._calls: Dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return (f"SBC(density={self.density}, delay={self.delay}, binarize={self.binarize}, "
+                f"nonfinite={self.nonfinite!r})")
+
+    # -- statistics / state -----------------------------------------------------------------
+    def stats(self) -> Dict[str, int]:
+        """Cumulative figures of this rank: upstream_bits, downstream_bits, dense_bits, syncs,
+        steps (see :meth:`horovod_sbc.residual.ResidualManager.stats`)."""
+        return self.manager.stats()
+
+    def state_dict(self):
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        def copy(dst, src):
+            if dst is not None and dst.shape == src.shape:
+                return dst.copy_(src)
+            return src.detach().clone()
+        self.manager.load_state_dict(state, copy)
+
+    def _residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return self.manager.residual(
+            name, lambda: torch.zeros(like.numel(), dtype=_residual_dtype(like.dtype),
+                                      device=like.device))
+
+    def _world(self) -> Tuple[int, int]:
+        import horovod.torch as hvd
+        if not hvd.is_initialized():
+            raise RuntimeError("horovod is not initialized: call hvd.init() first")
+        size, rank = hvd.size(), hvd.rank()
+        self.manager.config.update(world_size=size, rank=rank)
+        return size, rank
+
+    # -- fused exchange (used by the drop-in optimizer) ----------------------------------------
+    def exchange(self, items: Sequence[Tuple[str, torch.Tensor, torch.Tensor]],
+                 tag: str = "sbc.sync", average: bool = True) -> Optional[List[torch.Tensor]]:
+        """Compress, allgather (one fused message), decode and average a set of updates.
+
+        ``items`` are ``(name, update, shape)`` with ``update`` flat; each residual is added to its
+        update and updated with what was sent. Returns the averaged updates (flat, residual dtype)
+        in order, or None if the sync was skipped (``nonfinite="skip"``).
+        """
+        size, rank = self._world()
+        layout = [(name, tuple(shape)) for name, _, shape in items]
+        fp = wire.layout_fingerprint(layout)
+        dev = items[0][1].device if items else torch.device("cpu")
+        pending = []
+        step = None
+        for name, upd, _ in items:
+            res = self._residual(name, upd)
+            if res.numel() != upd.numel():
+                raise ValueError(f"SBC: {name!r} has {upd.numel()} elements but its residual has "
+                                 f"{res.numel()}; did the model change shape?")
+            a = res + upd.to(res.dtype)
+            try:
+                msg, pos, sent = encode_update(a, self.density, self.binarize, name)
+            except NonFiniteError as e:
+                step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
+                                            dev)
+                break
+            pending.append((name, a, pos, sent, msg))
+        if step is None:
+            step = exchange.frame([p[4] for p in pending], fp, dev)
+        gathered = exchange.allgather(step, tag)
+        try:
+            sums = exchange.decode_gathered(gathered, layout, size, self._sum_dtype(items))
+        except wire.PeerError as e:
+            self.manager.add(upstream_bits=8 * step.numel(),
+                             downstream_bits=8 * (gathered.numel() - step.numel()))
+            if e.skip:
+                warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+                if e.rank != rank:  # healthy rank: keep the whole update for next time
+                    for name, a, _, _, _ in pending:
+                        self.manager.residuals[name] = a
+                return None
+            raise ValueError(f"SBC: {e}") from None
+        for name, a, pos, sent, _ in pending:  # commit error feedback only after success
+            subtract_sent_(a, pos, sent)
+            self.manager.residuals[name] = a
+        self.manager.add(upstream_bits=8 * step.numel(),
+                         downstream_bits=8 * (gathered.numel() - step.numel()), syncs=1)
+        if average:
+            for s in sums:
+                s.div_(size)
+        return sums
+
+    @staticmethod
+    def _sum_dtype(items) -> torch.dtype:
+        return torch.float64 if any(u.dtype == torch.float64 for _, u, _ in items) else \
+            torch.float32
+
+    # -- stock horovod.torch.DistributedOptimizer interface -----------------------------------
+    def _identify(self, tensor: torch.Tensor) -> str:
+        """Which parameter is ``tensor`` the gradient of? (Horovod passes no name.)"""
+        f = sys._getframe(2)
+        for _ in range(3):
+            if f is None:
+                break
+            loc = f.f_locals
+            owner = loc.get("self")
+            if f.f_code.co_name == "_grouped_allreduce_grad_async":
+                raise ValueError(
+                    "SBC does not work with hvd.DistributedOptimizer(groups=/num_groups=): grouped "
+                    "allreduce sums the encoded bytes. Drop groups=, or use "
+                    "horovod_sbc.torch.DistributedOptimizer, which fuses all tensors into one "
+                    "allgather anyway.")
+            if owner is not None and hasattr(owner, "_parameter_names"):
+                if hasattr(owner, "_starting_models"):  # horovod's _DistributedAdasumOptimizer
+                    raise ValueError(
+                        "SBC cannot be combined with op=hvd.Adasum: Adasum combines dense vectors "
+                        "pairwise. Use op=hvd.Average (the default) or "
+                        "horovod_sbc.torch.DistributedOptimizer.")
+                import horovod.torch as hvd
+                op = getattr(owner, "op", hvd.Average)
+                if op not in (hvd.Average, hvd.Sum):
+                    raise ValueError(f"SBC supports op=hvd.Average or hvd.Sum, not {op!r}")
+                self._op_sum = op == hvd.Sum
+                p = loc.get("p")
+                if p is not None and p.grad is tensor:
+                    name = owner._parameter_names.get(p)
+                    if name is not None:
+                        return name
+            f = f.f_back
+        if self._named is not None:
+            for name, p in self._named:
+                if p.grad is tensor:
+                    return name
+        raise ValueError(
+            "SBC.compress() could not tell which parameter this tensor belongs to. Use it as "
+            "compression= of hvd.DistributedOptimizer(..., named_parameters=...), pass "
+            "named_parameters= to SBC(...), or use horovod_sbc.torch.DistributedOptimizer.")
+
+    def compress(self, tensor: torch.Tensor):
+        """Horovod hook: start the allgather of this gradient's message; returns a 1-element dummy
+        for Horovod's allreduce (the real data travels by allgather) and the context."""
+        if self.delay != 1:
+            raise ValueError(
+                f"SBC(delay={self.delay}) needs local steps between syncs, which stock "
+                "hvd.DistributedOptimizer cannot do: use horovod_sbc.torch.DistributedOptimizer("
+                "optimizer, named_parameters, compression=SBC(..., delay=n)).")
+        self._op_sum = False
+        name = self._identify(tensor)
+        if tensor.is_sparse:
+            raise ValueError(f"SBC: gradient of {name!r} is sparse; pass sparse_as_dense=True to "
+                             "hvd.DistributedOptimizer")
+        size, rank = self._world()
+        layout = [(name, tuple(tensor.shape))]
+        fp = wire.layout_fingerprint(layout)
+        res = self._residual(name, tensor)
+        a = res + tensor.detach().reshape(-1).to(res.dtype)
+        try:
+            msg, pos, sent = encode_update(a, self.density, self.binarize, name)
+            step = exchange.frame([msg], fp, tensor.device)
+        except NonFiniteError as e:
+            step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
+                                        tensor.device)
+            a = None
+        import horovod.torch as hvd
+        handle = hvd.allgather_async(step, name=f"sbc.{name}")
+        self._calls[name] = self._calls.get(name, 0) + 1
+        ctx = (name, handle, step.numel(), layout, a, (pos, sent) if a is not None else None,
+               tensor.shape, tensor.dtype, size, rank, self._op_sum)
+        dummy = tensor.new_zeros(1)
+        self.manager.add(upstream_bits=8 * dummy.numel() * dummy.element_size(),
+                         dense_bits=32 * tensor.numel())
+        return dummy, ctx
+
+    def decompress(self, output: torch.Tensor, ctx) -> torch.Tensor:
+        """Horovod hook: finish the allgather, decode every rank's message and average."""
+        import horovod.torch as hvd
+        name, handle, sent_len, layout, a, commit, shape, dtype, size, rank, op_sum = ctx
+        gathered = hvd.synchronize(handle)
+        self.manager.add(upstream_bits=8 * sent_len,
+                         downstream_bits=8 * (gathered.numel() - sent_len))
+        try:
+            (s,) = exchange.decode_gathered(gathered, layout, size)
+        except wire.PeerError as e:
+            if not e.skip:
+                raise ValueError(f"SBC: {e}") from None
+            warnings.warn(f"horovod_sbc: skipping this step for {name!r}: {e}")
+            if a is not None:
+                self.manager.residuals[name] = a  # keep the gradient for next time
+            s = None
+        if s is None:
+            return torch.zeros(shape, dtype=dtype, device=output.device)
+        subtract_sent_(a, *commit)
+        self.manager.residuals[name] = a
+        steps = max(self._calls.values())
+        self.manager.counters["steps"] = steps
+        self.manager.counters["syncs"] = steps
+        if not op_sum:
+            s.div_(size)
+        return s.view(shape).to(dtype)

@@ -1,0 +1,203 @@
+"""The drop-in distributed optimizer: communication delay + SBC + one fused allgather per sync.
+
+Built like Horovod's ``horovod/torch/optimizer.py``: :func:`DistributedOptimizer` returns an
+instance of a subclass of *your* optimizer's class, so its ``step()`` math, hyper-parameters,
+``param_groups`` and LR schedulers behave exactly as before.
+
+How a step works (``delay = n``):
+
+1. ``step()`` runs your optimizer's own step on this rank's gradients (a *local* step).
+2. Every n-th step is a *sync*: for each parameter, the weight update since the last sync,
+   ``dW = W_local - W_ref``, plus its residual is SBC-compressed; all tensors' messages go in one
+   allgather; every rank decodes and averages all ranks' updates ``U`` and sets
+   ``W_ref += U`` and ``W_local = W_ref``. So all ranks hold bit-identical weights after each sync.
+
+With ``delay=1`` and plain SGD (``dW = -lr * g``) this is gradient sparsification with error
+feedback. Optimizer state (momentum buffers, Adam moments) stays **local** to each rank and is not
+reset at a sync: it is computed from the rank's own gradients, exactly as in local SGD / FedAvg and
+the SBC paper's experiments (which used momentum SGD), and since ``dW`` includes the momentum
+term, momentum is carried through the residual like in DGC's "momentum correction". Broadcast it
+once at start (:func:`broadcast_state`) so all ranks begin equal.
+
+Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
+so such a parameter simply contributes ``dW = 0``. Parameters with ``requires_grad=False`` and
+non-floating-point parameters are left alone.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .compressor import SBC
+
+_STATE_KEY = "horovod_sbc"
+
+
+class _SBCOptimizer:
+    """Methods mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
+
+    def __init__(self, params, named_parameters, compression: SBC):
+        super(self.__class__, self).__init__(params)
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f"param.{gi}.{i}", p) for gi, g in enumerate(self.param_groups)
+                                for i, p in enumerate(g["params"])]
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named_parameters):
+            raise ValueError("named_parameters must be (name, parameter) tuples, e.g. "
+                             "model.named_parameters()")
+        names = [n for n, _ in named_parameters]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"parameter names must be unique; duplicated: {', '.join(dups)}")
+        by_id = {id(p): n for n, p in named_parameters}
+        ours = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in by_id:
+                    raise ValueError("named_parameters was given but does not name every "
+                                     f"optimized parameter (shape {tuple(p.shape)})")
+                if p.requires_grad and p.is_floating_point():
+                    ours.append((by_id[id(p)], p))
+        # one canonical order on every rank: sorted by name (robust to construction order)
+        self._sbc_params = sorted(ours, key=lambda t: t[0])
+        self._sbc = compression
+        self._sbc_local_steps = 0
+        self._sbc_bypass = False
+        compression.manager.config.update(delay=compression.delay)
+
+    # -- public extras ----------------------------------------------------------------------------
+    @property
+    def compression(self) -> SBC:
+        return self._sbc
+
+    def stats(self):
+        """Cumulative traffic figures of this rank (see :meth:`SBC.stats`)."""
+        return self._sbc.stats()
+
+    @contextlib.contextmanager
+    def local_only(self):
+        """Within this context ``step()`` is the plain local step (no counting, no sync)."""
+        prev, self._sbc_bypass = self._sbc_bypass, True
+        try:
+            yield
+        finally:
+            self._sbc_bypass = prev
+
+    def reset_reference(self) -> None:
+        """Take the current weights as the shared reference (after a broadcast or a load)."""
+        self._sbc.manager.reference = {}
+        self._sbc_local_steps = 0
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _capture_reference(self) -> None:
+        ref = self._sbc.manager.reference
+        for name, p in self._sbc_params:
+            if name not in ref:
+                ref[name] = p.detach().clone()
+
+    def step(self, closure=None):
+        if self._sbc_bypass:
+            return super(self.__class__, self).step(closure)
+        self._capture_reference()
+        loss = super(self.__class__, self).step(closure)
+        self._sbc_local_steps += 1
+        numel = sum(p.numel() for _, p in self._sbc_params)
+        self._sbc.manager.add(steps=1, dense_bits=32 * numel)
+        if self._sbc_local_steps % self._sbc.delay == 0:
+            self.synchronize()
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Exchange the accumulated update now (normally called by ``step()``)."""
+        ref = self._sbc.manager.reference
+        self._capture_reference()
+        items = []
+        for name, p in self._sbc_params:
+            items.append((name, (p.detach() - ref[name]).reshape(-1), tuple(p.shape)))
+        updates = self._sbc.exchange(items)
+        for (name, p), u in zip(self._sbc_params, updates if updates is not None else
+                                [None] * len(items)):
+            r = ref[name]
+            if u is not None:
+                r.add_(u.view(r.shape).to(r.dtype))
+            p.copy_(r)
+        self._sbc_local_steps = 0
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self):
+        sd = super(self.__class__, self).state_dict()
+        st = self._sbc.state_dict()
+        st["local_steps"] = self._sbc_local_steps
+        sd[_STATE_KEY] = st
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        st = state_dict.pop(_STATE_KEY, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if st is not None:
+            self._sbc.load_state_dict(st)
+            self._sbc_local_steps = int(st.get("local_steps", 0))
+            ref = self._sbc.manager.reference
+            for name, p in self._sbc_params:
+                if name in ref:
+                    ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression: Optional[SBC] = None, delay: Optional[int] = None,
+                         density: Optional[float] = None):
+    """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
+
+    Args:
+        optimizer: your torch optimizer; the result is an instance of a subclass of its class.
+        named_parameters: ``model.named_parameters()``; names key the residuals and checkpoint
+            state and fix the message order (sorted by name on every rank).
+        compression: an :class:`SBC` (default ``SBC()``); its ``delay`` is the number of local
+            steps between syncs.
+        delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
+            ``compression`` is not given.
+
+    Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights
+    and the step counter within the delay window; save it **on every rank** (residuals differ per
+    rank) and ``load_state_dict`` it to continue exactly.
+    """
+    if compression is None:
+        kw = {}
+        if density is not None:
+            kw["density"] = density
+        if delay is not None:
+            kw["delay"] = delay
+        compression = SBC(**kw)
+    elif delay is not None or density is not None:
+        raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
+    if not isinstance(compression, SBC):
+        raise TypeError(f"compression must be horovod_sbc.torch.SBC (or a subclass), "
+                        f"got {type(compression).__name__}")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_SBCOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression)
+
+
+def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:
+    """Make all ranks start equal: broadcast parameters and optimizer state from ``root_rank``
+    and take the result as the reference weights of the communication delay.
+
+    ``model_or_params`` is a module, its ``state_dict()`` or ``named_parameters()``.
+    """
+    import horovod.torch as hvd
+    if isinstance(model_or_params, torch.nn.Module):
+        params = model_or_params.state_dict()
+    else:
+        params = model_or_params
+    hvd.broadcast_parameters(params, root_rank=root_rank)
+    if hasattr(optimizer, "local_only"):
+        with optimizer.local_only():
+            hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+        optimizer.reset_reference()
+    else:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)

@@ -1,0 +1,503 @@
+"""The horovod_sbc wire format, version 1 — this docstring is the specification.
+
+Everything a rank sends in one synchronisation ("sync") is one flat byte string, a *step message*,
+which travels as a ``uint8`` tensor through Horovod's ``allgather``. Receivers split the gathered
+concatenation back into the ranks' step messages with the length each step header declares, so no
+separate exchange of sizes is needed. All integers are little-endian; nothing is pickled.
+
+Step message
+============
+::
+
+    offset  size  field
+    0       4     magic            b"SBCS"
+    4       1     version          1
+    5       1     flags            bit 0  ERROR: the sender could not encode this sync; the body
+                                          is a UTF-8 reason and n_tensors is 0
+                                   bit 1  SKIP: like ERROR, but the sender asks every rank to skip
+                                          this sync instead of failing
+                                   bits 2..7 reserved, must be 0
+    6       2     reserved         0
+    8       4     body_length      uint32: number of bytes after this 24-byte header
+    12      4     layout           uint32: CRC-32 of the sender's tensor layout (see below)
+    16      4     n_tensors        uint32: number of tensor messages in the body
+    20      4     body_crc32       uint32: CRC-32 (zlib/IEEE 802.3) of the body bytes
+    24      ...   body             n_tensors tensor messages, back to back, in layout order
+
+A rank that cannot encode (e.g. a NaN in an update) still sends a step message, with ERROR or
+SKIP set, so every rank learns of it from the same allgather and fails (or skips) together
+instead of hanging.
+
+``layout`` is ``crc32`` of the UTF-8 text ``"name:shape;"`` repeated over the tensors in order,
+``shape`` being the dimensions joined by ``x`` (``"fc.weight:10x64;fc.bias:10;"``; a 0-d tensor
+has an empty shape) (``layout_fingerprint``). A receiver compares it with its own: ranks that disagree on the set,
+order or sizes of tensors fail loudly on every rank instead of decoding garbage.
+
+Tensor message
+==============
+One per tensor (e.g. one per model parameter)::
+
+    offset  size  field
+    0       2     magic            b"SB"
+    2       1     version          1
+    3       1     flags            bit 0  NEGATIVE  the binary value is -value (else +value)
+                                   bit 1  VALUES    one float32 per position follows (non-binarized)
+                                   bits 2..7 reserved, must be 0
+    4       1     rice_b           Rice parameter b, 0 <= b <= 62
+    5       var   numel            uvarint: element count of the tensor, < 2**62
+    .       var   count            uvarint: number of positions, count <= numel
+    .       var   unary_nbytes     uvarint: byte length of the unary stream
+    .       4     value            float32: the magnitude mu >= 0 (finite) of the binary value
+    .       U     unary stream     U = unary_nbytes bytes
+    .       R     remainder stream R = ceil(count * b / 8) bytes
+    .       4*count values         float32 per position, only if flag VALUES is set
+
+``uvarint`` is unsigned LEB128 (as in protobuf): 7 bits per byte, least significant group first,
+high bit set on every byte but the last; at most 9 bytes and minimal (no trailing 0x80 groups,
+i.e. the last byte of a multi-byte varint is never 0).
+
+Positions are the flat (row-major) indices ``p_0 < p_1 < ... < p_{count-1}`` of the sent entries.
+They are Golomb-Rice coded as gaps ``d_i = p_i - p_{i-1} - 1`` (with ``p_{-1} = -1``), each split
+into a quotient ``q_i = d_i >> b`` and a remainder ``r_i = d_i & (2**b - 1)``, written to two
+separate bit streams (this is the classic Golomb-Rice code with its two parts de-interleaved,
+which is exactly as long and lets both directions be vectorised):
+
+* unary stream: for each i in order, ``q_i`` zero bits then a single one bit; then zero bits up to
+  the byte boundary. It therefore holds exactly ``count`` one bits, and the byte that holds the last
+  one bit is its last byte (``unary_nbytes == ceil((sum(q) + count) / 8)``).
+* remainder stream: each ``r_i`` as ``b`` bits, most significant bit first, then zero padding to
+  the byte boundary.
+
+Bits fill each byte most significant bit first (``numpy.packbits`` order).
+
+The decoded tensor is zero everywhere except at the positions, which hold ``+value`` (or
+``-value`` with NEGATIVE) or, with VALUES, the float32 values in position order (``value`` is then
+0 and NEGATIVE must be clear). ``count == 0`` means "nothing sent" (``unary_nbytes == 0``).
+
+Validation (a decoder must reject, with a reason, anything that breaks these):
+magic, version, reserved bits and reserved bytes; every length against the bytes actually
+present (before allocating anything); canonical varints; ``count <= numel``; ``b <= 62``;
+the unary stream holds exactly ``count`` one bits, its padding is zero and its last byte is not
+all padding; the remainder padding is zero; the last position ``< numel``; ``value`` finite and
+``>= 0``; the expected ``numel`` and ``layout`` when the receiver knows them; ``body_length`` and
+``body_crc32`` of the step; ``n_tensors`` messages exactly filling the body. Memory a decoder
+allocates is proportional to the message length, never to the declared ``numel``.
+
+Choosing b: the encoder picks the b that minimises the stream length for the actual gaps among
+``b* - 1, b*, b* + 1`` where ``b* = 1 + floor(log2(ln(phi - 1) / ln(1 - p)))``, ``phi`` the golden
+ratio and ``p = count / numel`` (SBC paper, Sattler et al. 2018, eq. for optimal Golomb coding);
+ties go to the smaller b. Any b is valid on the wire; this rule only makes encoders agree byte for
+byte.
+
+This module is the numpy reference implementation of the format and of the Golomb-Rice streams.
+The torch and TensorFlow codecs produce identical bytes (see ``tests/golden/``).
+"""
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+VERSION = 1
+STEP_MAGIC = b"SBCS"
+TENSOR_MAGIC = b"SB"
+STEP_HEADER = struct.Struct("<4sBBHIIII")
+STEP_HEADER_SIZE = STEP_HEADER.size  # 24
+STEP_FLAG_ERROR = 1
+STEP_FLAG_SKIP = 2
+FLAG_NEGATIVE = 1
+FLAG_VALUES = 2
+_KNOWN_FLAGS = FLAG_NEGATIVE | FLAG_VALUES
+MAX_RICE_B = 62
+MAX_NUMEL = 1 << 62
+_PHI = (1.0 + math.sqrt(5.0)) / 2.0
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers shared by every implementation (host-side integers only)
+# ----------------------------------------------------------------------------------------------
+def rice_parameter(p: float) -> int:
+    """The SBC paper's optimal Rice parameter b* for position density ``p`` (0 < p <= 1)."""
+    if not (p > 0.0):
+        return 0
+    if p >= 1.0:
+        return 0
+    x = math.log(_PHI - 1.0) / math.log1p(-p)
+    if x <= 1.0:
+        return 1 if x >= 0.5 else 0
+    return min(MAX_RICE_B, 1 + int(math.floor(math.log2(x))))
+
+
+def rice_cost_bits(count: int, sum_q_for_b, b: int) -> int:
+    """Stream bits (unpadded) of a Rice code with parameter b: unary (sum q + count) + count*b."""
+    return int(sum_q_for_b) + count + count * b
+
+
+def choose_rice_b(count: int, numel: int, sum_q) -> int:
+    """Pick b among b*-1, b*, b*+1 minimising the padded stream bytes.
+
+    ``sum_q(b)`` returns ``sum(gaps >> b)`` for the actual gaps (a framework-specific reduction).
+    """
+    if count == 0:
+        return 0
+    b0 = rice_parameter(count / numel)
+    best_b, best_len = None, None
+    for b in (b0 - 1, b0, b0 + 1):
+        if b < 0 or b > MAX_RICE_B:
+            continue
+        sq = int(sum_q(b))
+        nbytes = -(-(sq + count) // 8) + -(-(count * b) // 8)
+        if best_len is None or nbytes < best_len:
+            best_b, best_len = b, nbytes
+    return best_b
+
+
+def uvarint(n: int) -> bytes:
+    if n < 0 or n >= MAX_NUMEL:
+        raise ValueError(f"varint out of range: {n}")
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def read_uvarint(buf, off: int, what: str) -> Tuple[int, int]:
+    """Parse a canonical uvarint from ``buf`` (bytes-like) at ``off``; returns (value, new_off)."""
+    n = 0
+    shift = 0
+    for i in range(9):
+        if off + i >= len(buf):
+            raise ValueError(f"truncated message: {what} varint runs past the end")
+        byte = buf[off + i]
+        n |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            if i > 0 and byte == 0:
+                raise ValueError(f"corrupt message: non-canonical varint for {what}")
+            if n >= MAX_NUMEL:
+                raise ValueError(f"corrupt message: {what} = {n} is out of range (>= 2**62)")
+            return n, off + i + 1
+        shift += 7
+    raise ValueError(f"corrupt message: {what} varint longer than 9 bytes")
+
+
+def tensor_header(numel: int, count: int, b: int, unary_nbytes: int, value: float,
+                  negative: bool, has_values: bool = False) -> bytes:
+    """The bytes of a tensor message up to (excluding) the unary stream."""
+    flags = (FLAG_NEGATIVE if negative else 0) | (FLAG_VALUES if has_values else 0)
+    return (TENSOR_MAGIC + bytes((VERSION, flags, b)) + uvarint(numel) + uvarint(count)
+            + uvarint(unary_nbytes) + struct.pack("<f", value))
+
+
+def layout_numel(shape) -> int:
+    """Element count of a layout entry's shape (an int is taken as a 1-D shape)."""
+    if isinstance(shape, int):
+        return shape
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def layout_fingerprint(layout: Sequence[Tuple[str, Sequence[int]]]) -> int:
+    """CRC-32 of ``"name:d0xd1x...;"...``: identifies the tensor set, order and shapes."""
+    def dims(shape):
+        return str(shape) if isinstance(shape, int) else "x".join(str(int(d)) for d in shape)
+    text = "".join(f"{name}:{dims(shape)};" for name, shape in layout)
+    return zlib.crc32(text.encode("utf-8")) & 0xFFFFFFFF
+
+
+def step_header_bytes(body, layout_crc: int, n_tensors: int, flags: int = 0) -> bytes:
+    """The 24-byte step header for ``body`` (bytes-like, host)."""
+    if len(body) >= 1 << 32:
+        raise ValueError("step message body exceeds 4 GiB; lower density or split the model")
+    return STEP_HEADER.pack(STEP_MAGIC, VERSION, flags, 0, len(body), layout_crc, n_tensors,
+                            zlib.crc32(body) & 0xFFFFFFFF)
+
+
+def step_message_bytes(body: bytes, layout_crc: int, n_tensors: int, flags: int = 0) -> bytes:
+    """Frame the concatenated tensor messages of one sync (host bytes)."""
+    return step_header_bytes(body, layout_crc, n_tensors, flags) + bytes(body)
+
+
+def error_step_message(reason: str, layout_crc: int, skip: bool = False) -> bytes:
+    """A step message that tells every rank this sender failed (or asks to skip the sync)."""
+    body = reason.encode("utf-8")[:4096]
+    return step_message_bytes(body, layout_crc, 0, STEP_FLAG_SKIP if skip else STEP_FLAG_ERROR)
+
+
+class PeerError(ValueError):
+    """A rank reported, through its step message, that it could not encode this sync."""
+
+    def __init__(self, rank: int, reason: str, skip: bool):
+        self.rank, self.reason, self.skip = rank, reason, skip
+        super().__init__(f"rank {rank} could not encode this sync: {reason}")
+
+
+@dataclass
+class TensorMessage:
+    """A parsed tensor message (positions are decoded lazily by the framework codecs)."""
+    numel: int
+    count: int
+    rice_b: int
+    value: float
+    negative: bool
+    has_values: bool
+    unary: Tuple[int, int]       # [start, end) byte offsets of the unary stream in the buffer
+    remainder: Tuple[int, int]   # [start, end) of the remainder stream
+    values: Tuple[int, int]      # [start, end) of the float32 values (empty unless has_values)
+    sum_q: int = -1              # filled in by the stream decoder
+
+    @property
+    def signed_value(self) -> float:
+        return -self.value if self.negative else self.value
+
+    @property
+    def nbytes(self) -> int:
+        return self.values[1] if self.has_values else self.remainder[1]
+
+
+def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
+                        name: str = "tensor") -> TensorMessage:
+    """Parse and validate a tensor message header at ``off`` of ``buf`` (bytes-like).
+
+    Checks every length against ``len(buf)``; the streams themselves are checked when decoded.
+    """
+    n = len(buf)
+    if off + 5 > n:
+        raise ValueError(f"truncated message: header of {name} cut short")
+    if bytes(buf[off:off + 2]) != TENSOR_MAGIC:
+        raise ValueError(f"corrupt message: bad tensor magic for {name}")
+    version, flags, b = buf[off + 2], buf[off + 3], buf[off + 4]
+    if version != VERSION:
+        raise ValueError(f"unsupported wire format version {version} for {name} (this is {VERSION})")
+    if flags & ~_KNOWN_FLAGS:
+        raise ValueError(f"corrupt message: reserved flag bits set ({flags:#x}) for {name}")
+    if b > MAX_RICE_B:
+        raise ValueError(f"corrupt message: Rice parameter {b} > {MAX_RICE_B} for {name}")
+    p = off + 5
+    numel, p = read_uvarint(buf, p, f"{name} numel")
+    count, p = read_uvarint(buf, p, f"{name} count")
+    unary_nbytes, p = read_uvarint(buf, p, f"{name} unary length")
+    if expected_numel is not None and numel != expected_numel:
+        raise ValueError(f"message for {name} declares {numel} elements, expected {expected_numel} "
+                         "(ranks disagree on tensor shapes?)")
+    if count > numel:
+        raise ValueError(f"corrupt message: {name} declares {count} positions for {numel} elements")
+    if p + 4 > n:
+        raise ValueError(f"truncated message: value of {name} cut short")
+    (value,) = struct.unpack_from("<f", bytes(buf[p:p + 4]))
+    p += 4
+    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and math.copysign(1, value) < 0):
+        raise ValueError(f"corrupt message: value {value} of {name} is not a finite number >= 0")
+    has_values = bool(flags & FLAG_VALUES)
+    negative = bool(flags & FLAG_NEGATIVE)
+    if has_values and (negative or value != 0.0):
+        raise ValueError(f"corrupt message: {name} has per-position values and a binary value")
+    if count == 0 and (unary_nbytes or b):
+        raise ValueError(f"corrupt message: {name} has no positions but non-empty streams")
+    # Each position needs at least one unary bit: bound count by the bytes present first.
+    if count > 8 * unary_nbytes and count:
+        raise ValueError(f"corrupt message: {name} unary stream too short for {count} positions")
+    rem_nbytes = -(-(count * b) // 8)
+    val_nbytes = 4 * count if has_values else 0
+    end = p + unary_nbytes + rem_nbytes + val_nbytes
+    if end > n:
+        raise ValueError(f"truncated message: {name} needs {end - off} bytes, "
+                         f"{n - off} present")
+    u = (p, p + unary_nbytes)
+    r = (u[1], u[1] + rem_nbytes)
+    v = (r[1], r[1] + val_nbytes)
+    return TensorMessage(numel, count, b, value, negative, has_values, u, r, v)
+
+
+def check_stream_totals(msg: TensorMessage, sum_q: int, sum_r: int, name: str) -> None:
+    """Final range check in exact integer arithmetic: the last position must be < numel."""
+    if msg.count:
+        last = (sum_q << msg.rice_b) + sum_r + msg.count - 1
+        if last >= msg.numel:
+            raise ValueError(f"corrupt message: {name} position {last} out of range "
+                             f"for {msg.numel} elements")
+    msg.sum_q = sum_q
+
+
+def split_step_messages(buf, n_ranks: int) -> List[Tuple[int, int]]:
+    """Split the allgathered concatenation of ``n_ranks`` step messages into [start, end) ranges."""
+    out = []
+    off = 0
+    n = len(buf)
+    for r in range(n_ranks):
+        if off + STEP_HEADER_SIZE > n:
+            raise ValueError(f"truncated message: step message of rank {r} cut short")
+        length = STEP_HEADER_SIZE + struct.unpack_from("<I", bytes(buf[off + 8:off + 12]))[0]
+        if off + length > n:
+            raise ValueError(f"truncated message: step message of rank {r} declares {length} bytes, "
+                             f"{n - off} present")
+        out.append((off, off + length))
+        off += length
+    if off != n:
+        raise ValueError(f"corrupt message: {n - off} trailing bytes after {n_ranks} step messages")
+    return out
+
+
+def parse_step_header(buf, start: int, end: int, expected_layout: Optional[int], who: str) -> int:
+    """Validate a step header and the body CRC; returns n_tensors. ``buf`` is host bytes-like.
+
+    Returns -1 for an ERROR step message and -2 for a SKIP one (the body is the reason).
+    """
+    head = bytes(buf[start:start + STEP_HEADER_SIZE])
+    if len(head) < STEP_HEADER_SIZE:
+        raise ValueError(f"truncated message: step header of {who} cut short")
+    magic, version, flags, reserved, body_len, layout, n_tensors, crc = STEP_HEADER.unpack(head)
+    if magic != STEP_MAGIC:
+        raise ValueError(f"corrupt message: bad step magic from {who}")
+    if version != VERSION:
+        raise ValueError(f"unsupported wire format version {version} from {who} (this is {VERSION})")
+    if flags & ~(STEP_FLAG_ERROR | STEP_FLAG_SKIP) or reserved:
+        raise ValueError(f"corrupt message: reserved step header bits set from {who}")
+    if start + STEP_HEADER_SIZE + body_len != end:
+        raise ValueError(f"corrupt message: step body length mismatch from {who}")
+    body = bytes(buf[start + STEP_HEADER_SIZE:end])
+    if zlib.crc32(body) & 0xFFFFFFFF != crc:
+        raise ValueError(f"corrupt message: checksum mismatch in step message from {who}")
+    if flags:
+        if n_tensors:
+            raise ValueError(f"corrupt message: error step message with tensors from {who}")
+        return -(flags & STEP_FLAG_SKIP) or -1
+    if expected_layout is not None and layout != expected_layout:
+        raise ValueError(f"{who} sent a different tensor layout (set, order or sizes of parameters) "
+                         f"than this rank: fingerprint {layout:#010x} != {expected_layout:#010x}")
+    return n_tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference: Golomb-Rice streams and whole tensor messages
+# ----------------------------------------------------------------------------------------------
+def gaps_of(positions: np.ndarray) -> np.ndarray:
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size == 0:
+        return pos
+    return np.diff(pos, prepend=np.int64(-1)) - 1
+
+
+def encode_streams_np(positions: np.ndarray, b: int) -> Tuple[bytes, bytes]:
+    """Golomb-Rice streams (unary, remainder) of sorted unique non-negative positions."""
+    gaps = gaps_of(positions)
+    count = gaps.size
+    if count == 0:
+        return b"", b""
+    q = gaps >> b
+    ones_at = np.cumsum(q + 1) - 1
+    unary_bits = np.zeros(int(ones_at[-1]) + 1, dtype=np.uint8)
+    unary_bits[ones_at] = 1
+    unary = np.packbits(unary_bits).tobytes()
+    if b:
+        r = gaps & ((1 << b) - 1)
+        shifts = np.arange(b - 1, -1, -1, dtype=np.int64)
+        rbits = ((r[:, None] >> shifts[None, :]) & 1).astype(np.uint8).ravel()
+        rem = np.packbits(rbits).tobytes()
+    else:
+        rem = b""
+    return unary, rem
+
+
+def decode_streams_np(buf: bytes, msg: TensorMessage, name: str = "tensor") -> np.ndarray:
+    """Positions (int64) of a parsed tensor message; validates the streams."""
+    count, b = msg.count, msg.rice_b
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    mv = memoryview(buf)
+    ubytes = np.frombuffer(mv[msg.unary[0]:msg.unary[1]], dtype=np.uint8)
+    if ubytes[-1] == 0:
+        raise ValueError(f"corrupt message: {name} unary stream ends in a padding-only byte")
+    ubits = np.unpackbits(ubytes)
+    ones = np.flatnonzero(ubits)
+    if ones.size != count:
+        raise ValueError(f"corrupt message: {name} unary stream holds {ones.size} codes, "
+                         f"header says {count}")
+    q = np.diff(ones, prepend=np.int64(-1)) - 1
+    if b:
+        rbytes = np.frombuffer(mv[msg.remainder[0]:msg.remainder[1]], dtype=np.uint8)
+        rbits = np.unpackbits(rbytes)
+        if rbits[count * b:].any():
+            raise ValueError(f"corrupt message: {name} remainder padding is not zero")
+        rbits = rbits[:count * b].reshape(count, b).astype(np.int64)
+        weights = np.int64(1) << np.arange(b - 1, -1, -1, dtype=np.int64)
+        r = rbits @ weights
+    else:
+        r = np.zeros(count, dtype=np.int64)
+    check_stream_totals(msg, int(q.sum()), int(r.sum()), name)
+    gaps = (q << b) + r
+    return np.cumsum(gaps + 1) - 1
+
+
+def encode_tensor_np(positions, numel: int, value: float = 0.0, negative: bool = False,
+                     values: Optional[np.ndarray] = None, rice_b: Optional[int] = None) -> bytes:
+    """One tensor message. ``positions`` sorted unique in [0, numel)."""
+    pos = np.asarray(positions, dtype=np.int64)
+    count = int(pos.size)
+    if numel < 0 or numel >= MAX_NUMEL:
+        raise ValueError(f"numel {numel} out of range")
+    if count:
+        if pos[0] < 0 or pos[-1] >= numel or (count > 1 and np.any(np.diff(pos) <= 0)):
+            raise ValueError("positions must be sorted, unique and within [0, numel)")
+    gaps = gaps_of(pos)
+    if rice_b is None:
+        rice_b = choose_rice_b(count, numel, lambda bb: int((gaps >> bb).sum()))
+    unary, rem = encode_streams_np(pos, rice_b)
+    if values is not None:
+        vals = np.asarray(values, dtype="<f4")
+        if vals.shape != (count,):
+            raise ValueError("values must have one float per position")
+        head = tensor_header(numel, count, rice_b, len(unary), 0.0, False, True)
+        return head + unary + rem + vals.tobytes()
+    value = float(np.float32(value))
+    if count == 0:
+        value, negative = 0.0, False
+    return tensor_header(numel, count, rice_b, len(unary), value, negative) + unary + rem
+
+
+def decode_tensor_np(buf: bytes, off: int = 0, expected_numel: Optional[int] = None,
+                     name: str = "tensor") -> Tuple[TensorMessage, np.ndarray, np.ndarray, int]:
+    """Decode one tensor message: (header, positions int64, values float32, end offset)."""
+    msg = parse_tensor_header(buf, off, expected_numel, name)
+    pos = decode_streams_np(buf, msg, name)
+    if msg.has_values:
+        vals = np.frombuffer(memoryview(buf)[msg.values[0]:msg.values[1]], dtype="<f4")
+        if not np.all(np.isfinite(vals)):
+            raise ValueError(f"corrupt message: {name} carries non-finite values")
+        vals = vals.astype(np.float32)
+    else:
+        vals = np.full(msg.count, np.float32(msg.signed_value), dtype=np.float32)
+    return msg, pos, vals, msg.nbytes
+
+
+def decode_step_np(buf: bytes, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int):
+    """Decode an allgathered buffer: a list per rank of (positions, values) per tensor."""
+    fp = layout_fingerprint(layout)
+    out = []
+    for r, (start, end) in enumerate(split_step_messages(buf, n_ranks)):
+        n_t = parse_step_header(buf, start, end, fp, f"rank {r}")
+        if n_t < 0:
+            raise PeerError(r, bytes(buf[start + STEP_HEADER_SIZE:end]).decode("utf-8", "replace"),
+                            n_t == -2)
+        if n_t != len(layout):
+            raise ValueError(f"rank {r} sent {n_t} tensors, expected {len(layout)}")
+        off = start + STEP_HEADER_SIZE
+        per = []
+        for name, shape in layout:
+            _, pos, vals, off = decode_tensor_np(buf, off, layout_numel(shape),
+                                                 f"{name!r} from rank {r}")
+            per.append((pos, vals))
+        if off != end:
+            raise ValueError(f"corrupt message: {end - off} stray bytes in step message of rank {r}")
+        out.append(per)
+    return out
