@@ -1,0 +1,67 @@
+"""Multi-rank test harness: run a worker script under ``horovodrun -np N`` on localhost.
+
+Each worker writes ``<outdir>/rank<R>.json``; :func:`run_ranks` returns those dicts in rank order.
+The whole job runs under a timeout: a hang kills the process group and fails the test with the
+workers' output, instead of blocking the suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+BIN = Path(sys.executable).parent
+
+
+class RankJobError(AssertionError):
+    def __init__(self, msg: str, output: str, returncode: Optional[int]):
+        super().__init__(f"{msg}\n--- workers' output (tail) ---\n{output[-6000:]}")
+        self.output, self.returncode = output, returncode
+
+
+def horovodrun_cmd(np_: int, argv: Sequence[str], controller: str = "mpi") -> List[str]:
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}"]
+    if controller == "gloo":
+        cmd.append("--gloo")
+    elif controller == "mpi":
+        cmd.append("--mpi")
+    return cmd + list(argv)
+
+
+def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: float = 120,
+              controller: str = "mpi", expect_fail: bool = False, env: Optional[dict] = None):
+    """Run ``tests/workers/<worker>`` on ``np_`` ranks; return (results per rank, output)."""
+    out = tempfile.mkdtemp(prefix="sbc-ranks-")
+    script = str(WORKERS / worker)
+    cmd = horovodrun_cmd(np_, [sys.executable, script, out, *args], controller)
+    e = dict(os.environ)
+    e.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+              "PYTHONUNBUFFERED": "1", "HOROVOD_LOG_LEVEL": e.get("HOROVOD_LOG_LEVEL", "warning")})
+    e.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(ROOT), env=e, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise RankJobError(f"{worker} on {np_} ranks did not finish within {timeout:.0f} s "
+                           "(hang?)", output, None)
+    if expect_fail:
+        if proc.returncode == 0:
+            raise RankJobError(f"{worker} was expected to fail but exited 0", output, 0)
+    elif proc.returncode != 0:
+        raise RankJobError(f"{worker} on {np_} ranks exited {proc.returncode}", output,
+                           proc.returncode)
+    results = []
+    for r in range(np_):
+        f = Path(out) / f"rank{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    return results, output
