@@ -1,0 +1,72 @@
+"""Regenerate tests/golden/vectors.json from the numpy reference (run only on a format change).
+
+    .venv/bin/python tests/golden/make_golden.py
+"""
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from horovod_sbc import core
+
+CASES = [  # name, numel, density, binarize, dtype, kind
+    ("small", 100, 0.05, True, "float32", "normal"),
+    ("ties", 64, 0.1, True, "float32", "ties"),
+    ("one", 1, 0.01, True, "float32", "normal"),
+    ("zeros", 50, 0.1, True, "float32", "zeros"),
+    ("mid", 20000, 0.01, True, "float32", "normal"),
+    ("large_sparse", 300000, 0.001, True, "float32", "normal"),
+    ("large_1e4", 200000, 0.0001, True, "float32", "normal"),
+    ("negative_wins", 1000, 0.02, True, "float32", "negskew"),
+    ("fp64", 3000, 0.01, True, "float64", "normal"),
+    ("fp16", 3000, 0.01, True, "float16", "normal"),
+    ("values", 5000, 0.01, False, "float32", "normal"),
+    ("dense_values", 300, 1.0, False, "float32", "normal"),
+]
+
+
+def uniform(seed: int, n: int) -> np.ndarray:
+    """Deterministic floats in [-1, 1) from a 64-bit LCG: no dependence on numpy's samplers."""
+    x = (np.arange(n, dtype=np.uint64) + np.uint64(seed)) * np.uint64(6364136223846793005)
+    x = x * np.uint64(6364136223846793005) + np.uint64(1442695040888963407)
+    x ^= x >> np.uint64(29)
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(32)
+    return ((x >> np.uint64(40)).astype(np.float64) / float(1 << 23) - 1.0)
+
+
+def make_inputs(i, numel, dtype, kind):
+    a, b, c = uniform(3 * i + 1, numel), uniform(3 * i + 2, numel), uniform(3 * i + 3, numel)
+    if kind == "ties":
+        u = np.round(3 * a).astype(dtype)
+    elif kind == "zeros":
+        u = np.zeros(numel, dtype)
+    elif kind == "negskew":
+        u = (a - 10.0 * (c > 0.9)).astype(dtype)
+    else:
+        u = (a * np.abs(c) ** 3).astype(dtype)  # heavy-ish tails like gradients
+    r = (0.1 * b).astype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+    return u, r
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def main():
+    cases = []
+    for i, (name, numel, density, binarize, dtype, kind) in enumerate(CASES):
+        u, r = make_inputs(i, numel, dtype, kind)
+        msg, res = core.compress_np(u, r, density, binarize)
+        cases.append({"name": name, "index": i, "numel": numel, "density": density,
+                      "binarize": binarize, "dtype": dtype, "kind": kind,
+                      "input_sha256": digest(u) + digest(r),
+                      "message_hex": msg.hex(), "new_residual_sha256": digest(res)})
+    with open(os.path.join(os.path.dirname(__file__), "vectors.json"), "w") as f:
+        json.dump(cases, f, indent=1)
+    print(f"wrote {len(cases)} cases")
+
+
+if __name__ == "__main__":
+    main()
