@@ -36,11 +36,16 @@ def horovodrun_cmd(np_: int, argv: Sequence[str], controller: str = "mpi") -> Li
 
 
 def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: float = 120,
-              controller: str = "mpi", expect_fail: bool = False, env: Optional[dict] = None):
-    """Run ``tests/workers/<worker>`` on ``np_`` ranks; return (results per rank, output)."""
+              controller: str = "mpi", expect_fail: bool = False, env: Optional[dict] = None,
+              raw: bool = False):
+    """Run ``tests/workers/<worker>`` on ``np_`` ranks; return (results per rank, output).
+
+    ``raw``: ``worker`` is any script path, run with ``args`` only (no output directory).
+    """
     out = tempfile.mkdtemp(prefix="sbc-ranks-")
     script = str(WORKERS / worker)
-    cmd = horovodrun_cmd(np_, [sys.executable, script, out, *args], controller)
+    argv = [sys.executable, worker, *args] if raw else [sys.executable, script, out, *args]
+    cmd = horovodrun_cmd(np_, argv, controller)
     e = dict(os.environ)
     e.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
               "PYTHONUNBUFFERED": "1", "HOROVOD_LOG_LEVEL": e.get("HOROVOD_LOG_LEVEL", "warning")})

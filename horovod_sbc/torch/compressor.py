@@ -164,19 +164,19 @@ class SBC:
 
     # -- stock horovod.torch.DistributedOptimizer interface -----------------------------------
     def _identify(self, tensor: torch.Tensor) -> str:
-        """Which parameter is ``tensor`` the gradient of? (Horovod passes no name.)"""
+        """Which parameter is ``tensor`` the gradient of? (Horovod passes no name.)
+
+        Horovod's optimizer calls ``compress(p.grad)`` from ``_allreduce_grad_async(p)`` (or from
+        a comprehension over ``p`` in its grouped variant); we look at that caller's ``self`` and
+        ``p`` (read-only frame inspection, nothing of Horovod is modified) and take the name from
+        its ``_parameter_names``, matching by identity with ``p.grad``.
+        """
         f = sys._getframe(2)
         for _ in range(3):
             if f is None:
                 break
             loc = f.f_locals
             owner = loc.get("self")
-            if f.f_code.co_name == "_grouped_allreduce_grad_async":
-                raise ValueError(
-                    "SBC does not work with hvd.DistributedOptimizer(groups=/num_groups=): grouped "
-                    "allreduce sums the encoded bytes. Drop groups=, or use "
-                    "horovod_sbc.torch.DistributedOptimizer, which fuses all tensors into one "
-                    "allgather anyway.")
             if owner is not None and hasattr(owner, "_parameter_names"):
                 if hasattr(owner, "_starting_models"):  # horovod's _DistributedAdasumOptimizer
                     raise ValueError(
@@ -228,8 +228,7 @@ class SBC:
             step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
                                         tensor.device)
             a = None
-        import horovod.torch as hvd
-        handle = hvd.allgather_async(step, name=f"sbc.{name}")
+        handle = exchange.allgather_async(step, f"sbc.{name}")
         self._calls[name] = self._calls.get(name, 0) + 1
         ctx = (name, handle, step.numel(), layout, a, (pos, sent) if a is not None else None,
                tensor.shape, tensor.dtype, size, rank, self._op_sum)
@@ -240,9 +239,8 @@ class SBC:
 
     def decompress(self, output: torch.Tensor, ctx) -> torch.Tensor:
         """Horovod hook: finish the allgather, decode every rank's message and average."""
-        import horovod.torch as hvd
         name, handle, sent_len, layout, a, commit, shape, dtype, size, rank, op_sum = ctx
-        gathered = hvd.synchronize(handle)
+        gathered = exchange.synchronize(handle)
         self.manager.add(upstream_bits=8 * sent_len,
                          downstream_bits=8 * (gathered.numel() - sent_len))
         try:

@@ -82,6 +82,17 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     return sums
 
 
-def allgather(step: torch.Tensor, name: str):
+def allgather(step: torch.Tensor, name: str) -> torch.Tensor:
+    """Blocking allgather of step messages (every rank's, concatenated in rank order)."""
     import horovod.torch as hvd
     return hvd.allgather(step, name=name)
+
+
+def allgather_async(step: torch.Tensor, name: str):
+    import horovod.torch as hvd
+    return hvd.allgather_async(step, name=name)
+
+
+def synchronize(handle) -> torch.Tensor:
+    import horovod.torch as hvd
+    return hvd.synchronize(handle)

@@ -178,8 +178,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if not isinstance(compression, SBC):
         raise TypeError(f"compression must be horovod_sbc.torch.SBC (or a subclass), "
                         f"got {type(compression).__name__}")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_SBCOptimizer.__dict__))
+    methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
+               if k not in ("__dict__", "__weakref__")}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression)
 
 

@@ -1,0 +1,89 @@
+"""PyTorch integration on real multi-rank jobs: both entry points, delay, state, accounting."""
+import json
+import os
+import tempfile
+
+import pytest
+
+from harness import ROOT, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+# parameters of tests/workers/torch_sbc.py's Net with requires_grad: fc1, fc2, aux
+TRAINABLE = 20 * 64 + 64 + 64 * 5 + 5 + 64 * 5 + 5
+N_TENSORS = 6
+
+
+@pytest.mark.parametrize("api,np_,delay", [("stock", 2, 1), ("stock", 3, 1), ("dropin", 2, 1),
+                                           ("dropin", 3, 3)])
+def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, delay):
+    steps = 12
+    results, _ = run_ranks("torch_sbc.py", np_, ["train", f"api={api}", f"delay={delay}",
+                                                 f"steps={steps}", "density=0.05"], timeout=180)
+    digests = [r["digests"] for r in results]
+    for s in range(0, steps + 1, delay):  # after the broadcast and after every sync
+        assert len({d[s] for d in digests}) == 1, f"ranks differ after step {s}"
+    assert len(set(digests[0][::delay])) == len(digests[0][::delay])  # weights do move
+    if delay > 1:  # between syncs ranks train locally on their own data
+        assert digests[0][1] != digests[1][1]
+    for r in results:
+        st, g = r["stats"], r["gathered"]
+        assert st["steps"] == steps and st["syncs"] == steps // delay
+        assert st["dense_bits"] == 32 * TRAINABLE * steps
+        dummy = 32 * N_TENSORS * steps if api == "stock" else 0  # stock's 1-float allreduce
+        assert st["upstream_bits"] == 8 * g["sent"] + dummy
+        assert st["downstream_bits"] == 8 * g["received"]
+        assert st["upstream_bits"] * 20 < st["dense_bits"]
+    # what one rank sent, the others received
+    assert sum(r["gathered"]["sent"] for r in results) * (np_ - 1) == \
+        sum(r["gathered"]["received"] for r in results)
+
+
+@pytest.mark.parametrize("api", ["stock", "dropin"])
+def test_density_one_without_binarization_equals_dense_averaging(api):
+    results, _ = run_ranks("torch_sbc.py", 2, ["dense_equiv", f"api={api}"], timeout=120)
+    for r in results:
+        assert r["max_abs_diff"] <= 1e-6  # fp32 rounding of the update path only
+    assert results[0]["digest"] == results[1]["digest"]
+
+
+def test_checkpoint_mid_delay_resumes_bit_identically():
+    ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
+    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}"], timeout=120)
+    assert sorted(os.listdir(ckpt)) == ["ckpt_rank0.pt", "ckpt_rank1.pt"]
+    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}"], timeout=120)
+    for r in range(2):
+        assert loaded[r]["digests"] == saved[r]["digests"]  # next 20 steps bit-identical
+        assert loaded[r]["stats_at_checkpoint"] == saved[r]["stats_at_checkpoint"]
+    assert saved[0]["stats_at_checkpoint"]["steps"] == 7  # saved between syncs (delay 3)
+
+
+def test_errors_are_clear_and_raised_on_every_rank():
+    results, _ = run_ranks("torch_sbc.py", 2, ["errors"], timeout=120)
+    for r in results:
+        assert "use horovod_sbc.torch.DistributedOptimizer" in r["delay_stock"]
+        assert "op=hvd.Adasum" in r["adasum"]
+        assert r["groups"] is None  # grouped allreduce works: data still goes by allgather
+        assert "density must be in (0, 1]" in r["density"]
+        assert "compression must be horovod_sbc.torch.SBC" in r["dropin_wrong_compression"]
+        for key in ("nan_dropin", "nan_stock"):
+            assert r[key].startswith("ValueError: SBC: rank 1 could not encode")
+            assert "contains NaN or Inf" in r[key] and "'fc" in r[key]
+        assert "skipping this sync" in r["skip_warning"]
+        assert r["skip_unchanged"] and r["skip_finite"]
+    assert results[0]["skip_after"] == results[1]["skip_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api,delay", [("stock", 1), ("dropin", 4)])
+def test_digits_accuracy_within_one_point_of_dense(api, delay):
+    out = os.path.join(tempfile.mkdtemp(prefix="sbc-digits-"), "res.json")
+    run_ranks(str(ROOT / "examples" / "pytorch_sbc_digits.py"), 2,
+              ["--methods", "dense,sbc", "--api", api, "--delay", str(delay), "--density", "0.01",
+               "--json", out, "--no-progress"], timeout=300, raw=True)
+    dense, sbc = json.load(open(out))["runs"]
+    assert dense["method"] == "dense" and sbc["method"] == "sbc" and sbc["density"] == 0.01
+    assert dense["final_accuracy"] > 0.95
+    assert sbc["final_accuracy"] >= dense["final_accuracy"] - 0.01
+    assert sbc["ranks_identical"] and dense["ranks_identical"]
+    assert sbc["compression_ratio"] > (300 if delay == 1 else 1000)

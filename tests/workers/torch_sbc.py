@@ -1,0 +1,251 @@
+"""Torch SBC worker. argv: OUT MODE [key=value ...]; writes OUT/rank<R>.json.
+
+Modes:
+  train        train a small model for `steps` steps through api=stock|dropin, record the sha256
+               of all parameters after every step, stats and the bytes actually gathered.
+  dense_equiv  density 1.0, binarize=False through api=stock|dropin beside a stock dense run.
+  save / load  checkpoint mid-delay on every rank, then continue 20 steps (save: uninterrupted;
+               load: in a new process from the checkpoint) and record digests.
+  errors       bad configurations and a NaN on one rank; record each rank's error message.
+"""
+import hashlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_result  # noqa: E402
+
+import torch  # noqa: E402
+import horovod.torch as hvd  # noqa: E402
+
+import horovod_sbc.torch as sbc  # noqa: E402
+from horovod_sbc.torch import exchange  # noqa: E402
+
+OUT, MODE = sys.argv[1], sys.argv[2]
+KW = dict(a.split("=", 1) for a in sys.argv[3:])
+hvd.init()
+torch.set_num_threads(1)
+RANK, SIZE = hvd.rank(), hvd.size()
+
+# Record every step message this rank sends and every gathered buffer it receives.
+GATHERED = {"sent": 0, "received": 0}
+_ag, _aga, _sync = exchange.allgather, exchange.allgather_async, exchange.synchronize
+_sizes = {}
+
+
+def _rec_allgather(step, name):
+    out = _ag(step, name)
+    GATHERED["sent"] += step.numel()
+    GATHERED["received"] += out.numel() - step.numel()
+    return out
+
+
+def _rec_allgather_async(step, name):
+    h = _aga(step, name)
+    _sizes[h] = step.numel()
+    return h
+
+
+def _rec_sync(h):
+    out = _sync(h)
+    GATHERED["sent"] += _sizes[h]
+    GATHERED["received"] += out.numel() - _sizes[h]
+    return out
+
+
+exchange.allgather, exchange.allgather_async, exchange.synchronize = \
+    _rec_allgather, _rec_allgather_async, _rec_sync
+
+
+class Net(torch.nn.Module):
+    """Has a branch used only on some steps (and only on some ranks): its grads are None then."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(20, 64)
+        self.fc2 = torch.nn.Linear(64, 5)
+        self.aux = torch.nn.Linear(64, 5)
+        self.frozen = torch.nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, use_aux):
+        h = torch.relu(self.fc1(x))
+        y = self.fc2(h)
+        return y + self.aux(h) if use_aux else y
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 * step + RANK)
+    x = torch.randn(16, 20, generator=g)
+    y = torch.randint(0, 5, (16,), generator=g)
+    return x, y
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05):
+    torch.manual_seed(0)
+    model = Net()
+    # ranks start from different weights: the broadcast must make them equal
+    with torch.no_grad():
+        model.fc1.weight.add_(0.01 * RANK)
+    base = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
+                           momentum=momentum)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if api == "stock":
+        comp = sbc.SBC(density=density, binarize=binarize)
+        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=comp)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt.zero_grad()
+        stats = comp.stats
+    elif api == "dense":
+        opt = hvd.DistributedOptimizer(base, named_parameters=named)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt.zero_grad()
+        stats = None
+    else:
+        opt = sbc.DistributedOptimizer(base, named, compression=sbc.SBC(
+            density=density, delay=delay, binarize=binarize))
+        sbc.broadcast_state(model, opt, root_rank=0)
+        opt.zero_grad()
+        stats = opt.stats
+    return model, opt, stats
+
+
+def train_step(model, opt, step, nan=False):
+    x, y = batch(step)
+    if nan:  # a poisoned sample: NaN gradients reach the hooks during backward()
+        x[0, 0] = float("nan")
+    opt.zero_grad()
+    use_aux = (step + RANK) % 3 == 0  # aux gets no grad on most steps, differently per rank
+    loss = torch.nn.functional.cross_entropy(model(x, use_aux), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def run_train():
+    api = KW.get("api", "dropin")
+    density, delay = float(KW.get("density", 0.05)), int(KW.get("delay", 1))
+    steps = int(KW.get("steps", 12))
+    model, opt, stats = build(api, density, delay)
+    digests = [digest(model)]
+    losses = []
+    for s in range(steps):
+        losses.append(train_step(model, opt, s))
+        digests.append(digest(model))
+    st = stats()
+    return {"digests": digests, "losses": losses, "stats": st, "gathered": GATHERED,
+            "sync_every": delay}
+
+
+def run_dense_equiv():
+    api = KW.get("api", "dropin")
+    steps = 6
+    ref, ref_opt, _ = build("dense", 1.0, 1, momentum=0.0)
+    m, opt, _ = build(api, 1.0, 1, momentum=0.0, binarize=False)
+    worst = 0.0
+    for s in range(steps):
+        for mm, oo in ((ref, ref_opt), (m, opt)):
+            x, y = batch(s)
+            oo.zero_grad()
+            torch.nn.functional.cross_entropy(mm(x, True), y).backward()
+            oo.step()
+        for (n1, p1), (n2, p2) in zip(ref.named_parameters(), m.named_parameters()):
+            if p1.requires_grad:
+                worst = max(worst, (p1 - p2).abs().max().item())
+    return {"max_abs_diff": worst, "digest": digest(m)}
+
+
+def ckpt_path():
+    return os.path.join(KW["ckpt"], f"ckpt_rank{RANK}.pt")
+
+
+def run_save_load():
+    density, delay = 0.05, 3
+    model, opt, stats = build("dropin", density, delay)
+    first = int(KW.get("first", 7))
+    if MODE == "save":
+        for s in range(first):
+            train_step(model, opt, s)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt_path())
+        saved_stats = stats()
+    else:
+        state = torch.load(ckpt_path(), weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        saved_stats = stats()
+    digests = []
+    for s in range(first, first + 20):
+        train_step(model, opt, s)
+        digests.append(digest(model))
+    return {"digests": digests, "stats_at_checkpoint": saved_stats}
+
+
+def catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - we record what users see
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_errors():
+    out = {}
+    base = lambda: torch.optim.SGD(Net().parameters(), lr=0.1)  # noqa: E731
+    out["delay_stock"] = catch(lambda: _stock_step(sbc.SBC(density=0.1, delay=2)))
+    out["adasum"] = catch(lambda: _stock_step(sbc.SBC(density=0.1), op=hvd.Adasum))
+    out["groups"] = catch(lambda: _stock_step(sbc.SBC(density=0.1), groups=2))
+    out["density"] = catch(lambda: sbc.SBC(density=0))
+    out["dropin_wrong_compression"] = catch(
+        lambda: sbc.DistributedOptimizer(base(), compression=hvd.Compression.fp16))
+    # NaN on rank 1 only: every rank must raise, naming rank 1 and the parameter
+    model, opt, _ = build("dropin", 0.1, 1)
+    out["nan_dropin"] = catch(lambda: train_step(model, opt, 0, nan=(RANK == 1)))
+    model, opt, _ = build("stock", 0.1, 1)
+    out["nan_stock"] = catch(lambda: train_step(model, opt, 0, nan=(RANK == 1)))
+    # skip mode: the sync is skipped everywhere, training continues, ranks stay identical
+    torch.manual_seed(0)
+    model = Net()
+    opt = sbc.DistributedOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05),
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad],
+        compression=sbc.SBC(density=0.1, nonfinite="skip"))
+    sbc.broadcast_state(model, opt)
+    before = digest(model)
+    import warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        train_step(model, opt, 0, nan=(RANK == 1))
+    out["skip_warning"] = str(w[0].message) if w else None
+    out["skip_unchanged"] = digest(model) == before
+    train_step(model, opt, 1)
+    out["skip_after"] = digest(model)
+    out["skip_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
+def _stock_step(comp, **kw):
+    model = Net()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        named_parameters=[(n, p) for n, p in model.named_parameters() if p.requires_grad],
+        compression=comp, **kw)
+    x, y = batch(0)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x, True), y).backward()
+    opt.step()
+
+
+result = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
+          "load": run_save_load, "errors": run_errors}[MODE]()
+result.update(rank=RANK, size=SIZE)
+write_result(RANK, result)
