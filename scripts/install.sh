@@ -49,7 +49,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip --disable-pip-version-check -q)
+PIP=(pip_quiet "$PY" -m pip --disable-pip-version-check -q)
+# pip warns about this machine's optional local package mirrors on every lookup; keep real errors
+pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 # A stamp of everything that decides what gets installed: when it matches and the imports work,
 # we are done (this is the fast path of a second `make test`).

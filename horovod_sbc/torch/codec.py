@@ -5,12 +5,9 @@ Produces byte-for-byte the messages of the numpy reference (:mod:`horovod_sbc.co
 the compressed message's headers cross to the host; the O(numel) work stays on the device.
 
 Selection is exact top-k with deterministic ties, but avoids a full ``torch.topk``/sort of the
-tensor: a strided sample of |A| gives a threshold a little below the k-th largest magnitude, one
-pass (``|A| >= t``) collects the candidates (typically 1.3-3x k of them), and the exact k-th value
-is then found among the candidates only. If the sample under-estimates (fewer than k candidates),
-the threshold is lowered and the pass repeated; after three misses it falls back to the whole
-tensor. The result is always exactly the k largest, so the approximation costs speed, never
-accuracy.
+tensor (see :func:`select_topk`): one read pass for per-block maximum magnitudes, a threshold from
+a strided sample, an exact search among the few blocks that reach it. The result is always
+exactly the k largest (ties to the lower index), so the estimate costs speed, never accuracy.
 """
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ from .. import wire
 from ..core import keep_count
 
 _EXACT_BELOW = 1 << 16
+_BLOCK = 32
 _BIT_SHIFTS = {}
 
 
@@ -35,42 +33,69 @@ def _shifts(b: int, device) -> torch.Tensor:
     return t
 
 
-def select_topk(a_abs: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 flat indices of the k largest entries of 1-D ``a_abs`` (ties: lower index)."""
-    n = a_abs.numel()
-    dev = a_abs.device
-    if k >= n:
-        return torch.arange(n, dtype=torch.int64, device=dev)
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.int64, device=dev)
-    cand = None
-    if n > _EXACT_BELOW and 16 * k <= n:
-        m_target = int(min(max(16384, 32 * n // k), 262144, n // 4))
-        stride = max(1, n // m_target)
-        sample = a_abs[::stride]
-        m = sample.numel()
-        expect = k * m / n
-        ks = int(min(m, math.ceil(1.3 * expect + 3.0 * math.sqrt(expect) + 4)))
-        for _ in range(3):
-            t_lo = torch.topk(sample, ks, sorted=False).values.min()
-            c = torch.nonzero(a_abs >= t_lo).squeeze(1)
-            if c.numel() >= k:
-                cand = c
-                break
-            ks = min(m, 2 * ks)
-    vals = a_abs if cand is None else a_abs[cand]
+def _exact_topk(vals: torch.Tensor, k: int, cand: Optional[torch.Tensor]) -> torch.Tensor:
+    """Positions of the k largest of ``vals`` (magnitudes; ``cand`` their ascending positions,
+    None for 0..len-1), ties at the k-th value to the lowest positions; sorted ascending."""
     c = vals.numel()
     kth = torch.kthvalue(vals, c - k + 1).values  # the k-th largest magnitude
     gt = torch.nonzero(vals > kth).squeeze(1)
     need = k - gt.numel()
-    if need > 0:
-        eq = torch.nonzero(vals == kth).squeeze(1)[:need]
-        sel = torch.cat([gt, eq])
-    else:
-        sel = gt
+    sel = torch.cat([gt, torch.nonzero(vals == kth).squeeze(1)[:need]]) if need > 0 else gt
     if cand is not None:
         sel = cand[sel]
     return torch.sort(sel).values
+
+
+def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
+    """Sorted int64 flat indices of the k entries of 1-D ``a`` largest in magnitude
+    (ties: lower index). Raises :class:`NonFiniteError` if ``a`` holds NaN or Inf.
+
+    Large tensors never materialise ``|a|``: one read pass computes the maximum magnitude of
+    each block of ``_BLOCK`` elements (``amax``/``amin``), a strided sample gives a threshold a
+    little below the k-th magnitude, and only the blocks whose maximum reaches it are gathered
+    and searched exactly. Too few candidates only lowers the threshold and searches the block
+    maxima again (no new pass over the tensor).
+    """
+    n = a.numel()
+    dev = a.device
+    if k >= n or n <= _EXACT_BELOW or 16 * k > n:
+        a_abs = torch.abs(a, out=_scratch(n, a.dtype, dev))
+        if not bool(torch.isfinite(a_abs.max())):
+            raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+        if k >= n:
+            return torch.arange(n, dtype=torch.int64, device=dev)
+        return _exact_topk(a_abs, k, None)
+    nb = n // _BLOCK
+    head = a[:nb * _BLOCK].view(nb, _BLOCK)
+    tail = a[nb * _BLOCK:]
+    bmax = torch.maximum(head.amax(1), head.amin(1).neg_())
+    peak = bmax.max() if tail.numel() == 0 else torch.maximum(bmax.max(), tail.abs().max())
+    if not bool(torch.isfinite(peak)):  # amax/amin propagate NaN
+        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+    # threshold estimate from a strided sample of magnitudes
+    m_target = int(min(max(16384, 32 * n // k), 262144, n // 4))
+    stride = max(1, n // m_target)
+    sample = a[::stride].abs()
+    m = sample.numel()
+    expect = k * m / n
+    ks = int(min(m, math.ceil(1.3 * expect + 3.0 * math.sqrt(expect) + 4)))
+    offs = torch.arange(_BLOCK, dtype=torch.int64, device=dev)
+    tail_pos = torch.arange(nb * _BLOCK, n, dtype=torch.int64, device=dev)
+    while True:
+        t_lo = torch.topk(sample, ks, sorted=False).values.min()
+        hit = torch.nonzero(bmax >= t_lo).squeeze(1)
+        if hit.numel() * _BLOCK > n // 2 or ks >= m:
+            # the threshold selects most of the tensor: search it whole
+            return _exact_topk(torch.abs(a, out=_scratch(n, a.dtype, dev)), k, None)
+        vals = head[hit].abs().view(-1)
+        pos = (hit[:, None] * _BLOCK + offs).view(-1)
+        if tail.numel():
+            vals = torch.cat([vals, tail.abs()])
+            pos = torch.cat([pos, tail_pos])
+        keep = torch.nonzero(vals >= t_lo).squeeze(1)
+        if keep.numel() >= k:
+            return _exact_topk(vals[keep], k, pos[keep])
+        ks = min(m, 2 * ks)
 
 
 def binarize(kept: torch.Tensor) -> Tuple[torch.Tensor, float, bool]:
@@ -170,6 +195,20 @@ class NonFiniteError(ValueError):
     pass
 
 
+_SCRATCH = {}
+
+
+def _scratch(n: int, dtype, device, slot: int = 0) -> torch.Tensor:
+    """A reusable flat buffer (tensors are encoded one after another), so a sync does not
+    allocate (and page-fault) a fresh tensor-sized buffer for every parameter. Slot 0 is the
+    codec's own (|A|); other slots belong to callers."""
+    key = (slot, dtype, str(device))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n]
+
+
 def encode_update(a: torch.Tensor, density: float, binarize_values: bool = True,
                   name: str = "tensor") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SBC-encode flat ``a`` (the residual-corrected update ``A = R + dW``).
@@ -181,10 +220,7 @@ def encode_update(a: torch.Tensor, density: float, binarize_values: bool = True,
     empty = torch.zeros(0, dtype=torch.int64, device=a.device)
     if n == 0:
         return encode_positions(empty, 0), empty, a.new_zeros(0)
-    a_abs = a.abs()
-    if not bool(torch.isfinite(a_abs.max())):
-        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
-    idx = select_topk(a_abs, keep_count(n, density))
+    idx = select_topk(a, keep_count(n, density), name)
     kept = a[idx]
     if not binarize_values:
         vals = kept.to(torch.float32)

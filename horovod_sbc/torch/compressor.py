@@ -16,9 +16,25 @@ from .. import wire
 from ..core import validate_density
 from ..residual import ResidualManager
 from . import exchange
-from .codec import NonFiniteError, encode_update, subtract_sent_
+from .codec import NonFiniteError, _scratch, encode_update, subtract_sent_
 
 _NONFINITE = ("raise", "skip")
+
+
+def _restore(res: torch.Tensor, upd: torch.Tensor) -> None:
+    """Undo ``res += upd`` after a failed encode; entries made non-finite by a NaN/Inf in
+    ``upd`` cannot be recovered and are reset to 0 (only on the failing rank)."""
+    res.sub_(upd)
+    torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _update_of(item, dtype: torch.dtype) -> torch.Tensor:
+    """The flat update of an exchange item: ``value`` or ``value - base`` in a reused buffer."""
+    value = item[1].reshape(-1)
+    if len(item) < 4 or item[3] is None:
+        return value
+    buf = _scratch(value.numel(), dtype, value.device, slot=1)
+    return torch.sub(value.to(dtype), item[3].reshape(-1).to(dtype), out=buf)
 
 
 def _residual_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,61 +121,65 @@ class SBC:
         return size, rank
 
     # -- fused exchange (used by the drop-in optimizer) ----------------------------------------
-    def exchange(self, items: Sequence[Tuple[str, torch.Tensor, torch.Tensor]],
-                 tag: str = "sbc.sync", average: bool = True) -> Optional[List[torch.Tensor]]:
+    def exchange(self, items: Sequence[Tuple], out: Optional[List[torch.Tensor]] = None,
+                 tag: str = "sbc.sync") -> Optional[List[torch.Tensor]]:
         """Compress, allgather (one fused message), decode and average a set of updates.
 
-        ``items`` are ``(name, update, shape)`` with ``update`` flat; each residual is added to its
-        update and updated with what was sent. Returns the averaged updates (flat, residual dtype)
-        in order, or None if the sync was skipped (``nonfinite="skip"``).
+        ``items`` are ``(name, value, shape)`` or ``(name, value, shape, base)``: the update is
+        ``value`` (flat) or ``value - base`` (computed into a reused buffer, e.g. weights minus
+        reference weights). Each residual gets the update added and, once every rank's message
+        decoded, what was sent subtracted. The average of all ranks' decoded updates is added to
+        ``out`` (flat tensors, e.g. the reference weights) or to new zero tensors, which are
+        returned. Returns None if the sync was skipped (``nonfinite="skip"``); raises
+        ``ValueError`` on every rank if any rank failed.
         """
         size, rank = self._world()
-        layout = [(name, tuple(shape)) for name, _, shape in items]
+        layout = [(it[0], tuple(it[2])) for it in items]
         fp = wire.layout_fingerprint(layout)
         dev = items[0][1].device if items else torch.device("cpu")
         pending = []
         step = None
-        for name, upd, _ in items:
-            res = self._residual(name, upd)
-            if res.numel() != upd.numel():
-                raise ValueError(f"SBC: {name!r} has {upd.numel()} elements but its residual has "
-                                 f"{res.numel()}; did the model change shape?")
-            a = res + upd.to(res.dtype)
+        for it in items:
+            name, value = it[0], it[1]
+            res = self._residual(name, value)
+            if res.numel() != value.numel():
+                raise ValueError(f"SBC: {name!r} has {value.numel()} elements but its residual "
+                                 f"has {res.numel()}; did the model change shape?")
+            upd = _update_of(it, res.dtype)
+            res.add_(upd)  # A = R + dW, in place (error feedback is committed below)
             try:
-                msg, pos, sent = encode_update(a, self.density, self.binarize, name)
+                msg, pos, sent = encode_update(res, self.density, self.binarize, name)
             except NonFiniteError as e:
+                _restore(res, upd)
                 step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
                                             dev)
                 break
-            pending.append((name, a, pos, sent, msg))
+            pending.append((it, res, pos, sent, msg))
         if step is None:
             step = exchange.frame([p[4] for p in pending], fp, dev)
         gathered = exchange.allgather(step, tag)
+        self.manager.add(upstream_bits=8 * step.numel(),
+                         downstream_bits=8 * (gathered.numel() - step.numel()))
         try:
-            sums = exchange.decode_gathered(gathered, layout, size, self._sum_dtype(items))
+            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size,
+                                           self._sum_dtype(items))
         except wire.PeerError as e:
-            self.manager.add(upstream_bits=8 * step.numel(),
-                             downstream_bits=8 * (gathered.numel() - step.numel()))
             if e.skip:
                 warnings.warn(f"horovod_sbc: skipping this sync: {e}")
-                if e.rank != rank:  # healthy rank: keep the whole update for next time
-                    for name, a, _, _, _ in pending:
-                        self.manager.residuals[name] = a
+                if e.rank == rank:  # the failing rank drops this window's update
+                    for it, res, _, _, _ in pending:
+                        _restore(res, _update_of(it, res.dtype))
+                # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
                 return None
             raise ValueError(f"SBC: {e}") from None
-        for name, a, pos, sent, _ in pending:  # commit error feedback only after success
-            subtract_sent_(a, pos, sent)
-            self.manager.residuals[name] = a
-        self.manager.add(upstream_bits=8 * step.numel(),
-                         downstream_bits=8 * (gathered.numel() - step.numel()), syncs=1)
-        if average:
-            for s in sums:
-                s.div_(size)
-        return sums
+        for _, res, pos, sent, _ in pending:  # commit error feedback only after success
+            subtract_sent_(res, pos, sent)
+        self.manager.add(syncs=1)
+        return out
 
     @staticmethod
     def _sum_dtype(items) -> torch.dtype:
-        return torch.float64 if any(u.dtype == torch.float64 for _, u, _ in items) else \
+        return torch.float64 if any(it[1].dtype == torch.float64 for it in items) else \
             torch.float32
 
     # -- stock horovod.torch.DistributedOptimizer interface -----------------------------------
@@ -220,18 +240,21 @@ class SBC:
         layout = [(name, tuple(tensor.shape))]
         fp = wire.layout_fingerprint(layout)
         res = self._residual(name, tensor)
-        a = res + tensor.detach().reshape(-1).to(res.dtype)
+        upd = tensor.detach().reshape(-1)
+        res.add_(upd)  # A = R + g, in place; error feedback committed in decompress()
+        a = res
         try:
-            msg, pos, sent = encode_update(a, self.density, self.binarize, name)
+            msg, pos, sent = encode_update(res, self.density, self.binarize, name)
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
+            _restore(res, upd)
             step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
                                         tensor.device)
             a = None
         handle = exchange.allgather_async(step, f"sbc.{name}")
         self._calls[name] = self._calls.get(name, 0) + 1
         ctx = (name, handle, step.numel(), layout, a, (pos, sent) if a is not None else None,
-               tensor.shape, tensor.dtype, size, rank, self._op_sum)
+               tensor, size, self._op_sum)
         dummy = tensor.new_zeros(1)
         self.manager.add(upstream_bits=8 * dummy.numel() * dummy.element_size(),
                          dense_bits=32 * tensor.numel())
@@ -239,26 +262,25 @@ class SBC:
 
     def decompress(self, output: torch.Tensor, ctx) -> torch.Tensor:
         """Horovod hook: finish the allgather, decode every rank's message and average."""
-        name, handle, sent_len, layout, a, commit, shape, dtype, size, rank, op_sum = ctx
+        name, handle, sent_len, layout, a, commit, grad, size, op_sum = ctx
         gathered = exchange.synchronize(handle)
         self.manager.add(upstream_bits=8 * sent_len,
                          downstream_bits=8 * (gathered.numel() - sent_len))
+        # the gradient was added to the residual in compress(): its buffer is free, so the
+        # average is decoded into it (no new tensor-sized allocation per step)
+        out = grad if grad.is_contiguous() else torch.empty_like(grad)
+        flat = out.view(-1)
         try:
-            (s,) = exchange.decode_gathered(gathered, layout, size)
+            exchange.decode_gathered(gathered, layout, size, [flat.zero_()],
+                                     1.0 if op_sum else 1.0 / size)
         except wire.PeerError as e:
             if not e.skip:
                 raise ValueError(f"SBC: {e}") from None
             warnings.warn(f"horovod_sbc: skipping this step for {name!r}: {e}")
-            if a is not None:
-                self.manager.residuals[name] = a  # keep the gradient for next time
-            s = None
-        if s is None:
-            return torch.zeros(shape, dtype=dtype, device=output.device)
+            # healthy ranks keep the gradient in the residual for next time
+            return flat.zero_().view(grad.shape)
         subtract_sent_(a, *commit)
-        self.manager.residuals[name] = a
         steps = max(self._calls.values())
         self.manager.counters["steps"] = steps
         self.manager.counters["syncs"] = steps
-        if not op_sum:
-            s.div_(size)
-        return s.view(shape).to(dtype)
+        return out

@@ -8,7 +8,7 @@ without a second allgather of sizes.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,12 +38,18 @@ def error_frame(reason: str, layout_crc: int, skip: bool, device) -> torch.Tenso
 
 
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
-                    n_ranks: int, out_dtype=torch.float32) -> List[torch.Tensor]:
-    """Sum (in rank order) of every rank's decoded tensors, flat, in ``layout`` order.
+                    n_ranks: int, out: Optional[List[torch.Tensor]] = None, scale: float = 1.0,
+                    out_dtype=torch.float32) -> List[torch.Tensor]:
+    """Accumulate ``scale`` x every rank's decoded tensor, in rank order, into ``out``.
+
+    ``out`` are flat tensors in ``layout`` order (e.g. the reference weights, or a gradient
+    buffer just zeroed); None allocates zeros of ``out_dtype``. With ``scale = 1/size`` this is
+    the average. Every rank adds the same values in the same order, so results are bit-identical.
 
     Raises :class:`horovod_sbc.wire.PeerError` if a rank reported a failure (an ERROR before a
     SKIP, lowest rank first: every rank reaches the same verdict from the same bytes) and
-    ``ValueError`` for anything malformed.
+    ``ValueError`` for anything malformed. Nothing is added to ``out`` unless every step message
+    is well-formed (headers, checksums and streams are all checked before the first add).
     """
     host = _host_bytes(gathered)
     fp = wire.layout_fingerprint(layout)
@@ -61,8 +67,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
         if kinds[r] != len(layout):
             raise ValueError(f"rank {r} sent {kinds[r]} tensors, this rank expects {len(layout)}")
     dev = gathered.device
-    sums = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
-            for _, shape in layout]
+    decoded = []  # (tensor index, positions, values-or-float)
     for r, (s, e) in enumerate(ranges):
         off = s + wire.STEP_HEADER_SIZE
         for i, (name, shape) in enumerate(layout):
@@ -73,13 +78,22 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
                 v = gathered[msg.values[0]:msg.values[1]].clone().view(torch.float32)
                 if not bool(torch.isfinite(v).all()):
                     raise ValueError(f"corrupt message: {who} carries non-finite values")
-                sums[i][pos] += v.to(out_dtype)
+                decoded.append((i, pos, v))
             elif msg.count:
-                sums[i][pos] += msg.signed_value
+                decoded.append((i, pos, msg.signed_value))
             off = msg.nbytes
         if off != e:
             raise ValueError(f"corrupt message: {e - off} stray bytes in step message of rank {r}")
-    return sums
+    if out is None:
+        out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
+               for _, shape in layout]
+    for i, pos, v in decoded:  # positions within one message are unique: plain indexed add
+        t = out[i]
+        if isinstance(v, float):
+            t[pos] += v * scale
+        else:
+            t[pos] += (v * scale if scale != 1.0 else v).to(t.dtype)
+    return out
 
 
 def allgather(step: torch.Tensor, name: str) -> torch.Tensor:

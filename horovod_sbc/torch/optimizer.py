@@ -115,16 +115,12 @@ class _SBCOptimizer:
         """Exchange the accumulated update now (normally called by ``step()``)."""
         ref = self._sbc.manager.reference
         self._capture_reference()
-        items = []
+        # dW = W_local - W_ref per parameter; the average of all ranks' decoded updates is added
+        # straight into W_ref, then every rank continues from W_ref
+        items = [(name, p.detach(), tuple(p.shape), ref[name]) for name, p in self._sbc_params]
+        self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
-            items.append((name, (p.detach() - ref[name]).reshape(-1), tuple(p.shape)))
-        updates = self._sbc.exchange(items)
-        for (name, p), u in zip(self._sbc_params, updates if updates is not None else
-                                [None] * len(items)):
-            r = ref[name]
-            if u is not None:
-                r.add_(u.view(r.shape).to(r.dtype))
-            p.copy_(r)
+            p.copy_(ref[name])
         self._sbc_local_steps = 0
 
     # -- state --------------------------------------------------------------------------------
