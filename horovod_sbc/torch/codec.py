@@ -87,7 +87,7 @@ def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
         if hit.numel() * _BLOCK > n // 2 or ks >= m:
             # the threshold selects most of the tensor: search it whole
             return _exact_topk(torch.abs(a, out=_scratch(n, a.dtype, dev)), k, None)
-        vals = head[hit].abs().view(-1)
+        vals = torch.index_select(head, 0, hit).abs_().view(-1)
         pos = (hit[:, None] * _BLOCK + offs).view(-1)
         if tail.numel():
             vals = torch.cat([vals, tail.abs()])
