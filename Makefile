@@ -18,6 +18,9 @@ test: install
 bench: install
 	$(PY) -m horovod_sbc.bench all --json benchmarks/results/bench.json
 
+fuzz: install
+	FUZZ_CASES=$${FUZZ_CASES:-1000000} $(PY) -m pytest -q tests/test_fuzz.py
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -101,6 +101,14 @@ class SBC:
         return self.manager.state_dict()
 
     def load_state_dict(self, state) -> None:
+        """Restore residuals and counters. Residuals are per rank: loading a checkpoint written
+        by another rank or by a job of another size raises ValueError (a changed ``density`` is
+        fine: the residual is still the update mass not sent yet)."""
+        try:
+            self._world()  # record this job's size and rank to compare with the checkpoint's
+        except (RuntimeError, ImportError, ValueError):
+            pass
+
         def copy(dst, src):
             if dst is not None and dst.shape == src.shape:
                 return dst.copy_(src)

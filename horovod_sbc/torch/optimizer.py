@@ -191,10 +191,28 @@ def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:
         params = model_or_params.state_dict()
     else:
         params = model_or_params
-    hvd.broadcast_parameters(params, root_rank=root_rank)
+    _broadcast_tensors(params.items() if isinstance(params, dict) else params, root_rank)
     if hasattr(optimizer, "local_only"):
         with optimizer.local_only():
             hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
         optimizer.reset_reference()
     else:
         hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+
+
+# Horovod's collectives lack these dtypes; broadcasting the same bytes under another dtype is exact.
+_WIRE_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+
+
+def _broadcast_tensors(named, root_rank: int) -> None:
+    """``hvd.broadcast_parameters`` that also handles bfloat16/bool tensors (as same-size integer
+    views) and skips empty tensors (nothing to send; empty collectives can hang under Gloo)."""
+    import horovod.torch as hvd
+    handles = []
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        if t.numel() == 0:
+            continue
+        view = t.data.view(_WIRE_VIEW[t.dtype]) if t.dtype in _WIRE_VIEW else t.data
+        handles.append(hvd.broadcast_async_(view, root_rank, name=f"sbc.bcast.{name}"))
+    for h in handles:
+        hvd.synchronize(h)

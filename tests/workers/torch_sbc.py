@@ -85,7 +85,10 @@ def digest(model):
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
+        t = p.detach().contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        h.update(t.numpy().tobytes())
     return h.hexdigest()
 
 
@@ -245,7 +248,107 @@ def _stock_step(comp, **kw):
     opt.step()
 
 
+class Odd(torch.nn.Module):
+    """Every awkward parameter kind in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.scalar = torch.nn.Parameter(torch.tensor(0.5))            # 0-d
+        self.empty = torch.nn.Parameter(torch.empty(0, 4))             # no elements
+        self.one = torch.nn.Parameter(torch.ones(1))                   # 1 element
+        self.p16 = torch.nn.Parameter(torch.randn(8, 4).half())      # fp16
+        self.pbf = torch.nn.Parameter(torch.randn(8, 4).bfloat16())    # bf16
+        self.p64 = torch.nn.Parameter(torch.randn(3, 4).double())     # fp64
+        self.emb = torch.nn.Embedding(50, 4, sparse=True)             # sparse gradients
+        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        self.register_buffer("count", torch.zeros(1, dtype=torch.int64))  # integer state
+
+    def forward(self, idx):
+        h = self.emb(idx)                                              # (B, 4)
+        h = h + (self.p16.float().sum(0) + self.pbf.float().sum(0)) * self.one
+        out = (h * self.scalar).sum(1, keepdim=True) + h[:, :3].double().matmul(
+            self.p64).sum(1, keepdim=True).float() + self.empty.sum()
+        self.count += 1
+        return out
+
+
+def run_odd():
+    out = {}
+    torch.manual_seed(0)
+    model = Odd()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = sbc.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named,
+                                   compression=sbc.SBC(density=0.3, delay=2))
+    sbc.broadcast_state(model, opt)
+    digests = []
+    for s in range(6):
+        g = torch.Generator().manual_seed(100 * s + RANK)
+        idx = torch.randint(0, 50, (5,), generator=g)
+        opt.zero_grad()
+        (model(idx).tanh() - 0.5).pow(2).mean().backward()
+        opt.step()
+        digests.append(digest(model))
+    out["digests"] = digests
+    out["dtypes"] = {n: str(p.dtype) for n, p in model.named_parameters()}
+    out["finite"] = all(bool(torch.isfinite(p.float()).all()) for p in model.parameters())
+    torch.manual_seed(0)
+    fresh = dict(Odd().named_parameters())
+    out["moved"] = {n: bool((p.detach().float() != fresh[n].detach().float()).any())
+                    for n, p in named}
+    out["stats"] = opt.stats()
+    return out
+
+
+def run_mismatch():
+    """Ranks that disagree on the parameter set / shapes must fail on every rank, not hang."""
+    out = {}
+    kind = KW["kind"]
+    torch.manual_seed(0)
+    if kind == "shape":
+        lin = torch.nn.Linear(4, 3 if RANK == 0 else 5)
+        named = list(lin.named_parameters())
+    elif kind == "set":
+        named = [("a", torch.nn.Parameter(torch.randn(6)))]
+        if RANK == 1:
+            named.append(("b", torch.nn.Parameter(torch.randn(2))))
+    else:  # order: same set, built in a different order: must just work
+        ps = [("a", torch.nn.Parameter(torch.ones(6))), ("b", torch.nn.Parameter(torch.ones(2)))]
+        named = ps if RANK == 0 else ps[::-1]
+    opt = sbc.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named,
+                                   compression=sbc.SBC(density=0.5))
+    for _, p in named:
+        p.grad = torch.full_like(p, 1.0 + RANK)
+    out["error"] = catch(opt.step)
+    out["values"] = {n: p.detach().tolist() for n, p in named}
+    return out
+
+
+def run_kill():
+    """Rank 1 dies (SIGKILL) at step 5; the others must exit non-zero soon after."""
+    import signal
+    import time
+    model, opt, _ = build(KW.get("api", "dropin"), 0.05, 1)
+    for s in range(10_000):
+        if s == 5 and RANK == 1:
+            print(f"rank {RANK}: killing myself at step {s}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if RANK == 0 and s == 5:
+            print(f"rank 0 reached step 5 at {time.time():.3f}", flush=True)
+        train_step(model, opt, s)
+    return {}
+
+
+def run_world_size():
+    """Load a checkpoint written by a job of another size (or by another rank)."""
+    model, opt, _ = build("dropin", 0.05, 3)
+    src = KW.get("src_rank")
+    path = os.path.join(KW["ckpt"], f"ckpt_rank{src if src is not None else RANK}.pt")
+    state = torch.load(path, weights_only=False)
+    return {"error": catch(lambda: opt.load_state_dict(state["opt"]))}
+
+
 result = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
-          "load": run_save_load, "errors": run_errors}[MODE]()
+          "load": run_save_load, "errors": run_errors, "odd": run_odd,
+          "mismatch": run_mismatch, "kill": run_kill, "world_size": run_world_size}[MODE]()
 result.update(rank=RANK, size=SIZE)
 write_result(RANK, result)

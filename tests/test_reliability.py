@@ -1,0 +1,64 @@
+"""Reliability on real multi-rank jobs: odd tensors, rank disagreement, rank failure, resume."""
+import os
+import tempfile
+import time
+
+import pytest
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def test_odd_parameters_train_and_stay_identical():
+    """0-d, empty, 1-element, fp16/bf16/fp64, sparse-gradient embedding, frozen, integer buffer."""
+    results, _ = run_ranks("torch_sbc.py", 2, ["odd"], timeout=120)
+    a, b = results
+    for s in (1, 3, 5):  # delay 2: after every sync
+        assert a["digests"][s] == b["digests"][s]
+    assert a["dtypes"]["p16"] == "torch.float16" and a["dtypes"]["pbf"] == "torch.bfloat16"
+    assert a["dtypes"]["p64"] == "torch.float64"
+    assert a["finite"] and b["finite"]
+    moved = a["moved"]
+    assert moved == {"scalar": True, "empty": False, "one": True, "p16": True, "pbf": True,
+                     "p64": True, "emb.weight": True}
+    assert a["stats"]["syncs"] == 3
+
+
+@pytest.mark.parametrize("kind", ["shape", "set"])
+def test_rank_disagreement_fails_on_every_rank_without_hanging(kind):
+    results, _ = run_ranks("torch_sbc.py", 2, ["mismatch", f"kind={kind}"], timeout=90)
+    for r, res in enumerate(results):
+        assert res["error"].startswith(f"ValueError: rank {1 - r} sent a different tensor layout")
+
+
+def test_different_parameter_order_across_ranks_is_handled():
+    results, _ = run_ranks("torch_sbc.py", 2, ["mismatch", "kind=order"], timeout=90)
+    a, b = results
+    assert a["error"] is None and b["error"] is None
+    assert a["values"] == b["values"]
+    # grads 1 and 2, lr 0.1, density 0.5 -> the first 3 of 6 entries move by the mean -0.15
+    assert a["values"]["a"] == pytest.approx([0.85] * 3 + [1.0] * 3)
+
+
+@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+def test_killed_rank_makes_the_job_fail_fast(controller):
+    t0 = time.monotonic()
+    _, out = run_ranks("torch_sbc.py", 2, ["kill"], timeout=120, controller=controller,
+                       expect_fail=True)
+    assert time.monotonic() - t0 < 60
+    assert "killing myself at step 5" in out
+    assert ("exited on signal 9" in out) or ("exited with non-zero status" in out), out[-2000:]
+
+
+def test_checkpoint_from_another_world_size_or_rank_is_refused():
+    ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
+    run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", "first=4"], timeout=120)
+    results, _ = run_ranks("torch_sbc.py", 3, ["world_size", f"ckpt={ckpt}", "src_rank=0"],
+                           timeout=120)
+    for res in results:
+        assert "saved with world_size=2 but this run uses world_size=3" in res["error"]
+    results, _ = run_ranks("torch_sbc.py", 2, ["world_size", f"ckpt={ckpt}", "src_rank=1"],
+                           timeout=120)
+    assert "saved with rank=1 but this run uses rank=0" in results[0]["error"]
+    assert results[1]["error"] is None
