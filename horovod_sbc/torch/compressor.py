@@ -292,3 +292,27 @@ class SBC:
         self.manager.counters["steps"] = steps
         self.manager.counters["syncs"] = steps
         return out
+
+
+class TopK(SBC):
+    """Top-k sparsification with error feedback (as in DGC / GRACE): the kept entries' own float32
+    values are sent (``SBC(binarize=False)``), positions Golomb-Rice coded like SBC's.
+
+    Args: ``density`` and ``delay`` as :class:`SBC`.
+    """
+
+    def __init__(self, density: float = 0.01, delay: int = 1, nonfinite: str = "raise",
+                 named_parameters=None):
+        super().__init__(density=density, delay=delay, binarize=False, nonfinite=nonfinite,
+                         named_parameters=named_parameters)
+
+
+class FedAvg(SBC):
+    """Communication delay alone (federated averaging / local SGD): every ``delay`` local steps
+    the dense weight update is averaged (``SBC(density=1.0, binarize=False, delay=n)``); needs
+    the drop-in :func:`horovod_sbc.torch.DistributedOptimizer` for ``delay > 1``.
+    """
+
+    def __init__(self, delay: int = 4, nonfinite: str = "raise", named_parameters=None):
+        super().__init__(density=1.0, delay=delay, binarize=False, nonfinite=nonfinite,
+                         named_parameters=named_parameters)
