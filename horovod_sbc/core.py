@@ -19,7 +19,12 @@ Means are accumulated in float64 and rounded once to float32 (the wire's float),
 summation orders give the same float32 unless the float64 sum itself rounds differently, which
 needs magnitudes spanning more than ~2**29 within one kept side.
 
-``binarize=False`` sends the kept entries' own float32 values instead (top-k with error feedback).
+``binarize=False`` sends the kept entries' own float32 values instead (top-k with error feedback;
+with density 1 the message is dense: flag ALL, 32 bits per element).
+
+``mode="sign"`` is error-feedback signSGD (Karimireddy et al. 2019, "Error Feedback Fixes
+SignSGD"): every element is sent as ``sign(A) * mean(|A|)`` (one bit per element, one float;
+``density`` is ignored; zeros count as positive).
 """
 from __future__ import annotations
 
@@ -75,7 +80,7 @@ def binarize_np(values: np.ndarray) -> Tuple[np.ndarray, float, bool]:
 
 
 def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: float,
-                binarize: bool = True) -> Tuple[bytes, np.ndarray]:
+                binarize: bool = True, mode: Optional[str] = None) -> Tuple[bytes, np.ndarray]:
     """Reference SBC compressor for one tensor: (tensor message bytes, new residual).
 
     The residual is kept in float32 for float16/bfloat16/float32 inputs, float64 for float64.
@@ -87,12 +92,23 @@ def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: flo
     if not np.all(np.isfinite(a)):
         raise ValueError("update contains NaN or Inf")
     n = a.size
+    if mode == "sign":
+        if n == 0:
+            return wire.encode_tensor_np([], 0, 0.0), a.reshape(update.shape)
+        scale = float(np.float32(np.abs(a).astype(np.float64).sum() / n))
+        neg = a < 0
+        msg = wire.encode_tensor_np(None, n, scale, signs=neg, all_positions=True)
+        a = a - np.where(neg, rdt(-scale), rdt(scale)).astype(rdt)
+        return msg, a.reshape(update.shape)
+    if mode not in (None, "sbc", "values"):
+        raise ValueError(f"unknown mode {mode!r}")
+    binarize = binarize and mode != "values"
     k = keep_count(n, density)
     idx = select_np(np.abs(a), k)
     kept = a[idx]
     if not binarize:
         vals = kept.astype(np.float32)
-        msg = wire.encode_tensor_np(idx, n, values=vals)
+        msg = wire.encode_tensor_np(idx, n, values=vals, all_positions=(k == n))
         a[idx] = a[idx] - vals.astype(rdt)
         return msg, a.reshape(update.shape)
     side, mu, negative = binarize_np(kept)

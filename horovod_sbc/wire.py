@@ -42,7 +42,9 @@ One per tensor (e.g. one per model parameter)::
     2       1     version          1
     3       1     flags            bit 0  NEGATIVE  the binary value is -value (else +value)
                                    bit 1  VALUES    one float32 per position follows (non-binarized)
-                                   bits 2..7 reserved, must be 0
+                                   bit 2  SIGNS     one sign bit per position follows (ternary)
+                                   bit 3  ALL       every element is a position (no position streams)
+                                   bits 4..7 reserved, must be 0
     4       1     rice_b           Rice parameter b, 0 <= b <= 62
     5       var   numel            uvarint: element count of the tensor, < 2**62
     .       var   count            uvarint: number of positions, count <= numel
@@ -50,6 +52,7 @@ One per tensor (e.g. one per model parameter)::
     .       4     value            float32: the magnitude mu >= 0 (finite) of the binary value
     .       U     unary stream     U = unary_nbytes bytes
     .       R     remainder stream R = ceil(count * b / 8) bytes
+    .       S     sign stream      S = ceil(count / 8) bytes, only if flag SIGNS is set
     .       4*count values         float32 per position, only if flag VALUES is set
 
 ``uvarint`` is unsigned LEB128 (as in protobuf): 7 bits per byte, least significant group first,
@@ -70,9 +73,22 @@ which is exactly as long and lets both directions be vectorised):
 
 Bits fill each byte most significant bit first (``numpy.packbits`` order).
 
+With ALL, the positions are simply ``0 .. numel-1``: ``count == numel``, ``rice_b == 0``,
+``unary_nbytes == 0`` and there are no unary or remainder streams; ALL requires SIGNS or VALUES
+(so the message always carries at least one bit per element it describes).
+
+The sign stream holds one bit per position, in position order, 1 meaning negative, most
+significant bit first, zero padded.
+
 The decoded tensor is zero everywhere except at the positions, which hold ``+value`` (or
-``-value`` with NEGATIVE) or, with VALUES, the float32 values in position order (``value`` is then
-0 and NEGATIVE must be clear). ``count == 0`` means "nothing sent" (``unary_nbytes == 0``).
+``-value`` with NEGATIVE); with SIGNS, ``+value`` or ``-value`` by each position's sign bit
+(NEGATIVE must be clear); with VALUES, the float32 values in position order (``value`` is then
+0 and NEGATIVE and SIGNS must be clear). ``count == 0`` means "nothing sent"
+(``unary_nbytes == 0``).
+
+Modes used by this package: SBC (binary: positions + NEGATIVE + value), top-k (positions +
+VALUES), TernGrad-style ternary (positions + SIGNS + value), error-feedback signSGD (ALL + SIGNS
++ value), dense (ALL + VALUES).
 
 Validation (a decoder must reject, with a reason, anything that breaks these):
 magic, version, reserved bits and reserved bytes; every length against the bytes actually
@@ -111,7 +127,9 @@ STEP_FLAG_ERROR = 1
 STEP_FLAG_SKIP = 2
 FLAG_NEGATIVE = 1
 FLAG_VALUES = 2
-_KNOWN_FLAGS = FLAG_NEGATIVE | FLAG_VALUES
+FLAG_SIGNS = 4
+FLAG_ALL = 8
+_KNOWN_FLAGS = FLAG_NEGATIVE | FLAG_VALUES | FLAG_SIGNS | FLAG_ALL
 MAX_RICE_B = 62
 MAX_NUMEL = 1 << 62
 _PHI = (1.0 + math.sqrt(5.0)) / 2.0
@@ -190,9 +208,11 @@ def read_uvarint(buf, off: int, what: str) -> Tuple[int, int]:
 
 
 def tensor_header(numel: int, count: int, b: int, unary_nbytes: int, value: float,
-                  negative: bool, has_values: bool = False) -> bytes:
+                  negative: bool, has_values: bool = False, has_signs: bool = False,
+                  all_positions: bool = False) -> bytes:
     """The bytes of a tensor message up to (excluding) the unary stream."""
-    flags = (FLAG_NEGATIVE if negative else 0) | (FLAG_VALUES if has_values else 0)
+    flags = ((FLAG_NEGATIVE if negative else 0) | (FLAG_VALUES if has_values else 0)
+             | (FLAG_SIGNS if has_signs else 0) | (FLAG_ALL if all_positions else 0))
     return (TENSOR_MAGIC + bytes((VERSION, flags, b)) + uvarint(numel) + uvarint(count)
             + uvarint(unary_nbytes) + struct.pack("<f", value))
 
@@ -254,6 +274,9 @@ class TensorMessage:
     unary: Tuple[int, int]       # [start, end) byte offsets of the unary stream in the buffer
     remainder: Tuple[int, int]   # [start, end) of the remainder stream
     values: Tuple[int, int]      # [start, end) of the float32 values (empty unless has_values)
+    has_signs: bool = False
+    all_positions: bool = False
+    signs: Tuple[int, int] = (0, 0)  # [start, end) of the sign stream (empty unless has_signs)
     sum_q: int = -1              # filled in by the stream decoder
 
     @property
@@ -262,7 +285,8 @@ class TensorMessage:
 
     @property
     def nbytes(self) -> int:
-        return self.values[1] if self.has_values else self.remainder[1]
+        """End offset of this message in the buffer."""
+        return max(self.values[1], self.signs[1], self.remainder[1])
 
 
 def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
@@ -300,23 +324,36 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
         raise ValueError(f"corrupt message: value {value} of {name} is not a finite number >= 0")
     has_values = bool(flags & FLAG_VALUES)
     negative = bool(flags & FLAG_NEGATIVE)
-    if has_values and (negative or value != 0.0):
+    has_signs = bool(flags & FLAG_SIGNS)
+    all_pos = bool(flags & FLAG_ALL)
+    if has_values and (negative or has_signs or value != 0.0):
         raise ValueError(f"corrupt message: {name} has per-position values and a binary value")
+    if has_signs and negative:
+        raise ValueError(f"corrupt message: {name} has both sign bits and NEGATIVE")
+    if all_pos:
+        if not (has_values or has_signs):
+            raise ValueError(f"corrupt message: {name} has ALL without SIGNS or VALUES")
+        if count != numel or unary_nbytes or b:
+            raise ValueError(f"corrupt message: {name} has ALL but {count} positions for "
+                             f"{numel} elements or non-empty position streams")
     if count == 0 and (unary_nbytes or b):
         raise ValueError(f"corrupt message: {name} has no positions but non-empty streams")
     # Each position needs at least one unary bit: bound count by the bytes present first.
-    if count > 8 * unary_nbytes and count:
+    if count > 8 * unary_nbytes and count and not all_pos:
         raise ValueError(f"corrupt message: {name} unary stream too short for {count} positions")
     rem_nbytes = -(-(count * b) // 8)
+    sign_nbytes = -(-count // 8) if has_signs else 0
     val_nbytes = 4 * count if has_values else 0
-    end = p + unary_nbytes + rem_nbytes + val_nbytes
+    end = p + unary_nbytes + rem_nbytes + sign_nbytes + val_nbytes
     if end > n:
         raise ValueError(f"truncated message: {name} needs {end - off} bytes, "
                          f"{n - off} present")
     u = (p, p + unary_nbytes)
     r = (u[1], u[1] + rem_nbytes)
-    v = (r[1], r[1] + val_nbytes)
-    return TensorMessage(numel, count, b, value, negative, has_values, u, r, v)
+    sg = (r[1], r[1] + sign_nbytes)
+    v = (sg[1], sg[1] + val_nbytes)
+    return TensorMessage(numel, count, b, value, negative, has_values, u, r, v, has_signs,
+                         all_pos, sg)
 
 
 def check_stream_totals(msg: TensorMessage, sum_q: int, sum_r: int, name: str) -> None:
@@ -414,6 +451,9 @@ def decode_streams_np(buf: bytes, msg: TensorMessage, name: str = "tensor") -> n
     count, b = msg.count, msg.rice_b
     if count == 0:
         return np.zeros(0, dtype=np.int64)
+    if msg.all_positions:
+        msg.sum_q = 0
+        return np.arange(count, dtype=np.int64)
     mv = memoryview(buf)
     ubytes = np.frombuffer(mv[msg.unary[0]:msg.unary[1]], dtype=np.uint8)
     if ubytes[-1] == 0:
@@ -439,9 +479,32 @@ def decode_streams_np(buf: bytes, msg: TensorMessage, name: str = "tensor") -> n
     return np.cumsum(gaps + 1) - 1
 
 
+def sign_stream_np(signs: np.ndarray) -> bytes:
+    return np.packbits(np.asarray(signs, dtype=bool).astype(np.uint8)).tobytes()
+
+
+def decode_signs_np(buf: bytes, msg: TensorMessage, name: str) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(memoryview(buf)[msg.signs[0]:msg.signs[1]],
+                                       dtype=np.uint8))
+    if bits[msg.count:].any():
+        raise ValueError(f"corrupt message: {name} sign padding is not zero")
+    return bits[:msg.count].astype(bool)
+
+
 def encode_tensor_np(positions, numel: int, value: float = 0.0, negative: bool = False,
-                     values: Optional[np.ndarray] = None, rice_b: Optional[int] = None) -> bytes:
-    """One tensor message. ``positions`` sorted unique in [0, numel)."""
+                     values: Optional[np.ndarray] = None, rice_b: Optional[int] = None,
+                     signs: Optional[np.ndarray] = None, all_positions: bool = False) -> bytes:
+    """One tensor message. ``positions`` sorted unique in [0, numel) (ignored with
+    ``all_positions``); ``signs`` (bool, True = negative) makes it ternary."""
+    if all_positions:
+        if values is None and signs is None:
+            raise ValueError("all_positions needs values or signs")
+        value = 0.0 if values is not None else float(np.float32(value))
+        head = tensor_header(numel, numel, 0, 0, value, False, values is not None,
+                             signs is not None, True)
+        if values is not None:
+            return head + np.asarray(values, dtype="<f4").tobytes()
+        return head + sign_stream_np(signs)
     pos = np.asarray(positions, dtype=np.int64)
     count = int(pos.size)
     if numel < 0 or numel >= MAX_NUMEL:
@@ -460,6 +523,9 @@ def encode_tensor_np(positions, numel: int, value: float = 0.0, negative: bool =
         head = tensor_header(numel, count, rice_b, len(unary), 0.0, False, True)
         return head + unary + rem + vals.tobytes()
     value = float(np.float32(value))
+    if signs is not None and count:
+        head = tensor_header(numel, count, rice_b, len(unary), value, False, False, True)
+        return head + unary + rem + sign_stream_np(signs)
     if count == 0:
         value, negative = 0.0, False
     return tensor_header(numel, count, rice_b, len(unary), value, negative) + unary + rem
@@ -475,6 +541,9 @@ def decode_tensor_np(buf: bytes, off: int = 0, expected_numel: Optional[int] = N
         if not np.all(np.isfinite(vals)):
             raise ValueError(f"corrupt message: {name} carries non-finite values")
         vals = vals.astype(np.float32)
+    elif msg.has_signs:
+        neg = decode_signs_np(buf, msg, name)
+        vals = np.where(neg, np.float32(-msg.value), np.float32(msg.value)).astype(np.float32)
     else:
         vals = np.full(msg.count, np.float32(msg.signed_value), dtype=np.float32)
     return msg, pos, vals, msg.nbytes

@@ -59,17 +59,24 @@ def spec_decode(msg: bytes):
     unary = BitReader(msg[off:off + ulen])
     rem = BitReader(msg[off + ulen:])
     positions, prev = [], -1
-    for _ in range(count):
-        q = 0
-        while unary.bit() == 0:
-            q += 1
-        r = 0
-        for _ in range(b):
-            r = (r << 1) | rem.bit()
-        prev = prev + (q << b) + r + 1
-        positions.append(prev)
+    if flags & 8:  # ALL: every element, no position streams
+        positions = list(range(numel))
+    else:
+        for _ in range(count):
+            q = 0
+            while unary.bit() == 0:
+                q += 1
+            r = 0
+            for _ in range(b):
+                r = (r << 1) | rem.bit()
+            prev = prev + (q << b) + r + 1
+            positions.append(prev)
     end = off + ulen + (count * b + 7) // 8
     vals = None
+    if flags & 4:  # SIGNS: one bit per position, 1 = negative
+        signs = BitReader(msg[end:])
+        vals = [-value if signs.bit() else value for _ in range(count)]
+        end += (count + 7) // 8
     if flags & 2:
         vals = list(struct.unpack(f"<{count}f", msg[end:end + 4 * count]))
         end += 4 * count
@@ -107,14 +114,15 @@ def test_golden_vectors_numpy_torch_spec(case):
     assert make_golden.digest(u) + make_golden.digest(r) == case["input_sha256"]
     want = bytes.fromhex(case["message_hex"])
     # numpy reference
-    msg, res = core.compress_np(u, r, case["density"], case["binarize"])
+    binarize, mode = make_golden.mode_args(case["binarize"])
+    msg, res = core.compress_np(u, r, case["density"], binarize, mode)
     assert msg == want
     assert make_golden.digest(res) == case["new_residual_sha256"]
     # torch codec, on the tensor's device (CPU here, CUDA when available)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a = torch.from_numpy(r.copy()).to(dev) + torch.from_numpy(u).to(dev).to(
         torch.float64 if dt == np.float64 else torch.float32)
-    tmsg, _ = tcodec.compress_(a, case["density"], case["binarize"])
+    tmsg, _ = tcodec.compress_(a, case["density"], mode or binarize)
     assert tmsg.cpu().numpy().tobytes() == want
     assert make_golden.digest(a.cpu().numpy()) == case["new_residual_sha256"]
     # the independent spec decoder agrees with the reference decoder
@@ -126,9 +134,18 @@ def test_golden_vectors_numpy_torch_spec(case):
         assert np.all(v == np.float32(value))
     else:
         assert np.array_equal(np.array(vals, np.float32), v)
+    # and the torch decoder of the exchange agrees with both
+    fp = wire.layout_fingerprint([("t", (numel,))])
+    step = wire.step_message_bytes(want, fp, 1)
+    (dense,) = exchange.decode_gathered(torch.frombuffer(bytearray(step), dtype=torch.uint8),
+                                        [("t", (numel,))], 1)
+    ref = np.zeros(numel, np.float32)
+    ref[pos] = v
+    assert np.array_equal(dense.numpy(), ref)
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN if c["numel"] <= 20000],
+@pytest.mark.parametrize("case", [c for c in GOLDEN if c["numel"] <= 20000
+                                  and not isinstance(c["binarize"], str)],
                          ids=lambda c: c["name"])
 def test_golden_vectors_tensorflow_bridge(case):
     tf = pytest.importorskip("tensorflow")
@@ -390,3 +407,41 @@ def test_torch_exchange_decoder_matches_numpy_on_gathered_buffers():
     with pytest.raises(ValueError, match="trailing bytes"):
         exchange.decode_gathered(torch.frombuffer(bytearray(gathered + b"\0"), dtype=torch.uint8),
                                  layout, 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 3000), st.floats(0, 2.0 ** 60, width=32), st.data())
+def test_ternary_and_all_position_messages_roundtrip(numel, value, data):
+    rng = np.random.default_rng(numel)
+    signs_all = rng.random(numel) < 0.5
+    if numel:
+        msg = wire.encode_tensor_np(None, numel, value, signs=signs_all, all_positions=True)
+        hdr, pos, vals, end = wire.decode_tensor_np(msg, 0, numel)
+        assert end == len(msg) and pos.tolist() == list(range(numel))
+        assert np.array_equal(vals < 0, signs_all & (np.float32(value) != 0))
+        assert len(msg) <= 16 + (numel + 7) // 8  # one bit per element
+        tm = tcodec.encode_positions(torch.zeros(0, dtype=torch.int64), numel, float(
+            np.float32(value)), signs=torch.from_numpy(signs_all), all_positions=True)
+        assert tm.numpy().tobytes() == msg
+    k = data.draw(st.integers(0, numel))
+    pos = np.sort(rng.choice(numel, size=k, replace=False)).astype(np.int64)
+    sg = rng.random(k) < 0.5
+    msg = wire.encode_tensor_np(pos, numel, value, signs=sg)
+    hdr, got, vals, end = wire.decode_tensor_np(msg, 0, numel)
+    assert end == len(msg) and np.array_equal(got, pos)
+    assert np.array_equal(vals, np.where(sg, -np.float32(value), np.float32(value)))
+    tm = tcodec.encode_positions(torch.from_numpy(pos), numel, float(np.float32(value)),
+                                 signs=torch.from_numpy(sg))
+    assert tm.numpy().tobytes() == msg
+
+
+def test_all_flag_requires_a_payload_and_matching_count():
+    msg = wire.encode_tensor_np(None, 10, 1.0, signs=np.zeros(10, bool), all_positions=True)
+    bad = bytearray(msg)
+    bad[3] = wire.FLAG_ALL  # ALL without SIGNS/VALUES would describe numel entries in 0 bits
+    with pytest.raises(ValueError, match="ALL without SIGNS or VALUES"):
+        wire.decode_tensor_np(bytes(bad), 0, 10)
+    bad = bytearray(msg)
+    bad[6] = 9  # count != numel
+    with pytest.raises(ValueError, match="has ALL but 9 positions for 10 elements"):
+        wire.decode_tensor_np(bytes(bad), 0, 10)

@@ -87,3 +87,24 @@ def test_digits_accuracy_within_one_point_of_dense(api, delay):
     assert sbc["final_accuracy"] >= dense["final_accuracy"] - 0.01
     assert sbc["ranks_identical"] and dense["ranks_identical"]
     assert sbc["compression_ratio"] > (300 if delay == 1 else 1000)
+
+
+def test_baseline_compressors_keep_ranks_identical_and_count_their_bits():
+    results, _ = run_ranks("torch_sbc.py", 2, ["baselines"], timeout=180)
+    a, b = results
+    dense_per_step = 32 * TRAINABLE
+    for name in ("topk", "fedavg", "signsgd", "terngrad"):
+        ra, rb = a[name], b[name]
+        d = ra["delay"]
+        for s in range(0, 7, d):
+            assert ra["digests"][s] == rb["digests"][s], (name, s)
+        assert len(set(ra["digests"][::d])) == len(ra["digests"][::d])
+        st = ra["stats"]
+        assert st["upstream_bits"] == 8 * ra["sent"] and st["dense_bits"] == dense_per_step * 6
+        per_sync_bits = st["upstream_bits"] / st["syncs"]
+        if name == "signsgd":  # one bit per element plus small headers
+            assert TRAINABLE <= per_sync_bits <= TRAINABLE + 8 * 40 * N_TENSORS
+        if name == "fedavg":  # dense values (+1 bit per element of implicit positions)
+            assert per_sync_bits >= 32 * TRAINABLE
+        if name == "topk":  # 5 % of the entries, 32-bit values + coded positions each
+            assert 32 * 0.05 * TRAINABLE < per_sync_bits < 45 * 0.05 * TRAINABLE + 2000

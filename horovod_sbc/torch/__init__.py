@@ -4,8 +4,9 @@
   compression=SBC(density=0.01))`` with stock ``horovod.torch``.
 * :func:`DistributedOptimizer` — drop-in with communication delay, one fused allgather per sync,
   checkpointable residuals.
-* :class:`TopK`, :class:`FedAvg` — baselines in the same exchange (values instead of one mean;
-  dense with communication delay).
+* :class:`TopK`, :class:`FedAvg`, :class:`SignSGD`, :class:`TernGrad` — baselines in the same
+  exchange (values instead of one mean; dense with communication delay; 1 bit per element;
+  stochastic ternary).
 * :func:`broadcast_state` — start all ranks equal (parameters, optimizer state, reference weights).
 """
 try:
@@ -14,7 +15,7 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
     raise ImportError("horovod_sbc.torch needs PyTorch: pip install 'horovod_sbc[torch]' "
                       "(and Horovod built with HOROVOD_WITH_PYTORCH=1; see scripts/install.sh)") from e
 
-from .compressor import SBC, FedAvg, TopK
+from .compressor import SBC, FedAvg, SignSGD, TernGrad, TopK
 from .optimizer import DistributedOptimizer, broadcast_state
 
-__all__ = ["SBC", "TopK", "FedAvg", "DistributedOptimizer", "broadcast_state"]
+__all__ = ["SBC", "TopK", "FedAvg", "SignSGD", "TernGrad", "DistributedOptimizer", "broadcast_state"]

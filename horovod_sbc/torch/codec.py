@@ -131,10 +131,26 @@ def _unpack_bits(data: torch.Tensor) -> torch.Tensor:
     return ((data.to(torch.int64)[:, None] >> _shifts(8, data.device)) & 1).view(-1)
 
 
+def _head(head: bytes, dev) -> torch.Tensor:
+    return torch.tensor(list(head), dtype=torch.uint8, device=dev)
+
+
 def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative: bool = False,
-                     values: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One tensor message (uint8, on ``pos``'s device) — see :mod:`horovod_sbc.wire`."""
+                     values: Optional[torch.Tensor] = None, signs: Optional[torch.Tensor] = None,
+                     all_positions: bool = False) -> torch.Tensor:
+    """One tensor message (uint8, on ``pos``'s device) — see :mod:`horovod_sbc.wire`.
+
+    ``signs`` (bool, True = negative) makes it ternary; ``all_positions`` sends every element
+    (``pos`` is then only used for its device) with ``signs`` or ``values``.
+    """
     dev = pos.device
+    if all_positions:
+        if values is not None:
+            head = wire.tensor_header(numel, numel, 0, 0, 0.0, False, True, False, True)
+            return torch.cat([_head(head, dev),
+                              values.to(torch.float32).contiguous().view(torch.uint8)])
+        head = wire.tensor_header(numel, numel, 0, 0, value, False, False, True, True)
+        return torch.cat([_head(head, dev), _pack_bits(signs.to(torch.uint8))])
     count = pos.numel()
     if count == 0:
         head = wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None)
@@ -159,10 +175,21 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
     if values is not None:
         head = wire.tensor_header(numel, count, b, unary.numel(), 0.0, False, True)
         parts.append(values.to(torch.float32).contiguous().view(torch.uint8))
+    elif signs is not None:
+        head = wire.tensor_header(numel, count, b, unary.numel(), value, False, False, True)
+        parts.append(_pack_bits(signs.to(torch.uint8)))
     else:
         head = wire.tensor_header(numel, count, b, unary.numel(), value, negative)
-    parts[0] = torch.tensor(list(head), dtype=torch.uint8, device=dev)
+    parts[0] = _head(head, dev)
     return torch.cat(parts)
+
+
+def decode_signs(buf: torch.Tensor, msg: wire.TensorMessage, name: str) -> torch.Tensor:
+    """Sign bits (bool, True = negative) of a parsed ternary message."""
+    bits = _unpack_bits(buf[msg.signs[0]:msg.signs[1]])
+    if bool(bits[msg.count:].any()):
+        raise ValueError(f"corrupt message: {name} sign padding is not zero")
+    return bits[:msg.count].bool()
 
 
 def decode_positions(buf: torch.Tensor, msg: wire.TensorMessage, name: str) -> torch.Tensor:
@@ -171,6 +198,9 @@ def decode_positions(buf: torch.Tensor, msg: wire.TensorMessage, name: str) -> t
     count, b = msg.count, msg.rice_b
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=dev)
+    if msg.all_positions:
+        msg.sum_q = 0
+        return torch.arange(count, dtype=torch.int64, device=dev)
     ubits = _unpack_bits(buf[msg.unary[0]:msg.unary[1]])
     ones = torch.nonzero(ubits).squeeze(1)
     if ones.numel() != count:
@@ -209,25 +239,57 @@ def _scratch(n: int, dtype, device, slot: int = 0) -> torch.Tensor:
     return buf[:n]
 
 
-def encode_update(a: torch.Tensor, density: float, binarize_values: bool = True,
-                  name: str = "tensor") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SBC-encode flat ``a`` (the residual-corrected update ``A = R + dW``).
+MODES = ("sbc", "values", "sign", "terngrad")
 
+
+def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
+                  generator: Optional[torch.Generator] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encode flat ``a`` (the residual-corrected update ``A = R + dW``).
+
+    ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
+    float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
+    ``"terngrad"`` stochastic ternary (Wen et al. 2017): each element is sent as
+    ``max|A| * sign(A)`` with probability ``|A| / max|A|`` (``generator`` draws; unbiased).
     Returns (tensor message uint8, positions sent, values sent) without touching ``a``; the
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.
     """
+    mode = "sbc" if mode is True else "values" if mode is False else mode
     n = a.numel()
-    empty = torch.zeros(0, dtype=torch.int64, device=a.device)
+    dev = a.device
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
     if n == 0:
         return encode_positions(empty, 0), empty, a.new_zeros(0)
+    if mode in ("sign", "terngrad"):
+        a_abs = torch.abs(a, out=_scratch(n, a.dtype, dev))
+        stat = (a_abs.sum(dtype=torch.float64) if mode == "sign" else a_abs.max()).item()
+        if not math.isfinite(stat):
+            raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+        if mode == "sign":
+            scale = float(torch.tensor(stat / n, dtype=torch.float32))
+            neg = a < 0
+            sent = torch.where(neg, -scale, scale).to(a.dtype)
+            msg = encode_positions(empty, n, scale, signs=neg, all_positions=True)
+            return msg, torch.arange(n, dtype=torch.int64, device=dev), sent
+        scale = float(torch.tensor(stat, dtype=torch.float32))
+        if scale == 0.0:
+            return encode_positions(empty, n), empty, a.new_zeros(0)
+        u = torch.rand(n, generator=generator, device=dev, dtype=torch.float32)
+        pos = torch.nonzero(u * scale < a_abs).squeeze(1)
+        neg = a[pos] < 0
+        sent = torch.where(neg, -scale, scale).to(a.dtype)
+        return encode_positions(pos, n, scale, signs=neg), pos, sent
+    if mode not in ("sbc", "values"):
+        raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
     idx = select_topk(a, keep_count(n, density), name)
     kept = a[idx]
-    if not binarize_values:
+    if mode == "values":
         vals = kept.to(torch.float32)
-        return encode_positions(idx, n, values=vals), idx, vals.to(a.dtype)
+        return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
+                vals.to(a.dtype))
     side, mu, negative = binarize(kept)
     pos = idx[side]
-    sent = torch.full((pos.numel(),), -mu if negative else mu, dtype=a.dtype, device=a.device)
+    sent = torch.full((pos.numel(),), -mu if negative else mu, dtype=a.dtype, device=dev)
     return encode_positions(pos, n, mu, negative), pos, sent
 
 
@@ -237,9 +299,9 @@ def subtract_sent_(a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> No
         a[pos] = a[pos] - sent
 
 
-def compress_(a: torch.Tensor, density: float, binarize_values: bool = True,
+def compress_(a: torch.Tensor, density: float, mode="sbc",
               name: str = "tensor") -> Tuple[torch.Tensor, int]:
     """Encode and commit at once (single-process use): returns (message, positions sent)."""
-    msg, pos, sent = encode_update(a, density, binarize_values, name)
+    msg, pos, sent = encode_update(a, density, mode, name)
     subtract_sent_(a, pos, sent)
     return msg, pos.numel()

@@ -81,11 +81,16 @@ class SBC:
             raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
         self.delay = delay
         self.binarize = bool(binarize)
+        self._mode = "sbc" if self.binarize else "values"
+        self._gen = None
         self.nonfinite = nonfinite
         self.manager = ResidualManager()
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize)
         self._named = list(named_parameters) if named_parameters is not None else None
         self._calls: Dict[str, int] = {}
+
+    def _generator(self, device) -> Optional[torch.Generator]:
+        return None
 
     def __repr__(self) -> str:
         return (f"SBC(density={self.density}, delay={self.delay}, binarize={self.binarize}, "
@@ -156,7 +161,8 @@ class SBC:
             upd = _update_of(it, res.dtype)
             res.add_(upd)  # A = R + dW, in place (error feedback is committed below)
             try:
-                msg, pos, sent = encode_update(res, self.density, self.binarize, name)
+                msg, pos, sent = encode_update(res, self.density, self._mode, name,
+                                                 self._generator(res.device))
             except NonFiniteError as e:
                 _restore(res, upd)
                 step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
@@ -252,7 +258,8 @@ class SBC:
         res.add_(upd)  # A = R + g, in place; error feedback committed in decompress()
         a = res
         try:
-            msg, pos, sent = encode_update(res, self.density, self.binarize, name)
+            msg, pos, sent = encode_update(res, self.density, self._mode, name,
+                                                 self._generator(res.device))
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
             _restore(res, upd)
@@ -316,3 +323,51 @@ class FedAvg(SBC):
     def __init__(self, delay: int = 4, nonfinite: str = "raise", named_parameters=None):
         super().__init__(density=1.0, delay=delay, binarize=False, nonfinite=nonfinite,
                          named_parameters=named_parameters)
+
+
+class SignSGD(SBC):
+    """Error-feedback signSGD (Karimireddy et al., "Error Feedback Fixes SignSGD and other
+    Gradient Compression Schemes", ICML 2019): every element is sent as ``sign(A) * mean(|A|)``,
+    one bit per element plus one float per tensor; the difference stays in the residual.
+
+    Args: ``delay`` as :class:`SBC` (``density`` does not apply).
+    """
+
+    def __init__(self, delay: int = 1, nonfinite: str = "raise", named_parameters=None):
+        super().__init__(density=1.0, delay=delay, binarize=True, nonfinite=nonfinite,
+                         named_parameters=named_parameters)
+        self._mode = "sign"
+        self.manager.config.update(mode="sign")
+
+    def __repr__(self) -> str:
+        return f"SignSGD(delay={self.delay}, nonfinite={self.nonfinite!r})"
+
+
+class TernGrad(SBC):
+    """TernGrad (Wen et al., NeurIPS 2017): each element is sent as ``max|A| * sign(A)`` with
+    probability ``|A| / max|A|`` (unbiased stochastic ternarization), positions Golomb-Rice coded
+    plus one sign bit each and one float per tensor. Here the residual (error feedback) is kept
+    too, like every compressor of this package.
+
+    Args:
+        seed: seeds this rank's random stream (``seed + rank``), so runs are reproducible.
+        delay: as :class:`SBC`.
+    """
+
+    def __init__(self, delay: int = 1, seed: int = 0, nonfinite: str = "raise",
+                 named_parameters=None):
+        super().__init__(density=1.0, delay=delay, binarize=True, nonfinite=nonfinite,
+                         named_parameters=named_parameters)
+        self._mode = "terngrad"
+        self.seed = int(seed)
+        self.manager.config.update(mode="terngrad")
+
+    def _generator(self, device) -> torch.Generator:
+        if self._gen is None or self._gen.device != torch.device(device):
+            _, rank = self._world()
+            self._gen = torch.Generator(device=device)
+            self._gen.manual_seed(self.seed + 1_000_003 * rank)
+        return self._gen
+
+    def __repr__(self) -> str:
+        return f"TernGrad(delay={self.delay}, seed={self.seed}, nonfinite={self.nonfinite!r})"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import wire
-from .codec import decode_positions
+from .codec import decode_positions, decode_signs
 
 
 def _host_bytes(t: torch.Tensor) -> bytes:
@@ -79,6 +79,9 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
                 if not bool(torch.isfinite(v).all()):
                     raise ValueError(f"corrupt message: {who} carries non-finite values")
                 decoded.append((i, pos, v))
+            elif msg.has_signs:
+                neg = decode_signs(gathered, msg, who)
+                decoded.append((i, pos, torch.where(neg, -msg.value, msg.value)))
             elif msg.count:
                 decoded.append((i, pos, msg.signed_value))
             off = msg.nbytes

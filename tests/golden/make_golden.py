@@ -23,6 +23,8 @@ CASES = [  # name, numel, density, binarize, dtype, kind
     ("fp16", 3000, 0.01, True, "float16", "normal"),
     ("values", 5000, 0.01, False, "float32", "normal"),
     ("dense_values", 300, 1.0, False, "float32", "normal"),
+    ("sign", 1000, 1.0, "sign", "float32", "normal"),
+    ("sign_fp64", 77, 1.0, "sign", "float64", "normal"),
 ]
 
 
@@ -50,6 +52,11 @@ def make_inputs(i, numel, dtype, kind):
     return u, r
 
 
+def mode_args(binarize):
+    """CASES' 4th column: True (SBC), False (top-k values) or a mode name."""
+    return (True, binarize) if isinstance(binarize, str) else (binarize, None)
+
+
 def digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
@@ -58,7 +65,7 @@ def main():
     cases = []
     for i, (name, numel, density, binarize, dtype, kind) in enumerate(CASES):
         u, r = make_inputs(i, numel, dtype, kind)
-        msg, res = core.compress_np(u, r, density, binarize)
+        msg, res = core.compress_np(u, r, density, *mode_args(binarize))
         cases.append({"name": name, "index": i, "numel": numel, "density": density,
                       "binarize": binarize, "dtype": dtype, "kind": kind,
                       "input_sha256": digest(u) + digest(r),

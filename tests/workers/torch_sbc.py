@@ -92,7 +92,7 @@ def digest(model):
     return h.hexdigest()
 
 
-def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05):
+def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
     torch.manual_seed(0)
     model = Net()
     # ranks start from different weights: the broadcast must make them equal
@@ -115,7 +115,7 @@ def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05):
         opt.zero_grad()
         stats = None
     else:
-        opt = sbc.DistributedOptimizer(base, named, compression=sbc.SBC(
+        opt = sbc.DistributedOptimizer(base, named, compression=comp or sbc.SBC(
             density=density, delay=delay, binarize=binarize))
         sbc.broadcast_state(model, opt, root_rank=0)
         opt.zero_grad()
@@ -248,6 +248,24 @@ def _stock_step(comp, **kw):
     opt.step()
 
 
+def run_baselines():
+    """Every baseline compressor through the drop-in optimizer: identical ranks, real bits."""
+    out = {}
+    comps = {"topk": lambda: sbc.TopK(density=0.05), "fedavg": lambda: sbc.FedAvg(delay=3),
+             "signsgd": lambda: sbc.SignSGD(), "terngrad": lambda: sbc.TernGrad(seed=1)}
+    for name, make in comps.items():
+        GATHERED.update(sent=0, received=0)
+        comp = make()
+        model, opt, stats = build("dropin", 0, 0, comp=comp)
+        digests = [digest(model)]
+        for s in range(6):
+            train_step(model, opt, s)
+            digests.append(digest(model))
+        out[name] = {"digests": digests, "stats": stats(), "sent": GATHERED["sent"],
+                     "delay": comp.delay}
+    return out
+
+
 class Odd(torch.nn.Module):
     """Every awkward parameter kind in one model."""
 
@@ -348,7 +366,7 @@ def run_world_size():
 
 
 result = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
-          "load": run_save_load, "errors": run_errors, "odd": run_odd,
+          "load": run_save_load, "errors": run_errors, "odd": run_odd, "baselines": run_baselines,
           "mismatch": run_mismatch, "kill": run_kill, "world_size": run_world_size}[MODE]()
 result.update(rank=RANK, size=SIZE)
 write_result(RANK, result)
