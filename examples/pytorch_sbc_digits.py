@@ -56,9 +56,9 @@ def train(method: str, args, data, progress: bool):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
     else:
-        opt = sbc.DistributedOptimizer(base, model.named_parameters(),
-                                       compression=sbc.SBC(density=args.density,
-                                                           delay=args.delay))
+        comp = sbc.SBC(density=args.density, delay=args.delay, topology=args.topology,
+                       downlink_density=args.downlink_density)
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
     # each rank trains on its own shard of the training set
     rank, size = hvd.rank(), hvd.size()
@@ -87,9 +87,11 @@ def train(method: str, args, data, progress: bool):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digests = hvd.allgather_object(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
     res = {"method": method, "api": args.api if method != "dense" else "horovod",
+           "topology": args.topology if method != "dense" else "allreduce",
+           "downlink_density": args.downlink_density if method != "dense" else None,
            "density": args.density if method != "dense" else 1.0,
            "delay": args.delay if method != "dense" else 1, "workers": size,
-           "final_accuracy": acc, "step_time_s": float(np.median(step_times[5:])),
+           "final_accuracy": acc, "step_time_s": float(np.mean(step_times[5:])),
            "steps": total, "params": numel, "ranks_identical": len(set(digests)) == 1}
     if method == "dense":
         res.update(upstream_bits=32 * numel * total, dense_bits=32 * numel * total,
@@ -113,6 +115,10 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--topology", choices=["allgather", "server"], default="allgather",
+                    help="server: rank 0 gathers, averages, re-compresses and broadcasts")
+    ap.add_argument("--downlink-density", type=float, default=None,
+                    help="server topology: top-k density of the downlink (default dense)")
     ap.add_argument("--json", help="write the results (rank 0) to this file")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)

@@ -7,6 +7,8 @@ continues exactly:
 
 * ``residuals[name]``  — error feedback: everything of ``R + dW`` that was not sent yet;
 * ``reference[name]``  — the shared weights every rank agreed on at the last sync (delay > 1);
+* ``server_residuals`` — the server's error feedback for a compressed downlink (rank 0 of the
+  ``"server"`` topology only);
 * ``counters``         — cumulative traffic figures of this rank (see :meth:`stats`).
 
 It is framework-agnostic: tensors are whatever the adapter stores (torch tensors, tf.Variables);
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
-COUNTER_KEYS = ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "steps")
+COUNTER_KEYS = ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "steps",
+                "server_in_bits", "server_out_bits")
 STATE_FORMAT = 1
 
 
@@ -24,6 +27,7 @@ class ResidualManager:
     def __init__(self) -> None:
         self.residuals: Dict[str, Any] = {}
         self.reference: Dict[str, Any] = {}
+        self.server_residuals: Dict[str, Any] = {}
         self.counters: Dict[str, int] = {k: 0 for k in COUNTER_KEYS}
         self.config: Dict[str, Any] = {}
 
@@ -42,7 +46,10 @@ class ResidualManager:
         """Cumulative figures for this rank.
 
         upstream_bits   bits this rank sent (real message sizes, headers included)
-        downstream_bits bits this rank received from the other ranks
+        downstream_bits bits this rank received from the other ranks (topology "server": the
+                        downlink messages; 0 on the root, which makes them)
+        server_in_bits  root of topology "server": uplink bits received from the other ranks
+        server_out_bits root of topology "server": downlink bits sent (message x other ranks)
         dense_bits      32 x element count x steps: an uncompressed fp32 upload at every step
         syncs           number of exchanges
         steps           number of optimizer steps (local steps count, delay > 1)
@@ -52,6 +59,7 @@ class ResidualManager:
     def state_dict(self) -> Dict[str, Any]:
         return {"format": STATE_FORMAT, "residuals": dict(self.residuals),
                 "reference": dict(self.reference), "counters": dict(self.counters),
+                "server_residuals": dict(self.server_residuals),
                 "config": dict(self.config)}
 
     def load_state_dict(self, state: Dict[str, Any], copy: Callable[[Any, Any], Any]) -> None:
@@ -66,4 +74,6 @@ class ResidualManager:
                     f"{key}={self.config[key]!r}; residuals are only valid for the same setting")
         self.residuals = {k: copy(self.residuals.get(k), v) for k, v in state["residuals"].items()}
         self.reference = {k: copy(self.reference.get(k), v) for k, v in state["reference"].items()}
+        self.server_residuals = {k: copy(self.server_residuals.get(k), v)
+                                 for k, v in state.get("server_residuals", {}).items()}
         self.counters = {k: int(state["counters"].get(k, 0)) for k in COUNTER_KEYS}

@@ -17,7 +17,8 @@ Step message
                                    bit 1  SKIP: like ERROR, but the sender asks every rank to skip
                                           this sync instead of failing
                                    bits 2..7 reserved, must be 0
-    6       2     reserved         0
+    6       2     origin           uint16: 0, or for ERROR/SKIP the rank that failed (a server
+                                   relaying another rank's failure keeps that rank)
     8       4     body_length      uint32: number of bytes after this 24-byte header
     12      4     layout           uint32: CRC-32 of the sender's tensor layout (see below)
     16      4     n_tensors        uint32: number of tensor messages in the body
@@ -248,10 +249,20 @@ def step_message_bytes(body: bytes, layout_crc: int, n_tensors: int, flags: int 
     return step_header_bytes(body, layout_crc, n_tensors, flags) + bytes(body)
 
 
-def error_step_message(reason: str, layout_crc: int, skip: bool = False) -> bytes:
-    """A step message that tells every rank this sender failed (or asks to skip the sync)."""
+def error_step_message(reason: str, layout_crc: int, skip: bool = False, origin: int = 0) -> bytes:
+    """A step message that tells every rank that rank ``origin`` failed (or asks to skip)."""
     body = reason.encode("utf-8")[:4096]
-    return step_message_bytes(body, layout_crc, 0, STEP_FLAG_SKIP if skip else STEP_FLAG_ERROR)
+    flags = STEP_FLAG_SKIP if skip else STEP_FLAG_ERROR
+    head = STEP_HEADER.pack(STEP_MAGIC, VERSION, flags, origin & 0xFFFF, len(body), layout_crc, 0,
+                            zlib.crc32(body) & 0xFFFFFFFF)
+    return head + body
+
+
+def peer_error(buf, start: int, end: int, kind: int) -> "PeerError":
+    """The :class:`PeerError` an ERROR (kind -1) or SKIP (kind -2) step message reports."""
+    (origin,) = struct.unpack_from("<H", bytes(buf[start + 6:start + 8]))
+    reason = bytes(buf[start + STEP_HEADER_SIZE:end]).decode("utf-8", "replace")
+    return PeerError(origin, reason, kind == -2)
 
 
 class PeerError(ValueError):
@@ -398,7 +409,7 @@ def parse_step_header(buf, start: int, end: int, expected_layout: Optional[int],
         raise ValueError(f"corrupt message: bad step magic from {who}")
     if version != VERSION:
         raise ValueError(f"unsupported wire format version {version} from {who} (this is {VERSION})")
-    if flags & ~(STEP_FLAG_ERROR | STEP_FLAG_SKIP) or reserved:
+    if flags & ~(STEP_FLAG_ERROR | STEP_FLAG_SKIP) or (reserved and not flags):
         raise ValueError(f"corrupt message: reserved step header bits set from {who}")
     if start + STEP_HEADER_SIZE + body_len != end:
         raise ValueError(f"corrupt message: step body length mismatch from {who}")
@@ -556,8 +567,7 @@ def decode_step_np(buf: bytes, layout: Sequence[Tuple[str, Sequence[int]]], n_ra
     for r, (start, end) in enumerate(split_step_messages(buf, n_ranks)):
         n_t = parse_step_header(buf, start, end, fp, f"rank {r}")
         if n_t < 0:
-            raise PeerError(r, bytes(buf[start + STEP_HEADER_SIZE:end]).decode("utf-8", "replace"),
-                            n_t == -2)
+            raise peer_error(buf, start, end, n_t)
         if n_t != len(layout):
             raise ValueError(f"rank {r} sent {n_t} tensors, expected {len(layout)}")
         off = start + STEP_HEADER_SIZE

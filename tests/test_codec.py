@@ -381,8 +381,8 @@ def test_layout_mismatch_and_peer_error_messages():
     layout, buf = _sample_step()
     with pytest.raises(ValueError, match="different tensor layout"):
         wire.decode_step_np(buf, [("w", (40, 30)), ("b", (40,))], 1)
-    err = wire.error_step_message("rank 1: the update of 'w' contains NaN or Inf",
-                                  wire.layout_fingerprint(layout))
+    err = wire.error_step_message("the update of 'w' contains NaN or Inf",
+                                  wire.layout_fingerprint(layout), origin=1)
     with pytest.raises(wire.PeerError, match="rank 1 could not encode.*'w' contains NaN"):
         wire.decode_step_np(buf + err, layout, 2)
 

@@ -63,6 +63,16 @@ class SBC:
             ``hvd.DistributedOptimizer`` it must be 1 (gradients are compressed every step).
         binarize: True (SBC) sends one mean per tensor; False sends the kept entries' own float32
             values (top-k sparsification with error feedback, ~32 more bits per position).
+        topology: ``"allgather"`` (default): every rank receives every rank's message, so the
+            download per rank grows with the number of workers. ``"server"``: rank 0 gathers the
+            messages, averages, compresses the average again with its own residual at
+            ``downlink_density`` and broadcasts one message (Zou et al., arXiv 2209.15203);
+            downlink bytes then stay flat in the number of workers. Needs Horovod's MPI
+            controller (``horovodrun --mpi``, ``mpirun``) and the drop-in optimizer.
+        downlink_density: fraction kept by the server's top-k of the average (``"server"`` only);
+            ``None`` sends the average dense (32 bits per element), for comparison.
+        downlink_binarize: binarize the downlink like SBC (one mean) instead of sending the kept
+            values (plain top-k, as in the paper).
         nonfinite: what to do when an update holds NaN/Inf. ``"raise"``: every rank raises
             ``ValueError`` naming the rank and parameter. ``"skip"``: every rank skips the sync
             (a warning names the parameter); the weights stay at the last shared state, healthy
@@ -73,8 +83,18 @@ class SBC:
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
-                 nonfinite: str = "raise", named_parameters=None):
+                 nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
+                 downlink_density: Optional[float] = None, downlink_binarize: bool = False):
         self.density = validate_density(density)
+        if topology not in ("allgather", "server"):
+            raise ValueError(f"topology must be 'allgather' or 'server', got {topology!r}")
+        if downlink_density is not None:
+            if topology != "server":
+                raise ValueError("downlink_density applies to topology='server' only")
+            downlink_density = validate_density(downlink_density)
+        self.topology = topology
+        self.downlink_density = downlink_density
+        self._downlink_mode = "sbc" if downlink_binarize else "values"
         if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
             raise ValueError(f"delay must be an integer >= 1, got {delay!r}")
         if nonfinite not in _NONFINITE:
@@ -85,7 +105,8 @@ class SBC:
         self._gen = None
         self.nonfinite = nonfinite
         self.manager = ResidualManager()
-        self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize)
+        self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
+                                   topology=topology)
         self._named = list(named_parameters) if named_parameters is not None else None
         self._calls: Dict[str, int] = {}
 
@@ -152,6 +173,7 @@ class SBC:
         dev = items[0][1].device if items else torch.device("cpu")
         pending = []
         step = None
+        local_error = False
         for it in items:
             name, value = it[0], it[1]
             res = self._residual(name, value)
@@ -165,22 +187,25 @@ class SBC:
                                                  self._generator(res.device))
             except NonFiniteError as e:
                 _restore(res, upd)
-                step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
-                                            dev)
+                step = exchange.error_frame(str(e), fp, self.nonfinite == "skip", dev, rank)
+                local_error = True
                 break
             pending.append((it, res, pos, sent, msg))
         if step is None:
             step = exchange.frame([p[4] for p in pending], fp, dev)
-        gathered = exchange.allgather(step, tag)
-        self.manager.add(upstream_bits=8 * step.numel(),
-                         downstream_bits=8 * (gathered.numel() - step.numel()))
         try:
-            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size,
-                                           self._sum_dtype(items))
+            if self.topology == "server":
+                out = self._server_exchange(step, layout, size, rank, out, self._sum_dtype(items))
+            else:
+                gathered = exchange.allgather(step, tag)
+                self.manager.add(upstream_bits=8 * step.numel(),
+                                 downstream_bits=8 * (gathered.numel() - step.numel()))
+                out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size,
+                                               self._sum_dtype(items))
         except wire.PeerError as e:
             if e.skip:
                 warnings.warn(f"horovod_sbc: skipping this sync: {e}")
-                if e.rank == rank:  # the failing rank drops this window's update
+                if local_error:  # the failing rank drops this window's update
                     for it, res, _, _, _ in pending:
                         _restore(res, _update_of(it, res.dtype))
                 # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
@@ -190,6 +215,54 @@ class SBC:
             subtract_sent_(res, pos, sent)
         self.manager.add(syncs=1)
         return out
+
+    def _server_exchange(self, step: torch.Tensor, layout, size: int, rank: int, out,
+                         sum_dtype) -> List[torch.Tensor]:
+        """Server topology (Zou, De Sterck, Liu, "Downlink Compression Improves TopK
+        Sparsification", arXiv 2209.15203): rank 0 gathers every rank's step message (a real MPI
+        gather: nothing goes to the other workers), decodes and averages them, adds its own
+        server residual, compresses the average at ``downlink_density`` and broadcasts that one
+        message; every rank, rank 0 included, applies the same decoded downlink."""
+        from . import server
+        root = 0
+        gathered = server.gather(step, root)
+        self.manager.add(upstream_bits=8 * step.numel())
+        down = None
+        if rank == root:
+            self.manager.add(server_in_bits=8 * (gathered.numel() - step.numel()))
+            down = self._server_step(gathered, layout, size, sum_dtype, step.device)
+        down = server.broadcast(down, root, step.device)
+        if rank == root:
+            self.manager.add(server_out_bits=8 * down.numel() * (size - 1))
+        else:
+            self.manager.add(downstream_bits=8 * down.numel())
+        return exchange.decode_gathered(down, layout, 1, out, 1.0, sum_dtype)
+
+    def _server_step(self, gathered, layout, size, sum_dtype, dev) -> torch.Tensor:
+        """Root only: the downlink step message for the gathered uplinks (or an error frame
+        that makes every rank fail or skip together)."""
+        fp = wire.layout_fingerprint(layout)
+        try:
+            avg = exchange.decode_gathered(gathered, layout, size, None, 1.0 / size, sum_dtype)
+        except wire.PeerError as e:
+            return exchange.error_frame(e.reason, fp, e.skip, dev, e.rank)  # relay it
+        except ValueError as e:  # a malformed uplink: everybody must hear about it
+            return exchange.error_frame(f"the server rejected an uplink: {e}", fp, False, dev, 0)
+        msgs = []
+        srv = self.manager.server_residuals
+        for (name, _), a in zip(layout, avg):
+            if self.downlink_density is None:  # dense downlink: exact average, no residual
+                msg, _, _ = encode_update(a, 1.0, "values", name)
+            else:
+                r = srv.get(name)
+                if r is None or r.numel() != a.numel():
+                    r = srv[name] = torch.zeros_like(a)
+                r.add_(a)  # server-side error feedback
+                msg, pos, sent = encode_update(r, self.downlink_density, self._downlink_mode,
+                                               name)
+                subtract_sent_(r, pos, sent)
+            msgs.append(msg)
+        return exchange.frame(msgs, fp, dev)
 
     @staticmethod
     def _sum_dtype(items) -> torch.dtype:
@@ -245,6 +318,10 @@ class SBC:
                 f"SBC(delay={self.delay}) needs local steps between syncs, which stock "
                 "hvd.DistributedOptimizer cannot do: use horovod_sbc.torch.DistributedOptimizer("
                 "optimizer, named_parameters, compression=SBC(..., delay=n)).")
+        if self.topology != "allgather":
+            raise ValueError("SBC(topology='server') needs the fused exchange of "
+                             "horovod_sbc.torch.DistributedOptimizer; stock "
+                             "hvd.DistributedOptimizer sends one message per tensor")
         self._op_sum = False
         name = self._identify(tensor)
         if tensor.is_sparse:
@@ -263,8 +340,8 @@ class SBC:
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
             _restore(res, upd)
-            step = exchange.error_frame(f"rank {rank}: {e}", fp, self.nonfinite == "skip",
-                                        tensor.device)
+            step = exchange.error_frame(str(e), fp, self.nonfinite == "skip", tensor.device,
+                                        rank)
             a = None
         handle = exchange.allgather_async(step, f"sbc.{name}")
         self._calls[name] = self._calls.get(name, 0) + 1

@@ -33,8 +33,8 @@ def frame(msgs: Sequence[torch.Tensor], layout_crc: int, device) -> torch.Tensor
     return torch.cat([_device_bytes(head, device), body])
 
 
-def error_frame(reason: str, layout_crc: int, skip: bool, device) -> torch.Tensor:
-    return _device_bytes(wire.error_step_message(reason, layout_crc, skip), device)
+def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int) -> torch.Tensor:
+    return _device_bytes(wire.error_step_message(reason, layout_crc, skip, origin), device)
 
 
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
@@ -59,9 +59,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     for want in (-1, -2):
         for r, k in enumerate(kinds):
             if k == want:
-                s, e = ranges[r]
-                reason = host[s + wire.STEP_HEADER_SIZE:e].decode("utf-8", "replace")
-                raise wire.PeerError(r, reason, want == -2)
+                raise wire.peer_error(host, ranges[r][0], ranges[r][1], want)
     for r, (s, e) in enumerate(ranges):
         wire.parse_step_header(host, s, e, fp, f"rank {r}")
         if kinds[r] != len(layout):

@@ -139,7 +139,12 @@ def run_train():
     api = KW.get("api", "dropin")
     density, delay = float(KW.get("density", 0.05)), int(KW.get("delay", 1))
     steps = int(KW.get("steps", 12))
-    model, opt, stats = build(api, density, delay)
+    comp = None
+    if "topology" in KW:
+        down = KW.get("downlink")
+        comp = sbc.SBC(density=density, delay=delay, topology=KW["topology"],
+                       downlink_density=None if down in (None, "none") else float(down))
+    model, opt, stats = build(api, density, delay, comp=comp)
     digests = [digest(model)]
     losses = []
     for s in range(steps):
@@ -174,7 +179,10 @@ def ckpt_path():
 
 def run_save_load():
     density, delay = 0.05, 3
-    model, opt, stats = build("dropin", density, delay)
+    comp = None
+    if KW.get("topology") == "server":
+        comp = sbc.SBC(density=density, delay=delay, topology="server", downlink_density=0.1)
+    model, opt, stats = build("dropin", density, delay, comp=comp)
     first = int(KW.get("first", 7))
     if MODE == "save":
         for s in range(first):

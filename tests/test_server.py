@@ -1,0 +1,67 @@
+"""Server topology (downlink compression, Zou et al. arXiv 2209.15203) on real multi-rank jobs."""
+import json
+import os
+import tempfile
+
+import pytest
+
+from harness import ROOT, run_ranks
+from test_torch import TRAINABLE
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("np_,downlink,delay", [(2, "0.1", 2), (3, "0.1", 1), (3, "none", 1)])
+def test_server_topology_identical_parameters_and_accounting(np_, downlink, delay):
+    steps = 8
+    results, _ = run_ranks("torch_sbc.py", np_, ["train", "topology=server",
+                                                 f"downlink={downlink}", f"delay={delay}",
+                                                 f"steps={steps}"], timeout=180)
+    for s in range(0, steps + 1, delay):
+        assert len({r["digests"][s] for r in results}) == 1, f"ranks differ after step {s}"
+    assert len(set(results[0]["digests"][::delay])) == steps // delay + 1
+    root, others = results[0]["stats"], [r["stats"] for r in results[1:]]
+    syncs = steps // delay
+    assert root["syncs"] == syncs and all(o["syncs"] == syncs for o in others)
+    # the root received exactly what the others sent, and sent each of them the same downlink
+    assert root["server_in_bits"] == sum(o["upstream_bits"] for o in others)
+    assert root["server_out_bits"] == sum(o["downstream_bits"] for o in others)
+    assert len({o["downstream_bits"] for o in others}) == 1
+    assert root["downstream_bits"] == 0
+    assert all(o["server_in_bits"] == o["server_out_bits"] == 0 for o in others)
+    per_sync = others[0]["downstream_bits"] / syncs
+    if downlink == "none":  # dense downlink: 32 bits per element plus headers
+        assert 32 * TRAINABLE <= per_sync < 32 * TRAINABLE + 2000
+    else:  # top-k at 10 %: values + coded positions, far below dense
+        assert 32 * 0.1 * TRAINABLE < per_sync < 0.5 * 32 * TRAINABLE
+
+
+def test_server_topology_checkpoint_resumes_bit_identically():
+    ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
+    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", "topology=server"],
+                         timeout=120)
+    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", "topology=server"],
+                          timeout=120)
+    for r in range(2):
+        assert loaded[r]["digests"] == saved[r]["digests"]
+
+
+def test_server_topology_needs_mpi_and_says_so():
+    _, out = run_ranks("torch_sbc.py", 2, ["train", "topology=server", "steps=2"], timeout=120,
+                       controller="gloo", expect_fail=True)
+    assert "topology='server') needs Horovod's MPI controller" in out
+
+
+@pytest.mark.slow
+def test_server_topology_accuracy_within_one_point_of_allgather():
+    acc = {}
+    for topo in ("allgather", "server"):
+        out = os.path.join(tempfile.mkdtemp(prefix="sbc-digits-"), "res.json")
+        extra = ["--downlink-density", "0.02"] if topo == "server" else []
+        run_ranks(str(ROOT / "examples" / "pytorch_sbc_digits.py"), 2,
+                  ["--methods", "sbc", "--density", "0.01", "--delay", "4", "--topology", topo,
+                   "--json", out, "--no-progress", *extra], timeout=300, raw=True)
+        (run,) = json.load(open(out))["runs"]
+        assert run["ranks_identical"] and run["topology"] == topo
+        acc[topo] = run["final_accuracy"]
+    assert acc["server"] >= acc["allgather"] - 0.01, acc
