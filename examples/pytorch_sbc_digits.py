@@ -57,7 +57,8 @@ def train(method: str, args, data, progress: bool):
         hvd.broadcast_optimizer_state(opt, root_rank=0)
     else:
         comp = sbc.SBC(density=args.density, delay=args.delay, topology=args.topology,
-                       downlink_density=args.downlink_density)
+                       downlink_density=args.downlink_density,
+                       downlink_binarize=args.downlink_binarize)
         opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
     # each rank trains on its own shard of the training set
@@ -99,6 +100,7 @@ def train(method: str, args, data, progress: bool):
     else:
         st = comp.stats() if args.api == "stock" else opt.stats()
         res.update(st)
+        res["per_rank"] = hvd.allgather_object(st)  # every rank's own figures, rank order
     res["compression_ratio"] = res["dense_bits"] / max(1, res["upstream_bits"])
     return res
 
@@ -119,6 +121,8 @@ def main(argv=None):
                     help="server: rank 0 gathers, averages, re-compresses and broadcasts")
     ap.add_argument("--downlink-density", type=float, default=None,
                     help="server topology: top-k density of the downlink (default dense)")
+    ap.add_argument("--downlink-binarize", action="store_true",
+                    help="server topology: binarize the downlink like SBC (one mean)")
     ap.add_argument("--json", help="write the results (rank 0) to this file")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
