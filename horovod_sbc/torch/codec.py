@@ -19,7 +19,7 @@ import torch
 from .. import wire
 from ..core import keep_count
 
-_EXACT_BELOW = 1 << 16
+_EXACT_BELOW = 1 << 14  # below this a kthvalue over the whole tensor is faster
 _BLOCK = 32
 _BIT_SHIFTS = {}
 
