@@ -60,9 +60,10 @@ def select_np(a_abs: np.ndarray, k: int) -> np.ndarray:
         return np.arange(n, dtype=np.int64)
     if k == 0:
         return np.zeros(0, dtype=np.int64)
-    # stable sort by descending magnitude => equal magnitudes stay in index order
-    order = np.argsort(-a_abs, kind="stable")
-    return np.sort(order[:k]).astype(np.int64)
+    thr = np.partition(a_abs, n - k)[n - k]  # the k-th largest magnitude
+    above = np.flatnonzero(a_abs > thr)
+    ties = np.flatnonzero(a_abs == thr)[:k - above.size]  # lowest indices first
+    return np.sort(np.concatenate([above, ties])).astype(np.int64)
 
 
 def binarize_np(values: np.ndarray) -> Tuple[np.ndarray, float, bool]:
