@@ -1,4 +1,16 @@
-"""TensorFlow adapter of horovod_sbc (codec bridge; the training integration is tracked in issue #5)."""
+"""TensorFlow 2 adapter of horovod_sbc (Sparse Binary Compression, arXiv 1805.08768).
+
+* :class:`SBC` — the compressor and its state (a ``tf.Module``: residuals, reference weights and
+  counters are ``tf.Variable`` s tracked by ``tf.train.Checkpoint``). One-line change to stock
+  Horovod: ``hvd.DistributedGradientTape(tape, compression=SBC(density=0.01))``.
+* :func:`DistributedGradientTape` — drop-in with one fused allgather per sync, communication delay
+  (with :meth:`SBC.step`), Keras 3 variables accepted; eager and ``tf.function``.
+* :class:`SBCCallback` — Keras 3 ``model.fit`` with SBC (imported lazily: needs ``keras``).
+* :func:`broadcast_variables` — start all ranks equal (accepts Keras 3 variables).
+* :func:`compress` / :func:`decompress` — the single-tensor codec bridge to the numpy reference.
+
+See docs/tensorflow.md.
+"""
 try:
     import tensorflow  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.py in a subprocess
@@ -7,5 +19,15 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
                       "see scripts/install.sh)") from e
 
 from .codec import compress, decompress
+from .compressor import SBC
+from .tape import DistributedGradientTape, broadcast_variables
 
-__all__ = ["compress", "decompress"]
+__all__ = ["SBC", "DistributedGradientTape", "SBCCallback", "broadcast_variables", "compress",
+           "decompress"]
+
+
+def __getattr__(name):
+    if name == "SBCCallback":  # keras is imported only when the callback is asked for
+        from .callback import SBCCallback
+        return SBCCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

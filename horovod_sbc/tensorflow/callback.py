@@ -1,0 +1,88 @@
+"""Keras 3: ``SBCCallback`` — ``model.fit`` with SBC and communication delay on several ranks.
+
+Why a callback. With Keras 3 (3.15 here), Horovod 0.28.1's ``horovod.tensorflow.keras`` wraps
+the *legacy* optimizer API (``get_gradients`` / ``_compute_gradients``) that Keras 3 optimizers no
+longer have, and its tape calls ``.ref()`` on Keras 3 variables (upstream issue #4290). An
+optimizer wrapper or a custom ``train_step`` would have to reach into Keras internals that change
+between releases. A callback uses only public, stable hooks: ``model.fit`` trains each rank with
+your own, unmodified optimizer, and after every batch the callback runs :meth:`SBC.step` on the
+model's trainable variables — the communication-delay algorithm of the SBC paper (local steps,
+then the weight update ``dW = W - W_ref`` is SBC-compressed, allgathered, averaged; every rank
+continues from the new shared weights). ``delay=1`` synchronizes after every batch.
+
+Rules of the road:
+
+* every rank must run the same number of batches (shard your data evenly), as with Horovod;
+* the sync counts ``on_train_batch_end`` calls, i.e. one per ``steps_per_execution`` batches;
+* only trainable floating-point variables are exchanged; non-trainable state (e.g. BatchNorm
+  moving statistics) stays local;
+* the sync runs eagerly (outside the compiled train function), so a NaN on any rank raises
+  ``ValueError`` on every rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+
+from .compressor import SBC
+from .tape import broadcast_variables
+
+
+class SBCCallback(keras.callbacks.Callback):
+    """Synchronize a Keras 3 model across Horovod ranks with SBC after every batch.
+
+    Args:
+        compression: the :class:`SBC` holding knobs and state (default ``SBC()``); put it in your
+            ``tf.train.Checkpoint`` next to the model and optimizer to resume exactly.
+        density, delay: shorthands for ``SBC(density=..., delay=...)``.
+        broadcast: at the start of the first ``fit`` (while the SBC state is not built yet),
+            broadcast ``model.variables`` from ``root_rank`` so all ranks start equal.
+        root_rank: the rank whose initial weights everyone starts from.
+        sync_on_end: at the end of ``fit``, exchange what is left of a partial delay window so
+            that all ranks end with identical weights.
+
+    ``callback.stats()`` gives the traffic figures (see :meth:`SBC.stats`).
+    """
+
+    def __init__(self, compression: Optional[SBC] = None, *, density: Optional[float] = None,
+                 delay: Optional[int] = None, broadcast: bool = True, root_rank: int = 0,
+                 sync_on_end: bool = True):
+        super().__init__()
+        if compression is None:
+            kw = {}
+            if density is not None:
+                kw["density"] = density
+            if delay is not None:
+                kw["delay"] = delay
+            compression = SBC(**kw)
+        elif delay is not None or density is not None:
+            raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
+        if not isinstance(compression, SBC):
+            raise TypeError(f"compression must be horovod_sbc.tensorflow.SBC (or a subclass), "
+                            f"got {type(compression).__name__}")
+        self.sbc = compression
+        self.broadcast = broadcast
+        self.root_rank = root_rank
+        self.sync_on_end = sync_on_end
+
+    def stats(self):
+        return self.sbc.stats()
+
+    def _variables(self):
+        return self.model.trainable_variables
+
+    def on_train_begin(self, logs=None):
+        variables = self._variables()
+        names = {e[0] for e in self.sbc._entries(variables)}
+        if not names.issubset(set(self.sbc.reference.keys())):
+            if self.broadcast:
+                broadcast_variables(self.model.variables, self.root_rank)
+            self.sbc.build(variables)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.sbc.step(self._variables())
+
+    def on_train_end(self, logs=None):
+        if self.sync_on_end and int(self.sbc.local_steps.numpy()) > 0:
+            self.sbc.synchronize(self._variables())

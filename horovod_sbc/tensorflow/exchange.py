@@ -1,0 +1,164 @@
+"""The exchange for TensorFlow (GRACE's *Communicator*): encode, allgather, decode, average.
+
+One sync is three graph pieces, so it runs the same way eagerly and inside ``tf.function``:
+
+1. ``tf.numpy_function`` → :func:`encode_step`: every tensor's update plus residual is compressed
+   by the numpy reference (:func:`horovod_sbc.core.compress_np`) and the tensor messages are
+   framed into ONE step message (:func:`horovod_sbc.wire.step_message_bytes`). A non-finite update
+   yields an ERROR (or SKIP) step message instead (:func:`horovod_sbc.wire.error_step_message`),
+   so the other ranks learn of it from the same allgather instead of hanging.
+2. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
+   Horovod's background thread, blocks no TensorFlow thread).
+3. ``tf.numpy_function`` → :func:`decode_into`: :func:`horovod_sbc.wire.decode_step_np` validates
+   and decodes every rank's message, in rank order, and ``scale`` x each is added into the output
+   (zeros, or e.g. the reference weights). Every rank adds the same values in the same order, so
+   all ranks get bit-identical results.
+
+The bytes are those of the wire format spec (``horovod_sbc/wire.py``), identical to the PyTorch
+adapter's: a TensorFlow rank and a PyTorch rank decode each other's messages.
+
+Errors: a ``ValueError`` raised in step 3 surfaces as ``ValueError`` in eager mode; inside a
+``tf.function`` TensorFlow re-raises it as ``tf.errors.InvalidArgumentError`` with the same text
+(``"ValueError: SBC: rank 1 could not encode ..."``).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from .. import core, wire
+
+# what decode_into() tells the caller to do with the residuals
+COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = 0, 1, 2
+
+
+def tf_name(name: str) -> str:
+    """A string usable as a TensorFlow op / Horovod tensor name."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side (numpy): run inside tf.numpy_function
+# ----------------------------------------------------------------------------------------------
+def encode_step(names: Sequence[str], updates: Sequence[np.ndarray],
+                residuals: Sequence[np.ndarray], density: float, binarize: bool,
+                layout_crc: int, rank: int, skip: bool):
+    """(step message as uint8 array, new residuals, failed) for one sync of this rank.
+
+    ``new residuals`` are ``R + dW - sent`` per tensor, to be committed only once every rank's
+    message decoded. On a NaN/Inf the step message is an ERROR (SKIP if ``skip``) message naming
+    the tensor (and this rank as its origin), ``new residuals`` are the old ones and ``failed`` is
+    True.
+    """
+    msgs, new_res = [], []
+    for name, u, r in zip(names, updates, residuals):
+        try:
+            msg, res = core.compress_np(u, r, density, binarize)
+        except ValueError:  # the reference's only error here: R + dW holds NaN or Inf
+            reason = f"the update of {name!r} contains NaN or Inf"
+            step = wire.error_step_message(reason, layout_crc, skip, origin=rank)
+            return (np.frombuffer(step, np.uint8).copy(), [np.asarray(x) for x in residuals],
+                    True)
+        msgs.append(msg)
+        new_res.append(res.astype(r.dtype, copy=False))
+    step = wire.step_message_bytes(b"".join(msgs), layout_crc, len(msgs))
+    return np.frombuffer(step, np.uint8).copy(), new_res, False
+
+
+def decode_into(gathered: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]],
+                n_ranks: int, outs: List[np.ndarray], scale: float, failed: bool
+                ) -> Tuple[int, List[np.ndarray]]:
+    """Add ``scale`` x every rank's decoded tensors, in rank order, to ``outs`` (in place).
+
+    Returns ``(code, outs)``: ``COMMIT`` after a good sync; if a rank sent SKIP, ``outs`` are
+    untouched and the code says whether this rank keeps its update in the residual
+    (``SKIP_KEEP_UPDATE``, healthy ranks) or drops it (``SKIP_DROP_UPDATE``, a rank that
+    ``failed`` to encode).
+    Raises ``ValueError`` if a rank sent ERROR ("SBC: rank R could not encode this sync: ...")
+    or anything is malformed; nothing is added unless every step message is well-formed.
+    """
+    try:
+        per_rank = wire.decode_step_np(np.asarray(gathered, np.uint8).tobytes(), layout,
+                                       n_ranks)
+    except wire.PeerError as e:
+        if not e.skip:
+            raise ValueError(f"SBC: {e}") from None
+        warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+        return (SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), outs
+    for tensors in per_rank:
+        for out, (pos, vals) in zip(outs, tensors):
+            if pos.size:  # positions within one message are unique: plain indexed add
+                flat = out.reshape(-1)
+                flat[pos] += (vals.astype(np.float64) * scale).astype(out.dtype)
+    return COMMIT, outs
+
+
+# ----------------------------------------------------------------------------------------------
+# graph side (TensorFlow ops)
+# ----------------------------------------------------------------------------------------------
+def allgather(step: tf.Tensor, name: str) -> tf.Tensor:
+    """Every rank's step message, concatenated in rank order (``horovod.tensorflow.allgather``)."""
+    import horovod.tensorflow as hvd
+    return hvd.allgather(step, name=name)
+
+
+def residual_dtype(dtype: tf.DType) -> tf.DType:
+    """fp16/bf16/fp32 updates accumulate in fp32 (small updates would vanish in 16 bits)."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
+             updates: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], *, density: float,
+             binarize: bool, skip: bool, rank: int, size: int, scale: float, tag: str,
+             outs: Optional[Sequence[tf.Tensor]] = None, on_gathered=None):
+    """One sync as graph ops: ``(code, results, new_residuals)``.
+
+    ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
+    zeros) plus ``scale`` x the sum of all ranks' decoded updates; ``code`` is a scalar int32
+    (see :func:`decode_into`). The caller commits ``new_residuals`` according to ``code``.
+    ``on_gathered(step, gathered)`` returns ops (e.g. traffic counters) that run before decoding,
+    so they count a sync that then fails too.
+    """
+    layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
+    fp = wire.layout_fingerprint(layout)
+    n = len(names)
+    res_dtypes = [r.dtype for r in residuals]
+
+    def _encode(*arrays):
+        step, new_res, failed = encode_step(names, arrays[:n], arrays[n:], density, binarize, fp,
+                                            rank, skip)
+        return [step, *new_res, np.bool_(failed)]
+
+    enc = tf.numpy_function(_encode, [*updates, *residuals], [tf.uint8, *res_dtypes, tf.bool],
+                            stateful=True, name="sbc_encode")
+    step, new_res, failed = enc[0], list(enc[1:1 + n]), enc[-1]
+    step.set_shape([None])
+    for t, s in zip(new_res, shapes):
+        t.set_shape(s)
+    gathered = allgather(step, tag)
+
+    if outs is None:
+        out_dtypes = res_dtypes
+        out_inputs = []
+    else:
+        out_dtypes = [o.dtype for o in outs]
+        out_inputs = list(outs)
+
+    def _decode(g, f, *arrays):
+        bufs = ([np.array(a, copy=True) for a in arrays] if arrays else
+                [np.zeros(s, dt.as_numpy_dtype) for s, dt in zip(shapes, out_dtypes)])
+        code, bufs = decode_into(g, layout, size, bufs, scale, bool(f))
+        return [np.int32(code), *bufs]
+
+    with tf.control_dependencies(on_gathered(step, gathered) if on_gathered else []):
+        dec = tf.numpy_function(_decode, [gathered, failed, *out_inputs], [tf.int32, *out_dtypes],
+                                stateful=True, name="sbc_decode")
+    code, results = dec[0], list(dec[1:])
+    code.set_shape([])
+    for t, s in zip(results, shapes):
+        t.set_shape(s)
+    return code, results, new_res

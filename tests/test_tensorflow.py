@@ -1,0 +1,136 @@
+"""TensorFlow 2 integration on real multi-rank jobs: stock and drop-in tape (eager and
+tf.function), delay, Keras model.fit, checkpoints, accounting, errors, interop with PyTorch.
+
+Few jobs, each checking a lot: a horovodrun job with TensorFlow takes ~10 s just to start.
+"""
+import json
+import os
+import tempfile
+
+import pytest
+
+from harness import ROOT, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+# tests/workers/tf_sbc.py: fc1 (20->32), fc2 (32->5), and for the drop-in an aux head (32->5)
+NUMEL = {"stock": 20 * 32 + 32 + 32 * 5 + 5, "dropin": 20 * 32 + 32 + 2 * (32 * 5 + 5)}
+N_TENSORS = {"stock": 4, "dropin": 6}
+
+
+def check_run(results, spec, steps):
+    """Identical variables after the broadcast and after every sync; exact accounting."""
+    api, mode, delay = spec.split("-")
+    delay = int(delay)
+    runs = [r[spec] for r in results]
+    np_ = len(results)
+    digests = [r["digests"] for r in runs]
+    for s in range(0, steps + 1, delay):
+        assert len({d[s] for d in digests}) == 1, f"{spec}: ranks differ after step {s}"
+    assert len(set(digests[0])) == steps + 1, f"{spec}: weights must move every step"
+    if delay > 1:  # between syncs the ranks train locally on their own data
+        assert digests[0][1] != digests[1][1]
+    for r in runs:
+        st, g = r["stats"], r["gathered"]
+        assert r["numel"] == NUMEL[api] and r["n_tensors"] == N_TENSORS[api]
+        assert st["steps"] == steps and st["syncs"] == steps // delay, spec
+        assert st["dense_bits"] == 32 * NUMEL[api] * steps, spec
+        dummy = 32 * N_TENSORS[api] * steps if api == "stock" else 0  # Horovod's 1-float allreduce
+        assert st["upstream_bits"] == 8 * g["sent"] + dummy, spec
+        assert st["downstream_bits"] == 8 * g["received"], spec
+        assert st["upstream_bits"] * 10 < st["dense_bits"], spec
+    # what one rank sent, every other rank received
+    assert sum(r["gathered"]["sent"] for r in runs) * (np_ - 1) == \
+        sum(r["gathered"]["received"] for r in runs)
+    return runs
+
+
+RUNS_2 = ["stock-eager-1", "stock-fn-1", "dropin-eager-1", "dropin-fn-1", "dropin-fn-3"]
+
+
+def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
+    steps = 8
+    results, _ = run_ranks("tf_sbc.py", 2, ["train", f"steps={steps}", "runs=" + ",".join(RUNS_2),
+                                            "equiv=1"], timeout=240)
+    runs = {spec: check_run(results, spec, steps) for spec in RUNS_2}
+    # eager and tf.function compute the same thing, bit for bit
+    for api in ("stock", "dropin"):
+        assert runs[f"{api}-eager-1"][0]["digests"] == runs[f"{api}-fn-1"][0]["digests"]
+        assert runs[f"{api}-eager-1"][0]["stats"] == runs[f"{api}-fn-1"][0]["stats"]
+    # density 1 without binarization is exactly Horovod's dense averaging
+    for r in results:
+        assert r["equiv"]["max_abs_diff"] <= 1e-6
+    assert results[0]["equiv"]["digest"] == results[1]["equiv"]["digest"]
+
+
+def test_three_ranks_and_pytorch_decodes_tensorflow_messages():
+    steps, runs = 4, ["stock-fn-1", "dropin-eager-1", "dropin-fn-2"]
+    results, _ = run_ranks("tf_sbc.py", 3, ["train", f"steps={steps}", "runs=" + ",".join(runs),
+                                            "interop=1"], timeout=240)
+    for spec in runs:
+        check_run(results, spec, steps)
+    for r in results:  # a real sync: horovod_sbc.torch makes the same bytes from the same
+        # update and decodes the gathered buffer into the same average
+        assert r["interop"]["torch_encodes_identically"]
+        assert r["interop"]["torch_decodes_identically"] and r["interop"]["nonzero"] > 0
+
+
+def test_checkpoint_mid_delay_window_resumes_bit_identically():
+    ckpt = tempfile.mkdtemp(prefix="sbc-tf-ckpt-")
+    saved, _ = run_ranks("tf_sbc.py", 2, ["save", f"ckpt={ckpt}"], timeout=180)
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rank1"]
+    names = saved[0]["saved"]
+    assert any(n.startswith("sbc/residuals/") for n in names)
+    assert any(n.startswith("sbc/reference/") for n in names)
+    loaded, _ = run_ranks("tf_sbc.py", 2, ["load", f"ckpt={ckpt}"], timeout=180)
+    for r in range(2):
+        # restored in a new process: same weights, stats and window position, and the next 10
+        # steps (crossing 3 syncs) bit-identical to the uninterrupted run
+        assert loaded[r]["at_checkpoint"] == saved[r]["at_checkpoint"]
+        assert loaded[r]["digests"] == saved[r]["digests"]
+        assert loaded[r]["stats"] == saved[r]["stats"]
+        # without the SBC state (residuals, reference weights, window) it does not
+        assert loaded[r]["without_sbc_state"][-1] != saved[r]["digests"][-1]
+        assert "saved with world_size=2, rank=" in loaded[r]["other_rank"]
+    assert saved[0]["at_checkpoint"]["stats"]["steps"] == 7
+    assert saved[0]["at_checkpoint"]["local_steps"] == 1  # saved between syncs (delay 3)
+    assert saved[0]["at_checkpoint"]["digest"] != saved[1]["at_checkpoint"]["digest"]
+
+
+def test_errors_are_clear_and_raised_on_every_rank():
+    results, _ = run_ranks("tf_sbc.py", 2, ["errors"], timeout=240)
+    nan = "SBC: rank 1 could not encode this sync: the update of 'fc"
+    for r in results:
+        assert "use horovod_sbc.tensorflow.DistributedGradientTape" in r["delay_stock"]
+        assert "op=hvd.Adasum" in r["adasum"]
+        assert r["groups"] is None  # Horovod's grouped allreduce: the data still goes by allgather
+        assert "density must be in (0, 1]" in r["density"]
+        assert "compression must be horovod_sbc.tensorflow.SBC" in r["wrong_compression"]
+        assert r["plain_tensor"].startswith("TypeError: SBC needs variables")
+        assert "call sbc.step(variables) after applying the gradients" in r["forgot_step"]
+        assert "cannot also be used through hvd.DistributedGradientTape" in r["mixed_modes"]
+        # eager and Keras fit: a ValueError; inside tf.function TensorFlow wraps it
+        assert r["nan_eager"].startswith("ValueError: " + nan)
+        assert r["nan_keras"].startswith("ValueError: " + nan)
+        for key in ("nan_fn", "nan_stock"):
+            assert r[key].startswith("InvalidArgumentError") and ("ValueError: " + nan) in r[key]
+        for key in ("nan_eager_stats", "nan_fn_stats"):
+            assert r[key]["syncs"] == 0 and r[key]["steps"] == 1 and r[key]["upstream_bits"] > 0
+        assert "horovod_sbc: skipping this sync: rank 1 could not encode" in r["skip_warning"]
+        assert r["skip_back_to_reference"] and r["skip_residual_finite"] and r["skip_finite"]
+        assert r["skip_stats"]["steps"] == 4 and r["skip_stats"]["syncs"] == 1
+    assert results[0]["skip_after"] == results[1]["skip_after"]
+
+
+def test_keras_fit_digits_within_one_point_of_dense():
+    out = os.path.join(tempfile.mkdtemp(prefix="sbc-tf-digits-"), "res.json")
+    run_ranks(str(ROOT / "examples" / "tensorflow2_keras_sbc.py"), 2,
+              ["--methods", "dense,sbc", "--density", "0.01", "--delay", "4", "--json", out,
+               "--no-progress"], timeout=300, raw=True)
+    dense, sbc = json.load(open(out))["runs"]
+    assert dense["method"] == "dense" and sbc["method"] == "sbc" and sbc["density"] == 0.01
+    assert dense["final_accuracy"] > 0.95
+    assert sbc["final_accuracy"] >= dense["final_accuracy"] - 0.01
+    assert sbc["ranks_identical"] and dense["ranks_identical"]
+    assert sbc["steps"] == dense["steps"] and sbc["syncs"] == sbc["steps"] // 4
+    assert sbc["compression_ratio"] > 1000
