@@ -1,0 +1,771 @@
+"""Training benchmark: every method as a real multi-rank job on scikit-learn's digits.
+
+``python -m horovod_sbc.bench train --json FILE`` (and ``grid``) launch, per configuration, one
+``mpirun -np W`` job (``horovodrun`` when mpirun is missing) running :func:`worker_main` of this
+module. Every job trains the same MLP (64-256-256-10, 85,002 parameters) for the same number of
+epochs on the same per-rank shards, so all methods see the same samples.
+
+What is counted (per rank, summed over the whole training, averaged over ranks and seeds):
+
+upstream_bits     what this rank sent. SBC/top-K/FedAvg/signSGD/TernGrad: the real size of the
+                  step messages it allgathered (headers included), from ``optimizer.stats()``.
+                  "none"/"fp16" (stock ``hvd.DistributedOptimizer``): the size of the message
+                  handed to Horovod's allreduce, 32 (fp16: 16) bits x parameters x steps.
+downstream_bits   what this rank received. Allgather: the other ranks' messages. Allreduce: the
+                  reduced result, the same size as the message (a parameter server's reply).
+                  A ring allreduce moves 2(W-1)/W x the message each way per rank; for W = 2
+                  that is exactly 1x, so both counts are the real wire volume at 2 ranks; the
+                  factor is stored as ``allreduce_wire_factor``.
+dense_bits        32 x parameters x steps: an uncompressed fp32 upload at every step.
+compression_ratio dense_bits / upstream_bits.
+step_time_s       mean wall time of one optimizer step (forward, backward, step incl. the
+                  exchange), the first 5 steps of each seed left out.
+final_accuracy    test accuracy (fraction) of rank 0's model after the last step, mean over
+                  seeds; ``accuracy_seeds`` has each seed's value.
+
+Method "local" (full mode only) is a reference with no communication at all: each rank trains on
+its own half of the data; it shows how much of the accuracy the data set gives away for free.
+
+Partitions: ``iid`` (rank r gets every W-th training sample) and ``by_class`` (non-IID, label
+skew: rank r gets the digits d with d mod W == r, so no rank ever sees the other ranks' classes;
+a rank alone cannot exceed ~50 % test accuracy, so the exchange has to carry the knowledge).
+Digits is easy: with IID shards a single rank on half the data already reaches ~97-98 %, which
+is why the non-IID partition is in the benchmark.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import queue
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRESS_TAG = "@@progress "
+RESULT_TAG = "@@result "
+
+STOCK = ("none", "fp16")             # stock hvd.DistributedOptimizer
+DROPIN = ("sbc", "topk", "fedavg", "signsgd", "terngrad")  # horovod_sbc.torch.DistributedOptimizer
+OPTIONAL = {"signsgd": "SignSGD", "terngrad": "TernGrad"}   # may not exist in older versions
+HEADLINE = {"method": "sbc", "density": 0.01, "delay": 4}
+
+GRID_DENSITIES = (1.0, 0.1, 0.01, 0.001)
+GRID_DELAYS = (1, 4, 16)
+
+
+# ------------------------------------------------------------------------------------------------
+# launching jobs (shared with bench_net)
+# ------------------------------------------------------------------------------------------------
+def python_exe() -> str:
+    return sys.executable
+
+
+def launcher_prefix(np_: int, env_names: Sequence[str] = ()) -> List[str]:
+    """``mpirun`` (or ``horovodrun`` if Open MPI's mpirun is missing) for ``np_`` local ranks."""
+    mpirun = shutil.which("mpirun")
+    if mpirun:
+        cmd = [mpirun, "--allow-run-as-root", "-np", str(np_), "-bind-to", "none",
+               "-map-by", "slot"]
+        if np_ > (os.cpu_count() or 1):
+            cmd.insert(2, "--oversubscribe")
+        for n in env_names:
+            cmd += ["-x", n]
+        return cmd
+    hr = shutil.which("horovodrun") or str(Path(sys.executable).parent / "horovodrun")
+    return [hr, "-np", str(np_), "-H", f"localhost:{np_}"]
+
+
+def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                "HOROVOD_LOG_LEVEL": env.get("HOROVOD_LOG_LEVEL", "warning")})
+    env.update(extra or {})
+    return env
+
+
+ENV_NAMES = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL",
+             "HOROVOD_LOG_LEVEL")
+
+
+class JobError(RuntimeError):
+    pass
+
+
+def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: float,
+            on_progress: Optional[Callable[[dict], None]] = None) -> List[dict]:
+    """Run a job; return the ``@@result`` objects rank 0 printed. Output lines tagged
+    ``@@progress`` go to ``on_progress``. On timeout the whole process group is killed."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(ROOT), env=env, start_new_session=True)
+    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    tail: List[str] = []
+    results: List[dict] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            try:
+                line = lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            i = line.find(PROGRESS_TAG)
+            j = line.find(RESULT_TAG)
+            if i >= 0:
+                if on_progress is not None:
+                    try:
+                        on_progress(json.loads(line[i + len(PROGRESS_TAG):]))
+                    except ValueError:
+                        pass
+            elif j >= 0:
+                results.append(json.loads(line[j + len(RESULT_TAG):]))
+            else:
+                tail.append(line)
+                del tail[:-200]
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise JobError(f"job did not finish within {timeout:.0f} s: {shlex.join(cmd)}\n"
+                       + "".join(tail[-40:])) from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    if rc != 0 or not results:
+        raise JobError(f"job exited {rc} ({len(results)} results): {shlex.join(cmd)}\n"
+                       + "".join(tail[-60:]))
+    return results
+
+
+def _session_pids(sid: int) -> List[int]:
+    """Processes of session ``sid`` (the job we started with start_new_session: mpirun puts its
+    ranks in process groups of their own, but they stay in this session)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+            if int(st[st.rindex(")") + 2:].split()[3]) == sid:  # field 6: session id
+                pids.append(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    return pids
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the job we started: SIGTERM to mpirun (it forwards it to the ranks), then SIGKILL to
+    whatever of its session is left; then reap it."""
+    try:
+        proc.terminate()
+        proc.wait(timeout=5)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    for pid in _session_pids(proc.pid) if os.path.isdir("/proc") else []:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class Progress:
+    """A tqdm bar per job on a terminal; one summary line per job otherwise (logs, tests)."""
+
+    def __init__(self, total: int, title: str, enabled: bool = True):
+        self.total, self.title, self.enabled = total, title, enabled
+        self.i = 0
+        self.bar = None
+        self.tty = enabled and sys.stderr.isatty()
+        if enabled:
+            print(f"== {title}: {total} job(s)", flush=True)
+
+    def start(self, label: str) -> None:
+        self.i += 1
+        self.label = label
+        self.t0 = time.perf_counter()
+        if self.tty:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=100, desc=f"[{self.i}/{self.total}] {label}",
+                                bar_format="{desc} |{bar:30}| {percentage:3.0f}% {postfix}",
+                                leave=False)
+            except ImportError:
+                self.bar = None
+
+    def update(self, p: dict) -> None:
+        if self.bar is not None and "frac" in p:
+            self.bar.n = int(100 * p["frac"])
+            self.bar.set_postfix_str(p.get("info", ""), refresh=True)
+        elif self.enabled and not self.tty and p.get("log"):
+            print(f"   {p['log']}", flush=True)
+
+    def end(self, summary: str) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.enabled:
+            print(f"[{self.i}/{self.total}] {self.label:<28} {summary}  "
+                  f"({time.perf_counter() - self.t0:.1f} s)", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the worker (runs on every rank)
+# ------------------------------------------------------------------------------------------------
+def load_digits_split(seed: int = 0):
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    idx = np.random.default_rng(seed).permutation(len(x))
+    x = (x / 16.0).astype(np.float32)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    n_test = len(x) // 5
+    te, tr = idx[:n_test], idx[n_test:]
+    return (torch.from_numpy(x[tr]), torch.from_numpy(y[tr]).long(),
+            torch.from_numpy(x[te]), torch.from_numpy(y[te]).long())
+
+
+PARTITIONS = ("iid", "by_class")
+
+
+def shard(xtr, ytr, rank: int, size: int, partition: str):
+    """This rank's training shard and the smallest shard length over all ranks."""
+    if partition == "iid":
+        return xtr[rank::size], ytr[rank::size], len(xtr) // size
+    if partition == "by_class":
+        sizes = [int((ytr % size == r).sum()) for r in range(size)]
+        m = ytr % size == rank
+        return xtr[m], ytr[m], min(sizes)
+    raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+
+
+def make_mlp(sizes: Sequence[int]):
+    import torch
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def make_compressor(method: str, density: float, delay: int, seed: int = 0):
+    """The horovod_sbc.torch compressor of a drop-in method (kwargs filtered by its signature)."""
+    import horovod_sbc.torch as sbc
+    cls = {"sbc": "SBC", "topk": "TopK", "fedavg": "FedAvg"}.get(method) or OPTIONAL.get(method)
+    if cls is None or not hasattr(sbc, cls):
+        raise ValueError(f"method {method!r} is not available in horovod_sbc.torch")
+    c = getattr(sbc, cls)
+    want = {"density": density, "delay": delay, "seed": seed}
+    params = inspect.signature(c).parameters
+    return c(**{k: v for k, v in want.items() if k in params})
+
+
+def method_available(method: str) -> bool:
+    if method in STOCK or method in ("sbc", "topk", "fedavg", "local"):
+        return True
+    try:
+        import horovod_sbc.torch as sbc
+    except ImportError:
+        return False
+    return hasattr(sbc, OPTIONAL.get(method, "?"))
+
+
+def _train_once(cfg: dict, seed: int, data, emit) -> dict:
+    import hashlib
+
+    import numpy as np
+    import torch
+    import horovod.torch as hvd
+    import horovod_sbc.torch as sbc
+
+    xtr, ytr, xte, yte = data
+    method = cfg["method"]
+    torch.manual_seed(seed)
+    model = make_mlp(cfg["sizes"])
+    base = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    numel = sum(p.numel() for p in model.parameters())
+    comp = None
+    if method in STOCK:
+        c = hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=c)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    elif method == "local":
+        opt = base
+    else:
+        comp = make_compressor(method, cfg["density"], cfg["delay"], seed)
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
+        sbc.broadcast_state(model, opt, root_rank=0)
+    rank, size = hvd.rank(), hvd.size()
+    xs, ys, shard_len = shard(xtr, ytr, rank, size, cfg.get("partition", "iid"))
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    bs = cfg["batch_size"]
+    steps_per_epoch = shard_len // bs  # the same on every rank (synchronous methods)
+    total = steps_per_epoch * cfg["epochs"]
+    times = []
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(len(xs), generator=g)
+        for i in range(steps_per_epoch):
+            b = perm[i * bs:(i + 1) * bs]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = loss_fn(model(xs[b]), ys[b])
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        emit({"epoch": epoch + 1, "loss": float(loss.item())})
+    if comp is not None and getattr(opt, "_sbc_local_steps", 0):
+        opt.synchronize()  # flush a partial delay window: all ranks end on shared weights
+    with torch.no_grad():
+        acc = (model(xte).argmax(1) == yte).float().mean().item()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    if comp is not None:
+        st = dict(comp.stats())
+    elif method in STOCK:
+        bits = 16 if method == "fp16" else 32
+        st = {"upstream_bits": bits * numel * total, "downstream_bits": bits * numel * total,
+              "dense_bits": 32 * numel * total, "syncs": total, "steps": total}
+    else:
+        st = {"upstream_bits": 0, "downstream_bits": 0, "dense_bits": 32 * numel * total,
+              "syncs": 0, "steps": total}
+    skip = min(5, len(times) - 1)
+    return {"accuracy": acc, "digest": digest, "stats": st, "params": numel,
+            "step_time_mean": float(np.mean(times[skip:])),
+            "step_time_median": float(np.median(times[skip:])), "steps": total,
+            "samples_per_rank": total * bs}
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    import numpy as np
+    import torch
+    import horovod.torch as hvd
+
+    cfg = json.loads(argv[0])
+    hvd.init()
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    data = load_digits_split(cfg.get("split_seed", 0))
+    seeds = cfg["seeds"]
+    per_seed = []
+    for si, seed in enumerate(seeds):
+        def emit(p, si=si):
+            if rank == 0:
+                done = (si + p["epoch"] / cfg["epochs"]) / len(seeds)
+                print(PROGRESS_TAG + json.dumps(
+                    {"frac": done, "info": f"seed {seed} epoch {p['epoch']} loss {p['loss']:.3f}",
+                     "log": None}), flush=True)
+        per_seed.append(_train_once(cfg, seed, data, emit))
+    mine = [{"accuracy": r["accuracy"], "digest": r["digest"], "stats": r["stats"]}
+            for r in per_seed]
+    everyone = hvd.allgather_object(mine)
+    if rank == 0:
+        def mean_over(key):  # per seed: mean over ranks; then mean over seeds
+            return float(np.mean([np.mean([everyone[r][s]["stats"][key]
+                                           for r in range(len(everyone))])
+                                  for s in range(len(seeds))]))
+        accs = [r["accuracy"] for r in per_seed]
+        out = {
+            "final_accuracy": float(np.mean(accs)), "accuracy_seeds": accs,
+            "accuracy_std": float(np.std(accs)),
+            "accuracy_all_ranks": [[everyone[r][s]["accuracy"] for r in range(len(everyone))]
+                                   for s in range(len(seeds))],
+            "upstream_bits": mean_over("upstream_bits"),
+            "downstream_bits": mean_over("downstream_bits"),
+            "dense_bits": mean_over("dense_bits"), "syncs": mean_over("syncs"),
+            "upstream_bits_per_rank": [everyone[r][0]["stats"]["upstream_bits"]
+                                       for r in range(len(everyone))],
+            "ranks_identical": all(len({everyone[r][s]["digest"] for r in range(len(everyone))})
+                                   == 1 for s in range(len(seeds))),
+            "step_time_s": float(np.mean([r["step_time_mean"] for r in per_seed])),
+            "step_time_median_s": float(np.median([r["step_time_median"] for r in per_seed])),
+            "steps": per_seed[0]["steps"], "samples_per_rank": per_seed[0]["samples_per_rank"],
+            "params": per_seed[0]["params"], "workers": hvd.size(),
+            "partition": cfg.get("partition", "iid"),
+        }
+        print(RESULT_TAG + json.dumps(out), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# orchestration
+# ------------------------------------------------------------------------------------------------
+DEFAULTS = {"sizes": [64, 256, 256, 10], "epochs": 20, "batch_size": 32, "lr": 0.05,
+            "momentum": 0.9, "split_seed": 0, "partition": "iid"}
+
+
+def train_runs(quick: bool) -> List[dict]:
+    """The method list of ``train``: at equal steps and samples."""
+    if quick:
+        return [dict(method="none", density=1.0, delay=1, workers=2),
+                dict(HEADLINE, workers=2),
+                dict(method="topk", density=0.01, delay=4, workers=2)]
+    runs = [dict(method="none", density=1.0, delay=1, workers=2),
+            dict(method="fp16", density=1.0, delay=1, workers=2),
+            dict(HEADLINE, workers=2),
+            dict(method="sbc", density=0.01, delay=1, workers=2),
+            dict(method="sbc", density=0.001, delay=4, workers=2),
+            dict(method="topk", density=0.01, delay=4, workers=2),
+            dict(method="topk", density=0.01, delay=1, workers=2),
+            dict(method="fedavg", density=1.0, delay=4, workers=2),
+            dict(method="signsgd", density=1.0, delay=1, workers=2),
+            dict(method="terngrad", density=1.0, delay=1, workers=2),
+            dict(method="local", density=1.0, delay=1, workers=2),
+            dict(method="none", density=1.0, delay=1, workers=4),
+            dict(HEADLINE, workers=4)]
+    nid = dict(workers=2, partition="by_class")
+    runs += [dict(nid, method="none", density=1.0, delay=1),
+             dict(nid, **HEADLINE),
+             dict(nid, method="sbc", density=0.01, delay=1),
+             dict(nid, method="sbc", density=0.001, delay=4),
+             dict(nid, method="topk", density=0.01, delay=4),
+             dict(nid, method="fedavg", density=1.0, delay=4),
+             dict(nid, method="signsgd", density=1.0, delay=1),
+             dict(nid, method="local", density=1.0, delay=1)]
+    return runs
+
+
+def grid_runs(quick: bool, partitions: Sequence[str] = PARTITIONS) -> List[dict]:
+    dens = (0.01, 0.001) if quick else GRID_DENSITIES
+    dels = (1, 4) if quick else GRID_DELAYS
+    return [dict(method="sbc", density=d, delay=n, workers=2, partition=p)
+            for p in partitions for d in dens for n in dels]
+
+
+def config_key(r: dict) -> tuple:
+    return (r["method"], float(r.get("density", 1.0)), int(r.get("delay", 1)),
+            int(r.get("workers", 2)), r.get("partition", "iid"))
+
+
+def label(r: dict) -> str:
+    m = r["method"]
+    s = m
+    if m in ("sbc", "topk"):
+        s += f" p={r['density']:g}"
+    if m in DROPIN and r.get("delay", 1) != 1 or m == "fedavg":
+        s += f" n={r['delay']}"
+    if r.get("workers", 2) != 2:
+        s += f" W={r['workers']}"
+    if r.get("partition", "iid") != "iid":
+        s += " non-iid"
+    return s
+
+
+def run_configs(configs: List[dict], title: str, seeds: Sequence[int], timeout: float = 600,
+                progress: bool = True, overrides: Optional[dict] = None,
+                reuse: Sequence[dict] = ()) -> Dict[str, object]:
+    """Launch one job per configuration; return ``{"runs": [...], "skipped": [...]}``.
+    A configuration already measured in ``reuse`` (same method, density, delay, workers,
+    partition; the caller guarantees same seeds and epochs) is taken from there."""
+    done = {config_key(r): r for r in reuse}
+    todo = [c for c in configs if config_key(c) not in done]
+    prog = Progress(len(todo), title + (f" ({len(configs) - len(todo)} reused from train)"
+                                        if len(todo) < len(configs) else ""), progress)
+    runs, skipped = [], []
+    for spec in configs:
+        if config_key(spec) in done:
+            runs.append(dict(done[config_key(spec)], reused=True))
+            continue
+        if not method_available(spec["method"]):
+            skipped.append({"method": spec["method"],
+                            "reason": f"horovod_sbc.torch has no {OPTIONAL[spec['method']]}"})
+            prog.start(label(spec))
+            prog.end("skipped (not available in horovod_sbc.torch)")
+            continue
+        cfg = dict(DEFAULTS, **(overrides or {}), **spec, seeds=list(seeds))
+        if spec["method"] in STOCK or spec["method"] == "local":
+            cfg["density"], cfg["delay"] = 1.0, 1
+        cmd = launcher_prefix(spec["workers"], ENV_NAMES) + [
+            python_exe(), "-m", "horovod_sbc.bench_train", "worker", json.dumps(cfg)]
+        prog.start(label(spec))
+        t0 = time.perf_counter()
+        try:
+            out = run_job(cmd, job_env(), timeout, prog.update)[0]
+        except JobError as e:
+            prog.end("FAILED")
+            skipped.append({"method": spec["method"], "config": spec, "reason": str(e)[-2000:]})
+            continue
+        run = {"method": spec["method"], "label": label(spec), "density": cfg["density"],
+               "delay": cfg["delay"], "workers": spec["workers"], "partition": cfg["partition"]}
+        run.update(out)
+        if spec["method"] in STOCK:
+            run["bits_accounting"] = ("allreduce message: %d bits x parameters x steps, up and down"
+                                      % (16 if spec["method"] == "fp16" else 32))
+            w = spec["workers"]
+            run["allreduce_wire_factor"] = 2 * (w - 1) / w
+        elif spec["method"] == "local":
+            run["bits_accounting"] = "no communication"
+        else:
+            run["bits_accounting"] = "measured message sizes (optimizer.stats())"
+        up = run["upstream_bits"]
+        run["compression_ratio"] = run["dense_bits"] / up if up > 0 else None
+        if spec["method"] == "sbc" and spec["density"] == 1.0:
+            run["note"] = ("density 1 with binarization: every element is kept, the sign side with "
+                           "the larger mean is sent as positions (~1 bit/element) + one mean")
+        run["seeds"] = list(seeds)
+        run["epochs"] = cfg["epochs"]
+        run["wall_s"] = time.perf_counter() - t0
+        run["command"] = shlex.join(cmd)
+        runs.append(run)
+        prog.end(f"acc {100 * run['final_accuracy']:6.2f}%  ratio {_ratio_str(run):>8}  "
+                 f"step {1000 * run['step_time_s']:.2f} ms")
+    return {"runs": runs, "skipped": skipped}
+
+
+def _ratio_str(r: dict) -> str:
+    v = r.get("compression_ratio")
+    return "-" if v is None else f"{v:,.0f}x" if v >= 10 else f"{v:.2f}x"
+
+
+def _bits_str(b: float) -> str:
+    for unit, f in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if b >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} bit"
+
+
+def print_table(res: Dict[str, object], title: str) -> None:
+    runs = res["runs"]
+    print(f"\n{title}")
+    hdr = (f"{'method':<28}{'W':>2}{'accuracy':>16}{'upstream':>13}{'downstream':>13}"
+           f"{'ratio':>10}{'step ms':>9}  same")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in runs:
+        acc = f"{100 * r['final_accuracy']:.2f}"
+        if len(r.get("accuracy_seeds", [])) > 1:
+            acc += f"±{100 * r['accuracy_std']:.2f}"
+        print(f"{r['label']:<28}{r['workers']:>2}{acc + '%':>16}{_bits_str(r['upstream_bits']):>13}"
+              f"{_bits_str(r['downstream_bits']):>13}{_ratio_str(r):>10}"
+              f"{1000 * r['step_time_s']:>9.2f}  {'yes' if r.get('ranks_identical') else '-'}")
+    for s in res.get("skipped", []):
+        print(f"skipped {s['method']}: {s['reason'].splitlines()[0]}")
+    if runs:
+        r0 = runs[0]
+        print(f"({r0['steps']} steps x {r0['samples_per_rank'] // max(1, r0['steps'])} samples per "
+              f"rank; ratio = dense_bits / upstream_bits; accuracy mean±std over seeds "
+              f"{r0.get('seeds')}; same = all ranks bit-identical at the end)")
+
+
+def summarize(train: Optional[dict], grid: Optional[dict]) -> Dict[str, object]:
+    """Key figures: headline SBC vs dense and vs top-K at equal steps."""
+    out: Dict[str, object] = {}
+    runs = (train or {}).get("runs", [])
+
+    def find(method, density=None, delay=None, workers=2, partition="iid"):
+        for r in runs:
+            if r["method"] == method and r["workers"] == workers and \
+                    r.get("partition", "iid") == partition and \
+                    (density is None or r["density"] == density) and \
+                    (delay is None or r["delay"] == delay):
+                return r
+        return None
+    for part in PARTITIONS:
+        key = "headline" if part == "iid" else f"headline_{part}"
+        dense = find("none", partition=part)
+        head = find("sbc", HEADLINE["density"], HEADLINE["delay"], partition=part)
+        topk = find("topk", HEADLINE["density"], HEADLINE["delay"], partition=part)
+        local = find("local", partition=part)
+        if head:
+            h = {k: head[k] for k in ("method", "density", "delay", "final_accuracy",
+                                      "compression_ratio", "upstream_bits")}
+            h["partition"] = part
+            if dense:
+                h["dense_accuracy"] = dense["final_accuracy"]
+                h["accuracy_minus_dense"] = head["final_accuracy"] - dense["final_accuracy"]
+                h["step_time_over_dense"] = head["step_time_s"] / dense["step_time_s"]
+            if topk:
+                h["topk_accuracy"] = topk["final_accuracy"]
+                h["topk_ratio"] = topk["compression_ratio"]
+                h["ratio_over_topk"] = head["compression_ratio"] / topk["compression_ratio"]
+            if local:
+                h["local_only_accuracy"] = local["final_accuracy"]
+            out[key] = h
+        base = (grid or {}).get("baseline", {}).get(part) if grid else None
+        base = base or dense
+        if grid and base:
+            acc = base["final_accuracy"]
+            cells = [g for g in grid["runs"] if g.get("partition", "iid") == part]
+            ok = [g for g in cells if g["final_accuracy"] >= acc - 0.01]
+            best = max(ok, key=lambda g: g["compression_ratio"] or 0, default=None)
+            out[f"grid_{part}"] = {
+                "dense_accuracy": acc,
+                "best_within_1pct": None if best is None else {
+                    k: best[k] for k in ("density", "delay", "final_accuracy",
+                                         "compression_ratio")},
+                "over_1000x_within_1pct": [
+                    {k: g[k] for k in ("density", "delay", "final_accuracy", "compression_ratio")}
+                    for g in ok if (g["compression_ratio"] or 0) >= 1000],
+                "below_1pct": [
+                    {k: g[k] for k in ("density", "delay", "final_accuracy", "compression_ratio")}
+                    for g in cells if g["final_accuracy"] < acc - 0.01]}
+    return out
+
+
+def _parts(*results) -> List[str]:
+    seen = {r.get("partition", "iid") for res in results if res for r in res.get("runs", [])}
+    return [p for p in PARTITIONS if p in seen]
+
+
+PART_TITLE = {"iid": "IID shards", "by_class": "non-IID shards (rank r: digits d mod W = r)"}
+
+
+def plot_accuracy_vs_bits(train: Optional[dict], grid: Optional[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    parts = _parts(train, grid) or ["iid"]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7.5 * len(parts), 5.5), squeeze=False)
+    markers = {"none": "s", "fp16": "D", "sbc": "o", "topk": "^", "fedavg": "v",
+               "signsgd": "P", "terngrad": "X"}
+    colors: Dict[str, str] = {}  # the same method + setting has the same colour in every panel
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, part in zip(axes[0], parts):
+        if grid:
+            g = [r for r in grid["runs"] if r["upstream_bits"] > 0
+                 and r.get("partition", "iid") == part]
+            ax.scatter([r["upstream_bits"] for r in g], [100 * r["final_accuracy"] for r in g],
+                       s=18, c="lightgray", edgecolors="gray", zorder=1, label="sbc grid")
+            for r in g:
+                ax.annotate(f"{r['density']:g}/{r['delay']}",
+                            (r["upstream_bits"], 100 * r["final_accuracy"]), fontsize=6,
+                            color="gray", xytext=(3, -8), textcoords="offset points")
+        for r in (train or {}).get("runs", []):
+            if r.get("partition", "iid") != part:
+                continue
+            if r["method"] == "local":
+                ax.axhline(100 * r["final_accuracy"], ls=":", c="k", lw=1,
+                           label="local only (no communication)")
+                continue
+            if r["upstream_bits"] <= 0 or r["workers"] != 2:
+                continue
+            lab = r["label"].replace(" non-iid", "")
+            col = colors.setdefault(lab, cycle[len(colors) % len(cycle)])
+            ax.scatter(r["upstream_bits"], 100 * r["final_accuracy"], s=50, zorder=3, color=col,
+                       marker=markers.get(r["method"], "o"), label=lab)
+        ax.set_xscale("log")
+        ax.set_xlabel("upstream bits per rank, whole training (log)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"{PART_TITLE.get(part, part)}\n(grid labels: density/delay)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("digits MLP, 2 ranks, equal steps: accuracy vs upstream traffic")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_grid(grid: dict, dense_acc, path: str) -> None:
+    """``dense_acc``: {partition: accuracy} (or one float for IID)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not isinstance(dense_acc, dict):
+        dense_acc = {"iid": dense_acc}
+    parts = _parts(grid) or ["iid"]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7.5 * len(parts), 5.5), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        runs = [r for r in grid["runs"] if r.get("partition", "iid") == part]
+        for n in sorted({r["delay"] for r in runs}):
+            rs = sorted([r for r in runs if r["delay"] == n],
+                        key=lambda r: r["compression_ratio"] or 0)
+            ax.plot([r["compression_ratio"] for r in rs], [100 * r["final_accuracy"] for r in rs],
+                    "o-", label=f"delay {n}")
+            for r in rs:
+                ax.annotate(f"p={r['density']:g}",
+                            (r["compression_ratio"], 100 * r["final_accuracy"]),
+                            fontsize=7, xytext=(4, 4), textcoords="offset points")
+        acc = dense_acc.get(part)
+        if acc is not None:
+            ax.axhline(100 * acc, ls="--", c="k", lw=1, label="dense (none)")
+            ax.axhline(100 * acc - 1, ls=":", c="k", lw=1, label="dense - 1 point")
+        ax.axvline(1000, ls="-.", c="r", lw=0.8, label="x1000")
+        ax.set_xscale("log")
+        ax.set_xlabel("total upstream compression dense_bits / upstream_bits (log)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(PART_TITLE.get(part, part), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SBC grid: density p x delay n (digits MLP, 2 ranks, equal steps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown_train(res: dict) -> str:
+    lines = ["| method | workers | accuracy (mean ± std) | upstream bits / rank | "
+             "downstream bits / rank | ratio | step ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in res["runs"]:
+        acc = f"{100 * r['final_accuracy']:.2f}"
+        if len(r.get("accuracy_seeds", [])) > 1:
+            acc += f" ± {100 * r['accuracy_std']:.2f}"
+        lines.append(f"| {r['label']} | {r['workers']} | {acc} % | {_bits_str(r['upstream_bits'])} "
+                     f"| {_bits_str(r['downstream_bits'])} | {_ratio_str(r)} | "
+                     f"{1000 * r['step_time_s']:.2f} |")
+    for s in res.get("skipped", []):
+        lines.append(f"\nskipped {s['method']}: {s['reason'].splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def markdown_grid(grid: dict) -> str:
+    out = []
+    base = grid.get("baseline") or {}
+    for part in _parts(grid):
+        runs = [r for r in grid["runs"] if r.get("partition", "iid") == part]
+        dens = sorted({r["density"] for r in runs}, reverse=True)
+        dels = sorted({r["delay"] for r in runs})
+        cell = {(r["density"], r["delay"]): r for r in runs}
+        b = base.get(part) if isinstance(base, dict) and "runs" not in base else None
+        head = f"**{PART_TITLE.get(part, part)}**"
+        if b:
+            head += f" — dense (none): {100 * b['final_accuracy']:.2f} %"
+        lines = [head, "", "| density \\ delay | " + " | ".join(f"n = {n}" for n in dels)
+                 + " |", "|---|" + "---:|" * len(dels)]
+        for d in dens:
+            row = []
+            for n in dels:
+                r = cell.get((d, n))
+                row.append("-" if r is None else
+                           f"{100 * r['final_accuracy']:.1f} % · ×{r['compression_ratio']:,.0f}")
+            lines.append(f"| p = {d:g} | " + " | ".join(row) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        sys.exit(worker_main(sys.argv[2:]))
+    print("usage: python -m horovod_sbc.bench train|grid ... (this module's entry is the worker)")
+    sys.exit(2)
