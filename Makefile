@@ -17,6 +17,7 @@ test: install
 
 bench: install
 	$(PY) -m horovod_sbc.bench all --json benchmarks/results/bench.json
+	$(PY) -m horovod_sbc.bench downlink --json benchmarks/results/downlink.json
 
 fuzz: install
 	FUZZ_CASES=$${FUZZ_CASES:-1000000} $(PY) -m pytest -q tests/test_fuzz.py

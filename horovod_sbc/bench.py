@@ -8,6 +8,8 @@ net     step time of dense/fp16/top-K/SBC on a 10.5M-parameter MLP with every ra
         network namespace behind a ``tc``-shaped link, plus plain localhost
         (:mod:`horovod_sbc.bench_net`; needs root); ``--bandwidth 100mbit`` (repeatable)
 all     codec + train + grid + net (10mbit, 100mbit, 1gbit): ``make bench``
+downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 8 ranks:
+        per-worker downlink bits per sync and accuracy (:mod:`horovod_sbc.bench_downlink`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
 (default: the JSON's directory).
 
@@ -375,6 +377,9 @@ def _exit_on_signal(signum, frame):
 def main(argv=None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
+    if _ARGV[:1] == ["downlink"]:  # issue #6: its own module and options
+        from . import bench_downlink
+        return bench_downlink.main(_ARGV[1:])
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():

@@ -86,6 +86,12 @@ class _SBCOptimizer:
         finally:
             self._sbc_bypass = prev
 
+    @property
+    def local_steps_pending(self) -> int:
+        """Local steps taken since the last sync (0 right after one). Call :meth:`synchronize`
+        at the end of training when this is not 0, so all ranks end with the same weights."""
+        return self._sbc_local_steps
+
     def reset_reference(self) -> None:
         """Take the current weights as the shared reference (after a broadcast or a load)."""
         self._sbc.manager.reference = {}
