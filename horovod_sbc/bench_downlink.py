@@ -97,7 +97,9 @@ def plot(res: Dict, path: str) -> None:
 
 def main(argv=None) -> int:
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m horovod_sbc.bench downlink")
+    ap = argparse.ArgumentParser(prog="python -m horovod_sbc.bench downlink",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2,4,8")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--json")
