@@ -62,3 +62,11 @@ def test_checkpoint_from_another_world_size_or_rank_is_refused():
                            timeout=120)
     assert "saved with rank=1 but this run uses rank=0" in results[0]["error"]
     assert results[1]["error"] is None
+    # another density is allowed: the residuals are still the update mass not sent yet
+    results, _ = run_ranks("torch_sbc.py", 2, ["redensity", f"ckpt={ckpt}", "density=0.2"],
+                           timeout=120)
+    a, b = results
+    assert a["error"] is None and b["error"] is None and a["finite"] and b["finite"]
+    assert a["stats"]["steps"] == 4 + 6 and a["stats"]["syncs"] == 1 + 2  # continued counters
+    # saved after step 4 of a delay-3 window (1 local step pending): syncs after steps 6 and 9
+    assert a["digests"][1] == b["digests"][1] and a["digests"][4] == b["digests"][4]

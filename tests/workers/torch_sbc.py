@@ -364,6 +364,20 @@ def run_kill():
     return {}
 
 
+def run_redensity():
+    """Resume a checkpoint with another density: allowed (residuals are unsent update mass)."""
+    model, opt, stats = build("dropin", float(KW["density"]), 3)
+    state = torch.load(os.path.join(KW["ckpt"], f"ckpt_rank{RANK}.pt"), weights_only=False)
+    model.load_state_dict(state["model"])
+    err = catch(lambda: opt.load_state_dict(state["opt"]))
+    digests = []
+    for s in range(4, 10):
+        train_step(model, opt, s)
+        digests.append(digest(model))
+    return {"error": err, "digests": digests, "stats": stats(),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
 def run_world_size():
     """Load a checkpoint written by a job of another size (or by another rank)."""
     model, opt, _ = build("dropin", 0.05, 3)
@@ -375,6 +389,7 @@ def run_world_size():
 
 result = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
           "load": run_save_load, "errors": run_errors, "odd": run_odd, "baselines": run_baselines,
-          "mismatch": run_mismatch, "kill": run_kill, "world_size": run_world_size}[MODE]()
+          "mismatch": run_mismatch, "kill": run_kill, "world_size": run_world_size,
+          "redensity": run_redensity}[MODE]()
 result.update(rank=RANK, size=SIZE)
 write_result(RANK, result)
