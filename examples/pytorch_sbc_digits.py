@@ -18,19 +18,12 @@ import torch
 import horovod.torch as hvd
 
 import horovod_sbc.torch as sbc
+from horovod_sbc.datasets import digits_split
 
 
 def load_digits_split(seed: int = 0):
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    rng = np.random.default_rng(seed)
-    idx = rng.permutation(len(x))
-    x = (x / 16.0).astype(np.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    n_test = len(x) // 5
-    te, tr = idx[:n_test], idx[n_test:]
-    return (torch.from_numpy(x[tr]), torch.from_numpy(y[tr]).long(),
-            torch.from_numpy(x[te]), torch.from_numpy(y[te]).long())
+    """scikit-learn's digits (offline), 80/20 split, as torch tensors."""
+    return tuple(torch.from_numpy(a) for a in digits_split(seed))
 
 
 def make_model(hidden: int = 256) -> torch.nn.Module:

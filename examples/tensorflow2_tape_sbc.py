@@ -25,18 +25,7 @@ import keras  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
-
-
-def load_digits_split(seed: int = 0):
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    rng = np.random.default_rng(seed)
-    idx = rng.permutation(len(x))
-    x = (x / 16.0).astype(np.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    n_test = len(x) // 5
-    te, tr = idx[:n_test], idx[n_test:]
-    return x[tr], y[tr].astype(np.int64), x[te], y[te].astype(np.int64)
+from horovod_sbc.datasets import digits_split  # noqa: E402
 
 
 def make_model(hidden: int, seed: int) -> keras.Model:
@@ -129,7 +118,7 @@ def main(argv=None):
     if args.api == "stock":
         args.delay = 1  # stock Horovod syncs every step
     hvd.init()
-    data = load_digits_split(args.seed)
+    data = digits_split(args.seed)
     results = []
     for method in args.methods.split(","):
         results.append(train(method, args, data, hvd.rank() == 0 and not args.no_progress))

@@ -241,17 +241,9 @@ class Progress:
 # the worker (runs on every rank)
 # ------------------------------------------------------------------------------------------------
 def load_digits_split(seed: int = 0):
-    import numpy as np
     import torch
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    idx = np.random.default_rng(seed).permutation(len(x))
-    x = (x / 16.0).astype(np.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    n_test = len(x) // 5
-    te, tr = idx[:n_test], idx[n_test:]
-    return (torch.from_numpy(x[tr]), torch.from_numpy(y[tr]).long(),
-            torch.from_numpy(x[te]), torch.from_numpy(y[te]).long())
+    from .datasets import digits_split
+    return tuple(torch.from_numpy(a) for a in digits_split(seed))
 
 
 PARTITIONS = ("iid", "by_class")
