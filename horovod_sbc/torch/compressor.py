@@ -108,7 +108,8 @@ class SBC:
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
                                    topology=topology)
         self._named = list(named_parameters) if named_parameters is not None else None
-        self._calls: Dict[str, int] = {}
+        self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
+        self._max_calls = 0
 
     def _generator(self, device) -> Optional[torch.Generator]:
         return None
@@ -344,7 +345,10 @@ class SBC:
                                         rank)
             a = None
         handle = exchange.allgather_async(step, f"sbc.{name}")
-        self._calls[name] = self._calls.get(name, 0) + 1
+        calls = self._calls[name] = self._calls.get(name, 0) + 1
+        if calls > self._max_calls:  # the first tensor of a new step (stock path: sync = step)
+            self._max_calls = calls
+            self.manager.add(steps=1, syncs=1)
         ctx = (name, handle, step.numel(), layout, a, (pos, sent) if a is not None else None,
                tensor, size, self._op_sum)
         dummy = tensor.new_zeros(1)
@@ -372,9 +376,6 @@ class SBC:
             # healthy ranks keep the gradient in the residual for next time
             return flat.zero_().view(grad.shape)
         subtract_sent_(a, *commit)
-        steps = max(self._calls.values())
-        self.manager.counters["steps"] = steps
-        self.manager.counters["syncs"] = steps
         return out
 
 
