@@ -9,7 +9,6 @@ uses the one-line change to stock Horovod: hvd.DistributedOptimizer(..., compres
 """
 import argparse
 import hashlib
-import json
 import sys
 import time
 
@@ -19,6 +18,7 @@ import horovod.torch as hvd
 
 import horovod_sbc.torch as sbc
 from horovod_sbc.datasets import digits_split
+from horovod_sbc.report import print_runs
 
 
 def load_digits_split(seed: int = 0):
@@ -130,18 +130,7 @@ def main(argv=None):
     for method in args.methods.split(","):
         results.append(train(method, args, data, hvd.rank() == 0 and not args.no_progress))
     if hvd.rank() == 0:
-        print(f"\n{'method':<7}{'api':<9}{'density':>8}{'delay':>6}{'accuracy':>10}"
-              f"{'ratio':>10}{'step ms':>9}  ranks identical")
-        for r in results:
-            print(f"{r['method']:<7}{r['api']:<9}{r['density']:>8g}{r['delay']:>6}"
-                  f"{100 * r['final_accuracy']:>9.2f}%{r['compression_ratio']:>9.0f}x"
-                  f"{1000 * r['step_time_s']:>9.2f}  {r['ranks_identical']}")
-        if len(results) == 2:
-            print(f"SBC step time / dense step time: "
-                  f"{results[1]['step_time_s'] / results[0]['step_time_s']:.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"runs": results}, f, indent=1)
+        print_runs(results, args.json)
     return results
 
 

@@ -13,7 +13,6 @@ supports --delay: local steps, then ``sbc.step(variables)`` exchanges the weight
 """
 import argparse
 import hashlib
-import json
 import os
 import time
 
@@ -26,6 +25,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
 from horovod_sbc.datasets import digits_split  # noqa: E402
+from horovod_sbc.report import print_runs  # noqa: E402
 
 
 def make_model(hidden: int, seed: int) -> keras.Model:
@@ -123,18 +123,7 @@ def main(argv=None):
     for method in args.methods.split(","):
         results.append(train(method, args, data, hvd.rank() == 0 and not args.no_progress))
     if hvd.rank() == 0:
-        print(f"\n{'method':<7}{'api':<9}{'density':>8}{'delay':>6}{'accuracy':>10}"
-              f"{'ratio':>10}{'step ms':>9}  ranks identical")
-        for r in results:
-            print(f"{r['method']:<7}{r['api']:<9}{r['density']:>8g}{r['delay']:>6}"
-                  f"{100 * r['final_accuracy']:>9.2f}%{r['compression_ratio']:>9.0f}x"
-                  f"{1000 * r['step_time_s']:>9.2f}  {r['ranks_identical']}")
-        if len(results) == 2:
-            print(f"SBC step time / dense step time: "
-                  f"{results[1]['step_time_s'] / results[0]['step_time_s']:.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"runs": results}, f, indent=1)
+        print_runs(results, args.json)
     return results
 
 
