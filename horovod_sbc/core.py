@@ -129,3 +129,17 @@ def decompress_np(msg: bytes, shape, dtype=np.float32) -> np.ndarray:
     out = np.zeros(numel, dtype=np.float32)
     out[pos] = vals
     return out.astype(dtype).reshape(shape)
+
+
+def resolve_compression(cls, compression, density=None, delay=None, what: str = "SBC"):
+    """The adapters' shared argument rule: ``compression`` (an instance of ``cls``), or
+    ``density``/``delay`` shorthands that build ``cls(...)``, but not both."""
+    if compression is None:
+        kw = {k: v for k, v in (("density", density), ("delay", delay)) if v is not None}
+        return cls(**kw)
+    if delay is not None or density is not None:
+        raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
+    if not isinstance(compression, cls):
+        raise TypeError(f"compression must be {what} (or a subclass), "
+                        f"got {type(compression).__name__}")
+    return compression

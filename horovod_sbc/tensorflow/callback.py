@@ -25,6 +25,7 @@ from typing import Optional
 
 import keras
 
+from ..core import resolve_compression
 from .compressor import SBC
 from .tape import broadcast_variables
 
@@ -49,18 +50,8 @@ class SBCCallback(keras.callbacks.Callback):
                  delay: Optional[int] = None, broadcast: bool = True, root_rank: int = 0,
                  sync_on_end: bool = True):
         super().__init__()
-        if compression is None:
-            kw = {}
-            if density is not None:
-                kw["density"] = density
-            if delay is not None:
-                kw["delay"] = delay
-            compression = SBC(**kw)
-        elif delay is not None or density is not None:
-            raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
-        if not isinstance(compression, SBC):
-            raise TypeError(f"compression must be horovod_sbc.tensorflow.SBC (or a subclass), "
-                            f"got {type(compression).__name__}")
+        compression = resolve_compression(SBC, compression, density, delay,
+                                          "horovod_sbc.tensorflow.SBC")
         self.sbc = compression
         self.broadcast = broadcast
         self.root_rank = root_rank

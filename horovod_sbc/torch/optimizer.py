@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from ..core import resolve_compression
 from .compressor import SBC
 
 _STATE_KEY = "horovod_sbc"
@@ -168,18 +169,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     and the step counter within the delay window; save it **on every rank** (residuals differ per
     rank) and ``load_state_dict`` it to continue exactly.
     """
-    if compression is None:
-        kw = {}
-        if density is not None:
-            kw["density"] = density
-        if delay is not None:
-            kw["delay"] = delay
-        compression = SBC(**kw)
-    elif delay is not None or density is not None:
-        raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
-    if not isinstance(compression, SBC):
-        raise TypeError(f"compression must be horovod_sbc.torch.SBC (or a subclass), "
-                        f"got {type(compression).__name__}")
+    compression = resolve_compression(SBC, compression, density, delay, "horovod_sbc.torch.SBC")
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
