@@ -15,9 +15,8 @@ Sparse Binary Compression (Sattler, Wiedemann, Müller, Samek; arXiv 1805.08768)
 4. **Residual**: ``R = A - sent``. Entries not sent keep their exact value; sent entries become
    ``A - (+-mu)`` rounded to the residual's dtype.
 
-Means are accumulated in float64 and rounded once to float32 (the wire's float), so different
-summation orders give the same float32 unless the float64 sum itself rounds differently, which
-needs magnitudes spanning more than ~2**29 within one kept side.
+Means are exact sums (``math.fsum``) divided once and rounded once to float32 (the wire's
+float), so every implementation gets the same value whatever its summation order.
 
 ``binarize=False`` sends the kept entries' own float32 values instead (top-k with error feedback;
 with density 1 the message is dense: flag ALL, 32 bits per element).
@@ -71,8 +70,8 @@ def binarize_np(values: np.ndarray) -> Tuple[np.ndarray, float, bool]:
     pos = values > 0
     neg = values < 0
     n_pos, n_neg = int(pos.sum()), int(neg.sum())
-    mu_pos = float(np.float32(values[pos].astype(np.float64).sum() / n_pos)) if n_pos else 0.0
-    mu_neg = float(np.float32(-values[neg].astype(np.float64).sum() / n_neg)) if n_neg else 0.0
+    mu_pos = float(np.float32(math.fsum(values[pos].astype(np.float64)) / n_pos)) if n_pos else 0.0
+    mu_neg = float(np.float32(-math.fsum(values[neg].astype(np.float64)) / n_neg)) if n_neg else 0.0
     if mu_pos >= mu_neg and mu_pos > 0:
         return pos, mu_pos, False
     if mu_neg > 0:

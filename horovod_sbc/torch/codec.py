@@ -100,13 +100,14 @@ def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
 
 def binarize(kept: torch.Tensor) -> Tuple[torch.Tensor, float, bool]:
     """(mask of the side sent, mu as a float32-exact Python float, negative) for kept values."""
-    k64 = kept.to(torch.float64)
     pm = kept > 0
     nm = kept < 0
-    zero = torch.zeros((), dtype=torch.float64, device=kept.device)
-    stats = torch.stack([torch.where(pm, k64, zero).sum(), -torch.where(nm, k64, zero).sum(),
-                         pm.sum().to(torch.float64), nm.sum().to(torch.float64)]).tolist()
-    s_pos, s_neg, n_pos, n_neg = stats
+    # exact, order-independent sums (math.fsum) so every implementation rounds the same mean
+    vals = kept.to(torch.float64).tolist()
+    pmask, nmask = pm.tolist(), nm.tolist()
+    s_pos = math.fsum(v for v, m in zip(vals, pmask) if m)
+    s_neg = -math.fsum(v for v, m in zip(vals, nmask) if m)
+    n_pos, n_neg = sum(pmask), sum(nmask)
     f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # round once to float32
     mu_pos = f32(s_pos / n_pos) if n_pos else 0.0
     mu_neg = f32(s_neg / n_neg) if n_neg else 0.0
