@@ -3,27 +3,36 @@
 Sparse Binary Compression (Sattler, Wiedemann, Müller, Samek; arXiv 1805.08768), per tensor:
 
 1. ``A = R + dW``: add the residual R (error feedback) to the update dW.
-2. **Sparsify**: the kept set K is the ``k = keep_count(numel, density)`` entries of largest
-   magnitude |A|; ties at the k-th magnitude go to the lower flat index, so every implementation
-   keeps the same set.
-3. **Binarize**: ``mu+`` = mean of the positive entries of A in K, ``mu-`` = mean magnitude of the
-   negative ones. Only the side with the larger mean is sent (``mu+`` wins ties), every one of its
-   entries as that mean: positions plus one float. (The paper takes the top fraction of the positive
-   and of the negative entries separately; we take the top fraction by magnitude and split it,
-   which sends at most k positions and is how this project specifies it.) If the winning mean is 0
-   (A is zero on K) nothing is sent.
+2. **Sparsify** with ``k = keep_count(numel, density)`` (``density`` is the paper's *p*):
+
+   * ``selection="paper"`` (default; the SBC paper's Algorithm 1): the positive set P is the
+     ``min(k, #positive)`` largest positive entries of A, the negative set N the ``min(k,
+     #negative)`` most negative ones. So the side finally sent has (up to) k positions: the
+     fraction of positions sent per tensor is ``density`` whenever that side has k entries.
+   * ``selection="magnitude"``: the k entries of largest |A| form the kept set, split by sign into
+     P and N (together at most k, so the side sent usually has only ~0.5-0.65 k positions).
+
+   Ties at the k-th value go to the lower flat index, so every implementation keeps the same set.
+3. **Binarize**: ``mu+`` = mean of A over P, ``mu-`` = mean of -A over N. Only the side with the
+   larger mean is sent (``mu+`` wins ties), every one of its entries as that mean: positions plus
+   one float. If the winning mean is 0 (no non-zero entry) nothing is sent.
 4. **Residual**: ``R = A - sent``. Entries not sent keep their exact value; sent entries become
    ``A - (+-mu)`` rounded to the residual's dtype.
 
-Means are exact sums (``math.fsum``) divided once and rounded once to float32 (the wire's
-float), so every implementation gets the same value whatever its summation order.
+Means are computed the same way by every implementation (:func:`tree_sum_np`): the values in
+position order, as float64, summed by a fixed pairwise tree (padded with zeros to a power of two,
+then repeatedly ``x[:h] + x[h:]``); the float64 sum is divided by the count on the host and
+rounded once to float32 (the wire's float). IEEE float64 addition is the same on every backend and
+device, so every implementation gets bit-identical means without any host-side O(k) work.
 
 ``binarize=False`` sends the kept entries' own float32 values instead (top-k with error feedback;
-with density 1 the message is dense: flag ALL, 32 bits per element).
+with density 1 the message is dense: flag ALL, 32 bits per element); it always uses the magnitude
+selection.
 
 ``mode="sign"`` is error-feedback signSGD (Karimireddy et al. 2019, "Error Feedback Fixes
 SignSGD"): every element is sent as ``sign(A) * mean(|A|)`` (one bit per element, one float;
-``density`` is ignored; zeros count as positive).
+``density`` is ignored; zeros count as positive); the scale is ``tree_sum_np(|A|) / numel``
+rounded to float32.
 """
 from __future__ import annotations
 
@@ -65,26 +74,78 @@ def select_np(a_abs: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.concatenate([above, ties])).astype(np.int64)
 
 
+SELECTIONS = ("paper", "magnitude")
+
+
+def validate_selection(selection) -> str:
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    return selection
+
+
+def tree_sum_np(values: np.ndarray) -> float:
+    """The fixed-order float64 sum every implementation uses for means (see module docstring)."""
+    x = np.asarray(values, dtype=np.float64).ravel()
+    n = x.size
+    if n == 0:
+        return 0.0
+    size = 1 << (n - 1).bit_length()
+    if size != n:
+        x = np.concatenate([x, np.zeros(size - n, np.float64)])
+    while x.size > 1:
+        h = x.size // 2
+        x = x[:h] + x[h:]
+    return float(x[0])
+
+
+def mean_f32(values: np.ndarray) -> float:
+    """``float32(tree_sum(values) / count)`` as a Python float (0.0 for no values)."""
+    n = int(np.asarray(values).size)
+    return float(np.float32(tree_sum_np(values) / n)) if n else 0.0
+
+
+def choose_side(mu_pos: float, mu_neg: float) -> Tuple[int, float]:
+    """Binarization's verdict: (+1 positive side, -1 negative side, 0 nothing), and its mean."""
+    if mu_pos >= mu_neg and mu_pos > 0:
+        return 1, mu_pos
+    if mu_neg > 0:
+        return -1, mu_neg
+    return 0, 0.0
+
+
+def select_sides_np(a: np.ndarray, k: int, selection: str = "paper"
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+    """(P, N): sorted flat indices of the positive and negative candidate sets (see docstring)."""
+    if selection == "paper":
+        p = select_np(np.where(a > 0, a, 0).astype(a.dtype), k)
+        n = select_np(np.where(a < 0, -a, 0).astype(a.dtype), k)
+        return p[a[p] > 0], n[a[n] < 0]
+    validate_selection(selection)
+    idx = select_np(np.abs(a), k)
+    return idx[a[idx] > 0], idx[a[idx] < 0]
+
+
 def binarize_np(values: np.ndarray) -> Tuple[np.ndarray, float, bool]:
-    """Given the kept values (in position order): (mask of the side sent, mu as float32, negative)."""
+    """Magnitude rule on kept values (in position order): (mask of the side sent, mu, negative)."""
     pos = values > 0
     neg = values < 0
-    n_pos, n_neg = int(pos.sum()), int(neg.sum())
-    mu_pos = float(np.float32(math.fsum(values[pos].astype(np.float64)) / n_pos)) if n_pos else 0.0
-    mu_neg = float(np.float32(-math.fsum(values[neg].astype(np.float64)) / n_neg)) if n_neg else 0.0
-    if mu_pos >= mu_neg and mu_pos > 0:
-        return pos, mu_pos, False
-    if mu_neg > 0:
-        return neg, mu_neg, True
+    side, mu = choose_side(mean_f32(values[pos]), mean_f32(-values[neg]))
+    if side > 0:
+        return pos, mu, False
+    if side < 0:
+        return neg, mu, True
     return np.zeros_like(pos), 0.0, False
 
 
 def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: float,
-                binarize: bool = True, mode: Optional[str] = None) -> Tuple[bytes, np.ndarray]:
+                binarize: bool = True, mode: Optional[str] = None,
+                selection: str = "paper") -> Tuple[bytes, np.ndarray]:
     """Reference SBC compressor for one tensor: (tensor message bytes, new residual).
 
     The residual is kept in float32 for float16/bfloat16/float32 inputs, float64 for float64.
+    ``selection`` applies to binarized SBC only (``"paper"`` or ``"magnitude"``).
     """
+    validate_selection(selection)
     rdt = np.float64 if update.dtype == np.float64 else np.float32
     a = update.astype(rdt).ravel()
     if residual is not None:
@@ -95,7 +156,7 @@ def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: flo
     if mode == "sign":
         if n == 0:
             return wire.encode_tensor_np([], 0, 0.0), a.reshape(update.shape)
-        scale = float(np.float32(np.abs(a).astype(np.float64).sum() / n))
+        scale = float(np.float32(tree_sum_np(np.abs(a)) / n))
         neg = a < 0
         msg = wire.encode_tensor_np(None, n, scale, signs=neg, all_positions=True)
         a = a - np.where(neg, rdt(-scale), rdt(scale)).astype(rdt)
@@ -104,18 +165,18 @@ def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: flo
         raise ValueError(f"unknown mode {mode!r}")
     binarize = binarize and mode != "values"
     k = keep_count(n, density)
-    idx = select_np(np.abs(a), k)
-    kept = a[idx]
     if not binarize:
-        vals = kept.astype(np.float32)
+        idx = select_np(np.abs(a), k)
+        vals = a[idx].astype(np.float32)
         msg = wire.encode_tensor_np(idx, n, values=vals, all_positions=(k == n))
         a[idx] = a[idx] - vals.astype(rdt)
         return msg, a.reshape(update.shape)
-    side, mu, negative = binarize_np(kept)
-    pos = idx[side]
-    msg = wire.encode_tensor_np(pos, n, mu, negative)
+    p_idx, n_idx = select_sides_np(a, k, selection)
+    side, mu = choose_side(mean_f32(a[p_idx]), mean_f32(-a[n_idx]))
+    pos = p_idx if side > 0 else n_idx if side < 0 else p_idx[:0]
+    msg = wire.encode_tensor_np(pos, n, mu, side < 0)
     if pos.size:
-        a[pos] = a[pos] - rdt(-mu if negative else mu)
+        a[pos] = a[pos] - rdt(-mu if side < 0 else mu)
     return msg, a.reshape(update.shape)
 
 

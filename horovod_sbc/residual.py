@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict
 
 COUNTER_KEYS = ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "steps",
-                "server_in_bits", "server_out_bits")
+                "server_in_bits", "server_out_bits", "positions_sent", "elements_synced")
 STATE_FORMAT = 1
 
 
@@ -51,6 +51,9 @@ class ResidualManager:
         server_in_bits  root of topology "server": uplink bits received from the other ranks
         server_out_bits root of topology "server": downlink bits sent (message x other ranks)
         dense_bits      32 x element count x steps: an uncompressed fp32 upload at every step
+        positions_sent  positions this rank's uplink messages carried (committed syncs)
+        elements_synced elements those messages described (numel x syncs): the measured
+                        density is positions_sent / elements_synced
         syncs           number of exchanges
         steps           number of optimizer steps (local steps count, delay > 1)
         """

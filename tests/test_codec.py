@@ -115,14 +115,16 @@ def test_golden_vectors_numpy_torch_spec(case):
     want = bytes.fromhex(case["message_hex"])
     # numpy reference
     binarize, mode = make_golden.mode_args(case["binarize"])
-    msg, res = core.compress_np(u, r, case["density"], binarize, mode)
+    msg, res = core.compress_np(u, r, case["density"], binarize, mode,
+                                selection=case["selection"])
     assert msg == want
     assert make_golden.digest(res) == case["new_residual_sha256"]
     # torch codec, on the tensor's device (CPU here, CUDA when available)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a = torch.from_numpy(r.copy()).to(dev) + torch.from_numpy(u).to(dev).to(
         torch.float64 if dt == np.float64 else torch.float32)
-    tmsg, _ = tcodec.compress_(a, case["density"], mode or binarize)
+    tmsg, _ = tcodec.compress_(a, case["density"], mode or binarize,
+                               selection=case["selection"])
     assert tmsg.cpu().numpy().tobytes() == want
     assert make_golden.digest(a.cpu().numpy()) == case["new_residual_sha256"]
     # the independent spec decoder agrees with the reference decoder

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import wire
-from ..core import keep_count
+from ..core import choose_side, keep_count
 
 _EXACT_BELOW = 1 << 14  # below this a kthvalue over the whole tensor is faster
 _BLOCK = 32
@@ -98,24 +98,53 @@ def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
         ks = min(m, 2 * ks)
 
 
-def binarize(kept: torch.Tensor) -> Tuple[torch.Tensor, float, bool]:
-    """(mask of the side sent, mu as a float32-exact Python float, negative) for kept values."""
-    pm = kept > 0
-    nm = kept < 0
-    # exact, order-independent sums (math.fsum) so every implementation rounds the same mean
-    vals = kept.to(torch.float64).tolist()
-    pmask, nmask = pm.tolist(), nm.tolist()
-    s_pos = math.fsum(v for v, m in zip(vals, pmask) if m)
-    s_neg = -math.fsum(v for v, m in zip(vals, nmask) if m)
-    n_pos, n_neg = sum(pmask), sum(nmask)
-    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # round once to float32
-    mu_pos = f32(s_pos / n_pos) if n_pos else 0.0
-    mu_neg = f32(s_neg / n_neg) if n_neg else 0.0
-    if mu_pos >= mu_neg and mu_pos > 0:
-        return pm, mu_pos, False
-    if mu_neg > 0:
-        return nm, mu_neg, True
-    return torch.zeros_like(pm), 0.0, False
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """0-d float64 tensor: the fixed pairwise-tree sum of :func:`horovod_sbc.core.tree_sum_np`
+    (zero padding to a power of two, then ``x[:h] + x[h:]``), on ``x``'s device."""
+    x = x.reshape(-1).to(torch.float64)
+    n = x.numel()
+    if n == 0:
+        return x.new_zeros(())
+    size = 1 << (n - 1).bit_length()
+    if size != n:
+        x = torch.cat([x, x.new_zeros(size - n)])
+    while x.numel() > 1:
+        h = x.numel() // 2
+        x = x[:h] + x[h:]
+    return x[0]
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+
+
+def select_sides(a: torch.Tensor, k: int, selection: str = "paper", name: str = "tensor"
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(P, N): sorted positions of the positive and negative candidate sets
+    (:func:`horovod_sbc.core.select_sides_np`)."""
+    if selection == "paper":
+        p = select_topk(a.clamp(min=0), k, name)  # clamp keeps NaN: select_topk reports it
+        n = select_topk(a.clamp(max=0).neg_(), k, name)
+        return p[a[p] > 0], n[a[n] < 0]
+    if selection != "magnitude":
+        raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
+    idx = select_topk(a, k, name)
+    kept = a[idx]
+    return idx[kept > 0], idx[kept < 0]
+
+
+def binarize_sides(a: torch.Tensor, p_idx: torch.Tensor, n_idx: torch.Tensor
+                   ) -> Tuple[torch.Tensor, float, bool]:
+    """(positions sent, mu as a float32-exact Python float, negative): the side with the larger
+    mean (fixed-order tree sums on the device; only the two sums cross to the host)."""
+    s_pos, s_neg = torch.stack([tree_sum(a[p_idx]), tree_sum(a[n_idx].neg())]).tolist()
+    np_, nn_ = p_idx.numel(), n_idx.numel()
+    side, mu = choose_side(_f32(s_pos / np_) if np_ else 0.0, _f32(s_neg / nn_) if nn_ else 0.0)
+    if side > 0:
+        return p_idx, mu, False
+    if side < 0:
+        return n_idx, mu, True
+    return p_idx[:0], 0.0, False
 
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -244,13 +273,14 @@ MODES = ("sbc", "values", "sign", "terngrad")
 
 
 def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
-                  generator: Optional[torch.Generator] = None
+                  generator: Optional[torch.Generator] = None, selection: str = "paper"
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``).
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
     float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
-    ``"terngrad"`` stochastic ternary (Wen et al. 2017): each element is sent as
+    ``selection`` (``"paper"`` or ``"magnitude"``) picks SBC's candidate sets (see
+    :mod:`horovod_sbc.core`). ``"terngrad"`` stochastic ternary (Wen et al. 2017): each element is sent as
     ``max|A| * sign(A)`` with probability ``|A| / max|A|`` (``generator`` draws; unbiased).
     Returns (tensor message uint8, positions sent, values sent) without touching ``a``; the
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.
@@ -263,11 +293,11 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
         return encode_positions(empty, 0), empty, a.new_zeros(0)
     if mode in ("sign", "terngrad"):
         a_abs = torch.abs(a, out=_scratch(n, a.dtype, dev))
-        stat = (a_abs.sum(dtype=torch.float64) if mode == "sign" else a_abs.max()).item()
+        stat = (tree_sum(a_abs) if mode == "sign" else a_abs.max()).item()
         if not math.isfinite(stat):
             raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
         if mode == "sign":
-            scale = float(torch.tensor(stat / n, dtype=torch.float32))
+            scale = _f32(stat / n)
             neg = a < 0
             sent = torch.where(neg, -scale, scale).to(a.dtype)
             msg = encode_positions(empty, n, scale, signs=neg, all_positions=True)
@@ -282,14 +312,13 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
         return encode_positions(pos, n, scale, signs=neg), pos, sent
     if mode not in ("sbc", "values"):
         raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
-    idx = select_topk(a, keep_count(n, density), name)
-    kept = a[idx]
+    k = keep_count(n, density)
     if mode == "values":
-        vals = kept.to(torch.float32)
+        idx = select_topk(a, k, name)
+        vals = a[idx].to(torch.float32)
         return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
                 vals.to(a.dtype))
-    side, mu, negative = binarize(kept)
-    pos = idx[side]
+    pos, mu, negative = binarize_sides(a, *select_sides(a, k, selection, name))
     sent = torch.full((pos.numel(),), -mu if negative else mu, dtype=a.dtype, device=dev)
     return encode_positions(pos, n, mu, negative), pos, sent
 
@@ -300,9 +329,9 @@ def subtract_sent_(a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> No
         a[pos] = a[pos] - sent
 
 
-def compress_(a: torch.Tensor, density: float, mode="sbc",
-              name: str = "tensor") -> Tuple[torch.Tensor, int]:
+def compress_(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
+              selection: str = "paper") -> Tuple[torch.Tensor, int]:
     """Encode and commit at once (single-process use): returns (message, positions sent)."""
-    msg, pos, sent = encode_update(a, density, mode, name)
+    msg, pos, sent = encode_update(a, density, mode, name, selection=selection)
     subtract_sent_(a, pos, sent)
     return msg, pos.numel()

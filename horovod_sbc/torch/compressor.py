@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import wire
-from ..core import validate_density
+from ..core import validate_density, validate_selection
 from ..residual import ResidualManager
 from . import exchange
 from .codec import NonFiniteError, _scratch, encode_update, subtract_sent_
@@ -46,16 +46,18 @@ class SBC:
     r"""Sparse Binary Compression (Sattler et al., "Sparse Binary Compression: Towards Distributed
     Deep Learning with minimal Communication", arXiv 1805.08768).
 
-    Each rank sends, per tensor, the positions of the top ``density`` fraction of its
-    residual-corrected update (Golomb-Rice coded) and one float: the mean of the larger-magnitude
-    sign side among them. What is not sent stays in a residual and is added next time (error
+    Each rank sends, per tensor, the positions of the ``density`` fraction of its largest positive
+    or of its most negative residual-corrected update entries, whichever side has the larger mean
+    (Golomb-Rice coded), and one float: that mean. What is not sent stays in a residual and is added next time (error
     feedback), so nothing is lost, only delayed. Messages travel by ``allgather``; every rank
     decodes all of them and averages, so all ranks apply bit-identical updates.
 
     Args:
-        density: the paper's *p*, fraction of entries kept per tensor, in (0, 1]; at least one
-            entry of every non-empty tensor is kept. 0.01 keeps 1 %; about 8 bits per kept
-            position after Golomb coding. Lower is smaller and, with error feedback, usually
+        density: the paper's *p*, in (0, 1]: with the default ``selection="paper"`` each rank
+            sends ``k = round(p * numel)`` positions per tensor (at least 1; fewer only when the
+            winning sign has fewer than k entries), so ``stats()["positions_sent"] /
+            stats()["elements_synced"]`` is about p. 0.01 sends 1 %; about 8 bits per position
+            after Golomb coding. Lower is smaller and, with error feedback, usually
             still converges; the paper goes down to 0.001-0.0001 combined with ``delay``.
         delay: the paper's *n*, communication delay: every rank runs ``delay`` local optimizer
             steps, then the accumulated weight update is compressed and exchanged. Only the
@@ -63,6 +65,10 @@ class SBC:
             ``hvd.DistributedOptimizer`` it must be 1 (gradients are compressed every step).
         binarize: True (SBC) sends one mean per tensor; False sends the kept entries' own float32
             values (top-k sparsification with error feedback, ~32 more bits per position).
+        selection: ``"paper"`` (default; SBC paper's Algorithm 1): the top-k positive and the
+            top-k negative entries are the two candidate sides. ``"magnitude"``: the top-k by
+            magnitude split by sign (the side sent then has only ~0.5-0.65 k positions, so the
+            effective density is about half of ``density``). Binarized SBC only.
         topology: ``"allgather"`` (default): every rank receives every rank's message, so the
             download per rank grows with the number of workers. ``"server"``: rank 0 gathers the
             messages, averages, compresses the average again with its own residual at
@@ -84,8 +90,10 @@ class SBC:
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
-                 downlink_density: Optional[float] = None, downlink_binarize: bool = False):
+                 downlink_density: Optional[float] = None, downlink_binarize: bool = False,
+                 selection: str = "paper"):
         self.density = validate_density(density)
+        self.selection = validate_selection(selection)
         if topology not in ("allgather", "server"):
             raise ValueError(f"topology must be 'allgather' or 'server', got {topology!r}")
         if downlink_density is not None:
@@ -106,7 +114,7 @@ class SBC:
         self.nonfinite = nonfinite
         self.manager = ResidualManager()
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
-                                   topology=topology)
+                                   topology=topology, selection=self.selection)
         self._named = list(named_parameters) if named_parameters is not None else None
         self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
         self._max_calls = 0
@@ -185,7 +193,7 @@ class SBC:
             res.add_(upd)  # A = R + dW, in place (error feedback is committed below)
             try:
                 msg, pos, sent = encode_update(res, self.density, self._mode, name,
-                                                 self._generator(res.device))
+                                               self._generator(res.device), self.selection)
             except NonFiniteError as e:
                 _restore(res, upd)
                 step = exchange.error_frame(str(e), fp, self.nonfinite == "skip", dev, rank)
@@ -214,7 +222,8 @@ class SBC:
             raise ValueError(f"SBC: {e}") from None
         for _, res, pos, sent, _ in pending:  # commit error feedback only after success
             subtract_sent_(res, pos, sent)
-        self.manager.add(syncs=1)
+        self.manager.add(syncs=1, positions_sent=sum(p[2].numel() for p in pending),
+                         elements_synced=sum(p[1].numel() for p in pending))
         return out
 
     def _server_exchange(self, step: torch.Tensor, layout, size: int, rank: int, out,
@@ -260,7 +269,7 @@ class SBC:
                     r = srv[name] = torch.zeros_like(a)
                 r.add_(a)  # server-side error feedback
                 msg, pos, sent = encode_update(r, self.downlink_density, self._downlink_mode,
-                                               name)
+                                               name, selection=self.selection)
                 subtract_sent_(r, pos, sent)
             msgs.append(msg)
         return exchange.frame(msgs, fp, dev)
@@ -337,7 +346,7 @@ class SBC:
         a = res
         try:
             msg, pos, sent = encode_update(res, self.density, self._mode, name,
-                                                 self._generator(res.device))
+                                           self._generator(res.device), self.selection)
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
             _restore(res, upd)
@@ -376,6 +385,7 @@ class SBC:
             # healthy ranks keep the gradient in the residual for next time
             return flat.zero_().view(grad.shape)
         subtract_sent_(a, *commit)
+        self.manager.add(positions_sent=commit[0].numel(), elements_synced=a.numel())
         return out
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from horovod_sbc import core
 
-CASES = [  # name, numel, density, binarize, dtype, kind
+CASES = [  # name, numel, density, binarize, dtype, kind[, selection (default "magnitude")]
     ("small", 100, 0.05, True, "float32", "normal"),
     ("ties", 64, 0.1, True, "float32", "ties"),
     ("one", 1, 0.01, True, "float32", "normal"),
@@ -25,6 +25,18 @@ CASES = [  # name, numel, density, binarize, dtype, kind
     ("dense_values", 300, 1.0, False, "float32", "normal"),
     ("sign", 1000, 1.0, "sign", "float32", "normal"),
     ("sign_fp64", 77, 1.0, "sign", "float64", "normal"),
+    # the SBC paper's selection (top-k positive and top-k negative separately)
+    ("paper_small", 100, 0.05, True, "float32", "normal", "paper"),
+    ("paper_ties", 64, 0.1, True, "float32", "ties", "paper"),
+    ("paper_one", 1, 0.01, True, "float32", "normal", "paper"),
+    ("paper_zeros", 50, 0.1, True, "float32", "zeros", "paper"),
+    ("paper_mid", 20000, 0.01, True, "float32", "normal", "paper"),
+    ("paper_large_sparse", 300000, 0.001, True, "float32", "normal", "paper"),
+    ("paper_negative_wins", 1000, 0.02, True, "float32", "negskew", "paper"),
+    ("paper_few_positive", 400, 0.05, True, "float32", "fewpos", "paper"),
+    ("paper_fp64", 3000, 0.01, True, "float64", "normal", "paper"),
+    ("paper_fp16", 3000, 0.01, True, "float16", "normal", "paper"),
+    ("paper_dense", 200, 1.0, True, "float32", "normal", "paper"),
 ]
 
 
@@ -44,6 +56,9 @@ def make_inputs(i, numel, dtype, kind):
         u = np.round(3 * a).astype(dtype)
     elif kind == "zeros":
         u = np.zeros(numel, dtype)
+    elif kind == "fewpos":  # 3 positive entries, the rest negative: P has fewer than k
+        u = (-np.abs(a) - 0.01).astype(dtype)
+        u[[5, 77, 300 % numel]] = 5.0
     elif kind == "negskew":
         u = (a - 10.0 * (c > 0.9)).astype(dtype)
     else:
@@ -63,11 +78,13 @@ def digest(a: np.ndarray) -> str:
 
 def main():
     cases = []
-    for i, (name, numel, density, binarize, dtype, kind) in enumerate(CASES):
+    for i, (name, numel, density, binarize, dtype, kind, *sel) in enumerate(CASES):
+        selection = sel[0] if sel else "magnitude"
         u, r = make_inputs(i, numel, dtype, kind)
-        msg, res = core.compress_np(u, r, density, *mode_args(binarize))
+        msg, res = core.compress_np(u, r, density, *mode_args(binarize), selection=selection)
         cases.append({"name": name, "index": i, "numel": numel, "density": density,
                       "binarize": binarize, "dtype": dtype, "kind": kind,
+                      "selection": selection,
                       "input_sha256": digest(u) + digest(r),
                       "message_hex": msg.hex(), "new_residual_sha256": digest(res)})
     with open(os.path.join(os.path.dirname(__file__), "vectors.json"), "w") as f:
