@@ -148,7 +148,9 @@ class ProcessGroupTransport:
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         import torch.distributed as dist
-        dist.all_gather_into_tensor(out, inp, group=self.group)
+        # all_gather_single is the newer name of all_gather_into_tensor (deprecated in 2.13)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, inp, group=self.group)
 
     def allgather(self, step: torch.Tensor, tag: str) -> torch.Tensor:
         size, _ = self.world()
