@@ -257,6 +257,7 @@ class SBCModelAverager(ModelAverager):
                        if p.requires_grad and p.is_floating_point()]
         self._names = {id(p): n for n, p in self._named}
         self._capture(self._named, refresh=True)
+        self._pending = 0
 
     def stats(self) -> Dict[str, int]:
         """:meth:`SBC.stats` plus ``transport_upstream_bits`` (see :class:`SBCState`)."""
@@ -292,29 +293,47 @@ class SBCModelAverager(ModelAverager):
             elif refresh:
                 ref[name].copy_(p.detach())
 
+    @property
+    def local_steps_pending(self) -> int:
+        """Local steps since the last average (after warm-up). Call :meth:`synchronize` at the
+        end of training when this is not 0, so that all ranks end with the same weights."""
+        return self._pending
+
     @torch.no_grad()
     def average_parameters(self, params=None) -> None:
         """Call after every optimizer step (``PostLocalSGDOptimizer`` does). ``params``:
         ``model.parameters()`` or ``optimizer.param_groups`` (``None``: all of the model's)."""
         named = self._select(params)
-        comp = self.compression
-        comp.manager.add(steps=1, dense_bits=32 * sum(p.numel() for _, p in named))
+        self.compression.manager.add(steps=1, dense_bits=32 * sum(p.numel() for _, p in named))
         if self.step < self.warmup_steps:  # weights are shared during warm-up
             self._capture(named, refresh=True)
         elif (self.step - self.warmup_steps) % self.period == 0:
-            self._capture(named, refresh=False)
-            ref = comp.manager.reference
-            items = [(n, p.detach(), tuple(p.shape), ref[n]) for n, p in named]
-            # W_ref += average of all ranks' decoded updates (skip: nothing added), then every
-            # rank continues from W_ref
-            comp.exchange(items, out=[ref[n].view(-1) for n, _ in named],
-                          tag="sbc.ddp.average")
-            for n, p in named:
-                p.copy_(ref[n])
+            self._exchange(named)
+        else:
+            self._pending += 1
         self.step += 1
 
+    @torch.no_grad()
+    def synchronize(self, params=None) -> None:
+        """Exchange the update of the pending local steps now (off the schedule, e.g. at the
+        end of training). Every rank must call it at the same point."""
+        self._exchange(self._select(params))
+
+    def _exchange(self, named: List[Tuple[str, torch.Tensor]]) -> None:
+        comp = self.compression
+        self._capture(named, refresh=False)
+        ref = comp.manager.reference
+        items = [(n, p.detach(), tuple(p.shape), ref[n]) for n, p in named]
+        # W_ref += average of all ranks' decoded updates (skip: nothing added), then every rank
+        # continues from W_ref
+        comp.exchange(items, out=[ref[n].view(-1) for n, _ in named], tag="sbc.ddp.average")
+        for n, p in named:
+            p.copy_(ref[n])
+        self._pending = 0
+
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "step": self.step, "period": self.period,
+        return {"format": STATE_FORMAT, "step": self.step, "pending": self._pending,
+                "period": self.period,
                 "warmup_steps": self.warmup_steps, "sbc": self.compression.state_dict(),
                 "transport_bytes": [self.transport.sent_bytes, self.transport.received_bytes,
                                     self.transport.padding_bytes]}
@@ -323,7 +342,7 @@ class SBCModelAverager(ModelAverager):
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError("not an SBCModelAverager state_dict (missing or unknown 'format')")
         self.compression.load_state_dict(state["sbc"])
-        self.step = int(state["step"])
+        self.step, self._pending = int(state["step"]), int(state["pending"])
         (self.transport.sent_bytes, self.transport.received_bytes,
          self.transport.padding_bytes) = (int(x) for x in state["transport_bytes"])
         ref = self.compression.manager.reference

@@ -225,4 +225,5 @@ result = {"train": run_train, "nan": run_nan, "kill": run_kill, "save": run_save
           "load": run_save_load}[MODE]()
 result.update(rank=RANK, size=SIZE)
 write_result(RANK, result)
+dist.barrier()
 dist.destroy_process_group()
