@@ -21,6 +21,5 @@ setup(
         "test": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "scikit-learn>=1.2"],
         "bench": ["matplotlib>=3.6", "tqdm>=4"],
     },
-    entry_points={"console_scripts": ["horovod-sbc-bench=horovod_sbc.bench:main"]},
     license="Apache-2.0",
 )
