@@ -12,7 +12,8 @@ same initial weights per seed:
                 defaults (``start_powerSGD_iter=1000``, warm start, error feedback,
                 ``min_compression_rate=2``), and the same ranks with ``start_powerSGD_iter`` at
                 10 % of the steps (PyTorch's own tuning advice), since the default warm-up is
-                longer than this whole run;
+                longer than this whole run, and at 2 (the least PowerSGD allows with error
+                feedback: what it compresses without a dense warm-up);
 * ``sbc-hook``  :func:`horovod_sbc.torch.ddp.sbc_hook`, per parameter at p = 0.01 and 0.05, and
                 per bucket at p = 0.01 (the granularity comparison);
 * ``sbc-avg``   :class:`horovod_sbc.torch.ddp.SBCModelAverager` with ``PostLocalSGDOptimizer``
@@ -66,8 +67,9 @@ def methods(quick: bool, steps: int) -> List[Dict]:
     for r in ((1,) if quick else (1, 2, 4)):
         out.append({"family": "powersgd", "label": f"powersgd r={r}", "rank": r,
                     "start": None})
-        out.append({"family": "powersgd", "label": f"powersgd r={r} start={warm}", "rank": r,
-                    "start": warm})
+        for start in ((warm,) if quick else (warm, 2)):
+            out.append({"family": "powersgd", "label": f"powersgd r={r} start={start}",
+                        "rank": r, "start": start})
     hooks = [(0.01, "parameter")] if quick else [(0.01, "parameter"), (0.05, "parameter"),
                                                  (0.01, "bucket")]
     for p, g in hooks:
