@@ -16,11 +16,12 @@ test: install
 	bash scripts/test.sh
 
 bench: install
-	$(PY) -m horovod_sbc.bench all --json benchmarks/results/bench.json
-	$(PY) -m horovod_sbc.bench downlink --json benchmarks/results/downlink.json
+	$(PY) -m benchmarks.bench all --json benchmarks/results/bench.json
+	$(PY) -m benchmarks.bench downlink --json benchmarks/results/downlink.json
 
 fuzz: install
-	FUZZ_CASES=$${FUZZ_CASES:-1000000} $(PY) -m pytest -q tests/test_fuzz.py
+	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} \
+	  $(PY) -m pytest -q tests/test_fuzz.py tests/test_differential.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -17,8 +17,7 @@ import torch
 import horovod.torch as hvd
 
 import horovod_sbc.torch as sbc
-from horovod_sbc.datasets import digits_split
-from horovod_sbc.report import print_runs
+from common import digits_split, print_runs
 
 
 def load_digits_split(seed: int = 0):

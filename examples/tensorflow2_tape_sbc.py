@@ -24,8 +24,7 @@ import keras  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
-from horovod_sbc.datasets import digits_split  # noqa: E402
-from horovod_sbc.report import print_runs  # noqa: E402
+from common import digits_split, print_runs  # noqa: E402
 
 
 def make_model(hidden: int, seed: int) -> keras.Model:

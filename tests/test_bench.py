@@ -1,4 +1,4 @@
-"""Benchmarks (python -m horovod_sbc.bench): quick training run, network testbed, analysis math."""
+"""Benchmarks (python -m benchmarks.bench): quick training run, network testbed, analysis math."""
 import json
 import math
 import os
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from harness import ROOT
-from horovod_sbc import bench_net as bn
-from horovod_sbc import bench_train as bt
+from benchmarks import bench_net as bn
+from benchmarks import bench_train as bt
 
 needs_root_net = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -21,7 +21,7 @@ needs_root_net = pytest.mark.skipif(
 
 def _bench(args, timeout):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, "-m", "horovod_sbc.bench", *args], cwd=str(ROOT), env=env,
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench", *args], cwd=str(ROOT), env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     return p.stdout
@@ -94,13 +94,13 @@ def test_partitions_give_every_rank_the_same_number_of_steps():
 
 
 def test_codec_subcommand_still_works(tmp_path):
-    from horovod_sbc import bench
+    from benchmarks import bench
     out = tmp_path / "codec.json"
     assert bench.main(["codec", "--n", "200000", "--n-positions", "200000", "--reps", "1",
                        "--skip-numpy", "--skip-tf", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["codec"]["bits_per_position_over_entropy"] < 1.05
-    assert res["command"].startswith("python -m horovod_sbc.bench codec")
+    assert res["command"].startswith("python -m benchmarks.bench codec")
 
 
 @pytest.mark.multirank
@@ -179,7 +179,7 @@ def test_testbed_lives_only_in_its_namespaces_and_teardown_is_idempotent():
 
 _HOLD = """
 import sys, time
-from horovod_sbc.bench_net import Testbed
+from benchmarks.bench_net import Testbed
 tb = Testbed(2).setup()
 print(" ".join(tb.namespaces()), flush=True)
 time.sleep(120)

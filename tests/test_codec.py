@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from horovod_sbc import core, wire
+from horovod_sbc import core, protocol, wire
 from horovod_sbc.torch import codec as tcodec
 from horovod_sbc.torch import exchange
 
@@ -154,13 +154,14 @@ def test_golden_vectors_tensorflow_bridge(case):
     from horovod_sbc.tensorflow import codec as tfcodec
     dt = NP_DT[case["dtype"]]
     u, r = make_golden.make_inputs(case["index"], case["numel"], dt, case["kind"])
-    msg, res = tfcodec.compress(tf.constant(u), tf.constant(r), case["density"], case["binarize"])
+    msg, res = tfcodec.compress(tf.constant(u), tf.constant(r), case["density"], case["binarize"],
+                                case["selection"])
     assert msg.numpy().tobytes() == bytes.fromhex(case["message_hex"])
     assert make_golden.digest(res.numpy()) == case["new_residual_sha256"]
 
     @tf.function
     def graph(u_, r_):
-        return tfcodec.compress(u_, r_, case["density"], case["binarize"])
+        return tfcodec.compress(u_, r_, case["density"], case["binarize"], case["selection"])
     gmsg, _ = graph(tf.constant(u), tf.constant(r))
     assert gmsg.numpy().tobytes() == bytes.fromhex(case["message_hex"])
     dense = tfcodec.decompress(gmsg, (case["numel"],))
@@ -196,7 +197,8 @@ def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
     tmsg = tcodec.encode_positions(torch.from_numpy(pos), numel, float(np.float32(value)),
                                    negative)
     assert tmsg.numpy().tobytes() == msg
-    tpos = tcodec.decode_positions(torch.frombuffer(bytearray(msg), dtype=torch.uint8), hdr, "t")
+    tpos, _, stats = tcodec.stream_stats(torch.frombuffer(bytearray(msg), dtype=torch.uint8), hdr)
+    protocol.check_stream(hdr, stats, "t")
     assert tpos.tolist() == pos.tolist()
     # the chosen b is never worse than the paper's b*
     if pos.size:
@@ -205,14 +207,19 @@ def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
         assert len(msg) <= len(alt)
 
 
-def paper_rule(a: np.ndarray, k: int):
-    """Direct transcription of the rule: top-k by |a|, then the larger-mean sign side."""
-    order = sorted(range(a.size), key=lambda i: (-abs(float(a[i])), i))[:k]
-    kept = sorted(order)
-    pos = [i for i in kept if a[i] > 0]
-    neg = [i for i in kept if a[i] < 0]
-    mp = float(np.float32(sum(float(a[i]) for i in pos) / len(pos))) if pos else 0.0
-    mn = float(np.float32(-sum(float(a[i]) for i in neg) / len(neg))) if neg else 0.0
+def rule(a: np.ndarray, k: int, selection: str):
+    """Direct transcription of the rule (core's docstring); means by the specified tree sum."""
+    if selection == "paper":
+        pos = sorted(sorted((i for i in range(a.size) if a[i] > 0),
+                            key=lambda i: (-float(a[i]), i))[:k])
+        neg = sorted(sorted((i for i in range(a.size) if a[i] < 0),
+                            key=lambda i: (float(a[i]), i))[:k])
+    else:
+        kept = sorted(sorted(range(a.size), key=lambda i: (-abs(float(a[i])), i))[:k])
+        pos = [i for i in kept if a[i] > 0]
+        neg = [i for i in kept if a[i] < 0]
+    mp = float(np.float32(core.tree_sum_np(a[pos]) / len(pos))) if pos else 0.0
+    mn = float(np.float32(core.tree_sum_np(-a[neg]) / len(neg))) if neg else 0.0
     if mp >= mn and mp > 0:
         return pos, mp
     if mn > 0:
@@ -220,14 +227,25 @@ def paper_rule(a: np.ndarray, k: int):
     return [], 0.0
 
 
+def test_tree_sum_is_the_specified_pairwise_order():
+    x = np.array([2.0 ** 53, 1.0, 1.0, 0.0, -2.0 ** 53], np.float64)
+    # padded to 8 with zeros, then x[:4] + x[4:], [:2] + [2:], [0] + [1]:
+    # [0, 1, 1, 0] -> [1, 1] -> 2, where a left-to-right sum gives 0 (2^53 + 1 rounds to 2^53)
+    want = ((x[0] + x[4]) + (x[2] + 0.0)) + ((x[1] + 0.0) + (x[3] + 0.0))
+    assert want == 2.0 and sum(x.tolist()) == 0.0
+    assert core.tree_sum_np(x) == want
+    assert core.tree_sum_np(np.zeros(0)) == 0.0
+    assert float(tcodec.tree_sum(torch.from_numpy(x))) == want
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-1024, 1024, width=32), min_size=1, max_size=400),
-       st.floats(0.001, 1.0))
-def test_binarization_and_residual_match_the_rule(values, density):
+       st.floats(0.001, 1.0), st.sampled_from(["paper", "magnitude"]))
+def test_binarization_and_residual_match_the_rule(values, density, selection):
     u = np.array(values, dtype=np.float32)
     k = core.keep_count(u.size, density)
-    want_pos, want_val = paper_rule(u, k)
-    msg, res = core.compress_np(u, None, density)
+    want_pos, want_val = rule(u, k, selection)
+    msg, res = core.compress_np(u, None, density, selection=selection)
     _, pos, vals, _ = wire.decode_tensor_np(msg, 0, u.size)
     assert pos.tolist() == want_pos
     if want_pos:
@@ -241,7 +259,7 @@ def test_binarization_and_residual_match_the_rule(values, density):
     np.testing.assert_allclose(res + sent, u, rtol=1e-6, atol=1e-6 * max(1.0, abs(want_val)))
     # torch agrees byte for byte, and its residual too
     a = torch.from_numpy(u.copy())
-    tmsg, _ = tcodec.compress_(a, density)
+    tmsg, _ = tcodec.compress_(a, density, selection=selection)
     assert tmsg.numpy().tobytes() == msg
     assert np.array_equal(a.numpy(), res)
 

@@ -14,12 +14,13 @@ import tensorflow as tf
 from .. import core
 
 
-def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize: bool = True):
+def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize: bool = True,
+             selection: str = "paper"):
     """(message uint8 1-D, new residual) for one tensor; the residual keeps ``residual``'s dtype."""
     density = core.validate_density(density)
 
     def _run(u, r):
-        msg, res = core.compress_np(u, r, density, binarize)
+        msg, res = core.compress_np(u, r, density, binarize, selection=selection)
         return np.frombuffer(msg, dtype=np.uint8).copy(), res.astype(r.dtype)
 
     msg, res = tf.numpy_function(_run, [update, residual], [tf.uint8, residual.dtype],

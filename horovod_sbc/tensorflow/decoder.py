@@ -31,109 +31,107 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import wire
+from .. import protocol, wire
+from .bits import f32_bits_to_f64, f64_to_f32_bits
 
 # the verdict codes (shared with exchange.py)
 COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = 0, 1, 2
 
 # columns of the per-message table the host parse returns
 (C_TENSOR, C_RANK, C_COUNT, C_B, C_KIND, C_USTART, C_UBYTES, C_RSTART, C_SSTART, C_VSTART,
- C_VBITS, C_NEG, C_NUMEL) = range(13)
-N_COLS = 13
+ C_VBITS, C_NEG, C_NUMEL, C_RBYTES, C_SBYTES) = range(15)
+N_COLS = 15
 K_BINARY, K_SIGNS, K_VALUES, K_ALL_SIGNS, K_ALL_VALUES = range(5)
-_LIMB = 21
-N_STATS = 7  # n_ones, sum_q, max_q, sum_r limbs 0..2, non-finite values
 
 
 # ----------------------------------------------------------------------------------------------
-# host steps (exact Python integers; run inside tf.numpy_function)
+# host steps (exact Python integers, horovod_sbc.protocol; run inside tf.numpy_function)
 # ----------------------------------------------------------------------------------------------
-def _message_row(buf, msg: wire.TensorMessage, t: int, r: int, who: str) -> List[int]:
-    """The table row of one parsed tensor message, after its O(1) byte checks."""
-    if msg.count and not msg.all_positions:
-        if buf[msg.unary[1] - 1] == 0:
-            raise ValueError(f"corrupt message: {who} unary stream ends in a padding-only byte")
-        pad = 8 * (msg.remainder[1] - msg.remainder[0]) - msg.count * msg.rice_b
-        if pad and buf[msg.remainder[1] - 1] & ((1 << pad) - 1):
-            raise ValueError(f"corrupt message: {who} remainder padding is not zero")
-    if msg.has_signs:
-        pad = 8 * (msg.signs[1] - msg.signs[0]) - msg.count
-        if pad and buf[msg.signs[1] - 1] & ((1 << pad) - 1):
-            raise ValueError(f"corrupt message: {who} sign padding is not zero")
+_LAST_ERROR: List[BaseException] = []
+
+
+def _remember(e: BaseException) -> BaseException:
+    """Keep the last exception a host step raised: inside ``tf.function`` TensorFlow delivers it
+    as ``InvalidArgumentError`` text; :func:`original_error` gives the Python object back."""
+    _LAST_ERROR[:] = [e]
+    return e
+
+
+def original_error(e: BaseException) -> BaseException:
+    """The Python exception behind ``e`` (an ``InvalidArgumentError`` from a host step inside
+    ``tf.function``), or ``e`` itself."""
+    if isinstance(e, tf.errors.OpError) and _LAST_ERROR and str(_LAST_ERROR[0]) in e.message:
+        return _LAST_ERROR[0]
+    return e
+
+
+def _row(host: bytes, msg: wire.TensorMessage, t: int, r: int) -> List[int]:
+    # the value's bits straight from the bytes: inside tf.function this runs on a TensorFlow
+    # thread whose FPU flushes subnormals, so msg.value (a float) may have lost them
+    vbits = int.from_bytes(host[msg.unary[0] - 4:msg.unary[0]], "little")
     if msg.all_positions:
         kind = K_ALL_VALUES if msg.has_values else K_ALL_SIGNS
     else:
         kind = K_VALUES if msg.has_values else K_SIGNS if msg.has_signs else K_BINARY
-    vbits = int.from_bytes(bytes(buf[msg.unary[0] - 4:msg.unary[0]]), "little")
     return [t, r, msg.count, msg.rice_b, kind, msg.unary[0], msg.unary[1] - msg.unary[0],
-            msg.remainder[0], msg.signs[0], msg.values[0], vbits, int(msg.negative), msg.numel]
+            msg.remainder[0], msg.signs[0], msg.values[0], vbits, int(msg.negative),
+            msg.numel, msg.remainder[1] - msg.remainder[0], msg.signs[1] - msg.signs[0]]
 
 
-def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
-               failed: bool, single: bool) -> Tuple[np.int32, np.ndarray]:
-    """Step 1: ``(code, table int64 [n_ranks * len(layout), N_COLS])``.
-
-    ``single``: ``buf`` is one bare tensor message (no step framing), as :func:`decompress` takes.
-    SKIP: the table has no positions (every output stays as it was) and the code says whether
-    this rank keeps its update (``SKIP_KEEP_UPDATE``) or, having ``failed``, drops it.
-    """
-    host = np.asarray(buf, np.uint8).tobytes()
-    table = np.zeros((n_ranks * len(layout), N_COLS), np.int64)
+def _parse(host: bytes, layout, n_ranks: int, single: bool):
     if single:
         name, shape = layout[0]
         msg = wire.parse_tensor_header(host, 0, wire.layout_numel(shape), name)
         if msg.nbytes != len(host):
             raise ValueError("corrupt message: trailing bytes after tensor message")
-        table[0] = _message_row(host, msg, 0, 0, name)
-        return np.int32(COMMIT), table
-    fp = wire.layout_fingerprint(layout)
-    ranges = wire.split_step_messages(host, n_ranks)
-    kinds = [wire.parse_step_header(host, s, e, None, f"rank {r}")
-             for r, (s, e) in enumerate(ranges)]
-    for want in (-1, -2):
-        for r, k in enumerate(kinds):
-            if k == want:
-                err = wire.peer_error(host, ranges[r][0], ranges[r][1], want)
-                if not err.skip:
-                    raise ValueError(f"SBC: {err}")
-                warnings.warn(f"horovod_sbc: skipping this sync: {err}")
-                return np.int32(SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), table
-    row = 0
-    for r, (s, e) in enumerate(ranges):
-        wire.parse_step_header(host, s, e, fp, f"rank {r}")
-        if kinds[r] != len(layout):
-            raise ValueError(f"rank {r} sent {kinds[r]} tensors, this rank expects {len(layout)}")
-        off = s + wire.STEP_HEADER_SIZE
-        for t, (name, shape) in enumerate(layout):
-            who = f"{name!r} from rank {r}"
-            msg = wire.parse_tensor_header(host, off, wire.layout_numel(shape), who)
-            table[row] = _message_row(host, msg, t, r, who)
-            row += 1
-            off = msg.nbytes
-        if off != e:
-            raise ValueError(f"corrupt message: {e - off} stray bytes in step message of rank {r}")
+        return None, [(0, 0, msg, name)]
+    step = protocol.parse_gathered(host, layout, n_ranks)
+    return step, step.flat()
+
+
+def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
+               failed: bool, single: bool, strict: bool) -> Tuple[np.int32, np.ndarray]:
+    """Step 1: ``(code, table int64 [n_ranks * len(layout), N_COLS])``
+    (:func:`horovod_sbc.protocol.parse_gathered`, checks a-e).
+
+    ``single``: ``buf`` is one bare tensor message (no step framing), as ``decompress`` takes.
+    ``strict``: a rank's ERROR or SKIP raises :class:`horovod_sbc.wire.PeerError`. Otherwise
+    ERROR raises ``ValueError("SBC: rank R could not encode ...")`` and SKIP warns and returns a
+    table without positions (outputs stay as they were) and the code ``SKIP_DROP_UPDATE`` if
+    this rank ``failed``, else ``SKIP_KEEP_UPDATE``.
+    """
+    host = np.asarray(buf, np.uint8).tobytes()
+    table = np.zeros((n_ranks * len(layout), N_COLS), np.int64)
+    try:
+        _, flat = _parse(host, layout, n_ranks, single)
+    except wire.PeerError as e:
+        if strict:
+            raise _remember(e)
+        if not e.skip:
+            raise _remember(ValueError(f"SBC: {e}")) from None
+        warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+        return np.int32(SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), table
+    except ValueError as e:
+        raise _remember(e)
+    for row, (r, t, msg, _) in enumerate(flat):
+        table[row] = _row(host, msg, t, r)
     return np.int32(COMMIT), table
 
 
-def check_stats_host(table: np.ndarray, stats: np.ndarray,
-                     layout: Sequence[Tuple[str, Sequence[int]]]) -> np.int32:
-    """Step 3: the exact checks of the stream statistics (raises ``ValueError``)."""
-    for row, st in zip(np.asarray(table).tolist(), np.asarray(stats).tolist()):
-        t, r, count, b, kind, numel = (row[C_TENSOR], row[C_RANK], row[C_COUNT], row[C_B],
-                                       row[C_KIND], row[C_NUMEL])
-        who = f"{layout[t][0]!r} from rank {r}"
-        n_ones, sum_q, _max_q, l0, l1, l2, nonfinite = st
-        if count and kind not in (K_ALL_SIGNS, K_ALL_VALUES):
-            if n_ones != count:
-                raise ValueError(f"corrupt message: {who} unary stream holds {n_ones} codes, "
-                                 f"header says {count}")
-            sum_r = l0 + (l1 << _LIMB) + (l2 << 2 * _LIMB)
-            last = (sum_q << b) + sum_r + count - 1
-            if last >= numel:
-                raise ValueError(f"corrupt message: {who} position {last} out of range "
-                                 f"for {numel} elements")
-        if nonfinite:
-            raise ValueError(f"corrupt message: {who} carries non-finite values")
+def check_stats_host(buf: np.ndarray, code, stats: np.ndarray,
+                     layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
+                     single: bool) -> np.int32:
+    """Step 3: :func:`horovod_sbc.protocol.check_streams` on the TF-computed statistics (check
+    f). The headers are parsed again (stateless; O(number of tensors) on the compressed bytes)."""
+    if int(code) != COMMIT:
+        return np.int32(0)
+    step, flat = _parse(np.asarray(buf, np.uint8).tobytes(), layout, n_ranks, single)
+    rows = [protocol.StreamStats.from_row(x) for x in np.asarray(stats).tolist()]
+    try:
+        for (_, _, msg, name), st in zip(flat, rows):
+            protocol.check_stream(msg, st, name)
+    except ValueError as e:
+        raise _remember(e)
     return np.int32(0)
 
 
@@ -189,7 +187,6 @@ def _bits_at(buf: tf.Tensor, bit: tf.Tensor) -> tf.Tensor:
 
 def _streams(buf: tf.Tensor, table: tf.Tensor):
     """Step 2: per element (tensor, rank, position, float64 value) and per message stats."""
-    from .codec import f32_bits_to_f64
     m = tf.shape(table, out_type=tf.int64)[0]
     col = lambda c: table[:, c]  # noqa: E731
     count, b, kind = col(C_COUNT), col(C_B), col(C_KIND)
@@ -220,7 +217,7 @@ def _streams(buf: tf.Tensor, table: tf.Tensor):
                                                                        out_type=tf.int64) - 1))
     q = tf.where(e_all, tf.zeros_like(q), q)
     max_b = tf.reduce_max(tf.concat([b, [_c64(0)]], 0))
-    r = read_fields(slack, tf.where(e_all, 0, 8 * tf.gather(col(C_RSTART), e_msg) + e_i * e_b),
+    r = read_fields(slack, tf.where(e_all, tf.zeros_like(e_i), 8 * tf.gather(col(C_RSTART), e_msg) + e_i * e_b),
                     e_b, max_b)
     step = tf.bitwise.left_shift(q, e_b) + r + 1
     cs = tf.cumsum(step)
@@ -242,22 +239,35 @@ def _streams(buf: tf.Tensor, table: tf.Tensor):
     bits = tf.where(neg, tf.bitwise.bitwise_or(bits, tf.constant(-2 ** 31, tf.int32)), bits)
     nonfinite = tf.logical_and(is_val, tf.equal(
         tf.bitwise.bitwise_and(bits, 0x7F800000), 0x7F800000))
-    # stats per message
-    lim = (1 << _LIMB) - 1
-    seg = lambda x: tf.math.unsorted_segment_sum(x, e_msg, m)  # noqa: E731
+    # protocol.StreamStats per message (ones, unary_last_zero, max_q, max_r, rem_pad_nonzero,
+    # pos_max, sign_pad_nonzero, nonfinite): exact int64, no sums that could wrap
+    def last_byte(start, nbytes):
+        idx = tf.where(nbytes > 0, start + nbytes - 1, 0)
+        return tf.where(nbytes > 0, tf.cast(tf.gather(slack, idx), tf.int64), 0)
+
+    def pad_nonzero(start, nbytes, used_bits):
+        pad = 8 * nbytes - used_bits
+        mask = tf.bitwise.left_shift(_c64(1), tf.clip_by_value(pad, 0, 8)) - 1
+        return tf.cast(tf.logical_and(pad > 0, tf.bitwise.bitwise_and(
+            last_byte(start, nbytes), mask) != 0), tf.int64)
+
+    smax = lambda x, init: tf.maximum(tf.math.unsorted_segment_max(x, e_msg, m), init)  # noqa
+    ubytes = col(C_UBYTES)
     stats = tf.stack([
-        n_ones, seg(q), tf.maximum(tf.math.unsorted_segment_max(q, e_msg, m), 0),
-        seg(tf.bitwise.bitwise_and(r, lim)),
-        seg(tf.bitwise.bitwise_and(tf.bitwise.right_shift(r, _LIMB), lim)),
-        seg(tf.bitwise.right_shift(r, 2 * _LIMB)),
-        seg(tf.cast(nonfinite, tf.int64))], 1)
+        n_ones,
+        tf.cast(tf.logical_and(ubytes > 0, tf.equal(last_byte(col(C_USTART), ubytes), 0)),
+                tf.int64),
+        smax(q, 0), smax(r, 0),
+        pad_nonzero(col(C_RSTART), col(C_RBYTES), count * b),
+        smax(pos, -1),
+        pad_nonzero(col(C_SSTART), col(C_SBYTES), count),
+        tf.math.unsorted_segment_sum(tf.cast(nonfinite, tf.int64), e_msg, m)], 1)
     value = f32_bits_to_f64(bits)
     return (tf.gather(col(C_TENSOR), e_msg), tf.gather(col(C_RANK), e_msg), pos, value, bits,
             stats)
 
 
 def _to_dtype(v64: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    from .codec import f64_to_f32_bits
     if dtype == tf.float64:
         return v64
     if dtype == tf.float32:
@@ -265,47 +275,41 @@ def _to_dtype(v64: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.cast(v64, dtype)
 
 
-def decode_messages(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
-                    n_ranks: int, outs: Optional[Sequence[tf.Tensor]] = None, scale: float = 1.0,
-                    out_dtypes: Optional[Sequence[tf.DType]] = None, failed=False,
-                    single: bool = False):
-    """Decode every rank's step message and accumulate: returns ``results`` (flat tensors in
-    ``layout`` order: ``outs`` (or zeros) plus ``scale`` x the sum of all ranks' decoded tensors,
-    added in rank order); with ``single`` the input is one bare tensor message and the result a
-    list of one dense float32 tensor whose values are the message's bit patterns.
-
-    Use :func:`decode_gathered` to also get the verdict code.
-    """
-    return decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes, failed,
-                           single)[1]
-
-
+@tf.autograph.experimental.do_not_convert
 def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
                     n_ranks: int, outs: Optional[Sequence[tf.Tensor]] = None, scale: float = 1.0,
                     out_dtypes: Optional[Sequence[tf.DType]] = None, failed=False,
-                    single: bool = False):
-    """``(code, results)``: see the module docstring and :func:`decode_messages`. ``code`` is a
-    scalar int32: ``COMMIT``, or for a SKIP step ``SKIP_KEEP_UPDATE`` / ``SKIP_DROP_UPDATE``
-    (``failed``: this rank could not encode), in which case ``results`` are ``outs`` (or zeros)."""
+                    single: bool = False, strict: bool = True):
+    """``(code, results)``: every rank's step message decoded and accumulated.
+
+    ``results`` are flat tensors in ``layout`` order: ``outs`` (or zeros of ``out_dtypes``,
+    default float32) plus, for each rank in rank order, ``round(float64(value) * scale)`` added at
+    its positions (the protocol's decoded arithmetic). With ``single`` the input is one bare
+    tensor message and the one result holds the message's float32 values as bit patterns.
+    ``code`` is a scalar int32, ``COMMIT`` or, with ``strict=False`` and a SKIP step,
+    ``SKIP_KEEP_UPDATE`` / ``SKIP_DROP_UPDATE`` (``failed``: this rank could not encode); then
+    ``results`` are ``outs`` (or zeros). See :func:`parse_host` for ERROR/SKIP with ``strict``.
+    """
     layout = [(n, tuple(int(d) for d in s)) for n, s in layout]
     numels = [wire.layout_numel(s) for _, s in layout]
     if out_dtypes is None:
         out_dtypes = [o.dtype for o in outs] if outs is not None else [tf.float32] * len(layout)
     gathered = tf.reshape(tf.cast(gathered, tf.uint8), [-1])
 
-    def _parse(g, f):
-        return parse_host(g, layout, n_ranks, bool(f), single)
+    def _parse_fn(g, f):
+        return parse_host(g, layout, n_ranks, bool(f), single, strict)
 
-    code, table = tf.numpy_function(_parse, [gathered, tf.cast(failed, tf.bool)],
+    code, table = tf.numpy_function(_parse_fn, [gathered, tf.cast(failed, tf.bool)],
                                     [tf.int32, tf.int64], stateful=True, name="sbc_parse")
     code.set_shape([])
     table.set_shape([n_ranks * len(layout), N_COLS])
     e_tensor, e_rank, pos, value, bits, stats = _streams(gathered, table)
 
-    def _check(t, s):
-        return check_stats_host(t, s, layout)
+    def _check_fn(g, c, st):
+        return check_stats_host(g, c, st, layout, n_ranks, single)
 
-    ok = tf.numpy_function(_check, [table, stats], tf.int32, stateful=True, name="sbc_verdict")
+    ok = tf.numpy_function(_check_fn, [gathered, code, stats], tf.int32, stateful=True,
+                           name="sbc_verdict")
     with tf.control_dependencies([ok]):
         e_tensor = tf.identity(e_tensor)
     parts = tf.dynamic_partition(tf.range(tf.size(e_tensor)), tf.cast(e_tensor, tf.int32),
@@ -318,16 +322,33 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
             dense = tf.scatter_nd(p_t[:, None], tf.gather(bits, sel), [numel])
             results.append(tf.bitcast(dense, tf.float32))
             continue
-        add = _to_dtype(tf.gather(value, sel) * scale, dt)
         r_t = tf.gather(e_rank, sel)
         u, uidx = tf.unique(p_t, out_idx=tf.int64)
-        if outs is not None:
-            base = tf.reshape(outs[t], [-1])
-            acc = tf.gather(base, u)
-        else:
-            base = None
-            acc = tf.zeros(tf.shape(u), dt)
-        for r in range(n_ranks):  # rank order at every position (unique within one rank)
+        base = None if outs is None else tf.reshape(outs[t], [-1])
+        if dt == tf.float32:
+            # float32 in bits: x + y as float32(float64(x) + float64(y)) (exact: float64 holds
+            # 2 x 24 + 2 bits, so the double rounding is innocuous) with integer conversions, so
+            # subnormal values and sums are not flushed to zero as TF's float32 add would
+            add = f64_to_f32_bits(tf.gather(value, sel) * scale)
+            base_bits = None if base is None else tf.bitcast(base, tf.int32)
+            acc = (tf.zeros(tf.shape(u), tf.int32) if base is None else
+                   tf.gather(base_bits, u))
+            for r in range(n_ranks):  # rank order at every position (unique within one rank)
+                mine = tf.equal(r_t, r)
+                idx = tf.boolean_mask(uidx, mine)
+                cur = f32_bits_to_f64(tf.gather(acc, idx))
+                new = f64_to_f32_bits(cur + f32_bits_to_f64(tf.boolean_mask(add, mine)))
+                acc = tf.tensor_scatter_nd_update(acc, idx[:, None], new)
+            if base is None:
+                flat = tf.bitcast(tf.scatter_nd(u[:, None], acc, [numel]), tf.float32)
+            else:
+                flat = tf.bitcast(tf.tensor_scatter_nd_update(base_bits, u[:, None], acc),
+                                  tf.float32)
+            results.append(flat)
+            continue
+        add = _to_dtype(tf.gather(value, sel) * scale, dt)
+        acc = tf.zeros(tf.shape(u), dt) if base is None else tf.gather(base, u)
+        for r in range(n_ranks):
             mine = tf.equal(r_t, r)
             acc = tf.tensor_scatter_nd_add(acc, tf.boolean_mask(uidx, mine)[:, None],
                                            tf.boolean_mask(add, mine))
@@ -335,5 +356,11 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
             flat = tf.scatter_nd(u[:, None], acc, [numel])
         else:
             flat = tf.tensor_scatter_nd_update(base, u[:, None], acc)
-        results.append(tf.reshape(flat, shape))
+        results.append(flat)
     return code, results
+
+
+def decode_messages(gathered, layout, n_ranks, outs=None, scale=1.0, out_dtypes=None,
+                    single=False):
+    """Only the results of :func:`decode_gathered` (strict: ERROR/SKIP raise ``PeerError``)."""
+    return decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes, False, single)[1]

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import wire
+from .. import protocol, wire
 from ..core import choose_side, keep_count
 
 _EXACT_BELOW = 1 << 14  # below this a kthvalue over the whole tensor is faster
@@ -214,41 +214,57 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
     return torch.cat(parts)
 
 
-def decode_signs(buf: torch.Tensor, msg: wire.TensorMessage, name: str) -> torch.Tensor:
-    """Sign bits (bool, True = negative) of a parsed ternary message."""
-    bits = _unpack_bits(buf[msg.signs[0]:msg.signs[1]])
-    if bool(bits[msg.count:].any()):
-        raise ValueError(f"corrupt message: {name} sign padding is not zero")
-    return bits[:msg.count].bool()
-
-
-def decode_positions(buf: torch.Tensor, msg: wire.TensorMessage, name: str) -> torch.Tensor:
-    """Positions (int64, on ``buf``'s device) of a parsed tensor message; validates the streams."""
+def stream_stats(buf: torch.Tensor, msg: wire.TensorMessage):
+    """(positions int64, values or None, :class:`horovod_sbc.protocol.StreamStats`) of a parsed
+    tensor message, decoded on ``buf``'s device; one small transfer of the statistics to the
+    host. Positions and values are meaningful only once the protocol accepted the statistics.
+    ``values`` is None for a binary message (every position holds ``msg.signed_value``)."""
     dev = buf.device
     count, b = msg.count, msg.rice_b
-    if count == 0:
-        return torch.zeros(0, dtype=torch.int64, device=dev)
-    if msg.all_positions:
-        msg.sum_q = 0
-        return torch.arange(count, dtype=torch.int64, device=dev)
-    ubits = _unpack_bits(buf[msg.unary[0]:msg.unary[1]])
-    ones = torch.nonzero(ubits).squeeze(1)
-    if ones.numel() != count:
-        raise ValueError(f"corrupt message: {name} unary stream holds {ones.numel()} codes, "
-                         f"header says {count}")
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    sign_bad = nonfinite = zero
+    vals = None
+    if msg.has_signs:
+        sbits = _unpack_bits(buf[msg.signs[0]:msg.signs[1]])
+        sign_bad = sbits[count:].sum()
+        vals = torch.where(sbits[:count].bool(), -msg.value, msg.value).to(torch.float32)
+    if msg.has_values:
+        raw = buf[msg.values[0]:msg.values[1]].clone()
+        bits = raw.view(torch.int32)
+        nonfinite = ((bits & 0x7F800000) == 0x7F800000).sum()
+        vals = raw.view(torch.float32)
+    if count == 0 or msg.all_positions:
+        pos = torch.arange(count, dtype=torch.int64, device=dev)
+        sign_bad, nonfinite = torch.stack([sign_bad, nonfinite]).tolist()
+        return pos, vals, protocol.StreamStats(sign_pad_nonzero=bool(sign_bad),
+                                               nonfinite=nonfinite)
+    ubytes = buf[msg.unary[0]:msg.unary[1]]
+    ones = torch.nonzero(_unpack_bits(ubytes)).squeeze(1)
     q = torch.diff(ones, prepend=torch.full((1,), -1, dtype=torch.int64, device=dev)) - 1
+    n = min(ones.numel(), count)
+    q = q[:n]
     if b:
         rbits = _unpack_bits(buf[msg.remainder[0]:msg.remainder[1]])
-        pad = rbits[count * b:]
-        r = (rbits[:count * b].view(count, b) << _shifts(b, dev)).sum(1)
-        pad_bad, sum_q, sum_r = torch.stack([pad.sum(), q.sum(), r.sum()]).tolist()
-        if pad_bad:
-            raise ValueError(f"corrupt message: {name} remainder padding is not zero")
+        rem_bad = rbits[count * b:].sum()
+        r = (rbits[:n * b].view(n, b) << _shifts(b, dev)).sum(1)
     else:
+        rem_bad = zero
         r = torch.zeros_like(q)
-        sum_q, sum_r = q.sum().item(), 0
-    wire.check_stream_totals(msg, int(sum_q), int(sum_r), name)
-    return torch.cumsum((q << b) + r + 1, 0) - 1
+    max_q = q.max() if n else zero
+    max_r = r.max() if n else zero
+    row = torch.stack([zero + ones.numel(), (ubytes[-1] == 0).to(torch.int64), max_q, max_r,
+                       rem_bad, sign_bad, nonfinite]).tolist()
+    stats = protocol.StreamStats(ones=row[0], unary_last_zero=bool(row[1]), max_q=row[2],
+                                 max_r=row[3], rem_pad_nonzero=bool(row[4]),
+                                 sign_pad_nonzero=bool(row[5]), nonfinite=row[6])
+    if ones.numel() != count or (stats.max_q << b) + stats.max_r >= msg.numel:
+        return _EMPTY_POS(dev), vals, stats  # the protocol rejects it before looking at pos_max
+    pos = torch.cumsum((q << b) + r + 1, 0) - 1
+    return pos, vals, protocol.StreamStats(**{**stats.__dict__, "pos_max": int(pos.max())})
+
+
+def _EMPTY_POS(dev) -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64, device=dev)
 
 
 class NonFiniteError(ValueError):

@@ -1,6 +1,6 @@
 """Bandwidth-limited network benchmark: step time of dense allreduce, fp16, top-K and SBC.
 
-``python -m horovod_sbc.bench net --bandwidth 100mbit --json FILE``
+``python -m benchmarks.bench net --bandwidth 100mbit --json FILE``
 
 Testbed (:class:`Testbed`, needs root and iproute2): every rank runs in its own Linux network
 namespace ``sbcnet<pid>-r<R>`` whose only interface is one end of a veth pair; the other ends are
@@ -572,7 +572,7 @@ def run_net(bandwidths: Sequence[str] = ("100mbit",), quick: bool = False, loopb
 
     def argv_for(net):  # compute-only reference ("local") once, at loopback
         c = dict(cfg, methods=[m for m in methods if m["method"] != "local" or net == "loopback"])
-        return [python_exe(), "-m", "horovod_sbc.bench_net", "worker", json.dumps(c)]
+        return [python_exe(), "-m", "benchmarks.bench_net", "worker", json.dumps(c)]
     res: Dict[str, object] = {"config": cfg, "workers": workers, "subnet": SUBNET, "runs": [],
                               "networks": [], "errors": [],
                               "skipped": [{"method": m["method"], "reason": "not available"}
@@ -752,5 +752,5 @@ def markdown_net(res: Dict[str, object]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         sys.exit(worker_main(sys.argv[2:]))
-    print("usage: python -m horovod_sbc.bench net ... (this module's entry is the worker)")
+    print("usage: python -m benchmarks.bench net ... (this module's entry is the worker)")
     sys.exit(2)

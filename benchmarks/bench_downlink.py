@@ -97,7 +97,7 @@ def plot(res: Dict, path: str) -> None:
 
 def main(argv=None) -> int:
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m horovod_sbc.bench downlink",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench downlink",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2,4,8")
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     print_table(res)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        res["command"] = "python -m horovod_sbc.bench downlink " + " ".join(argv or sys.argv[1:])
+        res["command"] = "python -m benchmarks.bench downlink " + " ".join(argv or sys.argv[1:])
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
         png = args.plot or os.path.splitext(args.json)[0] + ".png"

@@ -1,6 +1,6 @@
 """Training benchmark: every method as a real multi-rank job on scikit-learn's digits.
 
-``python -m horovod_sbc.bench train --json FILE`` (and ``grid``) launch, per configuration, one
+``python -m benchmarks.bench train --json FILE`` (and ``grid``) launch, per configuration, one
 ``mpirun -np W`` job (``horovodrun`` when mpirun is missing) running :func:`worker_main` of this
 module. Every job trains the same MLP (64-256-256-10, 85,002 parameters) for the same number of
 epochs on the same per-rank shards, so all methods see the same samples.
@@ -242,7 +242,7 @@ class Progress:
 # ------------------------------------------------------------------------------------------------
 def load_digits_split(seed: int = 0):
     import torch
-    from .datasets import digits_split
+    from examples.common import digits_split
     return tuple(torch.from_numpy(a) for a in digits_split(seed))
 
 
@@ -500,7 +500,7 @@ def run_configs(configs: List[dict], title: str, seeds: Sequence[int], timeout: 
         if spec["method"] in STOCK or spec["method"] == "local":
             cfg["density"], cfg["delay"] = 1.0, 1
         cmd = launcher_prefix(spec["workers"], ENV_NAMES) + [
-            python_exe(), "-m", "horovod_sbc.bench_train", "worker", json.dumps(cfg)]
+            python_exe(), "-m", "benchmarks.bench_train", "worker", json.dumps(cfg)]
         prog.start(label(spec))
         t0 = time.perf_counter()
         try:
@@ -759,5 +759,5 @@ def markdown_grid(grid: dict) -> str:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         sys.exit(worker_main(sys.argv[2:]))
-    print("usage: python -m horovod_sbc.bench train|grid ... (this module's entry is the worker)")
+    print("usage: python -m benchmarks.bench train|grid ... (this module's entry is the worker)")
     sys.exit(2)

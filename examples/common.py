@@ -1,8 +1,26 @@
-"""The results table the examples print on rank 0 (and their ``--json`` file)."""
+"""What the examples share: offline data (nothing is downloaded at run time) and the results
+table they print on rank 0 (and their ``--json`` file). The benchmarks import it too
+(``from examples.common import ...`` from the repository root)."""
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+
+def digits_split(seed: int = 0) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's digits (1797 8x8 images, shipped inside scikit-learn), standardised per
+    pixel and split 80/20 with a fixed permutation: ``(x_train, y_train, x_test, y_test)`` as
+    float32 / int64 numpy arrays."""
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    idx = np.random.default_rng(seed).permutation(len(x))
+    x = (x / 16.0).astype(np.float32)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    n_test = len(x) // 5
+    te, tr = idx[:n_test], idx[n_test:]
+    return x[tr], y[tr].astype(np.int64), x[te], y[te].astype(np.int64)
 
 
 def print_runs(results: List[Dict], json_path: Optional[str] = None) -> None:

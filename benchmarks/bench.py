@@ -1,15 +1,15 @@
-"""Benchmarks: ``python -m horovod_sbc.bench {codec,train,grid,net,all} --json FILE``.
+"""Benchmarks: ``python -m benchmarks.bench {codec,train,grid,net,all} --json FILE``.
 
 train   every method (none, fp16, sbc, topk, fedavg, signsgd, terngrad, local) as a real 2-rank
         mpirun job on scikit-learn's digits, equal steps: accuracy, bits, step time
-        (:mod:`horovod_sbc.bench_train`); ``--quick``: none, SBC headline, top-K
+        (:mod:`benchmarks.bench_train`); ``--quick``: none, SBC headline, top-K
 grid    SBC density {1, 0.1, 0.01, 0.001} x delay {1, 4, 16}: accuracy vs total compression
 net     step time of dense/fp16/top-K/SBC on a 10.5M-parameter MLP with every rank in its own
         network namespace behind a ``tc``-shaped link, plus plain localhost
-        (:mod:`horovod_sbc.bench_net`; needs root); ``--bandwidth 100mbit`` (repeatable)
+        (:mod:`benchmarks.bench_net`; needs root); ``--bandwidth 100mbit`` (repeatable)
 all     codec + train + grid + net (10mbit, 100mbit, 1gbit): ``make bench``
 downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 8 ranks:
-        per-worker downlink bits per sync and accuracy (:mod:`horovod_sbc.bench_downlink`)
+        per-worker downlink bits per sync and accuracy (:mod:`benchmarks.bench_downlink`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
 (default: the JSON's directory).
 
@@ -42,7 +42,7 @@ from typing import Callable, Dict
 
 import numpy as np
 
-from . import core, wire
+from horovod_sbc import core, wire
 
 
 def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -78,7 +78,7 @@ def bench_position_coding(n: int = 10_000_000, seed: int = 0) -> Dict[str, objec
 
 def bench_torch(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str, float]:
     import torch
-    from .torch import codec, exchange
+    from horovod_sbc.torch import codec, exchange
     torch.manual_seed(0)
     a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
     t_add = _median_time(lambda: torch.add(a, b, out=c), reps)
@@ -147,7 +147,7 @@ def bench_numpy(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
 
 def bench_tensorflow(n: int, density: float, reps: int) -> Dict[str, float]:
     import tensorflow as tf
-    from .tensorflow import codec as tfcodec
+    from horovod_sbc.tensorflow import codec as tfcodec
     a = tf.random.normal([n], seed=1)
     b = tf.random.normal([n], seed=2)
     t_add = _median_time(lambda: tf.add(a, b).numpy(), reps)
@@ -265,7 +265,7 @@ def _write_md(args, sections, command=None) -> None:
 
 
 def _command() -> str:
-    return " ".join(["python -m horovod_sbc.bench"] + _ARGV)
+    return " ".join(["python -m benchmarks.bench"] + _ARGV)
 
 
 _ARGV: list = []
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 signal.signal(sig, _exit_on_signal)
-    ap = argparse.ArgumentParser(prog="python -m horovod_sbc.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("codec", help="codec speed and position-coding size")
