@@ -26,6 +26,7 @@ inside ``tf.function``).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -155,28 +156,27 @@ def _ranges(starts: tf.Tensor, lengths: tf.Tensor):
     return owner, tf.gather(starts, owner) + local, local
 
 
-def read_fields(buf: tf.Tensor, bit_start: tf.Tensor, width: tf.Tensor,
-                max_width: tf.Tensor) -> tf.Tensor:
+def be_words(buf: tf.Tensor) -> tf.Tensor:
+    """uint64 big-endian words of ``buf`` (uint8, zero padded to whole words plus one spare word):
+    word w holds bytes 8w..8w+7 most significant first (O(message bytes), once per decode)."""
+    n = tf.size(buf, out_type=tf.int64)
+    padded = tf.concat([buf, tf.zeros(tf.reshape(16 - n % 8, [1]), tf.uint8)], 0)
+    return tf.bitcast(tf.reverse(tf.reshape(padded, [-1, 8]), [1]), tf.uint64)
+
+
+def read_fields(words: tf.Tensor, bit_start: tf.Tensor, width: tf.Tensor) -> tf.Tensor:
     """int64 fields of ``width`` (0..62, per element) bits at ``bit_start`` (MSB first) of the
-    uint8 stream ``buf`` (which must have 16 bytes of slack past any field)."""
-    off = tf.bitwise.bitwise_and(bit_start, 7)
-    span = (7 + max_width + 7) // 8
-    j = tf.range(span, dtype=tf.int64)
-    idx = tf.bitwise.right_shift(bit_start, 3)[:, None] + j[None, :]
-    byte = tf.cast(tf.gather(buf, idx), tf.uint64)
-    sh_hi = tf.cast(tf.maximum(56 - 8 * j, 0), tf.uint64)
-    sh_lo = tf.cast(tf.maximum(120 - 8 * j, 0), tf.uint64)
-    zero = tf.zeros_like(byte)
-    hi = tf.reduce_sum(tf.where(j < 8, tf.bitwise.left_shift(byte, sh_hi), zero), 1)
-    lo = tf.reduce_sum(tf.where(j >= 8, tf.bitwise.left_shift(byte, sh_lo), zero), 1)
-    off_u = tf.cast(off, tf.uint64)
-    # the 64 bits starting at bit `off` of the 128-bit window hi:lo
-    top = tf.bitwise.left_shift(hi, off_u)
-    top = tf.where(off > 0, tf.bitwise.bitwise_or(
-        top, tf.bitwise.right_shift(lo, tf.cast(64 - tf.maximum(off, 1), tf.uint64))), top)
-    w = tf.cast(tf.clip_by_value(width, 1, 64), tf.uint64)
-    val = tf.bitwise.right_shift(top, tf.cast(64, tf.uint64) - w)
-    return tf.where(width > 0, tf.bitcast(val, tf.int64), tf.zeros_like(bit_start))
+    stream whose :func:`be_words` are ``words``: two word gathers and a few shifts each."""
+    w = tf.bitwise.right_shift(bit_start, 6)
+    off = tf.cast(tf.bitwise.bitwise_and(bit_start, 63), tf.uint64)
+    w0, w1 = tf.gather(words, w), tf.gather(words, w + 1)
+    top = tf.bitwise.left_shift(w0, off)
+    # w1 >> (64 - off), written so that no shift reaches 64 (off == 0 adds nothing)
+    top = tf.bitwise.bitwise_or(top, tf.bitwise.right_shift(
+        tf.bitwise.right_shift(w1, tf.cast(63, tf.uint64) - off), tf.cast(1, tf.uint64)))
+    wd = tf.cast(tf.clip_by_value(width, 1, 64), tf.uint64)
+    val = tf.bitcast(tf.bitwise.right_shift(top, tf.cast(64, tf.uint64) - wd), tf.int64)
+    return tf.where(width > 0, val, tf.zeros_like(val))
 
 
 def _bits_at(buf: tf.Tensor, bit: tf.Tensor) -> tf.Tensor:
@@ -185,8 +185,20 @@ def _bits_at(buf: tf.Tensor, bit: tf.Tensor) -> tf.Tensor:
                                   1)
 
 
-def _streams(buf: tf.Tensor, table: tf.Tensor):
-    """Step 2: per element (tensor, rank, position, float64 value) and per message stats."""
+@dataclass
+class _Decoded:
+    """Step 2's output: elements (one per declared position) of all messages, message-major in
+    canonical (rank, tensor) order, so each message's elements are one contiguous slice."""
+    start: tf.Tensor    # int64 [M]: first element of each message
+    count: tf.Tensor    # int64 [M]
+    pos: tf.Tensor      # int64 [C]
+    bits: tf.Tensor     # int32 [C]: float32 bit pattern of the decoded value, sign included
+    is_val: tf.Tensor   # bool [C]: a VALUES element (its own float), else the message's value
+    stats: tf.Tensor    # int64 [M, 8]: protocol.StreamStats rows
+
+
+def _streams(buf: tf.Tensor, table: tf.Tensor) -> _Decoded:
+    """Step 2: positions, value bits and the per-message statistics of all messages at once."""
     m = tf.shape(table, out_type=tf.int64)[0]
     col = lambda c: table[:, c]  # noqa: E731
     count, b, kind = col(C_COUNT), col(C_B), col(C_KIND)
@@ -195,12 +207,12 @@ def _streams(buf: tf.Tensor, table: tf.Tensor):
     # unary streams of all messages: one bits -> quotients
     u_owner, u_byte, _ = _ranges(col(C_USTART), col(C_UBYTES))
     ubits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
-        tf.cast(tf.gather(buf, u_byte), tf.int64)[:, None],
-        tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.int64)[None, :]), 1)
+        tf.gather(buf, u_byte)[:, None], tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.uint8)), 1)
     ones = tf.reshape(tf.where(tf.reshape(ubits, [-1]) > 0), [-1])
     one_msg = tf.gather(u_owner, tf.bitwise.right_shift(ones, 3))
     local = ones - 8 * tf.gather(_excl_cumsum(col(C_UBYTES)), one_msg)
-    first = tf.concat([[True], tf.not_equal(one_msg[1:], one_msg[:-1])], 0)
+    first = tf.concat([tf.fill(tf.reshape(tf.minimum(tf.size(ones, out_type=tf.int64), 1), [1]),
+                               True), tf.not_equal(one_msg[1:], one_msg[:-1])], 0)
     prev = tf.where(first, _c64(-1), tf.concat([[_c64(-1)], local[:-1]], 0))
     q_ones = local - prev - 1
     n_ones = tf.math.unsorted_segment_sum(tf.ones_like(ones), one_msg, m)
@@ -211,34 +223,42 @@ def _streams(buf: tf.Tensor, table: tf.Tensor):
     e_all = tf.gather(is_all, e_msg)
     # the i-th element of a message takes the i-th one bit of its unary stream (a message with
     # the wrong number of one bits is rejected by the verdict; the padding keeps shapes valid)
+    n_q = tf.size(q_ones, out_type=tf.int64)
     j = tf.gather(_excl_cumsum(n_ones), e_msg) + e_i
     q = tf.gather(tf.concat([q_ones, tf.zeros_like(e_i)], 0),
-                  tf.minimum(j, tf.size(q_ones, out_type=tf.int64) + tf.size(e_i,
-                                                                       out_type=tf.int64) - 1))
+                  tf.minimum(j, n_q + tf.size(e_i, out_type=tf.int64) - 1))
     q = tf.where(e_all, tf.zeros_like(q), q)
-    max_b = tf.reduce_max(tf.concat([b, [_c64(0)]], 0))
-    r = read_fields(slack, tf.where(e_all, tf.zeros_like(e_i), 8 * tf.gather(col(C_RSTART), e_msg) + e_i * e_b),
-                    e_b, max_b)
+    r = read_fields(be_words(buf), tf.where(e_all, tf.zeros_like(e_i),
+                                            8 * tf.gather(col(C_RSTART), e_msg) + e_i * e_b), e_b)
     step = tf.bitwise.left_shift(q, e_b) + r + 1
     cs = tf.cumsum(step)
     seg0 = tf.gather(_excl_cumsum(tf.math.unsorted_segment_sum(step, e_msg, m)), e_msg)
     pos = tf.where(e_all, e_i, cs - seg0 - 1)
-    # values
+    # values: the message's value, its sign bit per element (SIGNS), or each element's own float
     vbits = tf.cast(tf.gather(col(C_VBITS), e_msg), tf.int32)
     is_sign = tf.logical_or(tf.equal(e_kind, K_SIGNS), tf.equal(e_kind, K_ALL_SIGNS))
-    sbit = tf.where(is_sign, 8 * tf.gather(col(C_SSTART), e_msg) + e_i, 0)
-    neg = tf.logical_or(tf.gather(col(C_NEG), e_msg) > 0,
-                        tf.logical_and(is_sign, tf.equal(_bits_at(slack, sbit), 1)))
     is_val = tf.logical_or(tf.equal(e_kind, K_VALUES), tf.equal(e_kind, K_ALL_VALUES))
-    vstart = tf.where(is_val, tf.gather(col(C_VSTART), e_msg) + 4 * e_i, 0)
-    vb = tf.cast(tf.gather(slack, vstart[:, None] + tf.range(4, dtype=tf.int64)[None, :]),
-                 tf.int64)
-    own = tf.reduce_sum(tf.bitwise.left_shift(vb, tf.constant([0, 8, 16, 24], tf.int64)), 1)
-    own = tf.bitcast(tf.cast(own, tf.uint32), tf.int32)
-    bits = tf.where(is_val, own, vbits)
+
+    def sign_bits():
+        sbit = tf.where(is_sign, 8 * tf.gather(col(C_SSTART), e_msg) + e_i, tf.zeros_like(e_i))
+        return tf.logical_and(is_sign, tf.equal(_bits_at(slack, sbit), 1))
+
+    neg = tf.logical_or(tf.gather(col(C_NEG), e_msg) > 0,
+                        tf.cond(tf.reduce_any(is_sign), sign_bits,
+                                lambda: tf.zeros_like(is_sign)))
+
+    def own_bits():
+        vstart = tf.where(is_val, tf.gather(col(C_VSTART), e_msg) + 4 * e_i, tf.zeros_like(e_i))
+        vb = tf.cast(tf.gather(slack, vstart[:, None] + tf.range(4, dtype=tf.int64)[None, :]),
+                     tf.int64)
+        own = tf.reduce_sum(tf.bitwise.left_shift(vb, tf.constant([0, 8, 16, 24], tf.int64)), 1)
+        return tf.where(is_val, tf.bitcast(tf.cast(own, tf.uint32), tf.int32), vbits)
+
+    bits = tf.cond(tf.reduce_any(is_val), own_bits, lambda: vbits)
     bits = tf.where(neg, tf.bitwise.bitwise_or(bits, tf.constant(-2 ** 31, tf.int32)), bits)
     nonfinite = tf.logical_and(is_val, tf.equal(
         tf.bitwise.bitwise_and(bits, 0x7F800000), 0x7F800000))
+
     # protocol.StreamStats per message (ones, unary_last_zero, max_q, max_r, rem_pad_nonzero,
     # pos_max, sign_pad_nonzero, nonfinite): exact int64, no sums that could wrap
     def last_byte(start, nbytes):
@@ -262,17 +282,111 @@ def _streams(buf: tf.Tensor, table: tf.Tensor):
         smax(pos, -1),
         pad_nonzero(col(C_SSTART), col(C_SBYTES), count),
         tf.math.unsorted_segment_sum(tf.cast(nonfinite, tf.int64), e_msg, m)], 1)
-    value = f32_bits_to_f64(bits)
-    return (tf.gather(col(C_TENSOR), e_msg), tf.gather(col(C_RANK), e_msg), pos, value, bits,
-            stats)
+    return _Decoded(_excl_cumsum(count), count, pos, bits, is_val, stats)
 
 
-def _to_dtype(v64: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    if dtype == tf.float64:
-        return v64
-    if dtype == tf.float32:
-        return tf.bitcast(f64_to_f32_bits(v64), tf.float32)
-    return tf.cast(v64, dtype)
+_SIGN32 = -2 ** 31
+
+
+def _tiny(bits: tf.Tensor) -> tf.Tensor:
+    """Zero or subnormal float32 (by bit pattern)."""
+    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
+
+
+def _subnormal(bits: tf.Tensor) -> tf.Tensor:
+    return tf.logical_and(_tiny(bits), tf.not_equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0))
+
+
+def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """Bits of the IEEE float32 sum of float32 bit patterns ``x + y`` (round to nearest even),
+    also where TensorFlow's float add would flush a subnormal operand or result to zero: those
+    (rare) elements are recomputed as ``float32(float64(x) + float64(y))`` with exact integer
+    conversions (float64 has 53 >= 2 x 24 + 2 bits, so the double rounding is innocuous)."""
+    s = tf.bitcast(tf.bitcast(x, tf.float32) + tf.bitcast(y, tf.float32), tf.int32)
+    # TF's add is exact unless an operand is subnormal or the result is (then it shows as a zero
+    # that two non-zero operands did not cancel to; real cancellations are redone harmlessly)
+    both_zero = tf.logical_and(tf.logical_not(tf.logical_or(_subnormal(x), tf.logical_not(
+        _tiny(x)))), tf.logical_not(tf.logical_or(_subnormal(y), tf.logical_not(_tiny(y)))))
+    redo = tf.logical_or(tf.logical_or(_subnormal(x), _subnormal(y)),
+                         tf.logical_and(_tiny(s), tf.logical_not(both_zero)))
+    redo = tf.reshape(tf.where(redo), [-1])
+
+    def exact():
+        xs, ys = tf.gather(x, redo), tf.gather(y, redo)
+        return tf.tensor_scatter_nd_update(
+            s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))
+
+    return tf.cond(tf.size(redo) > 0, exact, lambda: s)
+
+
+def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
+    """int32 [C]: bits of ``float32(float64(value) * scale)`` per element (the protocol's
+    decoded arithmetic), the message's value computed once per message."""
+    if scale == 1.0:
+        return d.bits  # float64(v) * 1 rounds back to v exactly
+    e_msg = tf.repeat(tf.range(tf.size(d.count, out_type=tf.int64)), d.count)
+    msg_bits = f64_to_f32_bits(f32_bits_to_f64(tf.cast(table[:, C_VBITS], tf.int32)) * scale)
+    sign = tf.bitwise.bitwise_and(d.bits, tf.constant(_SIGN32, tf.int32))
+    per_msg = tf.bitwise.bitwise_or(tf.gather(msg_bits, e_msg), sign)
+
+    def own():
+        idx = tf.reshape(tf.where(d.is_val), [-1])
+        conv = f64_to_f32_bits(f32_bits_to_f64(tf.gather(d.bits, idx)) * scale)
+        return tf.tensor_scatter_nd_update(per_msg, idx[:, None], conv)
+
+    return tf.cond(tf.reduce_any(d.is_val), own, lambda: per_msg)
+
+
+def _fold(p: tf.Tensor, a: tf.Tensor, n_ranks: int, base, add):
+    """``(u, acc)``: the distinct positions ``u`` of ``p`` (all ranks' positions of one tensor,
+    rank after rank) and at each the rank-ordered sum ``((base + a_r0) + a_r1) + ...`` of the
+    values ``a`` there (``add`` is the element-wise addition; zeros if ``base`` is None).
+    Compact: nothing here is O(numel)."""
+    c = tf.size(p, out_type=tf.int64)
+    # sort by (position, element index): element indices are rank-major, so equal positions
+    # come out in rank order. pos * c + i < numel * c <= numel**2 * n_ranks < 2**63 (callers
+    # use _chain for larger tensors).
+    key = tf.sort(p * c + tf.range(c, dtype=tf.int64))
+    elem = key % tf.maximum(c, 1)
+    sp = tf.gather(p, elem)
+    sa = tf.gather(a, elem)
+    new = tf.concat([tf.fill(tf.reshape(tf.minimum(c, 1), [1]), True),
+                     tf.not_equal(sp[1:], sp[:-1])], 0)
+    starts = tf.reshape(tf.where(new), [-1])
+    u = tf.gather(sp, starts)
+    lens = tf.concat([starts[1:], tf.reshape(c, [1])], 0) - starts
+    if base is None:  # 0 + a == a, except 0 + (-0) == +0
+        acc = tf.gather(sa, starts)
+        if a.dtype == tf.int32:
+            acc = tf.where(tf.equal(acc, tf.constant(_SIGN32, tf.int32)), tf.zeros_like(acc), acc)
+        else:
+            acc = acc + tf.zeros_like(acc)
+        first = 1
+    else:
+        acc = tf.gather(base, u)
+        first = 0
+    for j in range(first, n_ranks):  # the j-th rank present at each position
+        seg = tf.reshape(tf.where(lens > j), [-1])
+        cur = tf.gather(acc, seg)
+        acc = tf.tensor_scatter_nd_update(acc, seg[:, None],
+                                          add(cur, tf.gather(sa, tf.gather(starts, seg) + j)))
+    return u, acc
+
+
+def _accumulate(ps, adds, numel: int, base, add) -> tf.Tensor:
+    """Dense flat result: ``base`` (or zeros) plus each rank's values ``adds[r]`` at its unique
+    positions ``ps[r]``, rank after rank. Compact fold plus one scatter (:func:`_fold`); for
+    tensors too large for its int64 sort key, one scatter per rank."""
+    dtype = adds[0].dtype
+    if numel * numel * len(ps) < 1 << 62:
+        u, acc = _fold(tf.concat(ps, 0), tf.concat(adds, 0), len(ps), base, add)
+        if base is None:
+            return tf.scatter_nd(u[:, None], acc, [numel])
+        return tf.tensor_scatter_nd_update(base, u[:, None], acc)
+    out = tf.zeros([numel], dtype) if base is None else base
+    for p, a in zip(ps, adds):
+        out = tf.tensor_scatter_nd_update(out, p[:, None], add(tf.gather(out, p), a))
+    return out
 
 
 @tf.autograph.experimental.do_not_convert
@@ -303,60 +417,39 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
                                     [tf.int32, tf.int64], stateful=True, name="sbc_parse")
     code.set_shape([])
     table.set_shape([n_ranks * len(layout), N_COLS])
-    e_tensor, e_rank, pos, value, bits, stats = _streams(gathered, table)
+    d = _streams(gathered, table)
 
     def _check_fn(g, c, st):
         return check_stats_host(g, c, st, layout, n_ranks, single)
 
-    ok = tf.numpy_function(_check_fn, [gathered, code, stats], tf.int32, stateful=True,
+    ok = tf.numpy_function(_check_fn, [gathered, code, d.stats], tf.int32, stateful=True,
                            name="sbc_verdict")
-    with tf.control_dependencies([ok]):
-        e_tensor = tf.identity(e_tensor)
-    parts = tf.dynamic_partition(tf.range(tf.size(e_tensor)), tf.cast(e_tensor, tf.int32),
-                                 max(1, len(layout)))
+    with tf.control_dependencies([ok]):  # nothing is added before the verdict passed
+        pos = tf.identity(d.pos)
+    n_t = len(layout)
+
+    def piece(x, t, r):
+        i = r * n_t + t
+        return x[d.start[i]:d.start[i] + d.count[i]]
+
+    if single:
+        dense = tf.scatter_nd(piece(pos, 0, 0)[:, None], piece(d.bits, 0, 0), [numels[0]])
+        return code, [tf.bitcast(dense, tf.float32)]
+    add32 = (_scaled_f32_bits(d, table, scale) if tf.float32 in out_dtypes else None)
+    add64 = (f32_bits_to_f64(d.bits) * scale
+             if any(dt != tf.float32 for dt in out_dtypes) else None)
     results = []
     for t, ((name, shape), numel, dt) in enumerate(zip(layout, numels, out_dtypes)):
-        sel = parts[t]
-        p_t = tf.gather(pos, sel)
-        if single:
-            dense = tf.scatter_nd(p_t[:, None], tf.gather(bits, sel), [numel])
-            results.append(tf.bitcast(dense, tf.float32))
-            continue
-        r_t = tf.gather(e_rank, sel)
-        u, uidx = tf.unique(p_t, out_idx=tf.int64)
         base = None if outs is None else tf.reshape(outs[t], [-1])
+        ps = [piece(pos, t, r) for r in range(n_ranks)]
         if dt == tf.float32:
-            # float32 in bits: x + y as float32(float64(x) + float64(y)) (exact: float64 holds
-            # 2 x 24 + 2 bits, so the double rounding is innocuous) with integer conversions, so
-            # subnormal values and sums are not flushed to zero as TF's float32 add would
-            add = f64_to_f32_bits(tf.gather(value, sel) * scale)
-            base_bits = None if base is None else tf.bitcast(base, tf.int32)
-            acc = (tf.zeros(tf.shape(u), tf.int32) if base is None else
-                   tf.gather(base_bits, u))
-            for r in range(n_ranks):  # rank order at every position (unique within one rank)
-                mine = tf.equal(r_t, r)
-                idx = tf.boolean_mask(uidx, mine)
-                cur = f32_bits_to_f64(tf.gather(acc, idx))
-                new = f64_to_f32_bits(cur + f32_bits_to_f64(tf.boolean_mask(add, mine)))
-                acc = tf.tensor_scatter_nd_update(acc, idx[:, None], new)
-            if base is None:
-                flat = tf.bitcast(tf.scatter_nd(u[:, None], acc, [numel]), tf.float32)
-            else:
-                flat = tf.bitcast(tf.tensor_scatter_nd_update(base_bits, u[:, None], acc),
-                                  tf.float32)
-            results.append(flat)
-            continue
-        add = _to_dtype(tf.gather(value, sel) * scale, dt)
-        acc = tf.zeros(tf.shape(u), dt) if base is None else tf.gather(base, u)
-        for r in range(n_ranks):
-            mine = tf.equal(r_t, r)
-            acc = tf.tensor_scatter_nd_add(acc, tf.boolean_mask(uidx, mine)[:, None],
-                                           tf.boolean_mask(add, mine))
-        if base is None:
-            flat = tf.scatter_nd(u[:, None], acc, [numel])
+            adds = [piece(add32, t, r) for r in range(n_ranks)]
+            b32 = None if base is None else tf.bitcast(base, tf.int32)
+            results.append(tf.bitcast(_accumulate(ps, adds, numel, b32, add_f32_bits),
+                                      tf.float32))
         else:
-            flat = tf.tensor_scatter_nd_update(base, u[:, None], acc)
-        results.append(flat)
+            adds = [tf.cast(piece(add64, t, r), dt) for r in range(n_ranks)]
+            results.append(_accumulate(ps, adds, numel, base, tf.add))
     return code, results
 
 
