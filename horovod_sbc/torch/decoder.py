@@ -17,7 +17,7 @@ them all with a fixed number of tensor ops, whatever the number of tensors and r
 4. remainders read from a 32-bit window at each field's bit offset; quotients and positions by
    segmented cumulative sums (``position = ((u - j) << b) + sum(r) + j``, u the one bit's
    offset in its stream, j the index in its message);
-5. per message max quotient, max remainder, max position by ``scatter_reduce`` — a second
+5. per message max quotient and max remainder by ``scatter_reduce``, max position (the last) — a second
    transfer of ``3 x messages`` integers, for :func:`horovod_sbc.protocol.check_streams`.
 
 Messages are processed in (tensor, rank) order so that each output tensor receives all ranks'
@@ -102,18 +102,18 @@ def decode_binary(buf: torch.Tensor, msgs: Sequence[wire.TensorMessage]) -> Bina
     popcount, bit_of = _tables(dev)
 
     # phase 1: counts and paddings
-    ub = buf[_segment_index(u0, ulen, dev)]
-    pc = popcount[ub.long()]  # uint8
+    ub = buf.index_select(0, _segment_index(u0, ulen, dev))
+    pc = popcount.index_select(0, ub.long())  # uint8
     cs = torch.cumsum(pc, 0)  # int64
     ends = torch.from_numpy(ustart[1:] - 1).to(dev)
     starts = torch.from_numpy(ustart[:-1]).to(dev)
-    ones = cs[ends] - cs[starts] + pc[starts]
-    last_zero = ub[ends] == 0
+    ones = cs.index_select(0, ends) - cs.index_select(0, starts) + pc.index_select(0, starts)
+    last_zero = ub.index_select(0, ends) == 0
     pad_bits = 8 * rlen - counts * bs  # 0..7 (header parsing guarantees the length)
     has_pad = (rlen > 0) & (pad_bits > 0)
     last_r = torch.from_numpy(np.where(rlen > 0, r0 + rlen - 1, 0)).to(dev)
     pad_mask = torch.from_numpy(np.where(has_pad, (1 << pad_bits) - 1, 0)).to(dev)
-    rem_bad = (buf[last_r].long() & pad_mask) != 0
+    rem_bad = (buf.index_select(0, last_r).long() & pad_mask) != 0
     p1 = torch.stack([ones, last_zero.long(), rem_bad.long()], 1).tolist()
     if any(row[0] != c for row, c in zip(p1, counts.tolist())):
         return BinaryBatch(buf.new_zeros(0, dtype=torch.int64), seg_start,
@@ -124,31 +124,35 @@ def decode_binary(buf: torch.Tensor, msgs: Sequence[wire.TensorMessage]) -> Bina
                                   torch.from_numpy(counts).to(dev), output_size=k_total)
     byte = torch.repeat_interleave(torch.arange(ub.numel(), device=dev), pc.long(),
                                    output_size=k_total)
-    rank_in_byte = torch.arange(k_total, device=dev) - (cs - pc)[byte]
-    u = (byte - starts[seg]) * 8 + bit_of[ub[byte].long() * 8 + rank_in_byte]
+    rank_in_byte = torch.arange(k_total, device=dev) - (cs - pc).index_select(0, byte)
+    u = (byte - starts.index_select(0, seg)) * 8 + bit_of.index_select(
+        0, ub.index_select(0, byte).long() * 8 + rank_in_byte)
     del rank_in_byte, byte
-    j = torch.arange(k_total, device=dev) - torch.from_numpy(seg_start[:-1]).to(dev)[seg]
-    b_t = torch.from_numpy(bs).to(dev)[seg]
     first = torch.from_numpy(seg_start[:-1]).to(dev)
+    j = torch.arange(k_total, device=dev) - first.index_select(0, seg)
+    b_t = torch.from_numpy(bs).to(dev).index_select(0, seg)
     q = torch.diff(u, prepend=u.new_full((1,), -1)) - 1
-    q[first] = u[first]
+    q.index_copy_(0, first, u.index_select(0, first))
     # remainders: a 32-bit big-endian window at each field's bit offset
-    off = torch.from_numpy(8 * r0).to(dev)[seg] + j * b_t
-    padded = torch.cat([buf, buf.new_zeros(4)])
-    at = off >> 3
-    word = padded[at].long() << 24
-    word |= padded[at + 1].long() << 16
-    word |= padded[at + 2].long() << 8
-    word |= padded[at + 3].long()
+    off = torch.from_numpy(8 * r0).to(dev).index_select(0, seg) + j * b_t
+    last = buf.numel() - 1
+    at = (off >> 3).clamp_(max=last)
+    word = buf.index_select(0, at).long() << 24
+    for sh in (16, 8, 0):  # bytes past the end only feed bits the mask drops
+        at = (at + 1).clamp_(max=last)
+        word |= buf.index_select(0, at).long() << sh
     r = (word >> (32 - b_t - (off & 7))) & ((1 << b_t) - 1)
-    del word, at, off, padded
+    del word, at, off
     cr = torch.cumsum(r, 0)
-    base = (cr - r)[first]
-    pos = ((u - j) << b_t) + (cr - base[seg]) + j
+    base = (cr - r).index_select(0, first)
+    pos = ((u - j) << b_t) + (cr - base.index_select(0, seg)) + j
     del cr, u, j, b_t
-    x3 = torch.stack([q, r, pos], 1)
-    mx = torch.zeros(m_count, 3, dtype=torch.int64, device=dev).scatter_reduce_(
-        0, seg[:, None].expand(-1, 3), x3, "amax", include_self=False).tolist()
-    del x3
+    # positions increase within a message (gaps >= 0, no overflow for b <= 25): the last is
+    # the largest
+    ends_k = torch.from_numpy(seg_start[1:] - 1).to(dev)
+    mx = torch.zeros(m_count, 2, dtype=torch.int64, device=dev)
+    mx[:, 0].scatter_reduce_(0, seg, q, "amax", include_self=False)
+    mx[:, 1].scatter_reduce_(0, seg, r, "amax", include_self=False)
+    mx = torch.cat([mx, pos.index_select(0, ends_k)[:, None]], 1).tolist()
     stats = [(p[0], bool(p[1]), x[0], x[1], bool(p[2]), x[2]) for p, x in zip(p1, mx)]
     return BinaryBatch(pos, seg_start, stats, True)
