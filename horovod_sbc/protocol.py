@@ -26,6 +26,12 @@ e. tensor headers: rank by rank, tensor by tensor (:func:`horovod_sbc.wire.parse
    and the body must end exactly after the last tensor message;
 f. streams: rank by rank, tensor by tensor (:func:`check_streams`).
 
+Decoded arithmetic (so that every rank, whatever its framework, ends with the same bits): the
+output is zero-initialised (or the caller's tensor), and for each rank in rank order, each tensor
+message adds, at its positions, ``round_to_out_dtype(float64(value) * scale)`` where ``value`` is
+the message's float32 value at that position and ``scale`` a Python float (e.g. ``1/size``);
+positions within one message are unique, so each add is one rounding in the output's dtype.
+
 Malformed input is always ``ValueError`` (``PeerError`` is a ``ValueError`` too), never
 ``IndexError`` or a framework error.
 

@@ -548,3 +548,13 @@ def decode_step_np(buf: bytes, layout: Sequence[Tuple[str, Sequence[int]]], n_ra
     for (r, i, msg, name), (pos, _) in zip(flat, decoded):
         out[r][i] = (pos, tensor_values_np(buf, msg, name))
     return out
+
+
+def accumulate_np(per_rank, outs: Sequence[np.ndarray], scale: float = 1.0) -> None:
+    """Add ``scale`` x the output of :func:`decode_step_np` to ``outs`` (flat arrays, in place),
+    rank by rank, with the protocol's decoded arithmetic (``float64(value) * scale`` rounded to
+    the output's dtype, then one add)."""
+    for tensors in per_rank:
+        for out, (pos, vals) in zip(outs, tensors):
+            if pos.size:  # positions within one message are unique: plain indexed add
+                out[pos] += (vals.astype(np.float64) * scale).astype(out.dtype)

@@ -89,11 +89,7 @@ def decode_into(gathered: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]
             raise ValueError(f"SBC: {e}") from None
         warnings.warn(f"horovod_sbc: skipping this sync: {e}")
         return (SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), outs
-    for tensors in per_rank:
-        for out, (pos, vals) in zip(outs, tensors):
-            if pos.size:  # positions within one message are unique: plain indexed add
-                flat = out.reshape(-1)
-                flat[pos] += (vals.astype(np.float64) * scale).astype(out.dtype)
+    wire.accumulate_np(per_rank, [out.reshape(-1) for out in outs], scale)
     return COMMIT, outs
 
 

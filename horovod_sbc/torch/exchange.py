@@ -82,10 +82,10 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
         if not msg.count:
             continue
         t = out[i]  # positions within one message are unique: plain indexed add
-        if vals is None:
+        if vals is None:  # one value: the Python float product, rounded once by torch
             t[pos] += msg.signed_value * scale
-        else:
-            t[pos] += (vals * scale if scale != 1.0 else vals).to(t.dtype)
+        else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
+            t[pos] += (vals.to(torch.float64) * scale).to(t.dtype)
     return out
 
 
