@@ -437,11 +437,12 @@ def stream_stats_np(buf: bytes, msg: TensorMessage):
         # 8-bytes-per-bit intermediate
         rows = np.packbits(rbits[:n_r * b].reshape(n_r, b), axis=1)
         del rbits
-        r = np.zeros(n_r, dtype=np.int64)
+        r = np.zeros(n_r, dtype=np.uint64)  # unsigned: b = 62 fills all 64 bits
         for j in range(rows.shape[1]):
-            r <<= 8
+            r <<= np.uint64(8)
             r |= rows[:, j]
-        r >>= 8 * rows.shape[1] - b
+        r >>= np.uint64(8 * rows.shape[1] - b)
+        r = r.view(np.int64)
     else:
         r = np.zeros(min(n_ones, count), dtype=np.int64)
     stats = StreamStats(ones=int(n_ones), unary_last_zero=bool(ubytes[-1] == 0),

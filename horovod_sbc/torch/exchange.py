@@ -57,7 +57,11 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     flat = step.flat()
     dev = gathered.device
     # binary messages: all at once, in (tensor, rank) order; the rest one by one
-    order = sorted((k for k, (_, _, msg, _) in enumerate(flat) if decoder.batchable(msg)),
+    # (a tensor goes to the batch only if every rank's message for it does, so that each
+    # tensor's sum is accumulated in rank order by one path)
+    mixed = {i for _, i, msg, _ in flat if msg.count and not decoder.batchable(msg)}
+    order = sorted((k for k, (_, i, msg, _) in enumerate(flat)
+                    if i not in mixed and decoder.batchable(msg)),
                    key=lambda k: (flat[k][1], flat[k][0]))
     batch = decoder.decode_binary(gathered, [flat[k][2] for k in order]) if order else None
     if batch is not None and not batch.complete:  # corrupt: the exact per-message verdict
@@ -77,7 +81,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
                for _, shape in layout]
     if order:
         _add_batch(out, flat, order, batch, scale, dev)
-    for k, (pos, vals) in single.items():  # rank order within each tensor is kept below
+    for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
         msg, i = flat[k][2], flat[k][1]
         if not msg.count:
             continue
