@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import protocol, wire
+from . import decoder
 from .codec import stream_stats
 
 
@@ -54,13 +55,34 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     host = _host_bytes(gathered)
     step = protocol.parse_gathered(host, layout, n_ranks)
     flat = step.flat()
-    decoded = [stream_stats(gathered, msg) for _, _, msg, _ in flat]
-    protocol.check_streams(step, [st for _, _, st in decoded])
+    dev = gathered.device
+    # binary messages: all at once, in (tensor, rank) order; the rest one by one
+    # (a tensor goes to the batch only if every rank's message for it does, so that each
+    # tensor's sum is accumulated in rank order by one path)
+    mixed = {i for _, i, msg, _ in flat if msg.count and not decoder.batchable(msg)}
+    order = sorted((k for k, (_, i, msg, _) in enumerate(flat)
+                    if i not in mixed and decoder.batchable(msg)),
+                   key=lambda k: (flat[k][1], flat[k][0]))
+    batch = decoder.decode_binary(gathered, [flat[k][2] for k in order]) if order else None
+    if batch is not None and not batch.complete:  # corrupt: the exact per-message verdict
+        order, batch = [], None
+    stats: List[Optional[protocol.StreamStats]] = [None] * len(flat)
+    single = {}
+    for slot, k in enumerate(order):
+        stats[k] = protocol.StreamStats(*batch.stats[slot])
+    for k, (_, _, msg, _) in enumerate(flat):
+        if stats[k] is None:
+            pos, vals, st = stream_stats(gathered, msg)
+            stats[k] = st
+            single[k] = (pos, vals)
+    protocol.check_streams(step, stats)
     if out is None:
-        dev = gathered.device
         out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
                for _, shape in layout]
-    for (_, i, msg, _), (pos, vals, _) in zip(flat, decoded):
+    if order:
+        _add_batch(out, flat, order, batch, scale, dev)
+    for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
+        msg, i = flat[k][2], flat[k][1]
         if not msg.count:
             continue
         t = out[i]  # positions within one message are unique: plain indexed add
@@ -69,6 +91,31 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
         else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
             t[pos] += (vals.to(torch.float64) * scale).to(t.dtype)
     return out
+
+
+def _add_batch(out, flat, order, batch, scale: float, dev) -> None:
+    """Add the batch's binary messages: per tensor, every rank's positions in rank order."""
+    import numpy as np
+    counts = np.diff(batch.seg_start)
+    vals_host = [flat[k][2].signed_value * scale for k in order]
+    per_tensor = {}
+    for slot, k in enumerate(order):
+        per_tensor.setdefault(flat[k][1], []).append(slot)
+    seg = None
+    for i, slots in per_tensor.items():
+        t = out[i]
+        lo, hi = int(batch.seg_start[slots[0]]), int(batch.seg_start[slots[-1] + 1])
+        if dev.type == "cpu":  # index_add_ is sequential on CPU: rank order is kept
+            v = torch.tensor([vals_host[s] for s in slots], dtype=t.dtype, device=dev)
+            rep = torch.from_numpy(counts[slots[0]:slots[-1] + 1]).to(dev)
+            src = torch.repeat_interleave(v, rep, output_size=hi - lo)
+            t.index_add_(0, batch.pos[lo:hi], src)
+        else:
+            for s in slots:
+                a, b = int(batch.seg_start[s]), int(batch.seg_start[s + 1])
+                t.index_put_((batch.pos[a:b],), torch.tensor(vals_host[s], dtype=t.dtype,
+                                                             device=dev), accumulate=True)
+    del seg
 
 
 class HorovodTransport:
