@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from harness import run_ranks
+from harness import ROOT, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -89,3 +89,16 @@ def test_checkpoint_resumes_hook_and_averager_bit_identically():
         assert loaded[r]["fresh"]["digests"] != saved[r]["hook"]["digests"]
     assert saved[0]["averager"]["stats_at_checkpoint"]["steps"] == 7  # mid-window (period 3)
     assert saved[0]["averager"]["stats_at_checkpoint"]["syncs"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["hook", "averager"])
+def test_example_trains_digits_with_identical_ranks(method):
+    _, out = run_ranks(str(ROOT / "examples" / "pytorch_ddp_sbc.py"), 2,
+                       ["--method", method, "--epochs", "8"], timeout=300,
+                       controller="torchrun", raw=True)
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"{method} on 2 ranks"))
+    assert "ranks identical: True" in line, line
+    acc = float(line.split("accuracy ")[1].split("%")[0])
+    ratio = float(line.split("compression ")[1].split("x")[0])
+    assert acc > 90 and ratio > (300 if method == "hook" else 1000), line
