@@ -1,4 +1,5 @@
-"""Multi-rank test harness: run a worker script under ``horovodrun -np N`` on localhost.
+"""Multi-rank test harness: run a worker script under ``horovodrun -np N`` (or ``torchrun
+--nproc_per_node=N``) on localhost.
 
 Each worker writes ``<outdir>/rank<R>.json``; :func:`run_ranks` returns those dicts in rank order.
 The whole job runs under a timeout: a hang kills the process group and fails the test with the
@@ -35,17 +36,28 @@ def horovodrun_cmd(np_: int, argv: Sequence[str], controller: str = "mpi") -> Li
     return cmd + list(argv)
 
 
+def torchrun_cmd(np_: int, argv: Sequence[str]) -> List[str]:
+    """``python -m torch.distributed.run`` (torchrun) on localhost with a free rendezvous port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={np_}", "--monitor_interval=0.5", *argv]
+
+
 def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: float = 120,
               controller: str = "mpi", expect_fail: bool = False, env: Optional[dict] = None,
               raw: bool = False):
     """Run ``tests/workers/<worker>`` on ``np_`` ranks; return (results per rank, output).
 
     ``raw``: ``worker`` is any script path, run with ``args`` only (no output directory).
+    ``controller``: ``"mpi"`` or ``"gloo"`` (``horovodrun``), or ``"torchrun"``
+    (``torch.distributed.run``: the worker initialises ``torch.distributed`` itself).
     """
     out = tempfile.mkdtemp(prefix="sbc-ranks-")
     script = str(WORKERS / worker)
-    argv = [sys.executable, worker, *args] if raw else [sys.executable, script, out, *args]
-    cmd = horovodrun_cmd(np_, argv, controller)
+    argv = [worker, *args] if raw else [script, out, *args]
+    if controller == "torchrun":
+        cmd = torchrun_cmd(np_, argv)
+    else:
+        cmd = horovodrun_cmd(np_, [sys.executable, *argv], controller)
     e = dict(os.environ)
     e.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
               "PYTHONUNBUFFERED": "1", "HOROVOD_LOG_LEVEL": e.get("HOROVOD_LOG_LEVEL", "warning")})

@@ -86,6 +86,11 @@ class SBC:
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; by default SBC reads it from Horovod's optimizer that called it. Pass
             this if you call ``compress()`` from elsewhere.
+
+    Attribute ``transport``: the collective :meth:`exchange` gathers step messages with;
+    :class:`~horovod_sbc.torch.exchange.HorovodTransport` by default. The DDP hook and averager
+    (:mod:`horovod_sbc.torch.ddp`) set a
+    :class:`~horovod_sbc.torch.exchange.ProcessGroupTransport` (``torch.distributed``).
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
@@ -116,6 +121,7 @@ class SBC:
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
                                    topology=topology, selection=self.selection)
         self._named = list(named_parameters) if named_parameters is not None else None
+        self.transport = exchange.HorovodTransport()
         self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
         self._max_calls = 0
 
@@ -156,16 +162,13 @@ class SBC:
                                       device=like.device))
 
     def _world(self) -> Tuple[int, int]:
-        import horovod.torch as hvd
-        if not hvd.is_initialized():
-            raise RuntimeError("horovod is not initialized: call hvd.init() first")
-        size, rank = hvd.size(), hvd.rank()
+        size, rank = self.transport.world()
         self.manager.config.update(world_size=size, rank=rank)
         return size, rank
 
     # -- fused exchange (used by the drop-in optimizer) ----------------------------------------
     def exchange(self, items: Sequence[Tuple], out: Optional[List[torch.Tensor]] = None,
-                 tag: str = "sbc.sync") -> Optional[List[torch.Tensor]]:
+                 tag: str = "sbc.sync", count_sync: bool = True) -> Optional[List[torch.Tensor]]:
         """Compress, allgather (one fused message), decode and average a set of updates.
 
         ``items`` are ``(name, value, shape)`` or ``(name, value, shape, base)``: the update is
@@ -174,7 +177,8 @@ class SBC:
         decoded, what was sent subtracted. The average of all ranks' decoded updates is added to
         ``out`` (flat tensors, e.g. the reference weights) or to new zero tensors, which are
         returned. Returns None if the sync was skipped (``nonfinite="skip"``); raises
-        ``ValueError`` on every rank if any rank failed.
+        ``ValueError`` on every rank if any rank failed. ``count_sync=False`` leaves the ``syncs``
+        counter to the caller (the DDP hook exchanges several buckets per step).
         """
         size, rank = self._world()
         layout = [(it[0], tuple(it[2])) for it in items]
@@ -206,7 +210,7 @@ class SBC:
             if self.topology == "server":
                 out = self._server_exchange(step, layout, size, rank, out, self._sum_dtype(items))
             else:
-                gathered = exchange.allgather(step, tag)
+                gathered = self.transport.allgather(step, tag)
                 self.manager.add(upstream_bits=8 * step.numel(),
                                  downstream_bits=8 * (gathered.numel() - step.numel()))
                 out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size,
@@ -222,7 +226,8 @@ class SBC:
             raise ValueError(f"SBC: {e}") from None
         for _, res, pos, sent, _ in pending:  # commit error feedback only after success
             subtract_sent_(res, pos, sent)
-        self.manager.add(syncs=1, positions_sent=sum(p[2].numel() for p in pending),
+        self.manager.add(syncs=int(count_sync),
+                         positions_sent=sum(p[2].numel() for p in pending),
                          elements_synced=sum(p[1].numel() for p in pending))
         return out
 
