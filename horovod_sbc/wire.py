@@ -323,15 +323,19 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
         raise ValueError(f"corrupt message: {name} declares {count} positions for {numel} elements")
     if p + 4 > n:
         raise ValueError(f"truncated message: value of {name} cut short")
+    # checked on the bit pattern: inside tf.function this may run on a thread whose FPU treats
+    # subnormals as zero (a float comparison would then accept a subnormal where 0 is required)
+    (vbits,) = struct.unpack_from("<I", bytes(buf[p:p + 4]))
     (value,) = struct.unpack_from("<f", bytes(buf[p:p + 4]))
     p += 4
-    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and math.copysign(1, value) < 0):
-        raise ValueError(f"corrupt message: value {value} of {name} is not a finite number >= 0")
+    if (vbits & 0x7F800000) == 0x7F800000 or vbits >> 31:
+        raise ValueError(f"corrupt message: value of {name} (float32 bits {vbits:#010x}) is not "
+                         "a finite number >= 0")
     has_values = bool(flags & FLAG_VALUES)
     negative = bool(flags & FLAG_NEGATIVE)
     has_signs = bool(flags & FLAG_SIGNS)
     all_pos = bool(flags & FLAG_ALL)
-    if has_values and (negative or has_signs or value != 0.0):
+    if has_values and (negative or has_signs or vbits):
         raise ValueError(f"corrupt message: {name} has per-position values and a binary value")
     if has_signs and negative:
         raise ValueError(f"corrupt message: {name} has both sign bits and NEGATIVE")
