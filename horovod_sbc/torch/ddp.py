@@ -41,6 +41,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from ..core import resolve_compression
 from .compressor import SBC
+from .sync import Update
 from .exchange import ProcessGroupTransport
 
 __all__ = ["Granularity", "SBCState", "sbc_hook", "SBCModelAverager"]
@@ -190,7 +191,7 @@ def sbc_hook(state: SBCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         items, outs, off = [], [], 0
         for name, p, g in zip(names, params, bucket.gradients()):
             n = g.numel()
-            items.append((name, g.detach().reshape(-1), tuple(p.shape)))
+            items.append(Update(name, g.detach().reshape(-1), tuple(p.shape)))
             outs.append(avg[off:off + n])
             off += n
         if off != buf.numel():
@@ -198,7 +199,7 @@ def sbc_hook(state: SBCState, bucket: dist.GradBucket) -> torch.futures.Future[t
                                f"but its gradients {off}")
     else:
         key = state._bucket_key(bucket.index(), names)
-        items, outs = [(key, buf.detach(), (buf.numel(),))], [avg]
+        items, outs = [Update(key, buf.detach(), (buf.numel(),))], [avg]
     result = comp.exchange(items, out=outs, tag=f"sbc.ddp.{bucket.index()}", count_sync=False)
     comp.manager.add(dense_bits=32 * buf.numel())
     if result is None:  # nonfinite="skip": every rank got the same verdict; avg stays zero
@@ -323,7 +324,7 @@ class SBCModelAverager(ModelAverager):
         comp = self.compression
         self._capture(named, refresh=False)
         ref = comp.manager.reference
-        items = [(n, p.detach(), tuple(p.shape), ref[n]) for n, p in named]
+        items = [Update(n, p.detach(), tuple(p.shape), base=ref[n]) for n, p in named]
         # W_ref += average of all ranks' decoded updates (skip: nothing added), then every rank
         # continues from W_ref
         comp.exchange(items, out=[ref[n].view(-1) for n, _ in named], tag="sbc.ddp.average")

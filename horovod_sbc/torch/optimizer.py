@@ -33,6 +33,7 @@ import torch
 
 from ..core import resolve_compression
 from .compressor import SBC
+from .sync import Update
 
 _STATE_KEY = "horovod_sbc"
 
@@ -165,7 +166,8 @@ class _SBCOptimizer:
         self._capture_reference()
         # dW = W_local - W_ref per parameter; the average of all ranks' decoded updates is added
         # straight into W_ref, then every rank continues from W_ref
-        items = [(name, p.detach(), tuple(p.shape), ref[name]) for name, p in self._sbc_params]
+        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name])
+                 for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
             p.copy_(ref[name])
