@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -314,17 +313,14 @@ def run_bench(np_: int = 2, quick: bool = False, seeds: Optional[int] = None,
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={np_}", "-m", "benchmarks.bench_ddp", "--worker", cfg_path]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    from . import launch
+    cmd = launch.launcher_prefix(np_, "torchrun") + ["-m", "benchmarks.bench_ddp", "--worker",
+                                                      cfg_path]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+    try:  # the job's output goes to this terminal as it comes
+        rc, _ = launch.run(cmd, timeout, launch.job_env({"PYTHONWARNINGS": "ignore"}),
+                           on_line=lambda line: print(line, end="", flush=True))
+    except launch.JobTimeout:
         raise RuntimeError(f"bench_ddp: the torchrun job did not finish within {timeout:.0f} s")
     if rc != 0:
         raise RuntimeError(f"bench_ddp: the torchrun job exited {rc}")
