@@ -121,11 +121,11 @@ def allgather(step: tf.Tensor, tag: str) -> tf.Tensor:
     import horovod.tensorflow as hvd
     name = "allgather." + tf_name(tag)
     if not tf.executing_eagerly():
-        return hvd.allgather(step, name=name, ignore_name_scope=True)
+        return hvd.allgather(step, name=name)
     fn = _EAGER_ALLGATHER.get(name)
     if fn is None:
         fn = _EAGER_ALLGATHER[name] = tf.function(
-            lambda t: hvd.allgather(t, name=name, ignore_name_scope=True),
+            lambda t: hvd.allgather(t, name=name),
             input_signature=[tf.TensorSpec([None], tf.uint8)])
     return fn(step)
 
