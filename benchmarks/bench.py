@@ -335,6 +335,30 @@ def cmd_grid(args, baseline=None, reuse=()) -> Dict[str, object]:
     return res
 
 
+def cmd_tasks(args) -> Dict[str, object]:
+    """The sweep on the tasks where communication matters (benchmarks/tasks.py)."""
+    from . import bench_train as bt
+    t0 = time.perf_counter()
+    seeds = _seeds(args)
+    res: Dict[str, object] = {"runs": [], "skipped": []}
+    for task in args.tasks.split(","):
+        r = bt.run_task_jobs(task, bt.task_jobs(task, args.quick), seeds,
+                             progress=not args.no_progress,
+                             title=f"{task}" + (" (quick)" if args.quick else ""))
+        res["runs"] += r["runs"]
+        res["skipped"] += r["skipped"]
+    res["summary"] = bt.summarize_tasks(res)
+    res["wall_s"] = time.perf_counter() - t0
+    res["notes"] = [
+        "score: test accuracy of rank 0's model (mnist1d) or test perplexity per character "
+        "(text), mean ± std over seeds; 'local': no communication, mean over ranks' models",
+        "upstream/downstream bits per rank over the whole run, mean over ranks and seeds; "
+        "none/fp16 count the allreduce message both ways",
+        "drop-in runs end with optimizer.finish() (W_ref + the average of the residuals)"]
+    print(bt.markdown_tasks(res))
+    return res
+
+
 def _dense_acc(grid) -> Dict[str, float]:
     base = (grid or {}).get("baseline") or {}
     if "final_accuracy" in base:  # a single run (older files)
@@ -423,6 +447,11 @@ def main(argv=None) -> int:
     a.add_argument("--workers", type=int, default=2)
     a.add_argument("--no-loopback", action="store_true")
     a.add_argument("--no-unlimited", action="store_true")
+    k = sub.add_parser("tasks", help="every method on mnist1d and a text LM (benchmarks/tasks.py), "
+                                     "2/4 (8) workers, IID and non-IID")
+    _add_common(k, "mnist1d, 2 workers, IID, 5 methods, 1 seed")
+    k.add_argument("--tasks", default="mnist1d,text", help="comma-separated task names")
+    k.add_argument("--seeds", type=int, help="seeds per configuration (default 3, quick 1)")
     r = sub.add_parser("report", help="redraw the plots and tables of an existing results JSON")
     r.add_argument("json")
     r.add_argument("--plots", help="directory for PNG plots (default: the JSON's directory)")
@@ -452,6 +481,12 @@ def main(argv=None) -> int:
         if plots:
             bt.plot_grid(res, _dense_acc(res), f"{plots}/sbc_grid.png")
         md = [("SBC grid (accuracy · compression ratio)", bt.markdown_grid(res))]
+    elif args.cmd == "tasks":
+        res = cmd_tasks(args)
+        out.update(res)
+        if plots:
+            bt.plot_tasks(res, f"{plots}/tasks_score_vs_bits.png")
+        md = [("Training tasks (mnist1d, text)", bt.markdown_tasks(res))]
     elif args.cmd == "net":
         from . import bench_net as bn
         res = cmd_net(args)
