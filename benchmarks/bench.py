@@ -4,6 +4,10 @@ train   every method (none, fp16, sbc, topk, fedavg, signsgd, terngrad, local) a
         mpirun job on scikit-learn's digits, equal steps: accuracy, bits, step time
         (:mod:`benchmarks.bench_train`); ``--quick``: none, SBC headline, top-K
 grid    SBC density {1, 0.1, 0.01, 0.001} x delay {1, 4, 16}: accuracy vs total compression
+tasks   every method on tasks where communication matters (:mod:`benchmarks.tasks`: mnist1d
+        1-D CNN, character LSTM on CPython's pydoc topics), 2/4 workers (8 for the server
+        topology), IID and non-IID, several methods per mpirun job
+        (:func:`benchmarks.bench_train.task_jobs`); ``--tasks mnist1d`` for one task
 net     step time of dense/fp16/top-K/SBC on a 10.5M-parameter MLP with every rank in its own
         network namespace behind a ``tc``-shaped link, plus plain localhost
         (:mod:`benchmarks.bench_net`; needs root); ``--bandwidth 100mbit`` (repeatable)

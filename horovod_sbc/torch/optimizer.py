@@ -181,6 +181,7 @@ class _SBCOptimizer:
         from rank 0 so that the result is bit-identical); ``False`` drops the residuals
         (weights = ``W_ref``, no traffic). Residuals are cleared either way."""
         import horovod.torch as hvd
+        self._capture_reference()
         if self._sbc_local_steps:
             self.synchronize()
         ref = self._sbc.manager.reference

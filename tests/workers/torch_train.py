@@ -56,6 +56,25 @@ def make_comp(cfg):
     return cls(density=cfg["density"], delay=cfg.get("delay", 1), **cfg.get("compressor", {}))
 
 
+def digest(tensors):
+    return hashlib.sha256(torch.cat([t.detach().reshape(-1) for t in tensors])
+                          .numpy().tobytes()).hexdigest()
+
+
+def shared_state(opt):
+    """Right after a sync: the digest of the shared weights W_ref and whether every parameter
+    holds exactly W_ref + its residual (local_residual=True) or W_ref (False)."""
+    ref, res = opt.compression.manager.reference, opt.compression.manager.residuals
+    params = opt._sbc_params
+    with opt.shared_weights():
+        d = digest([p for _, p in params])
+    exact = all(torch.equal(p, ref[n] + res[n].view_as(p) if opt.local_residual else ref[n])
+                for n, p in params)
+    moved = any(bool(res[n].abs().sum() > 0) for n, _ in params)
+    return {"digest": d, "exact": exact, "residual_nonzero": moved,
+            "local_digest": digest([p for _, p in params])}
+
+
 def run(cfg, data):
     xtr, ytr, xte, yte = data
     rank, size = hvd.rank(), hvd.size()
@@ -85,7 +104,7 @@ def run(cfg, data):
     xs, ys = xtr[rank::size], ytr[rank::size]
     g = torch.Generator().manual_seed(1000 * cfg.get("seed", 0) + rank)
     bs, every = cfg.get("batch", 32), cfg.get("log_every", 8)
-    losses, window, step_losses = [], [], []
+    losses, window, step_losses, shared = [], [], [], []
     perm = torch.randperm(len(xs), generator=g)
     at = 0
     for step in range(cfg["steps"]):
@@ -99,6 +118,8 @@ def run(cfg, data):
         opt.step()
         window.append(float(loss))
         step_losses.append(float(loss))
+        if cfg.get("record_shared") and opt.local_steps_pending == 0:
+            shared.append(shared_state(opt))
         if len(window) == every:
             losses.append(sum(window) / every)
             window = []
@@ -108,7 +129,7 @@ def run(cfg, data):
     with torch.no_grad():
         acc = float((model(xte).argmax(1) == yte).float().mean())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"losses": losses, "step_losses": step_losses, "accuracy": acc,
+    return {"losses": losses, "step_losses": step_losses, "shared": shared, "accuracy": acc,
             "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             "stats": comp.stats() if comp is not None else None}
 
