@@ -340,17 +340,31 @@ def cmd_grid(args, baseline=None, reuse=()) -> Dict[str, object]:
 
 
 def cmd_tasks(args) -> Dict[str, object]:
-    """The sweep on the tasks where communication matters (benchmarks/tasks.py)."""
+    """The sweep on the tasks where communication matters (benchmarks/tasks.py). With
+    ``--json`` every finished job is saved to ``FILE.partial`` at once; ``--resume`` reuses the
+    jobs found there (same task, workers, partition, seeds and runs)."""
+    import os
     from . import bench_train as bt
     t0 = time.perf_counter()
     seeds = _seeds(args)
+    partial = args.json + ".partial" if args.json else None
+    done: Dict[str, list] = {}
+    if partial and args.resume and os.path.exists(partial):
+        with open(partial) as f:
+            done = json.load(f)
+
+    def save(key, out):
+        if partial:
+            done[key] = out
+            _write_json(partial, done)
     res: Dict[str, object] = {"runs": [], "skipped": []}
     for task in args.tasks.split(","):
         r = bt.run_task_jobs(task, bt.task_jobs(task, args.quick), seeds,
-                             progress=not args.no_progress,
+                             progress=not args.no_progress, done=done, on_job=save,
                              title=f"{task}" + (" (quick)" if args.quick else ""))
         res["runs"] += r["runs"]
         res["skipped"] += r["skipped"]
+    res["runs"] = bt.merge_seed_runs(res["runs"])
     res["summary"] = bt.summarize_tasks(res)
     res["wall_s"] = time.perf_counter() - t0
     res["notes"] = [
@@ -455,7 +469,10 @@ def main(argv=None) -> int:
                                      "2/4 (8) workers, IID and non-IID")
     _add_common(k, "mnist1d, 2 workers, IID, 5 methods, 1 seed")
     k.add_argument("--tasks", default="mnist1d,text", help="comma-separated task names")
-    k.add_argument("--seeds", type=int, help="seeds per configuration (default 3, quick 1)")
+    k.add_argument("--seeds", type=int, help="seeds of jobs without their own seed list "
+                                             "(default 3, quick 1)")
+    k.add_argument("--resume", action="store_true",
+                   help="reuse the jobs already saved in JSON.partial")
     r = sub.add_parser("report", help="redraw the plots and tables of an existing results JSON")
     r.add_argument("json")
     r.add_argument("--plots", help="directory for PNG plots (default: the JSON's directory)")

@@ -946,13 +946,22 @@ def spec_label(s: dict) -> str:
 
 
 def run_task_jobs(task: str, jobs: Sequence[dict], seeds: Sequence[int], timeout: float = 1800,
-                  progress: bool = True, task_kw: Optional[dict] = None,
-                  title: str = "") -> Dict[str, object]:
-    """``jobs``: ``{"workers", "partition", "runs": [spec, ...], "controller"?}``; one mpirun
-    job each. Returns ``{"runs": [...], "skipped": [...]}``."""
+                  progress: bool = True, task_kw: Optional[dict] = None, title: str = "",
+                  done: Optional[Dict[str, List[dict]]] = None,
+                  on_job: Optional[Callable[[str, List[dict]], None]] = None
+                  ) -> Dict[str, object]:
+    """``jobs``: ``{"workers", "partition", "runs": [spec, ...], "seeds"?}``; one mpirun job
+    each. ``done``: results of jobs already measured, by :func:`job_key` (not rerun);
+    ``on_job(key, results)`` after every job (e.g. to save progress). Returns
+    ``{"runs": [...], "skipped": [...]}``."""
+    done = dict(done or {})
     prog = Progress(len(jobs), title or f"{task} benchmark", progress)
     runs, skipped = [], []
     for job in jobs:
+        key = job_key(task, job, seeds)
+        if key in done:
+            runs.extend(done[key])
+            continue
         cfg = {"task": task, "task_kw": task_kw or {}, "seeds": list(job.get("seeds", seeds)),
                "partition": job["partition"], "runs": job["runs"]}
         cmd = launcher_prefix(job["workers"], ENV_NAMES) + [
@@ -967,7 +976,10 @@ def run_task_jobs(task: str, jobs: Sequence[dict], seeds: Sequence[int], timeout
             continue
         for r in out:
             r["command"] = shlex.join(cmd[:len(cmd) - 1]) + " CONFIG_JSON"
+            r["job_key"] = key
         runs.extend(out)
+        if on_job is not None:
+            on_job(key, out)
         prog.end(", ".join(f"{r['label']}: {_score_str(r)}" for r in out[:4])
                  + (" ..." if len(out) > 4 else ""))
     return {"runs": runs, "skipped": skipped}
@@ -985,54 +997,92 @@ def _s(method, density=1.0, delay=1, **kw) -> dict:
 
 
 def task_jobs(task: str, quick: bool) -> List[dict]:
-    """The jobs of the sweep: one per (workers, partition[, seed set]), each running many methods.
+    """The jobs of the sweep: one per (workers, partition, seed set), each running many methods.
 
-    Budgeted for a 2-core machine (about half an hour): the main comparison (mnist1d, 4 workers,
-    IID) with every seed; the rest of the SBC grid, the other baselines, the other worker counts
-    and partitions, the server topology (4 and 8 workers) and the text task with the first
-    seed only (``"seeds"`` of a job overrides the sweep's seeds)."""
+    Budgeted for the 2-core development machine shared with other jobs: every method once
+    (seed 0), then seeds 1 and 2 of the main comparison (mnist1d, 4 workers, IID) in a later job;
+    :func:`merge_seed_runs` joins the seeds of the same setting. ``"seeds"`` of a job overrides
+    the sweep's seeds."""
     if quick:
         return [{"workers": 2, "partition": "iid",
                  "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.01, 1),
                           _s("sbc", 0.01, 1, api="stock")]}]
     one = [0]
     if task == "mnist1d":
+        main = [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
+                _s("sbc", 0.001, 16)]
         return [
-            {"workers": 4, "partition": "iid",
-             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
-                      _s("sbc", 0.1, 1), _s("sbc", 0.001, 16), _s("sbc", 0.01, 1, api="stock"),
-                      _s("topk", 0.01, 1, api="stock")]},
             {"workers": 4, "partition": "iid", "seeds": one,
-             "runs": [_s("fp16"), _s("sbc", 0.1, 4), _s("sbc", 0.01, 16), _s("sbc", 0.001, 1),
-                      _s("sbc", 0.001, 4), _s("sbc", 0.01, 1, local_residual=False),
-                      _s("sbc", 0.1, 1, api="stock"),
-                      _s("sbc", 0.01, 1, api="stock", momentum_masking=False),
-                      _s("sbc", 0.1, 1, api="stock", momentum_masking=False),
-                      _s("topk", 0.01, 1, api="stock", momentum_masking=True),
-                      _s("topk", 0.01, 1), _s("signsgd"),
-                      _s("terngrad"), _s("fedavg", 1.0, 4),
-                      _s("topk", 0.01, 1, topology="server", downlink_density=0.01),
-                      _s("topk", 0.01, 1, topology="server", downlink_density=None)]},
+             "runs": main + [_s("sbc", 0.1, 1), _s("sbc", 0.01, 1, local_residual=False),
+                             _s("sbc", 0.01, 1, api="stock"), _s("sbc", 0.1, 1, api="stock"),
+                             _s("sbc", 0.1, 1, api="stock", momentum_masking=False),
+                             _s("topk", 0.01, 1, api="stock"), _s("topk", 0.01, 1)]},
             {"workers": 4, "partition": "by_class", "seeds": one,
-             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
-                      _s("sbc", 0.01, 1, local_residual=False),
-                      _s("sbc", 0.01, 4, local_residual=False), _s("topk", 0.01, 4),
-                      _s("fedavg", 1.0, 4)]},
-            {"workers": 2, "partition": "iid", "seeds": one,
-             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
-                      _s("sbc", 0.001, 16), _s("topk", 0.01, 4)]},
-            {"workers": 2, "partition": "by_class", "seeds": one,
              "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
                       _s("sbc", 0.01, 1, local_residual=False),
                       _s("sbc", 0.01, 4, local_residual=False)]},
             {"workers": 8, "partition": "iid", "seeds": one,
              "runs": [_s("none"), _s("topk", 0.01, 1),
                       _s("topk", 0.01, 1, topology="server", downlink_density=0.01),
-                      _s("topk", 0.01, 1, topology="server", downlink_density=None)]}]
-    runs = [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
-            _s("sbc", 0.001, 16), _s("sbc", 0.01, 4, local_residual=False), _s("topk", 0.01, 4)]
-    return [{"workers": 4, "partition": p, "seeds": one, "runs": runs}
-            for p in PARTITIONS]
+                      _s("topk", 0.01, 1, topology="server", downlink_density=None)]},
+            {"workers": 4, "partition": "iid", "seeds": one,
+             "runs": [_s("topk", 0.01, 1, topology="server", downlink_density=0.01),
+                      _s("topk", 0.01, 1, topology="server", downlink_density=None),
+                      _s("sbc", 0.1, 4), _s("sbc", 0.001, 1), _s("sbc", 0.001, 4),
+                      _s("sbc", 0.01, 16), _s("signsgd"), _s("terngrad"),
+                      _s("fedavg", 1.0, 4), _s("fp16")]},
+            {"workers": 4, "partition": "iid", "seeds": [1, 2], "runs": main},
+            {"workers": 2, "partition": "iid", "seeds": one,
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4)]},
+            {"workers": 2, "partition": "by_class", "seeds": one,
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1),
+                      _s("sbc", 0.01, 1, local_residual=False)]}]
+    runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
+            _s("sbc", 0.01, 4, local_residual=False)]
+    return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS]
+
+
+def job_key(task: str, job: dict, seeds: Sequence[int]) -> str:
+    return json.dumps([task, job["workers"], job["partition"], list(job.get("seeds", seeds)),
+                       job["runs"]], sort_keys=True)
+
+
+def merge_seed_runs(runs: List[dict]) -> List[dict]:
+    """Join results of the same setting (task, workers, partition, label) measured by different
+    jobs with different seeds: scores concatenated (mean and std over all seeds), bit counts and
+    step times averaged weighted by the number of seeds."""
+    import numpy as np
+    order, groups = [], {}
+    for r in runs:
+        k = (r["task"], r["workers"], r["partition"], r["label"])
+        if k not in groups:
+            order.append(k)
+            groups[k] = []
+        groups[k].append(r)
+    out = []
+    for k in order:
+        rs = groups[k]
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        m = dict(rs[0])
+        w = [len(r["seeds"]) for r in rs]
+        m["seeds"] = [s for r in rs for s in r["seeds"]]
+        m["score_seeds"] = [s for r in rs for s in r["score_seeds"]]
+        m["score"] = float(np.mean(m["score_seeds"]))
+        m["score_std"] = float(np.std(m["score_seeds"]))
+        for key in ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "positions_sent",
+                    "elements_synced", "step_time_s", "server_out_bits", "wall_s"):
+            if all(key in r for r in rs):
+                m[key] = float(np.average([r[key] for r in rs], weights=w))
+        m["ranks_identical"] = all(r.get("ranks_identical") for r in rs)
+        up = m["upstream_bits"]
+        m["compression_ratio"] = m["dense_bits"] / up if up > 0 else None
+        if m.get("elements_synced"):
+            m["measured_density"] = m["positions_sent"] / m["elements_synced"]
+        m["merged_from_jobs"] = len(rs)
+        out.append(m)
+    return out
 
 
 def _better(metric: str, a: float, b: float) -> bool:

@@ -112,19 +112,21 @@ class SBC(tf.Module):
             weights go back to the last shared state, in gradient modes the returned gradients
             are zeros for that step.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
-            :class:`SBCCallback`). True (default): after a sync every rank continues from the
-            shared weights plus its own unsent residual, so momentum and Adam see the effect of
-            their own steps at once (as :func:`horovod_sbc.torch.DistributedOptimizer`; see
-            :mod:`horovod_sbc.torch.optimizer` for why and what was measured); ranks' weights
-            then differ by their residuals until :meth:`finish`. False: every rank continues from
-            the shared weights (bit-identical after every sync; with momentum and a small delay
-            this trains much worse on IID data, but better on non-IID shards). Gradient modes
+            :class:`SBCCallback`). True: after a sync every rank continues from the shared
+            weights plus its own unsent residual, so momentum and Adam see the effect of their
+            own steps at once (the default of :func:`horovod_sbc.torch.DistributedOptimizer`;
+            see :mod:`horovod_sbc.torch.optimizer` for why and what was measured); ranks'
+            weights then differ by their residuals until :meth:`finish`. False (default here,
+            for now: the TensorFlow adapter's training accuracy was not benchmarked with True):
+            every rank continues from the shared weights, bit-identical after every sync; with
+            momentum and a small delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much
+            worse on IID data, but it is the right choice on non-IID shards. Gradient modes
             (delay 1 tape, stock tape) exchange gradients and are not affected.
         name: the ``tf.Module`` name.
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
-                 nonfinite: str = "raise", name: str = "sbc", local_residual: bool = True):
+                 nonfinite: str = "raise", name: str = "sbc", local_residual: bool = False):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
