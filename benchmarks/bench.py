@@ -349,9 +349,11 @@ def cmd_tasks(args) -> Dict[str, object]:
     seeds = _seeds(args)
     partial = args.json + ".partial" if args.json else None
     done: Dict[str, list] = {}
-    if partial and args.resume and os.path.exists(partial):
-        with open(partial) as f:
-            done = json.load(f)
+    for path in ([partial] if partial and (args.resume or args.saved_only) else []) + \
+            list(args.merge or []):
+        if os.path.exists(path):
+            with open(path) as f:
+                done.update(json.load(f))
 
     def save(key, out):
         if partial:
@@ -359,7 +361,15 @@ def cmd_tasks(args) -> Dict[str, object]:
             _write_json(partial, done)
     res: Dict[str, object] = {"runs": [], "skipped": []}
     for task in args.tasks.split(","):
-        r = bt.run_task_jobs(task, bt.task_jobs(task, args.quick), seeds,
+        jobs = bt.task_jobs(task, args.quick)
+        if args.saved_only:  # assemble the results of the jobs that were run, run nothing
+            missing = [j for j in jobs if bt.job_key(task, j, seeds) not in done]
+            res.setdefault("not_run", []).extend(
+                {"task": task, "workers": j["workers"], "partition": j["partition"],
+                 "seeds": j.get("seeds", seeds), "runs": [bt.spec_label(x) for x in j["runs"]]}
+                for j in missing)
+            jobs = [j for j in jobs if j not in missing]
+        r = bt.run_task_jobs(task, jobs, seeds,
                              progress=not args.no_progress, done=done, on_job=save,
                              title=f"{task}" + (" (quick)" if args.quick else ""))
         res["runs"] += r["runs"]
@@ -473,6 +483,11 @@ def main(argv=None) -> int:
                                              "(default 3, quick 1)")
     k.add_argument("--resume", action="store_true",
                    help="reuse the jobs already saved in JSON.partial")
+    k.add_argument("--saved-only", action="store_true",
+                   help="run nothing: assemble JSON/tables/plots from the saved jobs (JSON.partial "
+                        "and --merge files); jobs not run are listed under 'not_run'")
+    k.add_argument("--merge", action="append",
+                   help="another .partial file whose saved jobs are reused (repeatable)")
     r = sub.add_parser("report", help="redraw the plots and tables of an existing results JSON")
     r.add_argument("json")
     r.add_argument("--plots", help="directory for PNG plots (default: the JSON's directory)")

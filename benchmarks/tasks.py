@@ -16,7 +16,7 @@ Every task is generated or read offline and deterministically: nothing is downlo
     Greydanus' MNIST-1D (the ``mnist1d`` package): ``mnist1d.data.make_dataset`` with its default
     arguments except ``num_samples`` and ``seed`` (never ``get_dataset``, which downloads).
     6,000 generated sequences of length 40, 10 classes: 4,000 for training and 2,000 for test.
-    Model: a small 1-D CNN (3 conv layers of 32 channels, ReLU, a linear head; 8,874 parameters).
+    Model: a small 1-D CNN (3 conv layers of 32 channels, ReLU, a linear head; 8,010 parameters).
     Few training samples per rank make the exchange matter: a rank alone on its IID quarter is
     well below dense training (see docs/benchmarks.md for the measured gap).
 ``text``

@@ -144,6 +144,7 @@ class SBC:
         self._named = list(named_parameters) if named_parameters is not None else None
         self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
         self._owner = None  # (Horovod optimizer, parameter) of the last compress() (stock path)
+        self._warned_momentum = False
         self._max_calls = 0
 
     def _generator(self, device) -> Optional[torch.Generator]:
@@ -400,6 +401,7 @@ class SBC:
         if calls > self._max_calls:  # the first tensor of a new step (stock path: sync = step)
             self._max_calls = calls
             self.manager.add(steps=1, syncs=1)
+        self._warn_momentum()
         owner = self._owner if self.momentum_masking else None
         ctx = (name, handle, step.numel(), layout, a, (pos, sent) if a is not None else None,
                tensor, size, self._op_sum, owner)
@@ -432,6 +434,21 @@ class SBC:
         if owner is not None:
             _mask_momentum(owner[0], owner[1], flat)
         return out
+
+    def _warn_momentum(self) -> None:
+        """Once per compressor: stock hook + an SGD-style optimizer with momentum (README)."""
+        if self._warned_momentum or self._owner is None:
+            return
+        self._warned_momentum = True
+        groups = getattr(self._owner[0], "param_groups", [])
+        if any(g.get("momentum", 0) for g in groups):
+            warnings.warn(
+                f"horovod_sbc: {type(self).__name__} through stock hvd.DistributedOptimizer with "
+                "momentum: the optimizer's momentum then acts on sparse, stale "
+                "updates, and on mnist1d (4 workers, SGD momentum 0.9) this trained worse than "
+                "no communication at all (docs/benchmarks.md). Use "
+                "horovod_sbc.torch.DistributedOptimizer (local_residual=True) instead.",
+                stacklevel=4)
 
 
 class TopK(SBC):
