@@ -20,7 +20,8 @@ bench: install
 	$(PY) -m benchmarks.bench downlink --json benchmarks/results/downlink.json
 
 fuzz: install
-	FUZZ_CASES=$${FUZZ_CASES:-1000000} $(PY) -m pytest -q tests/test_fuzz.py
+	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} DIFF_TF_EVERY=10 \
+	  $(PY) -m pytest -q tests/test_fuzz.py tests/test_differential.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

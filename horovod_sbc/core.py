@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import wire
+from . import protocol, wire
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -153,9 +153,9 @@ def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: flo
     if not np.all(np.isfinite(a)):
         raise ValueError("update contains NaN or Inf")
     n = a.size
+    if n == 0:  # one canonical encoding of an empty tensor, whatever the mode
+        return protocol.empty_tensor_message(), a.reshape(update.shape)
     if mode == "sign":
-        if n == 0:
-            return wire.encode_tensor_np([], 0, 0.0), a.reshape(update.shape)
         scale = float(np.float32(tree_sum_np(np.abs(a)) / n))
         neg = a < 0
         msg = wire.encode_tensor_np(None, n, scale, signs=neg, all_positions=True)

@@ -16,7 +16,7 @@ Step message
                                           is a UTF-8 reason and n_tensors is 0
                                    bit 1  SKIP: like ERROR, but the sender asks every rank to skip
                                           this sync instead of failing
-                                   bits 2..7 reserved, must be 0
+                                   at most one of ERROR and SKIP; bits 2..7 reserved, must be 0
     6       2     origin           uint16: 0, or for ERROR/SKIP the rank that failed (a server
                                    relaying another rank's failure keeps that rank)
     8       4     body_length      uint32: number of bytes after this 24-byte header
@@ -107,7 +107,9 @@ ties go to the smaller b. Any b is valid on the wire; this rule only makes encod
 byte.
 
 This module is the numpy reference implementation of the format and of the Golomb-Rice streams.
-The torch and TensorFlow codecs produce identical bytes (see ``tests/golden/``).
+The torch and TensorFlow codecs produce identical bytes (see ``tests/golden/``). What a receiver
+decides about a gathered buffer — the order of checks, which rank's ERROR/SKIP wins — is specified
+and implemented once in :mod:`horovod_sbc.protocol`, which every decoder calls.
 """
 from __future__ import annotations
 
@@ -258,13 +260,6 @@ def error_step_message(reason: str, layout_crc: int, skip: bool = False, origin:
     return head + body
 
 
-def peer_error(buf, start: int, end: int, kind: int) -> "PeerError":
-    """The :class:`PeerError` an ERROR (kind -1) or SKIP (kind -2) step message reports."""
-    (origin,) = struct.unpack_from("<H", bytes(buf[start + 6:start + 8]))
-    reason = bytes(buf[start + STEP_HEADER_SIZE:end]).decode("utf-8", "replace")
-    return PeerError(origin, reason, kind == -2)
-
-
 class PeerError(ValueError):
     """A rank reported, through its step message, that it could not encode this sync."""
 
@@ -288,7 +283,6 @@ class TensorMessage:
     has_signs: bool = False
     all_positions: bool = False
     signs: Tuple[int, int] = (0, 0)  # [start, end) of the sign stream (empty unless has_signs)
-    sum_q: int = -1              # filled in by the stream decoder
 
     @property
     def signed_value(self) -> float:
@@ -329,15 +323,19 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
         raise ValueError(f"corrupt message: {name} declares {count} positions for {numel} elements")
     if p + 4 > n:
         raise ValueError(f"truncated message: value of {name} cut short")
+    # checked on the bit pattern: inside tf.function this may run on a thread whose FPU treats
+    # subnormals as zero (a float comparison would then accept a subnormal where 0 is required)
+    (vbits,) = struct.unpack_from("<I", bytes(buf[p:p + 4]))
     (value,) = struct.unpack_from("<f", bytes(buf[p:p + 4]))
     p += 4
-    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and math.copysign(1, value) < 0):
-        raise ValueError(f"corrupt message: value {value} of {name} is not a finite number >= 0")
+    if (vbits & 0x7F800000) == 0x7F800000 or vbits >> 31:
+        raise ValueError(f"corrupt message: value of {name} (float32 bits {vbits:#010x}) is not "
+                         "a finite number >= 0")
     has_values = bool(flags & FLAG_VALUES)
     negative = bool(flags & FLAG_NEGATIVE)
     has_signs = bool(flags & FLAG_SIGNS)
     all_pos = bool(flags & FLAG_ALL)
-    if has_values and (negative or has_signs or value != 0.0):
+    if has_values and (negative or has_signs or vbits):
         raise ValueError(f"corrupt message: {name} has per-position values and a binary value")
     if has_signs and negative:
         raise ValueError(f"corrupt message: {name} has both sign bits and NEGATIVE")
@@ -365,65 +363,6 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
     v = (sg[1], sg[1] + val_nbytes)
     return TensorMessage(numel, count, b, value, negative, has_values, u, r, v, has_signs,
                          all_pos, sg)
-
-
-def check_stream_totals(msg: TensorMessage, sum_q: int, sum_r: int, name: str) -> None:
-    """Final range check in exact integer arithmetic: the last position must be < numel."""
-    if msg.count:
-        last = (sum_q << msg.rice_b) + sum_r + msg.count - 1
-        if last >= msg.numel:
-            raise ValueError(f"corrupt message: {name} position {last} out of range "
-                             f"for {msg.numel} elements")
-    msg.sum_q = sum_q
-
-
-def split_step_messages(buf, n_ranks: int) -> List[Tuple[int, int]]:
-    """Split the allgathered concatenation of ``n_ranks`` step messages into [start, end) ranges."""
-    out = []
-    off = 0
-    n = len(buf)
-    for r in range(n_ranks):
-        if off + STEP_HEADER_SIZE > n:
-            raise ValueError(f"truncated message: step message of rank {r} cut short")
-        length = STEP_HEADER_SIZE + struct.unpack_from("<I", bytes(buf[off + 8:off + 12]))[0]
-        if off + length > n:
-            raise ValueError(f"truncated message: step message of rank {r} declares {length} bytes, "
-                             f"{n - off} present")
-        out.append((off, off + length))
-        off += length
-    if off != n:
-        raise ValueError(f"corrupt message: {n - off} trailing bytes after {n_ranks} step messages")
-    return out
-
-
-def parse_step_header(buf, start: int, end: int, expected_layout: Optional[int], who: str) -> int:
-    """Validate a step header and the body CRC; returns n_tensors. ``buf`` is host bytes-like.
-
-    Returns -1 for an ERROR step message and -2 for a SKIP one (the body is the reason).
-    """
-    head = bytes(buf[start:start + STEP_HEADER_SIZE])
-    if len(head) < STEP_HEADER_SIZE:
-        raise ValueError(f"truncated message: step header of {who} cut short")
-    magic, version, flags, reserved, body_len, layout, n_tensors, crc = STEP_HEADER.unpack(head)
-    if magic != STEP_MAGIC:
-        raise ValueError(f"corrupt message: bad step magic from {who}")
-    if version != VERSION:
-        raise ValueError(f"unsupported wire format version {version} from {who} (this is {VERSION})")
-    if flags & ~(STEP_FLAG_ERROR | STEP_FLAG_SKIP) or (reserved and not flags):
-        raise ValueError(f"corrupt message: reserved step header bits set from {who}")
-    if start + STEP_HEADER_SIZE + body_len != end:
-        raise ValueError(f"corrupt message: step body length mismatch from {who}")
-    body = bytes(buf[start + STEP_HEADER_SIZE:end])
-    if zlib.crc32(body) & 0xFFFFFFFF != crc:
-        raise ValueError(f"corrupt message: checksum mismatch in step message from {who}")
-    if flags:
-        if n_tensors:
-            raise ValueError(f"corrupt message: error step message with tensors from {who}")
-        return -(flags & STEP_FLAG_SKIP) or -1
-    if expected_layout is not None and layout != expected_layout:
-        raise ValueError(f"{who} sent a different tensor layout (set, order or sizes of parameters) "
-                         f"than this rank: fingerprint {layout:#010x} != {expected_layout:#010x}")
-    return n_tensors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,36 +397,73 @@ def encode_streams_np(positions: np.ndarray, b: int) -> Tuple[bytes, bytes]:
 
 
 def decode_streams_np(buf: bytes, msg: TensorMessage, name: str = "tensor") -> np.ndarray:
-    """Positions (int64) of a parsed tensor message; validates the streams."""
+    """Positions (int64) of a parsed tensor message; validates the streams (numpy reference of
+    the statistics :class:`horovod_sbc.protocol.StreamStats`, checked by the protocol layer)."""
+    from . import protocol
+    pos, stats = stream_stats_np(buf, msg)
+    protocol.check_stream(msg, stats, name)
+    return pos
+
+
+def stream_stats_np(buf: bytes, msg: TensorMessage):
+    """(positions int64, :class:`horovod_sbc.protocol.StreamStats`) of a parsed message; the
+    positions are meaningful only if the statistics pass :func:`protocol.check_stream`."""
+    from .protocol import StreamStats
     count, b = msg.count, msg.rice_b
-    if count == 0:
-        return np.zeros(0, dtype=np.int64)
-    if msg.all_positions:
-        msg.sum_q = 0
-        return np.arange(count, dtype=np.int64)
     mv = memoryview(buf)
+    sign_bad = False
+    if msg.has_signs:
+        sbits = np.unpackbits(np.frombuffer(mv[msg.signs[0]:msg.signs[1]], dtype=np.uint8))
+        sign_bad = bool(sbits[count:].any())
+    nonfinite = 0
+    if msg.has_values:
+        bits = np.frombuffer(mv[msg.values[0]:msg.values[1]], dtype="<u4")
+        nonfinite = int(np.count_nonzero((bits & 0x7F800000) == 0x7F800000))
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), StreamStats(sign_pad_nonzero=sign_bad,
+                                                        nonfinite=nonfinite)
+    if msg.all_positions:
+        return (np.arange(count, dtype=np.int64),
+                StreamStats(sign_pad_nonzero=sign_bad, nonfinite=nonfinite))
     ubytes = np.frombuffer(mv[msg.unary[0]:msg.unary[1]], dtype=np.uint8)
-    if ubytes[-1] == 0:
-        raise ValueError(f"corrupt message: {name} unary stream ends in a padding-only byte")
-    ubits = np.unpackbits(ubytes)
-    ones = np.flatnonzero(ubits)
-    if ones.size != count:
-        raise ValueError(f"corrupt message: {name} unary stream holds {ones.size} codes, "
-                         f"header says {count}")
-    q = np.diff(ones, prepend=np.int64(-1)) - 1
+    ones = np.flatnonzero(np.unpackbits(ubytes))
+    q = np.diff(ones, prepend=np.int64(-1))
+    q -= 1
+    n_ones = ones.size
+    del ones  # the decoder's memory stays a few int64 per position (tests/test_codec.py)
+    rem_bad = False
     if b:
-        rbytes = np.frombuffer(mv[msg.remainder[0]:msg.remainder[1]], dtype=np.uint8)
-        rbits = np.unpackbits(rbytes)
-        if rbits[count * b:].any():
-            raise ValueError(f"corrupt message: {name} remainder padding is not zero")
-        rbits = rbits[:count * b].reshape(count, b).astype(np.int64)
-        weights = np.int64(1) << np.arange(b - 1, -1, -1, dtype=np.int64)
-        r = rbits @ weights
+        rbits = np.unpackbits(np.frombuffer(mv[msg.remainder[0]:msg.remainder[1]],
+                                            dtype=np.uint8))
+        rem_bad = bool(rbits[count * b:].any())
+        n_r = min(n_ones, count)
+        # b bits per row -> ceil(b / 8) bytes per row (uint8), then combined into int64: no
+        # 8-bytes-per-bit intermediate
+        rows = np.packbits(rbits[:n_r * b].reshape(n_r, b), axis=1)
+        del rbits
+        r = np.zeros(n_r, dtype=np.uint64)  # unsigned: b = 62 fills all 64 bits
+        for j in range(rows.shape[1]):
+            r <<= np.uint64(8)
+            r |= rows[:, j]
+        r >>= np.uint64(8 * rows.shape[1] - b)
+        r = r.view(np.int64)
     else:
-        r = np.zeros(count, dtype=np.int64)
-    check_stream_totals(msg, int(q.sum()), int(r.sum()), name)
-    gaps = (q << b) + r
-    return np.cumsum(gaps + 1) - 1
+        r = np.zeros(min(n_ones, count), dtype=np.int64)
+    stats = StreamStats(ones=int(n_ones), unary_last_zero=bool(ubytes[-1] == 0),
+                        max_q=int(q.max()) if q.size else 0,
+                        max_r=int(r.max()) if r.size else 0, rem_pad_nonzero=rem_bad,
+                        sign_pad_nonzero=sign_bad, nonfinite=nonfinite)
+    if n_ones != count or (stats.max_q << b) + stats.max_r >= msg.numel:
+        return np.zeros(0, dtype=np.int64), stats  # rejected by the protocol before pos_max
+    with np.errstate(over="ignore"):
+        pos = q  # in place: gaps + 1, cumulated
+        pos <<= b
+        pos += r
+        del r
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
+    return pos, StreamStats(**{**stats.__dict__, "pos_max": int(pos.max())})
 
 
 def sign_stream_np(signs: np.ndarray) -> bytes:
@@ -495,10 +471,9 @@ def sign_stream_np(signs: np.ndarray) -> bytes:
 
 
 def decode_signs_np(buf: bytes, msg: TensorMessage, name: str) -> np.ndarray:
+    """Sign bits (True = negative) of a ternary message whose padding the protocol checked."""
     bits = np.unpackbits(np.frombuffer(memoryview(buf)[msg.signs[0]:msg.signs[1]],
                                        dtype=np.uint8))
-    if bits[msg.count:].any():
-        raise ValueError(f"corrupt message: {name} sign padding is not zero")
     return bits[:msg.count].astype(bool)
 
 
@@ -547,36 +522,44 @@ def decode_tensor_np(buf: bytes, off: int = 0, expected_numel: Optional[int] = N
     """Decode one tensor message: (header, positions int64, values float32, end offset)."""
     msg = parse_tensor_header(buf, off, expected_numel, name)
     pos = decode_streams_np(buf, msg, name)
+    return msg, pos, tensor_values_np(buf, msg, name), msg.nbytes
+
+
+def tensor_values_np(buf: bytes, msg: TensorMessage, name: str) -> np.ndarray:
+    """float32 value per position of a message whose streams passed the protocol's checks."""
     if msg.has_values:
         vals = np.frombuffer(memoryview(buf)[msg.values[0]:msg.values[1]], dtype="<f4")
-        if not np.all(np.isfinite(vals)):
-            raise ValueError(f"corrupt message: {name} carries non-finite values")
         vals = vals.astype(np.float32)
     elif msg.has_signs:
         neg = decode_signs_np(buf, msg, name)
         vals = np.where(neg, np.float32(-msg.value), np.float32(msg.value)).astype(np.float32)
     else:
         vals = np.full(msg.count, np.float32(msg.signed_value), dtype=np.float32)
-    return msg, pos, vals, msg.nbytes
+    return vals
 
 
 def decode_step_np(buf: bytes, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int):
-    """Decode an allgathered buffer: a list per rank of (positions, values) per tensor."""
-    fp = layout_fingerprint(layout)
-    out = []
-    for r, (start, end) in enumerate(split_step_messages(buf, n_ranks)):
-        n_t = parse_step_header(buf, start, end, fp, f"rank {r}")
-        if n_t < 0:
-            raise peer_error(buf, start, end, n_t)
-        if n_t != len(layout):
-            raise ValueError(f"rank {r} sent {n_t} tensors, expected {len(layout)}")
-        off = start + STEP_HEADER_SIZE
-        per = []
-        for name, shape in layout:
-            _, pos, vals, off = decode_tensor_np(buf, off, layout_numel(shape),
-                                                 f"{name!r} from rank {r}")
-            per.append((pos, vals))
-        if off != end:
-            raise ValueError(f"corrupt message: {end - off} stray bytes in step message of rank {r}")
-        out.append(per)
+    """Decode an allgathered buffer: a list per rank of (positions, values) per tensor.
+
+    The verdict (which problem or which rank's ERROR/SKIP is reported) is the protocol layer's
+    (:mod:`horovod_sbc.protocol`), so every decoder reports the same one.
+    """
+    from . import protocol
+    step = protocol.parse_gathered(buf, layout, n_ranks)
+    flat = step.flat()
+    decoded = [stream_stats_np(buf, msg) for _, _, msg, _ in flat]
+    protocol.check_streams(step, [st for _, st in decoded])
+    out = [[None] * len(layout) for _ in range(n_ranks)]
+    for (r, i, msg, name), (pos, _) in zip(flat, decoded):
+        out[r][i] = (pos, tensor_values_np(buf, msg, name))
     return out
+
+
+def accumulate_np(per_rank, outs: Sequence[np.ndarray], scale: float = 1.0) -> None:
+    """Add ``scale`` x the output of :func:`decode_step_np` to ``outs`` (flat arrays, in place),
+    rank by rank, with the protocol's decoded arithmetic (``float64(value) * scale`` rounded to
+    the output's dtype, then one add)."""
+    for tensors in per_rank:
+        for out, (pos, vals) in zip(outs, tensors):
+            if pos.size:  # positions within one message are unique: plain indexed add
+                out[pos] += (vals.astype(np.float64) * scale).astype(out.dtype)

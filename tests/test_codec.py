@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from horovod_sbc import core, wire
+from horovod_sbc import core, protocol, wire
 from horovod_sbc.torch import codec as tcodec
 from horovod_sbc.torch import exchange
 
@@ -154,13 +154,14 @@ def test_golden_vectors_tensorflow_bridge(case):
     from horovod_sbc.tensorflow import codec as tfcodec
     dt = NP_DT[case["dtype"]]
     u, r = make_golden.make_inputs(case["index"], case["numel"], dt, case["kind"])
-    msg, res = tfcodec.compress(tf.constant(u), tf.constant(r), case["density"], case["binarize"])
+    msg, res = tfcodec.compress(tf.constant(u), tf.constant(r), case["density"], case["binarize"],
+                                case["selection"])
     assert msg.numpy().tobytes() == bytes.fromhex(case["message_hex"])
     assert make_golden.digest(res.numpy()) == case["new_residual_sha256"]
 
     @tf.function
     def graph(u_, r_):
-        return tfcodec.compress(u_, r_, case["density"], case["binarize"])
+        return tfcodec.compress(u_, r_, case["density"], case["binarize"], case["selection"])
     gmsg, _ = graph(tf.constant(u), tf.constant(r))
     assert gmsg.numpy().tobytes() == bytes.fromhex(case["message_hex"])
     dense = tfcodec.decompress(gmsg, (case["numel"],))
@@ -196,7 +197,8 @@ def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
     tmsg = tcodec.encode_positions(torch.from_numpy(pos), numel, float(np.float32(value)),
                                    negative)
     assert tmsg.numpy().tobytes() == msg
-    tpos = tcodec.decode_positions(torch.frombuffer(bytearray(msg), dtype=torch.uint8), hdr, "t")
+    tpos, _, stats = tcodec.stream_stats(torch.frombuffer(bytearray(msg), dtype=torch.uint8), hdr)
+    protocol.check_stream(hdr, stats, "t")
     assert tpos.tolist() == pos.tolist()
     # the chosen b is never worse than the paper's b*
     if pos.size:
@@ -205,14 +207,19 @@ def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
         assert len(msg) <= len(alt)
 
 
-def paper_rule(a: np.ndarray, k: int):
-    """Direct transcription of the rule: top-k by |a|, then the larger-mean sign side."""
-    order = sorted(range(a.size), key=lambda i: (-abs(float(a[i])), i))[:k]
-    kept = sorted(order)
-    pos = [i for i in kept if a[i] > 0]
-    neg = [i for i in kept if a[i] < 0]
-    mp = float(np.float32(sum(float(a[i]) for i in pos) / len(pos))) if pos else 0.0
-    mn = float(np.float32(-sum(float(a[i]) for i in neg) / len(neg))) if neg else 0.0
+def rule(a: np.ndarray, k: int, selection: str):
+    """Direct transcription of the rule (core's docstring); means by the specified tree sum."""
+    if selection == "paper":
+        pos = sorted(sorted((i for i in range(a.size) if a[i] > 0),
+                            key=lambda i: (-float(a[i]), i))[:k])
+        neg = sorted(sorted((i for i in range(a.size) if a[i] < 0),
+                            key=lambda i: (float(a[i]), i))[:k])
+    else:
+        kept = sorted(sorted(range(a.size), key=lambda i: (-abs(float(a[i])), i))[:k])
+        pos = [i for i in kept if a[i] > 0]
+        neg = [i for i in kept if a[i] < 0]
+    mp = float(np.float32(core.tree_sum_np(a[pos]) / len(pos))) if pos else 0.0
+    mn = float(np.float32(core.tree_sum_np(-a[neg]) / len(neg))) if neg else 0.0
     if mp >= mn and mp > 0:
         return pos, mp
     if mn > 0:
@@ -220,14 +227,25 @@ def paper_rule(a: np.ndarray, k: int):
     return [], 0.0
 
 
+def test_tree_sum_is_the_specified_pairwise_order():
+    x = np.array([2.0 ** 53, 1.0, 1.0, 0.0, -2.0 ** 53], np.float64)
+    # padded to 8 with zeros, then x[:4] + x[4:], [:2] + [2:], [0] + [1]:
+    # [0, 1, 1, 0] -> [1, 1] -> 2, where a left-to-right sum gives 0 (2^53 + 1 rounds to 2^53)
+    want = ((x[0] + x[4]) + (x[2] + 0.0)) + ((x[1] + 0.0) + (x[3] + 0.0))
+    assert want == 2.0 and sum(x.tolist()) == 0.0
+    assert core.tree_sum_np(x) == want
+    assert core.tree_sum_np(np.zeros(0)) == 0.0
+    assert float(tcodec.tree_sum(torch.from_numpy(x))) == want
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-1024, 1024, width=32), min_size=1, max_size=400),
-       st.floats(0.001, 1.0))
-def test_binarization_and_residual_match_the_rule(values, density):
+       st.floats(0.001, 1.0), st.sampled_from(["paper", "magnitude"]))
+def test_binarization_and_residual_match_the_rule(values, density, selection):
     u = np.array(values, dtype=np.float32)
     k = core.keep_count(u.size, density)
-    want_pos, want_val = paper_rule(u, k)
-    msg, res = core.compress_np(u, None, density)
+    want_pos, want_val = rule(u, k, selection)
+    msg, res = core.compress_np(u, None, density, selection=selection)
     _, pos, vals, _ = wire.decode_tensor_np(msg, 0, u.size)
     assert pos.tolist() == want_pos
     if want_pos:
@@ -241,7 +259,7 @@ def test_binarization_and_residual_match_the_rule(values, density):
     np.testing.assert_allclose(res + sent, u, rtol=1e-6, atol=1e-6 * max(1.0, abs(want_val)))
     # torch agrees byte for byte, and its residual too
     a = torch.from_numpy(u.copy())
-    tmsg, _ = tcodec.compress_(a, density)
+    tmsg, _ = tcodec.compress_(a, density, selection=selection)
     assert tmsg.numpy().tobytes() == msg
     assert np.array_equal(a.numpy(), res)
 
@@ -447,3 +465,70 @@ def test_all_flag_requires_a_payload_and_matching_count():
     bad[6] = 9  # count != numel
     with pytest.raises(ValueError, match="has ALL but 9 positions for 10 elements"):
         wire.decode_tensor_np(bytes(bad), 0, 10)
+
+
+def test_numpy_decoder_memory_is_bounded_by_the_message_size():
+    """A valid ~2 MiB message at the default density: numpy's decoder peaks at <= 40 bytes per
+    message byte (it used to unpack remainders through int64 bits: ~390)."""
+    rng = np.random.default_rng(5)
+    pos = np.cumsum(rng.geometric(0.01, size=2_000_000)) - 1
+    numel = int(pos[-1]) + 1
+    layout = [("w", (numel,))]
+    buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
+                                  wire.layout_fingerprint(layout), 1)
+    assert len(buf) > 1 << 20
+    tracemalloc.start()
+    try:
+        got = wire.decode_step_np(buf, layout, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(got[0][0][0], pos)
+    assert peak <= 40 * len(buf), peak / len(buf)
+
+
+def test_batched_torch_decoder_reaches_the_numpy_verdict_on_valid_and_corrupt_steps():
+    """The batched decoder (all binary messages of all ranks at once) against the numpy
+    reference: same sums on valid steps, the same error message on corrupt ones (bit flips in
+    the streams, CRC fixed so that the stream checks are what decides)."""
+    import random
+    rnd = random.Random(3)
+    layout = [("a", (3000,)), ("b", (50,)), ("c", (20000,)), ("d", (7,))]
+    fp = wire.layout_fingerprint(layout)
+
+    def step(seed, density):
+        r = np.random.default_rng(seed)
+        msgs = [core.compress_np(r.standard_normal(wire.layout_numel(s)).astype(np.float32),
+                                 None, density)[0] for _, s in layout]
+        return bytearray(wire.step_message_bytes(b"".join(msgs), fp, len(msgs)))
+
+    n_corrupt = 0
+    for it in range(120):
+        n = rnd.choice([1, 2, 3])
+        density = rnd.choice([0.001, 0.01, 0.1, 0.5])
+        parts = [step(1000 * it + j, density) for j in range(n)]
+        if it % 3:
+            p = parts[rnd.randrange(n)]
+            for _ in range(rnd.choice([1, 2, 4])):
+                i = rnd.randrange(24, len(p))
+                p[i] ^= 1 << rnd.randrange(8)
+            struct.pack_into("<I", p, 20, zlib.crc32(bytes(p[24:])) & 0xFFFFFFFF)
+        buf = b"".join(bytes(p) for p in parts)
+        try:
+            ref = wire.decode_step_np(buf, layout, n)
+        except ValueError as e:
+            n_corrupt += 1
+            with pytest.raises(ValueError) as got:
+                exchange.decode_gathered(torch.frombuffer(bytearray(buf), dtype=torch.uint8),
+                                         layout, n)
+            assert str(got.value) == str(e)
+            continue
+        sums = exchange.decode_gathered(torch.frombuffer(bytearray(buf), dtype=torch.uint8),
+                                        layout, n)
+        for i, (_, shape) in enumerate(layout):
+            want = np.zeros(wire.layout_numel(shape), np.float32)
+            for r in range(n):
+                pos, vals = ref[r][i]
+                want[pos] += vals
+            assert np.array_equal(sums[i].numpy(), want)
+    assert n_corrupt > 20

@@ -6,8 +6,9 @@ Two kinds of cases:
 * framed: the tensor messages are corrupted and the step header's length and CRC recomputed, so
   the corruption reaches the tensor-header and Golomb-Rice stream validation.
 
-``FUZZ_CASES`` sets the number of numpy cases (default 100000, as in ``make fuzz``'s report);
-the torch decoder gets a tenth of them.
+``FUZZ_CASES`` sets the number of cases (default 20000; ``make fuzz`` runs 10^6). That every
+decoder (numpy, torch, TensorFlow) reaches the same verdict on such input is
+``tests/test_differential.py``'s job; this file bounds the reference decoder's memory.
 """
 import os
 import random
@@ -15,12 +16,10 @@ import struct
 import tracemalloc
 
 import numpy as np
-import torch
 
 from horovod_sbc import core, wire
-from horovod_sbc.torch import exchange
 
-CASES = int(os.environ.get("FUZZ_CASES", "100000"))
+CASES = int(os.environ.get("FUZZ_CASES", "20000"))
 
 
 def _corpus():
@@ -91,16 +90,6 @@ def test_fuzz_numpy_decoder_only_raises_valueerror_with_bounded_memory():
     assert outcomes["rejected"] > 0.9 * CASES, outcomes
     # everything a decoder allocates is proportional to the message (a few bytes per bit)
     assert peak < 200 * max_len + (1 << 20), (peak, max_len)
-
-
-def test_fuzz_torch_decoder_only_raises_valueerror():
-    n = max(1000, CASES // 10)
-
-    def decode(d, lay):
-        exchange.decode_gathered(torch.frombuffer(bytearray(d), dtype=torch.uint8), lay, 1)
-
-    outcomes, _, _ = _run(n, decode, 2)
-    assert outcomes["rejected"] > 0.9 * n, outcomes
 
 
 def test_fuzz_accepted_messages_decode_in_range():

@@ -1,41 +1,605 @@
-"""SBC codec for TensorFlow: a documented bridge to the numpy reference.
+"""SBC codec in TensorFlow ops: selection, binarization, residual and Golomb-Rice streams on the
+tensor's own device, eagerly and inside ``tf.function``.
 
-``compress``/``decompress`` wrap :func:`horovod_sbc.core.compress_np` and the wire decoder in
-``tf.numpy_function``, so they run in eager mode and inside ``tf.function`` and give exactly the
-reference's bytes. The bridge runs on the host CPU (TF copies device tensors to host around it);
-the messages are tiny, but selection then costs a numpy pass over the tensor. A native TF-ops
-implementation can replace it behind the same signatures.
+Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.core`,
+:mod:`horovod_sbc.wire`) and of the torch codec (pinned by ``tests/golden/``). What runs where:
+
+* **on the tensor's device (TF ops)** — everything O(numel) or O(k): the non-finite check, the
+  per-block maxima, the threshold sample, the exact top-k among the candidates, the fixed-order
+  float64 tree sums of both sides, the residual update, the unary / remainder / sign streams and
+  the tensor message itself, including its header (varints are built with ``tf.bitwise``).
+* **O(1) scalars, still as TF ops** — the Rice parameter (a table of ``wire.rice_parameter``
+  breakpoints precomputed in Python per tensor size, looked up with integer ops), the mean's
+  float64 -> float32 rounding (round-to-nearest-even on the bit pattern, so a mean like 1e-40 of
+  a float64 tensor survives: TensorFlow flushes subnormal floats to zero on CPU).
+* **on the host** — nothing while encoding a tensor. Framing a step message needs the CRC-32 of
+  the compressed body: :mod:`horovod_sbc.tensorflow.exchange` does that in one small
+  ``tf.numpy_function`` on the compressed bytes only (kilobytes, never the O(numel) tensor).
+  Decoding parses headers on the host (also O(message bytes)); see :func:`decode_gathered`.
+
+Selection is the exact top-k with the reference's tie rule (ties at the k-th value go to the lower
+flat index) without a ``tf.math.top_k`` of the whole tensor: one pass computes the maximum and
+minimum of every block of ``_BLOCK`` contiguous elements, a strided sample gives a threshold a
+little below the k-th value of each side, only the blocks that reach it are gathered, and the
+exact k-th value is found among those candidates (a band between a lower and an upper sampled
+threshold keeps that search small). If the sample misjudges (never for ordinary data, possible
+for adversarial ties), the same selection runs on the whole tensor instead: the estimate costs
+speed, never exactness.
+
+Floating point in TensorFlow on CPU flushes subnormal numbers to zero (in eager mode and inside
+``tf.function``). The codec therefore moves every value that ends up in or comes from a message
+as bits (``tf.bitcast``): the mean, the decoded values, their finiteness and sign checks. The
+arithmetic on the tensors themselves (``R + dW``, the residual update, the accumulation of the
+decoded average) is TensorFlow's and flushes subnormal results like every TF op does; for inputs
+without subnormal numbers the results are bit-identical to numpy's.
 """
 from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from .. import core
+from .. import core, wire
+from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
+
+_EXACT_BELOW = 1 << 14   # below this (or at high density) the exact path runs on the whole tensor
+_BLOCK = 32              # elements per block of the block-maxima pass
+_SAMPLE_MIN, _SAMPLE_MAX = 16384, 262144
+_BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviations off the k-th
+MODES = ("sbc", "values", "sign")
+if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
+    raise ImportError("horovod_sbc.tensorflow.codec assumes a little-endian host")
+
+_no_autograph = tf.autograph.experimental.do_not_convert
 
 
-def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize: bool = True):
-    """(message uint8 1-D, new residual) for one tensor; the residual keeps ``residual``'s dtype."""
+class Side:
+    """Which entries a selection ranks: the positive side (``a``), the negative side (``-a``) or
+    magnitudes (``|a|``)."""
+    POS, NEG, ABS = "pos", "neg", "abs"
+
+
+@dataclass
+class Encoded:
+    """One encoded tensor (all TF tensors, on the update's device).
+
+    message:   uint8 [bytes], the tensor message (see :mod:`horovod_sbc.wire`)
+    positions: int64 [count], sorted flat positions sent
+    sent:      [count] values sent, in the update's dtype (error feedback subtracts them)
+    finite:    bool scalar; False if the update holds NaN or Inf (then the message is an empty
+               placeholder and nothing may be committed)
+    """
+    message: tf.Tensor
+    positions: tf.Tensor
+    sent: tf.Tensor
+    finite: tf.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# exact scalar helpers (integer ops on bit patterns)
+# ----------------------------------------------------------------------------------------------
+def _i64(x) -> tf.Tensor:
+    return tf.cast(x, tf.int64)
+
+
+def _c64(v: int) -> tf.Tensor:
+    return tf.constant(v, tf.int64)
+
+
+def _f32_of_bits(bits: tf.Tensor) -> tf.Tensor:
+    return tf.bitcast(tf.cast(bits, tf.int32), tf.float32)
+
+
+def _value_in(bits32: tf.Tensor, dtype: tf.DType, negative=None) -> tf.Tensor:
+    """A float32 wire value (bits) as ``dtype``, exactly (float64 through integer ops)."""
+    if negative is not None:
+        bits32 = tf.where(negative, tf.bitwise.bitwise_or(bits32, tf.constant(-2 ** 31, tf.int32)),
+                          bits32)
+    if dtype == tf.float32:
+        return _f32_of_bits(bits32)
+    if dtype == tf.float64:
+        return f32_bits_to_f64(bits32)
+    return tf.cast(_f32_of_bits(bits32), dtype)
+
+
+def tree_sum(x: tf.Tensor) -> tf.Tensor:
+    """0-d float64: the fixed pairwise-tree sum of :func:`horovod_sbc.core.tree_sum_np` (values in
+    order, zero padded to a power of two, then repeatedly ``x[:h] + x[h:]``), on x's device."""
+    x = tf.cast(tf.reshape(x, [-1]), tf.float64)
+    n = tf.size(x, out_type=tf.int64)
+    size = tf.while_loop(lambda s: s < n, lambda s: [s * 2], [_c64(1)])[0]
+    x = tf.pad(x, tf.reshape(tf.stack([_c64(0), size - n]), [1, 2]))
+
+    def halve(v, s):
+        h = s // 2
+        return v[:h] + v[h:], h
+
+    x, _ = tf.while_loop(lambda v, s: s > 1, halve, [x, size],
+                         shape_invariants=[tf.TensorShape([None]), tf.TensorShape([])])
+    return tf.reshape(x[:1], [])
+
+
+def _mean_bits(values: tf.Tensor) -> tf.Tensor:
+    """int32 bits of ``float32(tree_sum(values) / count)`` (0 for no values), as
+    :func:`horovod_sbc.core.mean_f32`. The float64 division is exact IEEE (no subnormal float64
+    can arise from float32-range data); the rounding to float32 is done on the bits."""
+    n = tf.size(values, out_type=tf.int64)
+    s = tree_sum(values) / tf.cast(tf.maximum(n, 1), tf.float64)
+    return tf.where(n > 0, f64_to_f32_bits(s), 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# selection
+# ----------------------------------------------------------------------------------------------
+def _side_values(a: tf.Tensor, side: str) -> tf.Tensor:
+    if side == Side.POS:
+        return a
+    if side == Side.NEG:
+        return -a
+    return tf.abs(a)
+
+
+def _select_among(vals: tf.Tensor, k, positive_only: bool) -> tf.Tensor:
+    """Indices (ascending) into ``vals`` (side values in position order) of the k largest, ties
+    to the lowest index; with ``positive_only`` only entries > 0 count (fewer if there are fewer).
+    ``k`` may be a tensor; ``vals`` holds at least the k largest."""
+    k = _i64(k)
+    c = tf.size(vals, out_type=tf.int64)
+    if positive_only:
+        k = tf.minimum(k, tf.reduce_sum(tf.cast(vals > 0, tf.int64)))
+    kk = tf.minimum(k, c)
+
+    def some():
+        kth = tf.reduce_min(tf.math.top_k(vals, tf.cast(kk, tf.int32), sorted=False).values)
+        gt = vals > kth
+        need = kk - tf.reduce_sum(tf.cast(gt, tf.int64))
+        eq = tf.equal(vals, kth)
+        eq = tf.logical_and(eq, tf.cumsum(tf.cast(eq, tf.int64)) <= need)
+        sel = tf.logical_or(gt, eq)
+        if positive_only:
+            sel = tf.logical_and(sel, vals > 0)
+        return tf.reshape(tf.where(sel), [-1])
+
+    return tf.cond(kk > 0, some, lambda: tf.zeros([0], tf.int64))
+
+
+def _exact_side(a: tf.Tensor, k: int, side: str, positive_only: bool) -> tf.Tensor:
+    return _select_among(_side_values(a, side), k, positive_only)
+
+
+def _sample_thresholds(sample_side: tf.Tensor, k: int, n: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(t_lo, t_hi) from a strided sample: with high probability the k-th largest of the whole
+    side lies in [t_lo, t_hi]. Both are side values of the sample (t_lo may be 0)."""
+    m = int(sample_side.shape[0])
+    expect = k * m / n
+    sd = math.sqrt(expect) + 2.0
+    k_lo = int(min(m, math.ceil(expect + _BAND_SIGMAS * sd + 4)))
+    k_hi = int(max(0, math.floor(expect - _BAND_SIGMAS * sd - 4)))
+    top = tf.math.top_k(sample_side, k_lo, sorted=True).values
+    t_lo = top[k_lo - 1]
+    t_hi = top[k_hi - 1] if k_hi > 0 else tf.constant(np.inf, sample_side.dtype)
+    return t_lo, t_hi
+
+
+def _band_select(vals: tf.Tensor, k: int, t_lo, t_hi, positive_only: bool) -> tf.Tensor:
+    """Indices into ``vals`` (candidates, position order) of the k largest, given that all
+    entries of the whole side above ``t_hi`` and all the k largest are among ``vals``."""
+    sure = vals > t_hi
+    n_sure = tf.reduce_sum(tf.cast(sure, tf.int64))
+    band = tf.logical_and(tf.logical_not(sure), vals >= t_lo)
+    if positive_only:
+        band = tf.logical_and(band, vals > 0)
+    band_idx = tf.reshape(tf.where(band), [-1])
+    band_vals = tf.gather(vals, band_idx)
+    chosen = tf.gather(band_idx, _select_among(band_vals, k - n_sure, positive_only))
+    mask = tf.scatter_nd(chosen[:, None], tf.ones_like(chosen, tf.bool), tf.shape(vals,
+                                                                             out_type=tf.int64))
+    return tf.reshape(tf.where(tf.logical_or(sure, mask)), [-1])
+
+
+@dataclass
+class _Prep:
+    """What the selection reads of the whole tensor before deciding anything: block maxima and
+    minima (``None`` when the tensor is searched whole or directly) and the finiteness flag."""
+    bmax: Optional[tf.Tensor]
+    bmin: Optional[tf.Tensor]
+    finite: tf.Tensor
+
+
+def _use_blocks(n: int, k: int, n_sides: int) -> bool:
+    # blocks pay off while few of them reach the threshold (hit fraction ~ n_sides * B * k / n)
+    return n > _EXACT_BELOW and n_sides * _BLOCK * 1.2 * k <= 0.25 * n
+
+
+def _prepare(a: tf.Tensor, k: int, n_sides: int) -> _Prep:
+    n = int(a.shape[0])
+    if not _use_blocks(n, k, n_sides):
+        return _Prep(None, None, _finite(a))
+    nb = n // _BLOCK
+    head = tf.reshape(a[:nb * _BLOCK], [nb, _BLOCK])
+    tail = a[nb * _BLOCK:]
+    bmax, bmin = tf.reduce_max(head, 1), tf.reduce_min(head, 1)
+    # max/min propagate NaN (TensorFlow's reduction kernels); Inf shows as an infinite extreme
+    finite = tf.logical_and(tf.math.is_finite(tf.reduce_max(bmax)),
+                            tf.math.is_finite(tf.reduce_min(bmin)))
+    if n > nb * _BLOCK:
+        finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(tail)))
+    return _Prep(bmax, bmin, finite)
+
+
+def _side_hit(x: tf.Tensor, side: str, t_lo, positive_only: bool, x_min=None) -> tf.Tensor:
+    """Does the side value of ``x`` (or, for blocks, of the block with max ``x`` and min
+    ``x_min``) reach ``t_lo`` (and, with ``positive_only``, exceed 0)?"""
+    lo = x if x_min is None else x_min
+    if side == Side.POS:
+        hit = x >= t_lo
+        return tf.logical_and(hit, x > 0) if positive_only else hit
+    if side == Side.NEG:
+        hit = lo <= -t_lo
+        return tf.logical_and(hit, lo < 0) if positive_only else hit
+    hit = tf.logical_or(x >= t_lo, lo <= -t_lo)
+    return tf.logical_and(hit, tf.logical_or(x > 0, lo < 0)) if positive_only else hit
+
+
+def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool,
+                 prep: Optional[_Prep] = None) -> List[tf.Tensor]:
+    """Sorted int64 positions of the k largest of each side of flat ``a`` (ties to the lower
+    index). ``positive_only``: only entries whose side value is > 0 (binarized SBC's P and N).
+
+    ``a`` must be finite. Small tensors are searched whole; large ones through a sampled band
+    of candidates, gathered by blocks (low density) or by one mask over the tensor.
+    """
+    n = int(a.shape[0])
+    if k >= n and not positive_only:
+        return [tf.range(n, dtype=tf.int64) for _ in sides]
+    if n <= _EXACT_BELOW:
+        return [_exact_side(a, k, s, positive_only) for s in sides]
+    prep = prep or _prepare(a, k, len(sides))
+    m_target = int(min(max(_SAMPLE_MIN, 64 * n // k), _SAMPLE_MAX, n // 4))
+    stride = max(1, n // m_target)
+    sample = a[::stride]
+    thresholds = {s: _sample_thresholds(_side_values(sample, s), k, n) for s in sides}
+    if prep.bmax is not None:
+        nb = n // _BLOCK
+        head = tf.reshape(a[:nb * _BLOCK], [nb, _BLOCK])
+        hit = None
+        for s in sides:
+            h = _side_hit(prep.bmax, s, thresholds[s][0], positive_only, prep.bmin)
+            hit = h if hit is None else tf.logical_or(hit, h)
+        hit = tf.reshape(tf.where(hit), [-1])
+        offs = tf.range(_BLOCK, dtype=tf.int64)
+        cand_pos = tf.concat([tf.reshape(hit[:, None] * _BLOCK + offs, [-1]),
+                              tf.range(nb * _BLOCK, n, dtype=tf.int64)], 0)
+        cand = tf.concat([tf.reshape(tf.gather(head, hit), [-1]), a[nb * _BLOCK:]], 0)
+    else:
+        mask = None
+        for s in sides:
+            h = _side_hit(a, s, thresholds[s][0], positive_only)
+            mask = h if mask is None else tf.logical_or(mask, h)
+        cand_pos = tf.reshape(tf.where(mask), [-1])
+        cand = tf.gather(a, cand_pos)
+    out = []
+    for s in sides:
+        t_lo, t_hi = thresholds[s]
+        vals = _side_values(cand, s)
+        n_lo = tf.reduce_sum(tf.cast(vals >= t_lo, tf.int64))
+        n_hi = tf.reduce_sum(tf.cast(vals > t_hi, tf.int64))
+        # the sample's verdict holds if everything above t_hi fits in k and t_lo leaves at least
+        # k candidates (or every positive entry, when t_lo is 0 and only positives count)
+        ok = tf.logical_and(n_hi <= k, tf.logical_or(n_lo >= k, tf.logical_and(
+            tf.constant(positive_only), t_lo <= 0)))
+
+        def fast(vals=vals, t_lo=t_lo, t_hi=t_hi):
+            return tf.gather(cand_pos, _band_select(vals, k, t_lo, t_hi, positive_only))
+
+        def whole(s=s):
+            return _exact_side(a, k, s, positive_only)
+
+        out.append(tf.cond(ok, fast, whole))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Golomb-Rice streams and headers
+# ----------------------------------------------------------------------------------------------
+_RICE_TABLES: Dict[int, Tuple[int, np.ndarray]] = {}
+
+
+def _rice_table(numel: int) -> Tuple[int, np.ndarray]:
+    """(b*(1), T) with T[j] the smallest count whose b* is <= b*(1) - 1 - j (wire.rice_parameter
+    is non-increasing in count), so b*(count) = b*(1) - #{T <= count} with integer ops."""
+    got = _RICE_TABLES.get(numel)
+    if got is not None:
+        return got
+
+    def bstar(c):
+        return wire.rice_parameter(c / numel)
+
+    b1, bn = bstar(1), bstar(numel)
+    ts = []
+    for j in range(b1 - 1, bn - 1, -1):
+        lo, hi = 1, numel  # smallest c with bstar(c) <= j
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if bstar(mid) <= j:
+                hi = mid
+            else:
+                lo = mid + 1
+        ts.append(lo)
+    got = (b1, np.array(ts, np.int64))
+    _RICE_TABLES[numel] = got
+    return got
+
+
+def rice_b(gaps: tf.Tensor, count: tf.Tensor, numel: int) -> tf.Tensor:
+    """The encoder's b (int64 scalar): :func:`horovod_sbc.wire.choose_rice_b` in TF ops."""
+    b1, ts = _rice_table(numel)
+    count = _i64(count)
+    b0 = _c64(b1) - tf.reduce_sum(tf.cast(tf.constant(ts, tf.int64) <= count, tf.int64))
+    best_b, best_len = _c64(0), _c64(np.iinfo(np.int64).max)
+    for d in (-1, 0, 1):
+        b = b0 + d
+        bc = tf.clip_by_value(b, 0, wire.MAX_RICE_B)
+        sq = tf.reduce_sum(tf.bitwise.right_shift(gaps, bc))
+        nbytes = (sq + count + 7) // 8 + (count * bc + 7) // 8
+        valid = tf.logical_and(b >= 0, b <= wire.MAX_RICE_B)
+        better = tf.logical_and(valid, nbytes < best_len)
+        best_b = tf.where(better, bc, best_b)
+        best_len = tf.where(better, nbytes, best_len)
+    return tf.where(count > 0, best_b, 0)
+
+
+def _pack_ones(bit_index: tf.Tensor, nbytes) -> tf.Tensor:
+    """uint8 [nbytes]: bytes (MSB first) with a one at each (unique) ``bit_index``."""
+    contrib = tf.bitwise.right_shift(_c64(0x80), tf.bitwise.bitwise_and(bit_index, 7))
+    out = tf.math.unsorted_segment_sum(contrib, tf.bitwise.right_shift(bit_index, 3),
+                                       tf.cast(nbytes, tf.int64))
+    return tf.cast(out, tf.uint8)
+
+
+def _write_fields(values: tf.Tensor, width, nbytes) -> tf.Tensor:
+    """uint8 [nbytes]: the ``values`` (int64 >= 0, < 2**width) as ``width``-bit fields back to
+    back, most significant bit first, zero padded (the remainder stream). ``width`` <= 62."""
+    width = _i64(width)
+    count = tf.size(values, out_type=tf.int64)
+    start = tf.range(count, dtype=tf.int64) * width
+    off = tf.bitwise.bitwise_and(start, 7)
+    end = off + width                                   # bits used of a 128-bit window
+    hi = tf.where(end <= 64, tf.bitwise.left_shift(values, tf.maximum(64 - end, 0)),
+                  tf.bitwise.right_shift(values, tf.maximum(end - 64, 0)))
+    lo = tf.where(end > 64, tf.bitwise.left_shift(values, tf.clip_by_value(128 - end, 0, 63)),
+                  tf.zeros_like(values))
+    span = (7 + width + 7) // 8                        # window bytes that can be touched
+    j = tf.range(span, dtype=tf.int64)
+    hi_u, lo_u = tf.bitcast(hi, tf.uint64), tf.bitcast(lo, tf.uint64)
+    sh_hi = tf.cast(tf.maximum(56 - 8 * j, 0), tf.uint64)
+    sh_lo = tf.cast(tf.maximum(120 - 8 * j, 0), tf.uint64)
+    byte = tf.where(j < 8, tf.bitwise.right_shift(hi_u[:, None], sh_hi[None, :]),
+                    tf.bitwise.right_shift(lo_u[:, None], sh_lo[None, :]))
+    byte = tf.cast(tf.bitwise.bitwise_and(byte, 0xFF), tf.int64)
+    idx = tf.bitwise.right_shift(start, 3)[:, None] + j[None, :]
+    nbytes = _i64(nbytes)
+    keep = idx < nbytes
+    out = tf.math.unsorted_segment_sum(tf.boolean_mask(byte, keep), tf.boolean_mask(idx, keep),
+                                       nbytes)
+    return tf.cast(out, tf.uint8)
+
+
+def _uvarint(v: tf.Tensor) -> tf.Tensor:
+    """uint8 bytes of the canonical LEB128 varint of int64 scalar ``v`` (0 <= v < 2**62)."""
+    v = _i64(v)
+    sh = tf.range(9, dtype=tf.int64) * 7
+    groups = tf.bitwise.bitwise_and(tf.bitwise.right_shift(v, sh), 0x7F)
+    length = 1 + tf.reduce_sum(tf.cast(tf.bitwise.right_shift(v, sh[1:]) > 0, tf.int64))
+    more = tf.range(9, dtype=tf.int64) < length - 1
+    return tf.cast(groups + tf.where(more, _c64(0x80), 0), tf.uint8)[:length]
+
+
+def _le32(bits32: tf.Tensor) -> tf.Tensor:
+    b = tf.bitwise.bitwise_and(tf.cast(bits32, tf.int64), 0xFFFFFFFF)
+    return tf.cast(tf.bitwise.bitwise_and(tf.bitwise.right_shift(b, _c64(8) * tf.range(
+        4, dtype=tf.int64)), 0xFF), tf.uint8)
+
+
+def _const_bytes(b: bytes) -> tf.Tensor:
+    return tf.constant(np.frombuffer(b, np.uint8).copy(), tf.uint8)
+
+
+def _pack_bools(bits: tf.Tensor) -> tf.Tensor:
+    """bool [n] -> uint8 [ceil(n/8)], MSB first, zero padded (numpy.packbits)."""
+    n = tf.size(bits, out_type=tf.int64)
+    x = tf.cast(bits, tf.int64)
+    x = tf.pad(x, tf.reshape(tf.stack([_c64(0), (-n) % 8]), [1, 2]))
+    w = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.int64)
+    return tf.cast(tf.reduce_sum(tf.reshape(x, [-1, 8]) * w, 1), tf.uint8)
+
+
+def encode_positions(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
+                     values: Optional[tf.Tensor] = None, signs: Optional[tf.Tensor] = None,
+                     all_positions: bool = False) -> tf.Tensor:
+    """One tensor message (uint8) of sorted unique int64 positions in [0, numel).
+
+    ``value_bits`` (int32 scalar tensor) is the float32 value's bit pattern; ``negative`` a bool
+    scalar tensor. ``values`` (float32, one per position) makes a top-k VALUES message, ``signs``
+    (bool, True = negative) a ternary one; ``all_positions`` (static) sends every element.
+    """
+    def head(flags, b, count, unary_nbytes, vbits):
+        fixed = _const_bytes(wire.TENSOR_MAGIC + bytes((wire.VERSION,)))
+        return tf.concat([fixed, tf.cast(tf.reshape(flags, [1]), tf.uint8),
+                          tf.cast(tf.reshape(b, [1]), tf.uint8),
+                          _const_bytes(wire.uvarint(numel)), _uvarint(count),
+                          _uvarint(unary_nbytes), _le32(vbits)], 0)
+
+    zero32 = tf.constant(0, tf.int32)
+    value_bits = zero32 if value_bits is None else tf.cast(value_bits, tf.int32)
+    negative = tf.constant(False) if negative is None else tf.cast(negative, tf.bool)
+    if all_positions:
+        if values is not None:
+            vb = tf.reshape(tf.bitcast(tf.cast(values, tf.float32), tf.uint8), [-1])
+            return tf.concat([head(wire.FLAG_VALUES | wire.FLAG_ALL, 0, numel, 0, zero32), vb], 0)
+        return tf.concat([head(wire.FLAG_SIGNS | wire.FLAG_ALL, 0, numel, 0, value_bits),
+                          _pack_bools(signs)], 0)
+    count = tf.size(pos, out_type=tf.int64)
+    gaps = pos - tf.concat([[_c64(-1)], pos[:-1]], 0) - 1
+    b = rice_b(gaps, count, numel)
+    q = tf.bitwise.right_shift(gaps, b)
+    ones_at = tf.cumsum(q + 1) - 1
+    unary_nbytes = (tf.reduce_sum(q) + count + 7) // 8
+    unary = _pack_ones(ones_at, unary_nbytes)
+    r = tf.bitwise.bitwise_and(gaps, tf.bitwise.left_shift(_c64(1), b) - 1)
+    rem = _write_fields(r, b, (count * b + 7) // 8)
+    nothing = tf.equal(count, 0)
+    if values is not None:
+        vb = tf.reshape(tf.bitcast(tf.cast(values, tf.float32), tf.uint8), [-1])
+        flags = tf.where(nothing, 0, wire.FLAG_VALUES)
+        return tf.concat([head(flags, b, count, unary_nbytes, zero32), unary, rem, vb], 0)
+    if signs is not None:
+        flags = tf.where(nothing, 0, wire.FLAG_SIGNS)
+        vbits = tf.where(nothing, zero32, value_bits)
+        return tf.concat([head(flags, b, count, unary_nbytes, vbits), unary, rem,
+                          _pack_bools(signs)], 0)
+    neg = tf.logical_and(tf.logical_not(nothing), negative)
+    flags = tf.where(neg, wire.FLAG_NEGATIVE, 0)
+    vbits = tf.where(nothing, zero32, value_bits)
+    return tf.concat([head(flags, b, count, unary_nbytes, vbits), unary, rem], 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the encoder
+# ----------------------------------------------------------------------------------------------
+def _finite(a: tf.Tensor) -> tf.Tensor:
+    """One reduction pass: max and min propagate NaN on TF's CPU kernels; a float sum is checked
+    too so a device whose max ignores NaN still catches it (overflowing sums recheck exactly)."""
+    s = tf.reduce_sum(a)
+    return tf.cond(tf.math.is_finite(s), lambda: tf.constant(True),
+                   lambda: tf.reduce_all(tf.math.is_finite(a)))
+
+
+def _normalize_mode(mode) -> str:
+    mode = "sbc" if mode is True else "values" if mode is False else mode
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+    return mode
+
+
+@_no_autograph
+def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "paper",
+                  name: str = "tensor") -> Encoded:
+    """Encode flat ``a`` (the residual-corrected update ``A = R + dW``, float32 or float64).
+
+    ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with the
+    kept entries' float32 values (magnitude selection); ``"sign"`` error-feedback signSGD.
+    ``selection``: SBC's candidate sets, ``"paper"`` or ``"magnitude"`` (see
+    :mod:`horovod_sbc.core`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
+    error feedback with ``a - sent`` at ``positions``, see :func:`apply_sent`).
+    """
+    mode = _normalize_mode(mode)
+    core.validate_selection(selection)
     density = core.validate_density(density)
+    a = tf.reshape(a, [-1])
+    if a.dtype not in (tf.float32, tf.float64):
+        raise TypeError(f"encode_update needs float32 or float64 (the residual dtype), got "
+                        f"{a.dtype.name} for {name!r}")
+    n = int(a.shape[0])
+    empty_pos = tf.zeros([0], tf.int64)
+    if n == 0:
+        return Encoded(encode_positions(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
+                       tf.constant(True))
+    k = core.keep_count(n, density)
+    if mode == "sign" or n <= _EXACT_BELOW or k >= n:
+        prep = _Prep(None, None, _finite(a))
+    else:
+        prep = _prepare(a, k, 2 if (mode == "sbc" and selection == "paper") else 1)
+    finite = prep.finite
 
-    def _run(u, r):
-        msg, res = core.compress_np(u, r, density, binarize)
-        return np.frombuffer(msg, dtype=np.uint8).copy(), res.astype(r.dtype)
+    def encode():
+        if mode == "sign":
+            sbits = f64_to_f32_bits(tree_sum(tf.abs(a)) / float(n))
+            neg = a < 0
+            scale = _value_in(sbits, a.dtype)
+            sent = tf.where(neg, -scale, scale)
+            msg = encode_positions(empty_pos, n, sbits, signs=neg, all_positions=True)
+            return msg, tf.range(n, dtype=tf.int64), sent
+        if mode == "values":
+            (idx,) = select_sides(a, k, [Side.ABS], positive_only=False, prep=prep)
+            vals = tf.gather(a, idx)
+            v32 = vals if a.dtype == tf.float32 else tf.cast(vals, tf.float32)
+            msg = encode_positions(idx, n, values=v32, all_positions=(k == n))
+            sent = v32 if a.dtype == tf.float32 else _value_in(tf.bitcast(v32, tf.int32),
+                                                                 a.dtype)
+            return msg, idx, sent
+        if selection == "paper":
+            p_idx, n_idx = select_sides(a, k, [Side.POS, Side.NEG], positive_only=True,
+                                        prep=prep)
+        else:
+            (idx,) = select_sides(a, k, [Side.ABS], positive_only=True, prep=prep)
+            kept = tf.gather(a, idx)
+            p_idx, n_idx = tf.boolean_mask(idx, kept > 0), tf.boolean_mask(idx, kept < 0)
+        mu_pos = _mean_bits(tf.gather(a, p_idx))
+        mu_neg = _mean_bits(-tf.gather(a, n_idx))
+        # core.choose_side on bit patterns: non-negative float32 bits order like their values
+        pos_side = tf.logical_and(mu_pos >= mu_neg, mu_pos > 0)
+        neg_side = tf.logical_and(tf.logical_not(pos_side), mu_neg > 0)
+        pos = tf.cond(pos_side, lambda: p_idx,
+                      lambda: tf.cond(neg_side, lambda: n_idx, lambda: empty_pos))
+        mu = tf.where(pos_side, mu_pos, tf.where(neg_side, mu_neg, 0))
+        msg = encode_positions(pos, n, mu, neg_side)
+        value = _value_in(mu, a.dtype, negative=neg_side)
+        return msg, pos, tf.fill(tf.shape(pos), value)
 
-    msg, res = tf.numpy_function(_run, [update, residual], [tf.uint8, residual.dtype],
-                                 stateful=False)
-    msg.set_shape([None])
-    res.set_shape(residual.shape)
-    return msg, res
+    def failed():
+        return encode_positions(empty_pos, n), empty_pos, tf.zeros([0], a.dtype)
+
+    msg, pos, sent = tf.cond(finite, encode, failed)
+    return Encoded(msg, pos, sent, finite)
 
 
+def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor) -> tf.Tensor:
+    """Error feedback: ``a`` with ``a[positions] -= sent`` (positions unique), same shape."""
+    flat = tf.reshape(a, [-1])
+    out = tf.tensor_scatter_nd_sub(flat, positions[:, None], tf.cast(sent, a.dtype))
+    return tf.reshape(out, tf.shape(a))
+
+
+# ----------------------------------------------------------------------------------------------
+# single-tensor API (same signatures as the numpy bridge)
+# ----------------------------------------------------------------------------------------------
+@_no_autograph
+def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=True,
+             selection: str = "paper", name: str = "tensor"):
+    """(message uint8 1-D, new residual) for one tensor, like :func:`horovod_sbc.core.compress_np`;
+    the residual keeps ``residual``'s dtype. ``binarize``: True (SBC), False (top-k values) or a
+    mode name (``"sign"``). Raises on NaN/Inf (``InvalidArgumentError`` from the TF assert;
+    ``ValueError`` eagerly)."""
+    rdt = tf.float64 if update.dtype == tf.float64 else tf.float32
+    a = tf.reshape(tf.cast(update, rdt), [-1]) + tf.reshape(tf.cast(residual, rdt), [-1])
+    enc = encode_update(a, density, binarize, selection, name)
+    if tf.executing_eagerly():
+        if not bool(enc.finite):
+            raise ValueError(f"update contains NaN or Inf ({name!r})")
+        check = []
+    else:
+        check = [tf.debugging.Assert(enc.finite, [f"update contains NaN or Inf ({name!r})"])]
+    with tf.control_dependencies(check):
+        new_res = tf.cast(tf.reshape(apply_sent(a, enc.positions, enc.sent),
+                                     tf.shape(residual)), residual.dtype)
+        return tf.identity(enc.message), new_res
+
+
+@_no_autograph
 def decompress(message: tf.Tensor, shape, dtype=tf.float32) -> tf.Tensor:
-    """Dense tensor of ``shape`` from one tensor message (validated; ValueError if malformed)."""
+    """Dense tensor of ``shape`` from one tensor message (validated; errors like
+    :func:`horovod_sbc.core.decompress_np`). Values are placed as bits, so a subnormal value
+    survives. Header parsing runs on the host (O(message bytes)); the streams in TF ops."""
     shape = tuple(int(d) for d in shape)
+    numel = wire.layout_numel(shape)
+    dense = decode_messages(message, [("tensor", shape)], n_ranks=1, single=True)[0]
+    out = tf.reshape(dense, shape)
+    return out if dtype == tf.float32 else tf.cast(out, dtype)
 
-    def _run(m):
-        return core.decompress_np(m.tobytes(), shape, np.float32)
 
-    out = tf.numpy_function(_run, [message], tf.float32, stateful=False)
-    out.set_shape(shape)
-    return tf.cast(out, dtype)
+from .decoder import decode_messages  # noqa: E402  (the decoder imports .bits, not this module)

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from .. import wire
-from ..core import validate_density
+from ..core import validate_density, validate_selection
 from ..residual import COUNTER_KEYS, ResidualManager
 from . import exchange
 from .exchange import COMMIT, residual_dtype, tf_name
@@ -88,9 +88,9 @@ class SBC(tf.Module):
     sign side among them. What is not sent stays in a residual and is added next time (error
     feedback), so nothing is lost, only delayed. Messages travel by
     ``horovod.tensorflow.allgather``; every rank decodes all of them and averages, so all ranks
-    apply bit-identical updates. Encoding and decoding run the numpy reference through
-    ``tf.numpy_function`` (on the host CPU), in eager mode and inside ``tf.function``; the bytes
-    are those of ``horovod_sbc/wire.py``, identical to the PyTorch adapter's.
+    apply bit-identical updates. Encoding and decoding run as TensorFlow ops on the tensors'
+    device (``codec="native"``), in eager mode and inside ``tf.function``; the bytes are those of
+    ``horovod_sbc/wire.py``, identical to the numpy reference's and the PyTorch adapter's.
 
     Args:
         density: the paper's *p*, fraction of entries kept per tensor, in (0, 1]; at least one
@@ -111,6 +111,15 @@ class SBC(tf.Module):
             update in the residual, the failing rank drops its non-finite one; in weight mode the
             weights go back to the last shared state, in gradient modes the returned gradients
             are zeros for that step.
+        selection: SBC's candidate sets: ``"paper"`` (default; the SBC paper's Algorithm 1: the
+            k largest positive and the k most negative entries, the side with the larger mean
+            is sent) or ``"magnitude"`` (top-k by |A|, split by sign). See
+            :mod:`horovod_sbc.core`. Top-k (``binarize=False``) always ranks magnitudes.
+        codec: ``"native"`` (default): encoding and the stream decoding run as TensorFlow ops
+            on the tensors' device (:mod:`horovod_sbc.tensorflow.codec`); only the compressed
+            bytes visit the host (step framing with its CRC-32, header parsing). ``"numpy"``:
+            the former bridge to the numpy reference through ``tf.numpy_function`` (every
+            update is copied to host memory); the same bytes, kept as a fallback.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
@@ -126,7 +135,8 @@ class SBC(tf.Module):
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
-                 nonfinite: str = "raise", name: str = "sbc", local_residual: bool = False):
+                 nonfinite: str = "raise", selection: str = "paper", codec: str = "native",
+                 name: str = "sbc", local_residual: bool = False):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
@@ -138,6 +148,10 @@ class SBC(tf.Module):
             raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
         self.delay = delay
         self.binarize = bool(binarize)
+        self.selection = validate_selection(selection)
+        if codec not in exchange.CODECS:
+            raise ValueError(f"codec must be one of {exchange.CODECS}, got {codec!r}")
+        self.codec = codec
         self.nonfinite = nonfinite
         self._mode: Optional[str] = None
         with tf.init_scope():
@@ -152,7 +166,8 @@ class SBC(tf.Module):
         # the framework-agnostic holder shares the (checkpoint-tracked) stores
         self.manager = ResidualManager()
         self.manager.residuals, self.manager.reference = self.residuals, self.reference
-        self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize)
+        self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
+                                   selection=self.selection, codec=self.codec)
 
     def __repr__(self) -> str:
         return (f"SBC(density={self.density}, delay={self.delay}, binarize={self.binarize}, "
@@ -294,6 +309,7 @@ class SBC(tf.Module):
         size, rank = self._world()
         return exchange.exchange(names, shapes, updates, [r.read_value() for r in residuals],
                                  density=self.density, binarize=self.binarize,
+                                 selection=self.selection, codec=self.codec,
                                  skip=self.nonfinite == "skip", rank=rank, size=size,
                                  scale=scale, tag=tag, outs=outs,
                                  on_gathered=lambda s, g: self._count_traffic(s, g, extra_up_bits))

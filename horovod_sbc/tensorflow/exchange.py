@@ -1,23 +1,32 @@
 """The exchange for TensorFlow (GRACE's *Communicator*): encode, allgather, decode, average.
 
-One sync is three graph pieces, so it runs the same way eagerly and inside ``tf.function``:
+One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.function``.
+With the native codec (``SBC(codec="native")``, the default):
 
-1. ``tf.numpy_function`` → :func:`encode_step`: every tensor's update plus residual is compressed
-   by the numpy reference (:func:`horovod_sbc.core.compress_np`) and the tensor messages are
-   framed into ONE step message (:func:`horovod_sbc.wire.step_message_bytes`). A non-finite update
-   yields an ERROR (or SKIP) step message instead (:func:`horovod_sbc.wire.error_step_message`),
-   so the other ranks learn of it from the same allgather instead of hanging.
-2. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
+1. **encode (TF ops, on the tensors' device)** — per tensor ``A = R + dW`` and
+   :func:`horovod_sbc.tensorflow.codec.encode_update` (selection, binarization, streams and
+   tensor header as TF ops); the new residuals ``A - sent`` are computed but not committed.
+2. **frame (host, O(compressed bytes))** — one small ``tf.numpy_function`` gets the tensor
+   messages (kilobytes) and a finiteness flag per tensor and returns the step message: the
+   24-byte step header needs the CRC-32 of the body (:func:`horovod_sbc.wire.step_message_bytes`).
+   A non-finite update yields an ERROR (or SKIP) step message instead
+   (:func:`horovod_sbc.wire.error_step_message`), so the other ranks learn of it from the same
+   allgather instead of hanging. No O(numel) tensor ever crosses to the host.
+3. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
    Horovod's background thread, blocks no TensorFlow thread).
-3. ``tf.numpy_function`` → :func:`decode_into`: :func:`horovod_sbc.wire.decode_step_np` validates
-   and decodes every rank's message, in rank order, and ``scale`` x each is added into the output
-   (zeros, or e.g. the reference weights). Every rank adds the same values in the same order, so
-   all ranks get bit-identical results.
+4. **decode** — :func:`horovod_sbc.tensorflow.decoder.decode_gathered`: headers and verdict on
+   the host (:mod:`horovod_sbc.protocol`, on the compressed bytes), streams and the accumulation
+   of ``scale`` x every rank's tensor, in rank order, in TF ops (zeros, or e.g. the reference
+   weights). Every rank adds the same values in the same order: bit-identical results.
+
+``codec="numpy"`` keeps the former bridge, a documented fallback: steps 1-2 and 4 run the numpy
+reference in ``tf.numpy_function`` (:func:`encode_step`, :func:`decode_into`), copying every
+update to host memory.
 
 The bytes are those of the wire format spec (``horovod_sbc/wire.py``), identical to the PyTorch
 adapter's: a TensorFlow rank and a PyTorch rank decode each other's messages.
 
-Errors: a ``ValueError`` raised in step 3 surfaces as ``ValueError`` in eager mode; inside a
+Errors: a ``ValueError`` raised by a host step surfaces as ``ValueError`` in eager mode; inside a
 ``tf.function`` TensorFlow re-raises it as ``tf.errors.InvalidArgumentError`` with the same text
 (``"ValueError: SBC: rank 1 could not encode ..."``).
 """
@@ -31,9 +40,12 @@ import numpy as np
 import tensorflow as tf
 
 from .. import core, wire
+from . import codec as tfcodec
+from . import decoder
+# what decode_into() / decoder.decode_gathered tell the caller to do with the residuals
+from .decoder import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
 
-# what decode_into() tells the caller to do with the residuals
-COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = 0, 1, 2
+CODECS = ("native", "numpy")
 
 
 def tf_name(name: str) -> str:
@@ -46,7 +58,7 @@ def tf_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------
 def encode_step(names: Sequence[str], updates: Sequence[np.ndarray],
                 residuals: Sequence[np.ndarray], density: float, binarize: bool,
-                layout_crc: int, rank: int, skip: bool):
+                layout_crc: int, rank: int, skip: bool, selection: str = "paper"):
     """(step message as uint8 array, new residuals, failed) for one sync of this rank.
 
     ``new residuals`` are ``R + dW - sent`` per tensor, to be committed only once every rank's
@@ -57,7 +69,7 @@ def encode_step(names: Sequence[str], updates: Sequence[np.ndarray],
     msgs, new_res = [], []
     for name, u, r in zip(names, updates, residuals):
         try:
-            msg, res = core.compress_np(u, r, density, binarize)
+            msg, res = core.compress_np(u, r, density, binarize, selection=selection)
         except ValueError:  # the reference's only error here: R + dW holds NaN or Inf
             reason = f"the update of {name!r} contains NaN or Inf"
             step = wire.error_step_message(reason, layout_crc, skip, origin=rank)
@@ -89,11 +101,7 @@ def decode_into(gathered: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]
             raise ValueError(f"SBC: {e}") from None
         warnings.warn(f"horovod_sbc: skipping this sync: {e}")
         return (SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), outs
-    for tensors in per_rank:
-        for out, (pos, vals) in zip(outs, tensors):
-            if pos.size:  # positions within one message are unique: plain indexed add
-                flat = out.reshape(-1)
-                flat[pos] += (vals.astype(np.float64) * scale).astype(out.dtype)
+    wire.accumulate_np(per_rank, [out.reshape(-1) for out in outs], scale)
     return COMMIT, outs
 
 
@@ -111,18 +119,91 @@ def residual_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+def frame_host(names: Sequence[str], layout_crc: int, rank: int, skip: bool, finite,
+               *messages) -> np.ndarray:
+    """Step 2 (host, compressed bytes only): the step message of this rank's tensor messages, or
+    an ERROR/SKIP step message naming the first tensor whose update is not finite."""
+    for name, ok in zip(names, np.asarray(finite).tolist()):
+        if not ok:
+            reason = f"the update of {name!r} contains NaN or Inf"
+            step = wire.error_step_message(reason, layout_crc, skip, origin=rank)
+            return np.frombuffer(step, np.uint8).copy()
+    body = b"".join(np.asarray(m, np.uint8).tobytes() for m in messages)
+    return np.frombuffer(wire.step_message_bytes(body, layout_crc, len(messages)),
+                         np.uint8).copy()
+
+
+@tf.autograph.experimental.do_not_convert
+def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
+                    n_ranks: int, scale: float = 1.0, outs=None, out_dtypes=None):
+    """The TF decoder on its own (flat results, see :func:`decoder.decode_gathered`): a rank's
+    ERROR or SKIP raises :class:`horovod_sbc.wire.PeerError` (eagerly; inside ``tf.function`` an
+    ``InvalidArgumentError``, see :func:`outcome_of_error`)."""
+    return decoder.decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes,
+                                   strict=True)[1]
+
+
+def outcome_of_error(e: BaseException):
+    """Normalise a decoder error to ``("error"|"skip", rank, reason)`` or ``("invalid", text)``
+    (TensorFlow wraps host-step exceptions inside ``tf.function``)."""
+    e = decoder.original_error(e)
+    if isinstance(e, wire.PeerError):
+        return ("skip" if e.skip else "error", e.rank, e.reason)
+    return ("invalid", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+
+
+@tf.autograph.experimental.do_not_convert
 def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
              updates: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], *, density: float,
              binarize: bool, skip: bool, rank: int, size: int, scale: float, tag: str,
-             outs: Optional[Sequence[tf.Tensor]] = None, on_gathered=None):
+             outs: Optional[Sequence[tf.Tensor]] = None, on_gathered=None,
+             selection: str = "paper", codec: str = "native"):
     """One sync as graph ops: ``(code, results, new_residuals)``.
 
     ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
     zeros) plus ``scale`` x the sum of all ranks' decoded updates; ``code`` is a scalar int32
     (see :func:`decode_into`). The caller commits ``new_residuals`` according to ``code``.
     ``on_gathered(step, gathered)`` returns ops (e.g. traffic counters) that run before decoding,
-    so they count a sync that then fails too.
+    so they count a sync that then fails too. ``codec``: ``"native"`` (TF ops) or ``"numpy"``
+    (the bridge).
     """
+    if codec == "numpy":
+        return _exchange_numpy(names, shapes, updates, residuals, density=density,
+                               binarize=binarize, skip=skip, rank=rank, size=size, scale=scale,
+                               tag=tag, outs=outs, on_gathered=on_gathered, selection=selection)
+    if codec != "native":
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+    layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
+    fp = wire.layout_fingerprint(layout)
+    msgs, finite, new_res = [], [], []
+    for name, u, r in zip(names, updates, residuals):
+        a = tf.reshape(u, [-1]) + tf.reshape(r, [-1])
+        enc = tfcodec.encode_update(a, density, binarize, selection, name)
+        msgs.append(enc.message)
+        finite.append(enc.finite)
+        new_res.append(tf.reshape(tfcodec.apply_sent(a, enc.positions, enc.sent), tf.shape(r)))
+    all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+
+    def _frame(fin, *ms):
+        return frame_host(names, fp, rank, skip, fin, *ms)
+
+    step = tf.numpy_function(_frame, [tf.stack(finite), *msgs], tf.uint8, stateful=True,
+                             name="sbc_frame")
+    step.set_shape([None])
+    gathered = allgather(step, tag)
+    out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
+    with tf.control_dependencies(on_gathered(step, gathered) if on_gathered else []):
+        gathered = tf.identity(gathered)
+    code, flat = decoder.decode_gathered(
+        gathered, layout, size, None if outs is None else list(outs), scale, out_dtypes,
+        tf.logical_not(all_finite), strict=False)
+    results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
+    return code, results, new_res
+
+
+def _exchange_numpy(names, shapes, updates, residuals, *, density, binarize, skip, rank, size,
+                    scale, tag, outs=None, on_gathered=None, selection="paper"):
+    """The numpy bridge (``codec="numpy"``): steps 1-2 and 4 in ``tf.numpy_function``."""
     layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
     fp = wire.layout_fingerprint(layout)
     n = len(names)
@@ -130,7 +211,7 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
 
     def _encode(*arrays):
         step, new_res, failed = encode_step(names, arrays[:n], arrays[n:], density, binarize, fp,
-                                            rank, skip)
+                                            rank, skip, selection)
         return [step, *new_res, np.bool_(failed)]
 
     enc = tf.numpy_function(_encode, [*updates, *residuals], [tf.uint8, *res_dtypes, tf.bool],

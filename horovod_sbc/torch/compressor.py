@@ -347,7 +347,10 @@ class SBC:
                     raise ValueError(f"SBC supports op=hvd.Average or hvd.Sum, not {op!r}")
                 self._op_sum = op == hvd.Sum
                 p = loc.get("p")
-                if p is not None and p.grad is tensor:
+                # Horovod hands compress() p.grad, or its dense copy with sparse_as_dense=True
+                if p is not None and p.grad is not None and (
+                        p.grad is tensor or (p.grad.is_sparse and not tensor.is_sparse
+                                             and tensor.shape == p.shape)):
                     name = owner._parameter_names.get(p)
                     if name is not None:
                         self._owner = (owner, p)
@@ -529,7 +532,23 @@ class TernGrad(SBC):
             _, rank = self._world()
             self._gen = torch.Generator(device=device)
             self._gen.manual_seed(self.seed + 1_000_003 * rank)
+            saved, self._saved_gen = getattr(self, "_saved_gen", None), None
+            if saved is not None:  # resume the random stream where the checkpoint left it
+                self._gen.set_state(saved)
         return self._gen
+
+    def state_dict(self):
+        """As :meth:`SBC.state_dict`, plus this rank's random generator state, so a resumed run
+        draws the same stochastic roundings as an uninterrupted one."""
+        st = super().state_dict()
+        if self._gen is not None:
+            st["generator"] = self._gen.get_state()
+        return st
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        self._saved_gen = state.get("generator")
+        self._gen = None
 
     def __repr__(self) -> str:
         return f"TernGrad(delay={self.delay}, seed={self.seed}, nonfinite={self.nonfinite!r})"

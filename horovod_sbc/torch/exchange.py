@@ -12,8 +12,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import wire
-from .codec import decode_positions, decode_signs
+from .. import protocol, wire
+from . import decoder
+from .codec import stream_stats
 
 
 def _host_bytes(t: torch.Tensor) -> bytes:
@@ -45,55 +46,76 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     buffer just zeroed); None allocates zeros of ``out_dtype``. With ``scale = 1/size`` this is
     the average. Every rank adds the same values in the same order, so results are bit-identical.
 
-    Raises :class:`horovod_sbc.wire.PeerError` if a rank reported a failure (an ERROR before a
-    SKIP, lowest rank first: every rank reaches the same verdict from the same bytes) and
-    ``ValueError`` for anything malformed. Nothing is added to ``out`` unless every step message
-    is well-formed (headers, checksums and streams are all checked before the first add).
+    The verdict is the protocol layer's (:mod:`horovod_sbc.protocol`): headers are parsed on the
+    host (the compressed bytes only), the streams are decoded on ``gathered``'s device and their
+    statistics checked by :func:`horovod_sbc.protocol.check_streams`. Raises
+    :class:`horovod_sbc.wire.PeerError` for a rank's ERROR/SKIP and ``ValueError`` for anything
+    malformed; nothing is added to ``out`` unless every message is valid.
     """
     host = _host_bytes(gathered)
-    fp = wire.layout_fingerprint(layout)
-    ranges = wire.split_step_messages(host, n_ranks)
-    kinds = [wire.parse_step_header(host, s, e, None, f"rank {r}") for r, (s, e) in
-             enumerate(ranges)]
-    for want in (-1, -2):
-        for r, k in enumerate(kinds):
-            if k == want:
-                raise wire.peer_error(host, ranges[r][0], ranges[r][1], want)
-    for r, (s, e) in enumerate(ranges):
-        wire.parse_step_header(host, s, e, fp, f"rank {r}")
-        if kinds[r] != len(layout):
-            raise ValueError(f"rank {r} sent {kinds[r]} tensors, this rank expects {len(layout)}")
+    step = protocol.parse_gathered(host, layout, n_ranks)
+    flat = step.flat()
     dev = gathered.device
-    decoded = []  # (tensor index, positions, values-or-float)
-    for r, (s, e) in enumerate(ranges):
-        off = s + wire.STEP_HEADER_SIZE
-        for i, (name, shape) in enumerate(layout):
-            who = f"{name!r} from rank {r}"
-            msg = wire.parse_tensor_header(host, off, wire.layout_numel(shape), who)
-            pos = decode_positions(gathered, msg, who)
-            if msg.has_values:
-                v = gathered[msg.values[0]:msg.values[1]].clone().view(torch.float32)
-                if not bool(torch.isfinite(v).all()):
-                    raise ValueError(f"corrupt message: {who} carries non-finite values")
-                decoded.append((i, pos, v))
-            elif msg.has_signs:
-                neg = decode_signs(gathered, msg, who)
-                decoded.append((i, pos, torch.where(neg, -msg.value, msg.value)))
-            elif msg.count:
-                decoded.append((i, pos, msg.signed_value))
-            off = msg.nbytes
-        if off != e:
-            raise ValueError(f"corrupt message: {e - off} stray bytes in step message of rank {r}")
+    # binary messages: all at once, in (tensor, rank) order; the rest one by one
+    # (a tensor goes to the batch only if every rank's message for it does, so that each
+    # tensor's sum is accumulated in rank order by one path)
+    mixed = {i for _, i, msg, _ in flat if msg.count and not decoder.batchable(msg)}
+    order = sorted((k for k, (_, i, msg, _) in enumerate(flat)
+                    if i not in mixed and decoder.batchable(msg)),
+                   key=lambda k: (flat[k][1], flat[k][0]))
+    batch = decoder.decode_binary(gathered, [flat[k][2] for k in order]) if order else None
+    if batch is not None and not batch.complete:  # corrupt: the exact per-message verdict
+        order, batch = [], None
+    stats: List[Optional[protocol.StreamStats]] = [None] * len(flat)
+    single = {}
+    for slot, k in enumerate(order):
+        stats[k] = protocol.StreamStats(*batch.stats[slot])
+    for k, (_, _, msg, _) in enumerate(flat):
+        if stats[k] is None:
+            pos, vals, st = stream_stats(gathered, msg)
+            stats[k] = st
+            single[k] = (pos, vals)
+    protocol.check_streams(step, stats)
     if out is None:
         out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
                for _, shape in layout]
-    for i, pos, v in decoded:  # positions within one message are unique: plain indexed add
-        t = out[i]
-        if isinstance(v, float):
-            t[pos] += v * scale
-        else:
-            t[pos] += (v * scale if scale != 1.0 else v).to(t.dtype)
+    if order:
+        _add_batch(out, flat, order, batch, scale, dev)
+    for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
+        msg, i = flat[k][2], flat[k][1]
+        if not msg.count:
+            continue
+        t = out[i]  # positions within one message are unique: plain indexed add
+        if vals is None:  # one value: the Python float product, rounded once by torch
+            t[pos] += msg.signed_value * scale
+        else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
+            t[pos] += (vals.to(torch.float64) * scale).to(t.dtype)
     return out
+
+
+def _add_batch(out, flat, order, batch, scale: float, dev) -> None:
+    """Add the batch's binary messages: per tensor, every rank's positions in rank order."""
+    import numpy as np
+    counts = np.diff(batch.seg_start)
+    vals_host = [flat[k][2].signed_value * scale for k in order]
+    per_tensor = {}
+    for slot, k in enumerate(order):
+        per_tensor.setdefault(flat[k][1], []).append(slot)
+    seg = None
+    for i, slots in per_tensor.items():
+        t = out[i]
+        lo, hi = int(batch.seg_start[slots[0]]), int(batch.seg_start[slots[-1] + 1])
+        if dev.type == "cpu":  # index_add_ is sequential on CPU: rank order is kept
+            v = torch.tensor([vals_host[s] for s in slots], dtype=t.dtype, device=dev)
+            rep = torch.from_numpy(counts[slots[0]:slots[-1] + 1]).to(dev)
+            src = torch.repeat_interleave(v, rep, output_size=hi - lo)
+            t.index_add_(0, batch.pos[lo:hi], src)
+        else:
+            for s in slots:
+                a, b = int(batch.seg_start[s]), int(batch.seg_start[s + 1])
+                t.index_put_((batch.pos[a:b],), torch.tensor(vals_host[s], dtype=t.dtype,
+                                                             device=dev), accumulate=True)
+    del seg
 
 
 def allgather(step: torch.Tensor, name: str) -> torch.Tensor:

@@ -174,7 +174,7 @@ def run_interop():
     """One real sync against the PyTorch adapter: torch encodes the same update into the same
     bytes, and decodes the gathered buffer into the same average."""
     import torch
-    from horovod_sbc import wire
+    from horovod_sbc import protocol, wire
     from horovod_sbc.torch import codec as tcodec, exchange as texchange
     model = make_model(aux=False)
     sbc = hsbc.SBC(density=0.05)
@@ -194,7 +194,7 @@ def run_interop():
     msgs = [tcodec.encode_update(torch.from_numpy(local[i].copy()), 0.05, "sbc",
                                  tvars[i].path)[0] for i in order]
     mine = texchange.frame(msgs, wire.layout_fingerprint(layout), "cpu").numpy().tobytes()
-    s, e = wire.split_step_messages(buf, SIZE)[RANK]
+    s, e = protocol.split(buf, SIZE)[RANK]
     dec = texchange.decode_gathered(torch.frombuffer(bytearray(buf), dtype=torch.uint8), layout,
                                     SIZE, scale=1.0 / SIZE)
     same = all(np.array_equal(d.numpy(), grads[i].numpy().reshape(-1))

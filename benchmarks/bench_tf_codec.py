@@ -1,0 +1,142 @@
+"""TensorFlow codec speed: native TF ops vs the numpy bridge, as multiples of ``tf.add``.
+
+    python -m benchmarks.bench_tf_codec [--n 25000000] [--densities 1e-4,1e-3,1e-2,5e-2]
+                                        [--repeats 3] [--json out.json] [--no-bridge]
+
+Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n`` elements:
+
+* ``add``       ``tf.add`` of two such tensors (the baseline; no ``.numpy()`` conversion);
+* ``compress``  ``codec.compress(update, residual, density)`` inside a ``tf.function``: the
+                residual-corrected update ``A = R + dW``, selection (paper rule), binarization,
+                the Golomb-Rice message and the new residual ``A - sent`` — what one tensor costs
+                in a sync (same work as the torch codec's ``compress_step`` in ``bench codec``);
+* ``decode``    8 ranks' step messages (one 25M tensor each) decoded and averaged into a dense
+                result inside a ``tf.function`` (``decoder.decode_gathered``);
+* the same two for the numpy bridge (``codec="numpy"``, ``tf.numpy_function``).
+
+Times are the minimum over ``repeats`` runs after a warm-up (the shared CI machine is noisy; the
+minimum is the least disturbed run); ``add`` is timed in the same process, interleaved.
+Targets (issue 14): native compress <= 5x add, decode <= 3x add.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable, Dict, Sequence
+
+import numpy as np
+
+TARGET_COMPRESS, TARGET_DECODE = 5.0, 3.0
+
+
+def _min_time(fn: Callable[[], object], repeats: int, sync: Callable[[object], None]) -> float:
+    sync(fn())  # warm-up (traces tf.functions)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sync(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-2),
+        repeats: int = 3, n_ranks: int = 8, bridge: bool = True) -> Dict[str, object]:
+    """Measure; returns ``{"n", "add_s", "rows": [{density, native_*, bridge_*, ...}]}``."""
+    import tensorflow as tf
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    except RuntimeError:  # already initialised by the caller: keep its setting
+        pass
+    from horovod_sbc import wire
+    from horovod_sbc.tensorflow import bridge as tfbridge, codec, decoder
+
+    def sync(out):
+        # reading one element forces completion (asynchronous kernels on a device)
+        for t in tf.nest.flatten(out):
+            if isinstance(t, tf.Tensor) and t.shape.num_elements():
+                tf.reshape(t, [-1])[:1].numpy()
+
+    a = tf.random.normal([n], seed=1)
+    b = tf.random.normal([n], seed=2)
+    add = tf.function(lambda x, y: tf.add(x, y))
+    rng = np.random.default_rng(0)
+    grad = tf.constant(rng.standard_normal(n, dtype=np.float32))
+    resid = tf.constant((0.1 * rng.standard_normal(n)).astype(np.float32))
+    layout = [("w", (n,))]
+    fp = wire.layout_fingerprint(layout)
+    rows = []
+    add_times = []
+    for d in densities:
+        row: Dict[str, object] = {"density": d}
+        comp = tf.function(lambda u, r, d=d: codec.compress(u, r, d))
+        t_add = _min_time(lambda: add(a, b), repeats, sync)
+        t_comp = _min_time(lambda: comp(grad, resid), repeats, sync)
+        msgs = []
+        for r in range(n_ranks):
+            g = np.random.default_rng(100 + r).standard_normal(n, dtype=np.float32)
+            m, _ = comp(tf.constant(g), tf.zeros([n]))
+            msgs.append(wire.step_message_bytes(m.numpy().tobytes(), fp, 1))
+        gathered = tf.constant(np.frombuffer(b"".join(msgs), np.uint8))
+        dec = tf.function(lambda g: decoder.decode_gathered(g, layout, n_ranks, None,
+                                                            1.0 / n_ranks)[1][0])
+        t_dec = _min_time(lambda: dec(gathered), repeats, sync)
+        t_add = min(t_add, _min_time(lambda: add(a, b), repeats, sync))
+        add_times.append(t_add)
+        row.update(add_s=t_add, native_compress_s=t_comp, native_decode_s=t_dec,
+                   native_compress_over_add=t_comp / t_add, native_decode_over_add=t_dec / t_add,
+                   message_bytes=len(msgs[0]))
+        if bridge:
+            bcomp = tf.function(lambda u, r, d=d: tfbridge.compress(u, r, d))
+            t_bc = _min_time(lambda: bcomp(grad, resid), max(1, repeats // 3), sync)
+            host = b"".join(msgs)
+
+            def bdec():
+                out = np.zeros(n, np.float32)
+                wire.accumulate_np(wire.decode_step_np(host, layout, n_ranks), [out],
+                                   1.0 / n_ranks)
+                return tf.constant(out)
+
+            bdec_fn = tf.function(lambda: tf.numpy_function(bdec, [], tf.float32))
+            t_bd = _min_time(bdec_fn, max(1, repeats // 3), sync)
+            row.update(bridge_compress_s=t_bc, bridge_decode_s=t_bd,
+                       bridge_compress_over_add=t_bc / t_add, bridge_decode_over_add=t_bd / t_add)
+        rows.append(row)
+    return {"n": n, "threads": 1, "add_s": min(add_times), "rows": rows,
+            "targets": {"compress_over_add": TARGET_COMPRESS, "decode_over_add": TARGET_DECODE}}
+
+
+def print_table(res: Dict[str, object]) -> None:
+    print(f"TensorFlow codec, {res['n']:,} fp32 elements, 1 thread; time / tf.add "
+          f"(add {1000 * res['add_s']:.1f} ms); decode = 8 ranks' messages averaged")
+    print(f"{'density':>8} {'native comp':>12} {'native dec':>11} {'bridge comp':>12} "
+          f"{'bridge dec':>11} {'msg bytes':>10}")
+    for r in res["rows"]:
+        def f(key):
+            return f"{r[key]:.2f}x" if key in r else "-"
+        print(f"{r['density']:>8g} {f('native_compress_over_add'):>12} "
+              f"{f('native_decode_over_add'):>11} {f('bridge_compress_over_add'):>12} "
+              f"{f('bridge_decode_over_add'):>11} {r['message_bytes']:>10,}")
+    print(f"targets: native compress <= {TARGET_COMPRESS:g}x, decode <= {TARGET_DECODE:g}x")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=25_000_000)
+    p.add_argument("--densities", default="1e-4,1e-3,1e-2,5e-2")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--no-bridge", action="store_true", help="skip the numpy bridge (slow)")
+    args = p.parse_args(argv)
+    res = run(args.n, [float(x) for x in args.densities.split(",")], args.repeats,
+              bridge=not args.no_bridge)
+    print_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

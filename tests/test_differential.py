@@ -1,0 +1,362 @@
+"""Differential test of every decoder: the same valid and mutated gathered buffers go through the
+numpy reference (``wire.decode_step_np``), the torch decoder (``torch.exchange.decode_gathered``)
+and the TensorFlow decoder (eager and inside ``tf.function``); all must reach the same verdict
+(accept, a rank's ERROR, a rank's SKIP, or malformed — with the same text) and, when they
+accept, add bit-identical values.
+
+Mutation classes (each case draws one; the step framing and CRCs are recomputed for the
+"framed" classes so tensor-level checks are reached):
+
+* ``valid``    — untouched;
+* ``raw``      — bits flipped, bytes cut/inserted/overwritten anywhere in the gathered buffer;
+* ``framed``   — the same, inside one tensor message, framing recomputed;
+* ``field``    — one tensor-header field set to a hostile value (Rice b up to 62, counts, lengths,
+                 flags, the float value's bits: NaN, Inf, negative zero, subnormal), framing recomputed;
+* ``step``     — step-header fields (flags ERROR/SKIP/both, origin, layout, n_tensors), CRC recomputed;
+* ``peers``    — ranks that send ERROR and/or SKIP besides ranks that send malformed messages.
+
+``DIFF_CASES`` sets the number of cases for numpy and torch (default 100000; ``make fuzz``
+runs 10^6); TensorFlow, whose per-call overhead is larger, gets every ``DIFF_TF_EVERY``-th case
+(default 100; ``make fuzz``: 10), eager and ``tf.function`` both.
+"""
+import os
+import random
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_sbc import core, protocol, wire
+from horovod_sbc.torch import exchange
+
+CASES = int(os.environ.get("DIFF_CASES", "100000"))
+TF_EVERY = int(os.environ.get("DIFF_TF_EVERY", "100"))
+
+# a fixed set of layouts keeps tf.function from retracing for every case
+LAYOUTS = [
+    [("w", (40, 30)), ("b", (7,))],
+    [("s", ()), ("e", (0,)), ("v", (300,))],
+    [("conv", (8, 3, 3, 3)), ("one", (1,)), ("big", (5000,))],
+    [("x", (64,))],
+]
+
+
+def _update(r: random.Random, numel: int) -> np.ndarray:
+    rng = np.random.default_rng(r.randrange(1 << 30))
+    kind = r.randrange(4)
+    if kind == 0:
+        return rng.standard_normal(numel).astype(np.float32)
+    if kind == 1:
+        return (rng.standard_normal(numel) ** 3).astype(np.float32)
+    if kind == 2:  # ties and zeros
+        return np.round(rng.standard_normal(numel) * 2).astype(np.float32)
+    return (rng.standard_normal(numel) * 1e-39).astype(np.float32)  # subnormal values
+
+
+def _tensor_message(r: random.Random, numel: int) -> bytes:
+    u = _update(r, numel)
+    mode = r.randrange(6)
+    density = r.choice([1e-3, 0.01, 0.1, 0.5, 1.0])
+    if mode == 0:
+        return core.compress_np(u, None, density, selection="paper")[0]
+    if mode == 1:
+        return core.compress_np(u, None, density, selection="magnitude")[0]
+    if mode == 2:
+        return core.compress_np(u, None, density, binarize=False)[0]
+    if mode == 3:
+        return core.compress_np(u, None, 1.0, mode="sign")[0]
+    if mode == 4 and numel:  # ternary (TernGrad-like): positions + sign bits
+        pos = np.flatnonzero(np.abs(u) > np.median(np.abs(u)))
+        return wire.encode_tensor_np(pos, numel, float(np.abs(u).max()), signs=u[pos] < 0)
+    return core.compress_np(u, None, 1.0, binarize=False)[0]  # dense values
+
+
+def _step(layout, parts, flags=0, origin=0, layout_crc=None, n_tensors=None) -> bytes:
+    body = b"".join(parts)
+    crc = wire.layout_fingerprint(layout) if layout_crc is None else layout_crc
+    n = len(parts) if n_tensors is None else n_tensors
+    return wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags, origin, len(body), crc, n,
+                                 zlib.crc32(body) & 0xFFFFFFFF) + body
+
+
+def _mutate_bytes(data: bytearray, r: random.Random) -> bytearray:
+    kind = r.randrange(6)
+    if kind == 0 and data:
+        for _ in range(r.randint(1, 4)):
+            i = r.randrange(len(data) * 8)
+            data[i // 8] ^= 1 << (i % 8)
+    elif kind == 1:
+        del data[r.randrange(len(data) + 1):]
+    elif kind == 2:
+        i = r.randrange(len(data) + 1)
+        data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 8)))
+    elif kind == 3 and data:
+        i = r.randrange(len(data))
+        data[i:i + r.randint(1, 6)] = bytes([r.choice((0, 0x7F, 0x80, 0xFF))]) * r.randint(1, 6)
+    elif kind == 4 and len(data) > 6:
+        i = r.randrange(5, len(data) - 1)
+        data[i:i + 1] = b"\xff\xff\xff\xff\xff\xff\xff\x3f"
+    elif data:
+        data[r.randrange(len(data))] = r.randrange(256)
+    return data
+
+
+_HOSTILE_VALUES = [float("nan"), float("inf"), -0.0, -1.0, 1e-40, 1e-45, 3.4e38, 0.0]
+
+
+def _mutate_field(msg: bytes, r: random.Random) -> bytes:
+    """Rewrite one header field of a tensor message with a hostile value."""
+    try:
+        h = wire.parse_tensor_header(msg, 0)
+    except ValueError:
+        return msg
+    p = 5
+    _, p1 = wire.read_uvarint(msg, p, "numel")
+    _, p2 = wire.read_uvarint(msg, p1, "count")
+    _, p3 = wire.read_uvarint(msg, p2, "unary")
+    field = r.randrange(6)
+    out = bytearray(msg)
+    if field == 0:  # Rice parameter
+        out[4] = r.choice([62, 61, 40, h.rice_b + 1, max(0, h.rice_b - 1), 63, 255])
+    elif field == 1:  # count
+        c = r.choice([0, 1, h.count + 1, max(0, h.count - 1), 2 * h.count + 3, h.numel])
+        out[p1:p2] = wire.uvarint(min(c, wire.MAX_NUMEL - 1))
+    elif field == 2:  # unary length
+        u = r.choice([0, 1, h.unary[1] - h.unary[0] + 1, max(0, h.unary[1] - h.unary[0] - 1)])
+        out[p2:p3] = wire.uvarint(u)
+    elif field == 3:  # flags
+        out[3] = r.randrange(16)
+    elif field == 4:  # the float value's bits
+        out[p3:p3 + 4] = struct.pack("<f", r.choice(_HOSTILE_VALUES))
+    else:  # a stream byte
+        if len(out) > p3 + 4:
+            i = r.randrange(p3 + 4, len(out))
+            out[i] = r.choice([0, 0xFF, out[i] ^ 0x01, out[i] ^ 0x80])
+    return bytes(out)
+
+
+def make_case(seed: int):
+    """(layout, n_ranks, gathered bytes, mutation class) for one case; deterministic in seed."""
+    r = random.Random(seed)
+    layout = LAYOUTS[r.randrange(len(LAYOUTS))]
+    n_ranks = r.randint(1, 3)
+    cls = r.choice(["valid", "raw", "framed", "field", "step", "peers"])
+    steps = []
+    for rank in range(n_ranks):
+        parts = [_tensor_message(r, wire.layout_numel(shape)) for _, shape in layout]
+        if cls == "framed" and r.random() < 0.7:
+            j = r.randrange(len(parts))
+            parts[j] = bytes(_mutate_bytes(bytearray(parts[j]), r))
+        if cls == "field" and r.random() < 0.7:
+            j = r.randrange(len(parts))
+            parts[j] = _mutate_field(parts[j], r)
+        step = _step(layout, parts)
+        if cls == "step" and r.random() < 0.6:
+            kw = r.choice([{"flags": r.randrange(8)}, {"origin": r.randrange(3)},
+                           {"layout_crc": r.randrange(1 << 32)},
+                           {"n_tensors": r.randrange(len(layout) + 2)},
+                           {"flags": wire.STEP_FLAG_ERROR | wire.STEP_FLAG_SKIP}])
+            step = _step(layout, parts, **kw)
+        if cls == "peers" and r.random() < 0.6:
+            kind = r.randrange(3)
+            if kind == 0:
+                step = wire.error_step_message(f"the update of 'w' contains NaN or Inf", 0,
+                                               skip=False, origin=rank)
+            elif kind == 1:
+                step = wire.error_step_message("asked to skip", 0, skip=True, origin=rank)
+            else:
+                j = r.randrange(len(parts))
+                parts[j] = bytes(_mutate_bytes(bytearray(parts[j]), r))
+                step = _step(layout, parts)
+        steps.append(step)
+    gathered = b"".join(steps)
+    if cls == "raw":
+        gathered = bytes(_mutate_bytes(bytearray(gathered), r))
+    return layout, n_ranks, gathered, cls
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoders, each normalised to one outcome
+# ----------------------------------------------------------------------------------------------
+def _outcome_of(fn):
+    try:
+        outs = fn()
+    except wire.PeerError as e:
+        return ("skip" if e.skip else "error", e.rank, e.reason)
+    except ValueError as e:
+        return ("invalid", str(e))
+    return ("ok", tuple(np.asarray(o).tobytes() for o in outs))
+
+
+def decode_numpy(layout, n_ranks, data, scale):
+    def run():
+        per = wire.decode_step_np(data, layout, n_ranks)
+        outs = [np.zeros(wire.layout_numel(s), np.float32) for _, s in layout]
+        wire.accumulate_np(per, outs, scale)
+        return outs
+    return _outcome_of(run)
+
+
+def decode_torch(layout, n_ranks, data, scale):
+    def run():
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+            torch.zeros(0, dtype=torch.uint8)
+        return [t.numpy() for t in exchange.decode_gathered(buf, layout, n_ranks, None, scale)]
+    return _outcome_of(run)
+
+
+class TFDecoders:
+    """The TensorFlow decoder, eager and inside ``tf.function`` (one trace per layout)."""
+
+    def __init__(self):
+        import tensorflow as tf
+        from horovod_sbc.tensorflow import exchange as tfx
+        self.tf, self.tfx = tf, tfx
+        self.graphs = {}
+
+    def _decode(self, layout, n_ranks, scale, gathered):
+        return self.tfx.decode_gathered(gathered, layout, n_ranks, scale)
+
+    def run(self, layout, n_ranks, data, scale, graph: bool):
+        tf = self.tf
+        key = (id(layout), n_ranks, scale)
+        if graph and key not in self.graphs:
+            self.graphs[key] = tf.function(
+                lambda g: self._decode(layout, n_ranks, scale, g),
+                input_signature=[tf.TensorSpec([None], tf.uint8)])
+        fn = self.graphs[key] if graph else (lambda g: self._decode(layout, n_ranks, scale, g))
+        buf = tf.constant(np.frombuffer(data, np.uint8), dtype=tf.uint8)
+        try:
+            outs = fn(buf)
+        except wire.PeerError as e:
+            return ("skip" if e.skip else "error", e.rank, e.reason)
+        except (ValueError, tf.errors.InvalidArgumentError) as e:
+            return self.tfx.outcome_of_error(e)
+        return ("ok", tuple(np.asarray(o).tobytes() for o in outs))
+
+
+@pytest.fixture(scope="module")
+def tf_decoders():
+    pytest.importorskip("tensorflow")
+    from horovod_sbc.tensorflow import exchange as tfx
+    if not hasattr(tfx, "decode_gathered"):
+        pytest.skip("TensorFlow decoder API decode_gathered not available")
+    return TFDecoders()
+
+
+def _check(seed, tf_dec=None):
+    layout, n_ranks, data, cls = make_case(seed)
+    scale = 1.0 / n_ranks
+    ref = decode_numpy(layout, n_ranks, data, scale)
+    got = {"torch": decode_torch(layout, n_ranks, data, scale)}
+    if tf_dec is not None:
+        got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, graph=False)
+        got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, graph=True)
+    for name, out in got.items():
+        assert out == ref, (f"case {seed} ({cls}, {n_ranks} ranks): {name} disagrees with numpy:\n"
+                            f"  numpy: {str(ref)[:300]}\n  {name}: {str(out)[:300]}\n"
+                            f"  data: {data.hex()[:400]}")
+    return cls, ref[0]
+
+
+def test_differential_numpy_torch():
+    seen = {}
+    for seed in range(CASES):
+        cls, verdict = _check(seed)
+        seen[(cls, verdict)] = seen.get((cls, verdict), 0) + 1
+    # every mutation class is exercised, and reaches both accepting and rejecting verdicts
+    kinds = {k for _, k in seen}
+    assert {"ok", "invalid", "error", "skip"} <= kinds, seen
+    assert seen.get(("valid", "ok"), 0) > CASES // 20, seen
+    assert not any(k != "ok" for c, k in seen if c == "valid"), seen
+
+
+def test_differential_tensorflow(tf_decoders):
+    n = max(200, CASES // TF_EVERY)
+    for seed in range(0, n * TF_EVERY, TF_EVERY):
+        _check(seed, tf_decoders)
+
+
+# ----------------------------------------------------------------------------------------------
+# the reproducers that showed the decoders disagreeing (issue 13)
+# ----------------------------------------------------------------------------------------------
+def _all_verdicts(layout, n_ranks, data, scale=1.0):
+    return {"numpy": decode_numpy(layout, n_ranks, data, scale),
+            "torch": decode_torch(layout, n_ranks, data, scale)}
+
+
+def test_rice_62_positions_wrapping_int64_are_rejected_everywhere():
+    layout = [("w", (10,))]
+    msg = bytes.fromhex("534201003e0a03010000003fe0") + b"\xff" * 23 + bytes.fromhex("c0")
+    data = wire.step_message_bytes(msg, wire.layout_fingerprint(layout), 1)
+    for name, v in _all_verdicts(layout, 1, data).items():
+        assert v[0] == "invalid" and "out of range" in v[1], (name, v)
+    with pytest.raises(ValueError, match="out of range"):
+        core.decompress_np(msg, (10,))
+
+
+def test_padding_only_last_unary_byte_is_rejected_everywhere():
+    layout = [("w", (16,))]
+    msg = bytes.fromhex("53420100011003020000003fa800e0")
+    data = wire.step_message_bytes(msg, wire.layout_fingerprint(layout), 1)
+    for name, v in _all_verdicts(layout, 1, data).items():
+        assert v[0] == "invalid" and "padding-only" in v[1], (name, v)
+
+
+def test_error_beats_skip_and_malformed_framing_beats_both():
+    layout = [("w", (8,))]
+    fp = wire.layout_fingerprint(layout)
+    skip0 = wire.error_step_message("skip me", fp, skip=True, origin=0)
+    err1 = wire.error_step_message("NaN in 'w'", fp, skip=False, origin=1)
+    for v in _all_verdicts(layout, 2, skip0 + err1).values():
+        assert v == ("error", 1, "NaN in 'w'")
+    good = core.compress_np(np.arange(8, dtype=np.float32), None, 0.25)[0]
+    bad_crc = bytearray(wire.step_message_bytes(good, fp, 1))
+    bad_crc[-1] ^= 1
+    for v in _all_verdicts(layout, 2, bytes(bad_crc) + skip0).values():
+        assert v[0] == "invalid" and "checksum" in v[1]
+    # a malformed tensor message from rank 0 and a SKIP from rank 1: the sync is skipped
+    bad_tensor = wire.step_message_bytes(good[:-1] + b"\xff", fp, 1)
+    skip1 = wire.error_step_message("skip me", fp, skip=True, origin=1)
+    for v in _all_verdicts(layout, 2, bad_tensor + skip1).values():
+        assert v == ("skip", 1, "skip me")
+
+
+def test_values_message_with_subnormal_value_field_is_rejected():
+    layout = [("w", (4,))]
+    msg = bytearray(wire.encode_tensor_np(np.array([1]), 4, values=np.array([2.0], np.float32)))
+    h_end = 5 + 3  # magic, version, flags, b, numel, count, unary-length varints (1 byte each)
+    msg[h_end:h_end + 4] = struct.pack("<f", 1e-40)
+    data = wire.step_message_bytes(bytes(msg), wire.layout_fingerprint(layout), 1)
+    for v in _all_verdicts(layout, 1, data).values():
+        assert v[0] == "invalid" and "per-position values and a binary value" in v[1]
+
+
+def test_subnormal_binary_value_decodes_exactly():
+    layout = [("w", (5,))]
+    msg = wire.encode_tensor_np(np.array([0, 3]), 5, 1e-40, negative=True)
+    data = wire.step_message_bytes(msg, wire.layout_fingerprint(layout), 1)
+    want = np.zeros(5, np.float32)
+    want[[0, 3]] = -np.float32(1e-40)
+    for v in _all_verdicts(layout, 1, data).values():
+        assert v == ("ok", (want.tobytes(),))
+
+
+def test_empty_tensor_has_one_encoding_in_every_mode():
+    want = protocol.empty_tensor_message()
+    e = np.zeros(0, np.float32)
+    for kw in ({}, {"binarize": False}, {"mode": "sign"}, {"selection": "magnitude"}):
+        assert core.compress_np(e, None, 0.5, **kw)[0] == want
+    from horovod_sbc.torch import codec as tcodec
+    for mode in ("sbc", "values", "sign", "terngrad"):
+        assert tcodec.encode_update(torch.zeros(0), 0.5, mode)[0].numpy().tobytes() == want
+
+
+def test_sign_mode_scale_is_order_independent_across_implementations():
+    from horovod_sbc.torch import codec as tcodec
+    u = np.array([1, 2.0 ** -24, 2.0 ** -53, 2.0 ** -53, 0, 0, 0, 0], np.float64)
+    msg = core.compress_np(u, None, 1.0, mode="sign")[0]
+    t = torch.from_numpy(u.copy())
+    assert tcodec.compress_(t, 1.0, "sign")[0].numpy().tobytes() == msg
