@@ -41,13 +41,14 @@ every rank the same weights (``W_ref`` + the average of all ranks' residuals, on
 allreduce), or evaluate :meth:`shared_weights`.
 
 **Label-skewed (non-IID) data.** When each rank sees only its own classes, the residual kept
-in the weights lets every rank drift towards its own classes: in the same screening with each of
-the 4 workers holding its own classes, ``local_residual=True`` reached 53.9 % (delay 1) and
-40.5 % (delay 4) after :meth:`finish`, ``False`` 91.0 % and 79.3 % (dense 94.4 %), so try
-``local_residual=False`` there. In the shorter multi-rank benchmark (500 steps) neither mode
-trained on label-skewed mnist1d, while on the text task split by topic ``True`` was much better
-(perplexity 9.35 vs 12.28; dense 7.71): see docs/benchmarks.md. Horovod's usual setting, every
-rank drawing from the same shuffled data, is the IID case, hence the default.
+in the weights can let every rank drift towards its own classes: in the same screening with
+each of the 4 workers holding its own classes, ``local_residual=True`` reached 53.9 % (delay 1)
+and 40.5 % (delay 4) after :meth:`finish`, ``False`` 91.0 % and 79.3 % (dense 94.4 %). The
+multi-rank benchmark (500 steps; docs/benchmarks.md) found the opposite order in all three of its
+non-IID settings: label-skewed mnist1d with 4 workers 35.1 % vs 31.4 % and with 2 workers
+63.6 % vs 32.4 % (dense 85.0 / 83.8 %), text split by topic perplexity 9.35 vs 12.28 (dense
+7.71). So on non-IID data try both. Horovod's usual setting, every rank drawing from the same
+shuffled data, is the IID case, hence the default.
 
 Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
 so such a parameter simply contributes ``dW = 0``. Parameters with ``requires_grad=False`` and
