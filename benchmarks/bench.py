@@ -11,7 +11,7 @@ tasks   every method on tasks where communication matters (:mod:`benchmarks.task
 net     step time of dense/fp16/top-K/SBC on a 10.5M-parameter MLP with every rank in its own
         network namespace behind a ``tc``-shaped link, plus plain localhost
         (:mod:`benchmarks.bench_net`; needs root); ``--bandwidth 100mbit`` (repeatable)
-all     codec + train + grid + net (10mbit, 100mbit, 1gbit): ``make bench``
+all     codec + train + grid + tasks + net (10mbit, 100mbit, 1gbit): ``make bench``
 downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 8 ranks:
         per-worker downlink bits per sync and accuracy (:mod:`benchmarks.bench_downlink`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
@@ -498,6 +498,8 @@ def main(argv=None) -> int:
     a.add_argument("--workers", type=int, default=2)
     a.add_argument("--no-loopback", action="store_true")
     a.add_argument("--no-unlimited", action="store_true")
+    a.add_argument("--resume", action="store_true",
+                   help="tasks part: reuse the jobs saved in JSON.partial")
     k = sub.add_parser("tasks", help="every method on mnist1d and a text LM (benchmarks/tasks.py), "
                                      "2/4 (8) workers, IID and non-IID")
     _add_common(k, "mnist1d, 2 workers, IID, 5 methods, 1 seed")
@@ -568,6 +570,11 @@ def main(argv=None) -> int:
         out["grid"] = cmd_grid(args, baseline=base, reuse=out["train"]["runs"])
         walls["grid"] = out["grid"]["wall_s"]
         out["train"]["summary"] = bt.summarize(out["train"], out["grid"])
+        targs = argparse.Namespace(**vars(args))
+        targs.tasks, targs.saved_only, targs.merge = "mnist1d,text", False, None
+        targs.resume = getattr(args, "resume", False)
+        out["tasks"] = cmd_tasks(targs)
+        walls["tasks"] = out["tasks"]["wall_s"]
         out["net"] = cmd_net(args)
         walls["net"] = out["net"]["wall_s"]
         walls["total"] = time.perf_counter() - t0
@@ -578,8 +585,10 @@ def main(argv=None) -> int:
             bt.plot_grid(out["grid"], _dense_acc(out["grid"]), f"{plots}/sbc_grid.png")
             if out["net"]["runs"]:
                 bn.plot_net(out["net"], f"{plots}/step_time_vs_bandwidth.png")
+            bt.plot_tasks(out["tasks"], f"{plots}/tasks_score_vs_bits.png")
         md = [("Training benchmark", bt.markdown_train(out["train"])),
               ("SBC grid (accuracy · compression ratio)", bt.markdown_grid(out["grid"])),
+              ("Training tasks (mnist1d, text)", bt.markdown_tasks(out["tasks"])),
               ("Step time vs bandwidth", bn.markdown_net(out["net"]))]
         print("\nwall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in walls.items()))
     if plots:
@@ -597,8 +606,10 @@ def report(args) -> int:
     with open(args.json) as f:
         res = json.load(f)
     plots = _plot_dir(args)
+    is_tasks = bool(res.get("runs")) and "task" in res["runs"][0]
+    tasks = res.get("tasks") or (res if is_tasks else None)
     train = res.get("train") or (res if res.get("runs") and "networks" not in res
-                                 and "baseline" not in res else None)
+                                 and "baseline" not in res and not is_tasks else None)
     grid = res.get("grid") or (res if "baseline" in res else None)
     net = res.get("net") or (res if "networks" in res else None)
     md = []
@@ -608,6 +619,9 @@ def report(args) -> int:
     if grid:
         bt.plot_grid(grid, _dense_acc(grid), f"{plots}/sbc_grid.png")
         md.append(("SBC grid (accuracy · compression ratio)", bt.markdown_grid(grid)))
+    if tasks:
+        bt.plot_tasks(tasks, f"{plots}/tasks_score_vs_bits.png")
+        md.append(("Training tasks (mnist1d, text)", bt.markdown_tasks(tasks)))
     if net and net.get("runs"):
         bn.plot_net(net, f"{plots}/step_time_vs_bandwidth.png")
         md.append(("Step time vs bandwidth", bn.markdown_net(net)))
