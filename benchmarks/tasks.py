@@ -26,9 +26,9 @@ Every task is generated or read offline and deterministically: nothing is downlo
     between Python versions). Each topic's last 10 % is the test text. Samples are windows of
     ``seq_len + 1`` characters; the group of a sample (for the non-IID partition) is its topic.
     Training uses an even subset of ``train_windows`` windows (default 800 windows of 33
-    characters, ~26k characters) so that a rank alone overfits its share (Adam, lr 5e-3); the test text is
-    every topic's whole last 10 %. Model: embedding 32 -> one LSTM layer of 96 -> linear over
-    the characters. Metric: test perplexity per character (lower is better).
+    characters, ~26k characters) so that a rank alone overfits its share (Adam, lr 5e-3); the
+    test text is every topic's whole last 10 %. Model: embedding 32 -> one LSTM layer of 96 ->
+    linear over the characters. Metric: test perplexity per character (lower is better).
 ``digits_conv``
     scikit-learn's digits (shipped with scikit-learn) as 8x8 images and a conv + BatchNorm +
     linear net; the quick one the tests use.
