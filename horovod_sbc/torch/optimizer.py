@@ -64,6 +64,7 @@ import torch
 
 from ..core import resolve_compression
 from .compressor import SBC
+from .sync import Update
 
 _STATE_KEY = "horovod_sbc"
 
@@ -211,7 +212,8 @@ class _SBCOptimizer:
         else:
             base = ref
         # the average of all ranks' decoded updates is added straight into W_ref
-        items = [(name, p.detach(), tuple(p.shape), base[name]) for name, p in self._sbc_params]
+        items = [Update(name, p.detach(), tuple(p.shape), base=base[name])
+                 for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
             if self._sbc_local_residual and name in res:
