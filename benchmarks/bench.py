@@ -4,10 +4,14 @@ train   every method (none, fp16, sbc, topk, fedavg, signsgd, terngrad, local) a
         mpirun job on scikit-learn's digits, equal steps: accuracy, bits, step time
         (:mod:`benchmarks.bench_train`); ``--quick``: none, SBC headline, top-K
 grid    SBC density {1, 0.1, 0.01, 0.001} x delay {1, 4, 16}: accuracy vs total compression
+tasks   every method on tasks where communication matters (:mod:`benchmarks.tasks`: mnist1d
+        1-D CNN, character LSTM on CPython's pydoc topics), 2/4 workers (8 for the server
+        topology), IID and non-IID, several methods per mpirun job
+        (:func:`benchmarks.bench_train.task_jobs`); ``--tasks mnist1d`` for one task
 net     step time of dense/fp16/top-K/SBC on a 10.5M-parameter MLP with every rank in its own
         network namespace behind a ``tc``-shaped link, plus plain localhost
         (:mod:`benchmarks.bench_net`; needs root); ``--bandwidth 100mbit`` (repeatable)
-all     codec + train + grid + net (10mbit, 100mbit, 1gbit): ``make bench``
+all     codec + train + grid + tasks + net (10mbit, 100mbit, 1gbit): ``make bench``
 downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 8 ranks:
         per-worker downlink bits per sync and accuracy (:mod:`benchmarks.bench_downlink`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
@@ -355,6 +359,54 @@ def cmd_grid(args, baseline=None, reuse=()) -> Dict[str, object]:
     return res
 
 
+def cmd_tasks(args) -> Dict[str, object]:
+    """The sweep on the tasks where communication matters (benchmarks/tasks.py). With
+    ``--json`` every finished job is saved to ``FILE.partial`` at once; ``--resume`` reuses the
+    jobs found there (same task, workers, partition, seeds and runs)."""
+    import os
+    from . import bench_train as bt
+    t0 = time.perf_counter()
+    seeds = _seeds(args)
+    partial = args.json + ".partial" if args.json else None
+    done: Dict[str, list] = {}
+    for path in ([partial] if partial and (args.resume or args.saved_only) else []) + \
+            list(args.merge or []):
+        if os.path.exists(path):
+            with open(path) as f:
+                done.update(json.load(f))
+
+    def save(key, out):
+        if partial:
+            done[key] = out
+            _write_json(partial, done)
+    res: Dict[str, object] = {"runs": [], "skipped": []}
+    for task in args.tasks.split(","):
+        jobs = bt.task_jobs(task, args.quick)
+        if args.saved_only:  # assemble the results of the jobs that were run, run nothing
+            missing = [j for j in jobs if bt.job_key(task, j, seeds) not in done]
+            res.setdefault("not_run", []).extend(
+                {"task": task, "workers": j["workers"], "partition": j["partition"],
+                 "seeds": j.get("seeds", seeds), "runs": [bt.spec_label(x) for x in j["runs"]]}
+                for j in missing)
+            jobs = [j for j in jobs if j not in missing]
+        r = bt.run_task_jobs(task, jobs, seeds,
+                             progress=not args.no_progress, done=done, on_job=save,
+                             title=f"{task}" + (" (quick)" if args.quick else ""))
+        res["runs"] += r["runs"]
+        res["skipped"] += r["skipped"]
+    res["runs"] = bt.merge_seed_runs(res["runs"])
+    res["summary"] = bt.summarize_tasks(res)
+    res["wall_s"] = time.perf_counter() - t0
+    res["notes"] = [
+        "score: test accuracy of rank 0's model (mnist1d) or test perplexity per character "
+        "(text), mean ± std over seeds; 'local': no communication, mean over ranks' models",
+        "upstream/downstream bits per rank over the whole run, mean over ranks and seeds; "
+        "none/fp16 count the allreduce message both ways",
+        "drop-in runs end with optimizer.finish() (W_ref + the average of the residuals)"]
+    print(bt.markdown_tasks(res))
+    return res
+
+
 def _dense_acc(grid) -> Dict[str, float]:
     base = (grid or {}).get("baseline") or {}
     if "final_accuracy" in base:  # a single run (older files)
@@ -446,6 +498,21 @@ def main(argv=None) -> int:
     a.add_argument("--workers", type=int, default=2)
     a.add_argument("--no-loopback", action="store_true")
     a.add_argument("--no-unlimited", action="store_true")
+    a.add_argument("--resume", action="store_true",
+                   help="tasks part: reuse the jobs saved in JSON.partial")
+    k = sub.add_parser("tasks", help="every method on mnist1d and a text LM (benchmarks/tasks.py), "
+                                     "2/4 (8) workers, IID and non-IID")
+    _add_common(k, "mnist1d, 2 workers, IID, 5 methods, 1 seed")
+    k.add_argument("--tasks", default="mnist1d,text", help="comma-separated task names")
+    k.add_argument("--seeds", type=int, help="seeds of jobs without their own seed list "
+                                             "(default 3, quick 1)")
+    k.add_argument("--resume", action="store_true",
+                   help="reuse the jobs already saved in JSON.partial")
+    k.add_argument("--saved-only", action="store_true",
+                   help="run nothing: assemble JSON/tables/plots from the saved jobs (JSON.partial "
+                        "and --merge files); jobs not run are listed under 'not_run'")
+    k.add_argument("--merge", action="append",
+                   help="another .partial file whose saved jobs are reused (repeatable)")
     r = sub.add_parser("report", help="redraw the plots and tables of an existing results JSON")
     r.add_argument("json")
     r.add_argument("--plots", help="directory for PNG plots (default: the JSON's directory)")
@@ -475,6 +542,12 @@ def main(argv=None) -> int:
         if plots:
             bt.plot_grid(res, _dense_acc(res), f"{plots}/sbc_grid.png")
         md = [("SBC grid (accuracy · compression ratio)", bt.markdown_grid(res))]
+    elif args.cmd == "tasks":
+        res = cmd_tasks(args)
+        out.update(res)
+        if plots:
+            bt.plot_tasks(res, f"{plots}/tasks_score_vs_bits.png")
+        md = [("Training tasks (mnist1d, text)", bt.markdown_tasks(res))]
     elif args.cmd == "net":
         from . import bench_net as bn
         res = cmd_net(args)
@@ -497,6 +570,11 @@ def main(argv=None) -> int:
         out["grid"] = cmd_grid(args, baseline=base, reuse=out["train"]["runs"])
         walls["grid"] = out["grid"]["wall_s"]
         out["train"]["summary"] = bt.summarize(out["train"], out["grid"])
+        targs = argparse.Namespace(**vars(args))
+        targs.tasks, targs.saved_only, targs.merge = "mnist1d,text", False, None
+        targs.resume = getattr(args, "resume", False)
+        out["tasks"] = cmd_tasks(targs)
+        walls["tasks"] = out["tasks"]["wall_s"]
         out["net"] = cmd_net(args)
         walls["net"] = out["net"]["wall_s"]
         walls["total"] = time.perf_counter() - t0
@@ -507,8 +585,10 @@ def main(argv=None) -> int:
             bt.plot_grid(out["grid"], _dense_acc(out["grid"]), f"{plots}/sbc_grid.png")
             if out["net"]["runs"]:
                 bn.plot_net(out["net"], f"{plots}/step_time_vs_bandwidth.png")
+            bt.plot_tasks(out["tasks"], f"{plots}/tasks_score_vs_bits.png")
         md = [("Training benchmark", bt.markdown_train(out["train"])),
               ("SBC grid (accuracy · compression ratio)", bt.markdown_grid(out["grid"])),
+              ("Training tasks (mnist1d, text)", bt.markdown_tasks(out["tasks"])),
               ("Step time vs bandwidth", bn.markdown_net(out["net"]))]
         print("\nwall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in walls.items()))
     if plots:
@@ -526,8 +606,10 @@ def report(args) -> int:
     with open(args.json) as f:
         res = json.load(f)
     plots = _plot_dir(args)
+    is_tasks = bool(res.get("runs")) and "task" in res["runs"][0]
+    tasks = res.get("tasks") or (res if is_tasks else None)
     train = res.get("train") or (res if res.get("runs") and "networks" not in res
-                                 and "baseline" not in res else None)
+                                 and "baseline" not in res and not is_tasks else None)
     grid = res.get("grid") or (res if "baseline" in res else None)
     net = res.get("net") or (res if "networks" in res else None)
     md = []
@@ -537,6 +619,9 @@ def report(args) -> int:
     if grid:
         bt.plot_grid(grid, _dense_acc(grid), f"{plots}/sbc_grid.png")
         md.append(("SBC grid (accuracy · compression ratio)", bt.markdown_grid(grid)))
+    if tasks:
+        bt.plot_tasks(tasks, f"{plots}/tasks_score_vs_bits.png")
+        md.append(("Training tasks (mnist1d, text)", bt.markdown_tasks(tasks)))
     if net and net.get("runs"):
         bn.plot_net(net, f"{plots}/step_time_vs_bandwidth.png")
         md.append(("Step time vs bandwidth", bn.markdown_net(net)))

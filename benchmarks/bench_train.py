@@ -338,8 +338,8 @@ def _train_once(cfg: dict, seed: int, data, emit) -> dict:
             opt.step()
             times.append(time.perf_counter() - t0)
         emit({"epoch": epoch + 1, "loss": float(loss.item())})
-    if comp is not None and getattr(opt, "_sbc_local_steps", 0):
-        opt.synchronize()  # flush a partial delay window: all ranks end on shared weights
+    if hasattr(opt, "finish"):
+        opt.finish()  # sync a partial delay window, average the residuals: ranks end equal
     with torch.no_grad():
         acc = (model(xte).argmax(1) == yte).float().mean().item()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -756,8 +756,482 @@ def markdown_grid(grid: dict) -> str:
     return "\n\n".join(out)
 
 
+# ------------------------------------------------------------------------------------------------
+# task benchmarks (benchmarks/tasks.py): mnist1d, text; many methods per job
+# ------------------------------------------------------------------------------------------------
+def _task_optimizer(task, params, spec: dict):
+    import torch
+    r = task.recipe
+    name = spec.get("optimizer", r.optimizer)
+    lr = spec.get("lr", r.lr)
+    wd = spec.get("weight_decay", 0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=spec.get("momentum", r.momentum),
+                               nesterov=spec.get("nesterov", False), weight_decay=wd)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd or 0.01)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def _task_compressor(spec: dict, seed: int):
+    """The compressor of a spec: drop-in and stock SBC/top-K with their extra knobs."""
+    import horovod_sbc.torch as sbc
+    m = spec["method"]
+    extra = {k: spec[k] for k in ("topology", "downlink_density", "momentum_masking")
+             if k in spec}
+    if m == "sbc":
+        return sbc.SBC(density=spec["density"], delay=spec.get("delay", 1), **extra)
+    if m == "topk":
+        return sbc.TopK(density=spec["density"], delay=spec.get("delay", 1), **extra)
+    return make_compressor(m, spec.get("density", 1.0), spec.get("delay", 1), seed)
+
+
+def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
+    import hashlib
+
+    import numpy as np
+    import torch
+    import horovod.torch as hvd
+    import horovod_sbc.torch as sbc
+
+    rank, size = hvd.rank(), hvd.size()
+    method, api = spec["method"], spec.get("api", "dropin")
+    torch.manual_seed(seed)
+    model = task.build_model()
+    base = _task_optimizer(task, model.parameters(), spec)
+    numel = sum(p.numel() for p in model.parameters())
+    steps = spec.get("steps", task.recipe.steps)
+    comp = None
+    if method in STOCK:
+        c = hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=c)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    elif method == "local":
+        opt = base
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif api == "stock":
+        comp = _task_compressor(spec, seed)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=comp)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    else:
+        comp = _task_compressor(spec, seed)
+        kw = {k: spec[k] for k in ("local_residual",) if k in spec}
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp, **kw)
+        sbc.broadcast_state(model, opt, root_rank=0)
+    xs, ys = task.shard(rank, size, partition)
+    bs = spec.get("batch_size", task.recipe.batch_size)
+    batches = task.batches(len(xs), bs, seed * 1000 + rank)
+    times, losses = [], []
+    for step in range(steps):
+        b = next(batches)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = task.loss(model, xs[b], ys[b])
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    if hasattr(opt, "finish"):
+        opt.finish()  # sync a partial window; all ranks end on the same weights
+    score = task.evaluate(model)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    if comp is not None:
+        st = dict(comp.stats())
+    elif method in STOCK:
+        bits = 16 if method == "fp16" else 32
+        st = {"upstream_bits": bits * numel * steps, "downstream_bits": bits * numel * steps,
+              "dense_bits": 32 * numel * steps, "syncs": steps, "steps": steps}
+    else:
+        st = {"upstream_bits": 0, "downstream_bits": 0, "dense_bits": 32 * numel * steps,
+              "syncs": 0, "steps": steps}
+    every = max(1, steps // 20)
+    curve = [float(np.mean(losses[i:i + every])) for i in range(0, steps, every)]
+    skip = min(5, len(times) - 1)
+    return {"score": score, "digest": digest, "stats": st, "params": numel, "steps": steps,
+            "loss_curve": curve, "step_time_mean": float(np.mean(times[skip:]))}
+
+
+def task_worker_main(argv: Sequence[str]) -> int:
+    """One job: every spec of ``cfg["runs"]`` for every seed, on one task/partition/world size.
+    Rank 0 prints one ``@@result`` per spec."""
+    import numpy as np
+    import torch
+    import horovod.torch as hvd
+    from .tasks import make_task
+
+    cfg = json.loads(argv[0])
+    hvd.init()
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    task = make_task(cfg["task"], cfg.get("data_seed", 0), **cfg.get("task_kw", {}))
+    seeds, specs, part = cfg["seeds"], cfg["runs"], cfg.get("partition", "iid")
+    for si, spec in enumerate(specs):
+        per_seed = []
+        t0 = time.perf_counter()
+        for seed in seeds:
+            per_seed.append(_task_train_once(task, spec, seed, part))
+        if rank == 0:
+            print(PROGRESS_TAG + json.dumps({"frac": (si + 1) / len(specs),
+                                             "info": spec_label(spec)}), flush=True)
+        mine = [{"score": r["score"], "digest": r["digest"], "stats": r["stats"]}
+                for r in per_seed]
+        everyone = hvd.allgather_object(mine)
+        if rank != 0:
+            continue
+
+        def mean_over(key):  # per seed: mean over ranks; then mean over seeds
+            return float(np.mean([np.mean([everyone[r][s]["stats"].get(key, 0)
+                                           for r in range(len(everyone))])
+                                  for s in range(len(seeds))]))
+        # a score per seed: rank 0's model (identical on all ranks for synchronous methods);
+        # "local": the mean over ranks (every rank has its own model)
+        if spec["method"] == "local":
+            scores = [float(np.mean([everyone[r][s]["score"] for r in range(len(everyone))]))
+                      for s in range(len(seeds))]
+        else:
+            scores = [r["score"] for r in per_seed]
+        out = dict(spec, label=spec_label(spec), task=task.name, metric=task.metric,
+                   partition=part, workers=hvd.size(), seeds=list(seeds),
+                   score=float(np.mean(scores)), score_std=float(np.std(scores)),
+                   score_seeds=scores,
+                   upstream_bits=mean_over("upstream_bits"),
+                   downstream_bits=mean_over("downstream_bits"),
+                   dense_bits=mean_over("dense_bits"), syncs=mean_over("syncs"),
+                   positions_sent=mean_over("positions_sent"),
+                   elements_synced=mean_over("elements_synced"),
+                   server_out_bits=float(np.mean([everyone[0][s]["stats"].get(
+                       "server_out_bits", 0) for s in range(len(seeds))])),
+                   ranks_identical=all(len({everyone[r][s]["digest"]
+                                            for r in range(len(everyone))}) == 1
+                                       for s in range(len(seeds))),
+                   step_time_s=float(np.mean([r["step_time_mean"] for r in per_seed])),
+                   steps=per_seed[0]["steps"], params=per_seed[0]["params"],
+                   loss_curve=per_seed[0]["loss_curve"], wall_s=time.perf_counter() - t0,
+                   task_info=task.info)
+        up = out["upstream_bits"]
+        out["compression_ratio"] = out["dense_bits"] / up if up > 0 else None
+        if out["elements_synced"]:
+            out["measured_density"] = out["positions_sent"] / out["elements_synced"]
+        print(RESULT_TAG + json.dumps(out), flush=True)
+    return 0
+
+
+def spec_label(s: dict) -> str:
+    m = s["method"]
+    lab = m
+    if m in ("sbc", "topk"):
+        lab += f" p={s['density']:g}"
+    if m in DROPIN and s.get("delay", 1) != 1 or m == "fedavg":
+        lab += f" n={s.get('delay', 1)}"
+    if s.get("api") == "stock":
+        lab += " (stock)"
+    if s.get("topology") == "server":
+        dd = s.get("downlink_density")
+        lab += " server" + (f" down={dd:g}" if dd is not None else " down=dense")
+    if s.get("local_residual") is False:
+        lab += " shared"
+    if "momentum_masking" in s:
+        lab += " masking" if s["momentum_masking"] else " no-masking"
+    for k in ("optimizer", "nesterov", "weight_decay"):
+        if k in s:
+            lab += f" {k}={s[k]}"
+    return lab
+
+
+def run_task_jobs(task: str, jobs: Sequence[dict], seeds: Sequence[int], timeout: float = 1800,
+                  progress: bool = True, task_kw: Optional[dict] = None, title: str = "",
+                  done: Optional[Dict[str, List[dict]]] = None,
+                  on_job: Optional[Callable[[str, List[dict]], None]] = None
+                  ) -> Dict[str, object]:
+    """``jobs``: ``{"workers", "partition", "runs": [spec, ...], "seeds"?}``; one mpirun job
+    each. ``done``: results of jobs already measured, by :func:`job_key` (not rerun);
+    ``on_job(key, results)`` after every job (e.g. to save progress). Returns
+    ``{"runs": [...], "skipped": [...]}``."""
+    done = dict(done or {})
+    prog = Progress(len(jobs), title or f"{task} benchmark", progress)
+    runs, skipped = [], []
+    for job in jobs:
+        key = job_key(task, job, seeds)
+        if key in done:
+            runs.extend(done[key])
+            continue
+        cfg = {"task": task, "task_kw": task_kw or {}, "seeds": list(job.get("seeds", seeds)),
+               "partition": job["partition"], "runs": job["runs"]}
+        cmd = launcher_prefix(job["workers"], ENV_NAMES) + [
+            python_exe(), "-m", "benchmarks.bench_train", "task-worker", json.dumps(cfg)]
+        prog.start(f"{task} W={job['workers']} {job['partition']} ({len(job['runs'])} runs)")
+        try:
+            out = run_job(cmd, job_env(), timeout, prog.update)
+        except JobError as e:
+            prog.end("FAILED")
+            skipped.append({"job": {k: job[k] for k in ("workers", "partition")},
+                            "reason": str(e)[-3000:]})
+            continue
+        for r in out:
+            r["command"] = shlex.join(cmd[:len(cmd) - 1]) + " CONFIG_JSON"
+            r["job_key"] = key
+        runs.extend(out)
+        if on_job is not None:
+            on_job(key, out)
+        prog.end(", ".join(f"{r['label']}: {_score_str(r)}" for r in out[:4])
+                 + (" ..." if len(out) > 4 else ""))
+    return {"runs": runs, "skipped": skipped}
+
+
+def _score_str(r: dict) -> str:
+    if r["metric"] == "accuracy":
+        return f"{100 * r['score']:.1f}%"
+    return f"ppl {r['score']:.2f}"
+
+
+# -- the sweep of ``python -m benchmarks.bench tasks`` --------------------------------------------
+def _s(method, density=1.0, delay=1, **kw) -> dict:
+    return dict(method=method, density=density, delay=delay, **kw)
+
+
+def task_jobs(task: str, quick: bool) -> List[dict]:
+    """The jobs of the sweep: one per (workers, partition, seed set), each running many methods.
+
+    Budgeted for the 2-core development machine shared with other jobs: every method once
+    (seed 0), then seeds 1 and 2 of the main comparison (mnist1d, 4 workers, IID) in a later job;
+    :func:`merge_seed_runs` joins the seeds of the same setting. ``"seeds"`` of a job overrides
+    the sweep's seeds."""
+    if quick:
+        return [{"workers": 2, "partition": "iid",
+                 "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.01, 1),
+                          _s("sbc", 0.01, 1, api="stock")]}]
+    one = [0]
+    if task == "mnist1d":
+        main = [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
+                _s("sbc", 0.001, 16)]
+        return [
+            {"workers": 4, "partition": "iid", "seeds": one,
+             "runs": main + [_s("sbc", 0.1, 1), _s("sbc", 0.01, 1, local_residual=False),
+                             _s("sbc", 0.01, 1, api="stock"), _s("sbc", 0.1, 1, api="stock"),
+                             _s("sbc", 0.1, 1, api="stock", momentum_masking=False),
+                             _s("topk", 0.01, 1, api="stock"), _s("topk", 0.01, 1)]},
+            {"workers": 4, "partition": "by_class", "seeds": one,
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
+                      _s("sbc", 0.01, 1, local_residual=False),
+                      _s("sbc", 0.01, 4, local_residual=False)]},
+            {"workers": 8, "partition": "iid", "seeds": one,
+             "runs": [_s("none"), _s("topk", 0.01, 1),
+                      _s("topk", 0.01, 1, topology="server", downlink_density=0.01),
+                      _s("topk", 0.01, 1, topology="server", downlink_density=None)]},
+            {"workers": 4, "partition": "iid", "seeds": one,
+             "runs": [_s("topk", 0.01, 1, topology="server", downlink_density=0.01),
+                      _s("topk", 0.01, 1, topology="server", downlink_density=None),
+                      _s("sbc", 0.1, 4), _s("sbc", 0.001, 1), _s("sbc", 0.001, 4),
+                      _s("sbc", 0.01, 16), _s("signsgd"), _s("terngrad"),
+                      _s("fedavg", 1.0, 4), _s("fp16")]},
+            {"workers": 4, "partition": "iid", "seeds": [1, 2], "runs": main},
+            {"workers": 2, "partition": "iid", "seeds": one,
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4)]},
+            {"workers": 2, "partition": "by_class", "seeds": one,
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1),
+                      _s("sbc", 0.01, 1, local_residual=False)]}]
+    runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
+            _s("sbc", 0.01, 4, local_residual=False)]
+    return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS]
+
+
+def job_key(task: str, job: dict, seeds: Sequence[int]) -> str:
+    return json.dumps([task, job["workers"], job["partition"], list(job.get("seeds", seeds)),
+                       job["runs"]], sort_keys=True)
+
+
+def merge_seed_runs(runs: List[dict]) -> List[dict]:
+    """Join results of the same setting (task, workers, partition, label) measured by different
+    jobs with different seeds: scores concatenated (mean and std over all seeds), bit counts and
+    step times averaged weighted by the number of seeds."""
+    import numpy as np
+    order, groups = [], {}
+    for r in runs:
+        k = (r["task"], r["workers"], r["partition"], r["label"])
+        if k not in groups:
+            order.append(k)
+            groups[k] = []
+        groups[k].append(r)
+    out = []
+    for k in order:
+        rs = groups[k]
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        m = dict(rs[0])
+        w = [len(r["seeds"]) for r in rs]
+        m["seeds"] = [s for r in rs for s in r["seeds"]]
+        m["score_seeds"] = [s for r in rs for s in r["score_seeds"]]
+        m["score"] = float(np.mean(m["score_seeds"]))
+        m["score_std"] = float(np.std(m["score_seeds"]))
+        for key in ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "positions_sent",
+                    "elements_synced", "step_time_s", "server_out_bits", "wall_s"):
+            if all(key in r for r in rs):
+                m[key] = float(np.average([r[key] for r in rs], weights=w))
+        m["ranks_identical"] = all(r.get("ranks_identical") for r in rs)
+        up = m["upstream_bits"]
+        m["compression_ratio"] = m["dense_bits"] / up if up > 0 else None
+        if m.get("elements_synced"):
+            m["measured_density"] = m["positions_sent"] / m["elements_synced"]
+        m["merged_from_jobs"] = len(rs)
+        out.append(m)
+    return out
+
+
+def _better(metric: str, a: float, b: float) -> bool:
+    return a > b if metric == "accuracy" else a < b
+
+
+def _within(metric: str, score: float, dense: float) -> bool:
+    """Within one point of dense: 1 accuracy point, or 1 % of dense perplexity."""
+    return score >= dense - 0.01 if metric == "accuracy" else score <= dense * 1.01
+
+
+def summarize_tasks(res: dict) -> Dict[str, object]:
+    """Per (task, workers, partition): dense, local, their gap, and the best upstream ratio
+    among runs within one point of dense (1 accuracy point / 1 % perplexity)."""
+    out: Dict[str, object] = {}
+    groups: Dict[tuple, List[dict]] = {}
+    for r in res["runs"]:
+        groups.setdefault((r["task"], r["workers"], r["partition"]), []).append(r)
+    for (task, w, part), runs in sorted(groups.items()):
+        by = {r["label"]: r for r in runs}
+        dense, local = by.get("none"), by.get("local")
+        if dense is None:
+            continue
+        metric = dense["metric"]
+        row = {"metric": metric, "dense": dense["score"], "dense_std": dense["score_std"]}
+        if local:
+            row["local"] = local["score"]
+            row["local_minus_dense"] = local["score"] - dense["score"]
+        ok = [r for r in runs if r.get("compression_ratio") and r["method"] not in STOCK
+              and _within(metric, r["score"], dense["score"])]
+        best = max(ok, key=lambda r: r["compression_ratio"], default=None)
+        row["best_within_1pt"] = None if best is None else {
+            "label": best["label"], "score": best["score"], "ratio": best["compression_ratio"]}
+        sbc_ok = [r for r in ok if r["method"] == "sbc"]
+        best_sbc = max(sbc_ok, key=lambda r: r["compression_ratio"], default=None)
+        row["best_sbc_within_1pt"] = None if best_sbc is None else {
+            "label": best_sbc["label"], "score": best_sbc["score"],
+            "ratio": best_sbc["compression_ratio"]}
+        def fails(r):  # more than 2 points below dense, or not better than no communication
+            far = (r["score"] < dense["score"] - 0.02 if metric == "accuracy"
+                   else r["score"] > dense["score"] * 1.02)
+            return far or (local is not None and not _better(metric, r["score"], local["score"]))
+        row["sbc_p_le_0.1_failing_2pt_or_local"] = [
+            r["label"] for r in runs if r["method"] == "sbc" and r["density"] <= 0.1 and fails(r)]
+        out[f"{task} W={w} {part}"] = row
+    return out
+
+
+def _fmt_score(r: dict) -> str:
+    if r["metric"] == "accuracy":
+        s = f"{100 * r['score']:.1f}"
+        return s + (f" ± {100 * r['score_std']:.1f}" if len(r.get("seeds", [])) > 1 else "") + " %"
+    return f"{r['score']:.2f}" + (f" ± {r['score_std']:.2f}" if len(r.get("seeds", [])) > 1
+                                  else "")
+
+
+def markdown_tasks(res: dict) -> str:
+    out = []
+    groups: Dict[tuple, List[dict]] = {}
+    for r in res["runs"]:
+        groups.setdefault((r["task"], r["workers"], r["partition"]), []).append(r)
+    for (task, w, part), runs in sorted(groups.items()):
+        metric = runs[0]["metric"]
+        head = f"**{task}, {w} workers, {PART_TITLE.get(part, part) if task != 'text' else part}**"
+        lines = [head, "", f"| method | {'test accuracy' if metric == 'accuracy' else 'test ppl'}"
+                 " (mean ± std) | upstream bits / rank | downstream bits / rank | ratio | "
+                 "positions / numel | ranks identical |", "|---|---:|---:|---:|---:|---:|:---:|"]
+        for r in runs:
+            md = r.get("measured_density")
+            lines.append(f"| {r['label']} | {_fmt_score(r)} | {_bits_str(r['upstream_bits'])} | "
+                         f"{_bits_str(r['downstream_bits'])} | {_ratio_str(r)} | "
+                         f"{'-' if md is None else f'{md:.4f}'} | "
+                         f"{'yes' if r.get('ranks_identical') else 'no'} |")
+        out.append("\n".join(lines))
+    for s in res.get("skipped", []):
+        out.append(f"skipped {s.get('job')}: {s['reason'].splitlines()[0]}")
+    summ = res.get("summary") or {}
+    if summ:
+        lines = ["**Summary** (one point = 1 accuracy point or 1 % of dense perplexity)", "",
+                 "| setting | dense | local | local − dense | best ratio within 1 pt | "
+                 "best SBC ratio within 1 pt | SBC p ≤ 0.1 > 2 pt below dense or ≤ local |",
+                 "|---|---:|---:|---:|---|---|---|"]
+        for k, v in summ.items():
+            acc = v["metric"] == "accuracy"
+            f = (lambda x: f"{100 * x:.1f} %") if acc else (lambda x: f"{x:.2f}")
+            gap = v.get("local_minus_dense")
+            b, bs = v.get("best_within_1pt"), v.get("best_sbc_within_1pt")
+            lines.append(
+                f"| {k} | {f(v['dense'])} | {f(v['local']) if 'local' in v else '-'} | "
+                f"{'-' if gap is None else (f'{100 * gap:+.1f} pt' if acc else f'{gap:+.2f}')} | "
+                f"{'-' if not b else b['label'] + ' ×' + format(b['ratio'], ',.0f')} | "
+                f"{'-' if not bs else bs['label'] + ' ×' + format(bs['ratio'], ',.0f')} | "
+                f"{', '.join(v['sbc_p_le_0.1_failing_2pt_or_local']) or 'none'} |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def plot_tasks(res: dict, path: str) -> None:
+    """Score vs upstream bits per rank, one panel per (task, workers, partition)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups: Dict[tuple, List[dict]] = {}
+    for r in res["runs"]:
+        if r["workers"] in (2, 4):
+            groups.setdefault((r["task"], r["workers"], r["partition"]), []).append(r)
+    keys = sorted(groups)
+    if not keys:
+        return
+    cols = min(4, len(keys))
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.3 * rows), squeeze=False)
+    markers = {"none": "s", "fp16": "D", "sbc": "o", "topk": "^", "fedavg": "v",
+               "signsgd": "P", "terngrad": "X"}
+    for ax, key in zip(axes.flat, keys):
+        runs = groups[key]
+        acc = runs[0]["metric"] == "accuracy"
+        val = (lambda r: 100 * r["score"]) if acc else (lambda r: r["score"])
+        for r in runs:
+            if r["method"] == "local":
+                ax.axhline(val(r), ls=":", c="k", lw=1, label="local (no communication)")
+                continue
+            if r["method"] == "none":
+                ax.axhline(val(r), ls="--", c="gray", lw=1, label="dense")
+            if r["upstream_bits"] <= 0:
+                continue
+            c = "tab:blue" if r["method"] == "sbc" and r.get("api") != "stock" else None
+            ax.scatter(r["upstream_bits"], val(r), marker=markers.get(r["method"], "o"), s=30,
+                       color=c, zorder=3)
+            ax.annotate(r["label"].replace("sbc ", ""), (r["upstream_bits"], val(r)), fontsize=5,
+                        xytext=(2, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(f"{key[0]}, {key[1]} workers, {key[2]}", fontsize=9)
+        ax.set_xlabel("upstream bits per rank (log)", fontsize=8)
+        ax.set_ylabel("test accuracy (%)" if acc else "test perplexity", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, loc="best")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle("Training tasks: final score vs upstream traffic (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         sys.exit(worker_main(sys.argv[2:]))
+    if len(sys.argv) >= 2 and sys.argv[1] == "task-worker":
+        sys.exit(task_worker_main(sys.argv[2:]))
     print("usage: python -m benchmarks.bench train|grid ... (this module's entry is the worker)")
     sys.exit(2)

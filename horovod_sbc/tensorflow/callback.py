@@ -7,8 +7,9 @@ optimizer wrapper or a custom ``train_step`` would have to reach into Keras inte
 between releases. A callback uses only public, stable hooks: ``model.fit`` trains each rank with
 your own, unmodified optimizer, and after every batch the callback runs :meth:`SBC.step` on the
 model's trainable variables — the communication-delay algorithm of the SBC paper (local steps,
-then the weight update ``dW = W - W_ref`` is SBC-compressed, allgathered, averaged; every rank
-continues from the new shared weights). ``delay=1`` synchronizes after every batch.
+then the weight update is SBC-compressed, allgathered, averaged into the shared weights; every
+rank continues from the shared weights plus its own unsent residual, or from the shared weights
+alone with ``SBC(local_residual=False)``). ``delay=1`` synchronizes after every batch.
 
 Rules of the road:
 
@@ -40,8 +41,9 @@ class SBCCallback(keras.callbacks.Callback):
         broadcast: at the start of the first ``fit`` (while the SBC state is not built yet),
             broadcast ``model.variables`` from ``root_rank`` so all ranks start equal.
         root_rank: the rank whose initial weights everyone starts from.
-        sync_on_end: at the end of ``fit``, exchange what is left of a partial delay window so
-            that all ranks end with identical weights.
+        sync_on_end: at the end of ``fit``, exchange what is left of a partial delay window and
+            (``local_residual=True``, the default of :class:`SBC`) average the ranks' residuals
+            into the weights (:meth:`SBC.finish`), so that all ranks end with identical weights.
 
     ``callback.stats()`` gives the traffic figures (see :meth:`SBC.stats`).
     """
@@ -75,5 +77,9 @@ class SBCCallback(keras.callbacks.Callback):
         self.sbc.step(self._variables())
 
     def on_train_end(self, logs=None):
-        if self.sync_on_end and int(self.sbc.local_steps.numpy()) > 0:
+        if not self.sync_on_end:
+            return
+        if getattr(self.sbc, "local_residual", False):
+            self.sbc.finish(self._variables())
+        elif int(self.sbc.local_steps.numpy()) > 0:
             self.sbc.synchronize(self._variables())

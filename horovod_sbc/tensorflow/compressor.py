@@ -119,13 +119,27 @@ class SBC(tf.Module):
             bytes visit the host (step framing with its CRC-32, header parsing). ``"numpy"``:
             the former bridge to the numpy reference through ``tf.numpy_function`` (every
             update is copied to host memory); the same bytes, kept as a fallback.
+        local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
+            :class:`SBCCallback`). True: after a sync every rank continues from the shared
+            weights plus its own unsent residual, so momentum and Adam see the effect of their
+            own steps at once (the default of :func:`horovod_sbc.torch.DistributedOptimizer`;
+            see :mod:`horovod_sbc.torch.optimizer` for why and what was measured); ranks'
+            weights then differ by their residuals until :meth:`finish`. False (default here,
+            for now: the TensorFlow adapter's training accuracy was not benchmarked with True):
+            every rank continues from the shared weights, bit-identical after every sync; with
+            momentum and a small delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much
+            worse on IID data, but it is the right choice on non-IID shards. Gradient modes
+            (delay 1 tape, stock tape) exchange gradients and are not affected.
         name: the ``tf.Module`` name.
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper", codec: str = "native",
-                 name: str = "sbc"):
+                 name: str = "sbc", local_residual: bool = False):
         super().__init__(name=name)
+        if not isinstance(local_residual, bool):
+            raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
+        self.local_residual = local_residual
         # the same validated knobs as the torch adapter's (horovod_sbc.config)
         self.config = SBCConfig(density=density, delay=delay,
                                 mode="sbc" if binarize else "values", selection=selection,
@@ -345,9 +359,10 @@ class SBC(tf.Module):
 
         Call it right after ``optimizer.apply_gradients`` on every step, on every rank (the
         drop-in tape with ``delay > 1`` and :class:`SBCCallback` need it / do it). Works eagerly
-        and inside ``tf.function``. At a sync, ``dW = W - W_ref`` (+ residual) is SBC-compressed
-        for every variable, all messages go in one allgather, and every rank sets
-        ``W_ref += mean over ranks`` and ``W = W_ref``: all ranks hold bit-identical weights.
+        and inside ``tf.function``. At a sync, this window's update (+ residual) is
+        SBC-compressed for every variable, all messages go in one allgather, and every rank sets
+        ``W_ref += mean over ranks`` (bit-identical everywhere) and ``W = W_ref + R``
+        (``local_residual=True``) or ``W = W_ref`` (False).
         """
         self._use("weights")
         entries = self._entries(variables)
@@ -375,19 +390,62 @@ class SBC(tf.Module):
             shape = _static_shape(v, name)
             ref = self._reference(name, v, create=False)
             r = self._residual(name, shape, v.dtype)
-            upds.append(tf.cast(v.read_value(), r.dtype) - tf.cast(ref.read_value(), r.dtype))
+            upds.append(self._window_update(v, ref, r))
             names.append(name), shapes.append(shape), res.append(r), refs.append(ref)
         # the average of all ranks' decoded updates is added straight into W_ref
         code, new_refs, new_res = self._exchange(
             names, shapes, upds, res, 1.0 / size, tag, outs=[r.read_value() for r in refs])
-        ops = [self._commit(res, upds, code, new_res),
-               self.counters["syncs"].assign_add(tf.cast(tf.equal(code, COMMIT), tf.int64)),
-               self.local_steps.assign(0)]
+        committed = [self._commit(res, upds, code, new_res),
+                     self.counters["syncs"].assign_add(tf.cast(tf.equal(code, COMMIT), tf.int64)),
+                     self.local_steps.assign(0)]
+        ops = list(committed)
         for (name, v, _), ref, new in zip(entries, refs, new_refs):
             ops.append(ref.assign(new))
-            ops.append(v.assign(new))  # every rank continues from W_ref (also after a skip)
         with tf.control_dependencies(ops):
+            assigns = [v.assign(self._continue_from(v, ref, r))
+                       for (name, v, _), ref, r in zip(entries, refs, res)]
+        with tf.control_dependencies(assigns):
             return tf.equal(code, COMMIT)
+
+    def _window_update(self, v, ref, r):
+        """The update of this delay window. Shared weights (``local_residual=False``):
+        ``W - W_ref``. Local residual: the weights hold ``W_ref + R`` (rounded to the variable's
+        dtype) after a sync, so the window's own progress is ``W - (W_ref + R)``."""
+        base = self._continue_from(v, ref, r)  # where this window started
+        return tf.cast(v.read_value(), r.dtype) - tf.cast(base, r.dtype)
+
+    def _continue_from(self, v, ref, r):
+        """Where a rank continues after a sync (run after the commit): ``W_ref`` (also after a
+        skip), or with ``local_residual`` ``W_ref + R`` (after a skip healthy ranks keep
+        ``R + dW``, i.e. their weights, and the failing rank drops its window)."""
+        if not self.local_residual:
+            return ref.read_value()
+        return tf.cast(tf.cast(ref.read_value(), r.dtype) + r.read_value(), v.dtype)
+
+    @_no_autograph
+    def finish(self, variables, average_residuals: bool = True):
+        """End of training in weight mode: sync a partial delay window, then give every rank the
+        same weights: ``W_ref`` + the average of all ranks' residuals (one dense allreduce, then
+        a broadcast from rank 0), or ``W_ref`` alone with ``average_residuals=False``.
+        Residuals are cleared. Eager only."""
+        import horovod.tensorflow as hvd
+        self._use("weights")
+        entries = self._entries(variables)
+        if int(self.local_steps.numpy()) > 0:
+            self._synchronize(entries)
+        for name, v, _ in entries:
+            ref = self._reference(name, v, create=False)
+            r = self._residual(name, _static_shape(v, name), v.dtype)
+            new = tf.cast(ref.read_value(), r.dtype)
+            if average_residuals:
+                new = new + hvd.allreduce(r.read_value(), op=hvd.Average,
+                                          name="sbc_finish_" + tf_name(name))
+            v.assign(tf.cast(new, v.dtype))
+            r.assign(tf.zeros_like(r))
+        if average_residuals:
+            hvd.broadcast_variables([tf_variable(v) for _, v, _ in entries], root_rank=0)
+        for name, v, _ in entries:
+            self._reference(name, v, create=False).assign(v.read_value())
 
     @_no_autograph
     def _check_window(self, sources):

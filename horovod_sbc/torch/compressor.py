@@ -79,6 +79,19 @@ class SBC(StockHook):
             baselines :func:`TopK`, :func:`FedAvg`, :func:`SignSGD`, :func:`TernGrad` are presets.
             ``binarize=False`` is ``mode="values"``.
         seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
+        momentum_masking: stock ``hvd.DistributedOptimizer`` only (the drop-in keeps the
+            residual in the local weights instead, see :mod:`horovod_sbc.torch.optimizer`).
+            There the optimizer's momentum acts on the averaged sparse update ("global"
+            momentum): a coordinate arrives only every ~1/p steps, in one burst holding all its
+            delayed gradient, and the momentum buffer then replays that burst for ~1/(1-m) more
+            steps on top of the stale velocity it already had. True (default for SBC; False for
+            :func:`TopK`, whose exact values need their momentum): DGC's momentum factor masking
+            (Lin et al., ICLR 2018) on the global buffer — where the averaged update is
+            non-zero, the owner optimizer's SGD ``momentum_buffer`` is zeroed just before its
+            step (:func:`horovod_sbc.torch.hook.mask_momentum`). It helps (mnist1d, 4 workers,
+            SGD momentum 0.9, p = 0.1: 41.2 % -> 56.3 %; dense 84.7 %) but the stock path with
+            momentum stays worse than no communication there (docs/benchmarks.md); the hook
+            warns once when the optimizer has momentum.
 
     Attribute ``transport``: the collective :meth:`exchange` gathers step messages with;
     :class:`~horovod_sbc.torch.exchange.HorovodTransport` by default. The DDP hook and averager
@@ -89,7 +102,8 @@ class SBC(StockHook):
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
                  downlink_density: Optional[float] = None, downlink_binarize: bool = False,
-                 selection: str = "paper", mode: Optional[str] = None, seed: int = 0):
+                 selection: str = "paper", mode: Optional[str] = None, seed: int = 0,
+                 momentum_masking: bool = True):
         if mode is None:
             mode = "sbc" if binarize else "values"
         elif not binarize and mode == "sbc":
@@ -106,6 +120,10 @@ class SBC(StockHook):
         self._saved_gen = None
         self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
         self._max_calls = 0
+        if not isinstance(momentum_masking, bool):
+            raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+        self.momentum_masking = momentum_masking
+        self._warned_momentum = False
 
     # -- the knobs, read-only views of the configuration --------------------------------------
     density = property(lambda self: self.config.density)
@@ -193,7 +211,11 @@ def TopK(density: float = 0.01, delay: int = 1, nonfinite: str = "raise",
          named_parameters=None, **kw) -> SBC:
     """Top-k sparsification with error feedback (as in DGC / GRACE): the kept entries' own
     float32 values are sent, positions Golomb-Rice coded like SBC's (``SBC(mode="values")``).
-    Takes ``topology="server"`` and ``downlink_density`` like :class:`SBC`."""
+    Takes ``topology="server"`` and ``downlink_density`` like :class:`SBC` (the setting of
+    "Downlink Compression Improves TopK Sparsification", Zou, De Sterck, Liu; arXiv
+    2209.15203). ``momentum_masking`` is off by default here: top-k sends exact values, and
+    masking the global buffer would only remove the momentum they should get."""
+    kw.setdefault("momentum_masking", False)
     return SBC(density=density, delay=delay, mode="values", nonfinite=nonfinite,
                named_parameters=named_parameters, **kw)
 

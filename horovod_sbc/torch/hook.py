@@ -119,6 +119,7 @@ class StockHook:
         self._check_stock()
         cfg = self.config
         owner = identify(tensor, self._named)
+        warn_momentum(self, owner)
         name = owner.name
         if tensor.is_sparse:
             raise ValueError(f"SBC: gradient of {name!r} is sparse; pass sparse_as_dense=True to "
@@ -172,4 +173,34 @@ class StockHook:
         subtract_sent_(ctx.residual, ctx.positions, ctx.sent)
         self.manager.add(positions_sent=ctx.positions.numel(),
                          elements_synced=ctx.residual.numel())
+        if self.momentum_masking:
+            mask_momentum(ctx.owner, flat)
         return out
+
+
+def mask_momentum(owner: Owner, avg: torch.Tensor) -> None:
+    """DGC's momentum factor masking (Lin et al., ICLR 2018) on the *global* buffer: zero
+    ``optimizer.state[p]["momentum_buffer"]`` where the averaged update ``avg`` (flat) is
+    non-zero, before the optimizer's step (see ``SBC(momentum_masking=...)``). The buffer is
+    the same on every rank, so ranks stay identical. On-device, no host transfer; optimizers
+    without that state (Adam, ...) are left alone."""
+    state = getattr(owner.optimizer, "state", None)
+    if state is None or owner.parameter is None:
+        return
+    buf = state.get(owner.parameter, {}).get("momentum_buffer")
+    if isinstance(buf, torch.Tensor) and buf.numel() == avg.numel():
+        buf.view(-1).masked_fill_(avg != 0, 0)
+
+
+def warn_momentum(hook, owner: Owner) -> None:
+    """Once per compressor: the stock hook with an SGD-style optimizer with momentum."""
+    if hook._warned_momentum or owner.optimizer is None:
+        return
+    hook._warned_momentum = True
+    if any(g.get("momentum", 0) for g in getattr(owner.optimizer, "param_groups", [])):
+        warnings.warn(
+            "horovod_sbc: SBC through stock hvd.DistributedOptimizer with momentum: the "
+            "optimizer's momentum then acts on sparse, stale updates, and on mnist1d (4 workers, "
+            "SGD momentum 0.9) this trained worse than no communication at all "
+            "(docs/benchmarks.md). Use horovod_sbc.torch.DistributedOptimizer (local_residual="
+            "True) instead.", stacklevel=4)

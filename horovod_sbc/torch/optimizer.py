@@ -7,17 +7,48 @@ instance of a subclass of *your* optimizer's class, so its ``step()`` math, hype
 How a step works (``delay = n``):
 
 1. ``step()`` runs your optimizer's own step on this rank's gradients (a *local* step).
-2. Every n-th step is a *sync*: for each parameter, the weight update since the last sync,
-   ``dW = W_local - W_ref``, plus its residual is SBC-compressed; all tensors' messages go in one
-   allgather; every rank decodes and averages all ranks' updates ``U`` and sets
-   ``W_ref += U`` and ``W_local = W_ref``. So all ranks hold bit-identical weights after each sync.
+2. Every n-th step is a *sync*: for each parameter, the update ``A = W_local - W_ref`` (everything
+   this rank's optimizer did since the shared weights ``W_ref`` and has not sent yet) is
+   SBC-compressed; all tensors' messages go in one allgather; every rank decodes and averages all
+   ranks' messages ``U`` and sets ``W_ref += U`` (bit-identical on every rank). The residual is
+   ``R = A - sent``.
+3. With ``local_residual=True`` (default) every rank continues from ``W_local = W_ref + R``: its
+   own unsent update stays **in its weights** (error feedback in weight space, as in CSER's
+   "error reset", Xie et al., NeurIPS 2020), so the next gradients are taken where this rank's
+   optimizer actually is. With ``local_residual=False`` every rank continues from ``W_ref`` and
+   the unsent part waits in the residual (the paper's formulation; ranks are bit-identical after
+   every sync).
 
-With ``delay=1`` and plain SGD (``dW = -lr * g``) this is gradient sparsification with error
-feedback. Optimizer state (momentum buffers, Adam moments) stays **local** to each rank and is not
-reset at a sync: it is computed from the rank's own gradients, exactly as in local SGD / FedAvg and
-the SBC paper's experiments (which used momentum SGD), and since ``dW`` includes the momentum
-term, momentum is carried through the residual like in DGC's "momentum correction". Broadcast it
-once at start (:func:`broadcast_state`) so all ranks begin equal.
+Why ``local_residual=True`` is the default — momentum. Optimizer state (momentum buffers, Adam
+moments) is local to each rank: it is computed from the rank's own gradients (as in local SGD /
+FedAvg and the SBC paper's experiments, which used momentum SGD), and since ``A`` includes the
+momentum term, momentum is carried through the residual as in DGC's *momentum correction* (Lin et
+al., "Deep Gradient Compression", ICLR 2018). With ``local_residual=False`` and a small delay this
+is an open loop: a coordinate is sent only every ~1/p syncs, meanwhile the rank keeps evaluating
+its gradient at ``W_ref``, where nothing has moved, so the velocity keeps pushing the same way and
+the residual grows until it is sent in one large, stale burst (momentum acts twice: once in the
+velocity, once in the accumulated residual). DGC's remedy is *momentum factor masking* (zero the
+velocity where an update was sent). Measured on mnist1d (4 workers, SGD lr 0.05 momentum 0.9,
+1,500 steps, density 0.01, delay 1; docs/benchmarks.md): dense 94.6 %, no communication 87.8 %,
+``local_residual=False`` 77.5 %, the same with factor masking 87.3 %, resetting the optimizer state
+at every sync 58.4 %, ``local_residual=True`` 93.5 % (with masking too: 93.3 %, so masking is not
+offered). Keeping the residual in the local weights closes the loop: the velocity sees the effect
+of its own steps at once, exactly as in dense training, and only the *exchange* is sparse.
+
+The price: between syncs (and after one) ranks' live weights differ by their residuals; the
+shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of training to give
+every rank the same weights (``W_ref`` + the average of all ranks' residuals, one dense
+allreduce), or evaluate :meth:`shared_weights`.
+
+**Label-skewed (non-IID) data.** When each rank sees only its own classes, the residual kept
+in the weights can let every rank drift towards its own classes: in the same screening with
+each of the 4 workers holding its own classes, ``local_residual=True`` reached 53.9 % (delay 1)
+and 40.5 % (delay 4) after :meth:`finish`, ``False`` 91.0 % and 79.3 % (dense 94.4 %). The
+multi-rank benchmark (500 steps; docs/benchmarks.md) found the opposite order in all three of its
+non-IID settings: label-skewed mnist1d with 4 workers 35.1 % vs 31.4 % and with 2 workers
+63.6 % vs 32.4 % (dense 85.0 / 83.8 %), text split by topic perplexity 9.35 vs 12.28 (dense
+7.71). So on non-IID data try both. Horovod's usual setting, every rank drawing from the same
+shuffled data, is the IID case, hence the default.
 
 Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
 so such a parameter simply contributes ``dW = 0``. Parameters with ``requires_grad=False`` and
@@ -62,8 +93,11 @@ class _SBCOptimizer:
     # delay windows of all ranks stay aligned (a skipped step() call would hang the next sync)
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, named_parameters, compression: SBC):
+    def __init__(self, params, named_parameters, compression: SBC, local_residual: bool = True):
         super(self.__class__, self).__init__(params)
+        if not isinstance(local_residual, bool):
+            raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
+        self._sbc_local_residual = local_residual
         if named_parameters is not None:
             named_parameters = list(named_parameters)
         else:
@@ -90,7 +124,7 @@ class _SBCOptimizer:
         self._sbc = compression
         self._sbc_local_steps = 0
         self._sbc_bypass = False
-        compression.manager.config.update(delay=compression.delay)
+        compression.manager.config.update(delay=compression.delay, local_residual=local_residual)
 
     # -- public extras ----------------------------------------------------------------------------
     @property
@@ -159,19 +193,85 @@ class _SBCOptimizer:
             self.synchronize()
         return loss
 
+    @property
+    def local_residual(self) -> bool:
+        """Whether each rank keeps its unsent update in its weights (see the module docstring)."""
+        return self._sbc_local_residual
+
     @torch.no_grad()
     def synchronize(self) -> None:
         """Exchange the accumulated update now (normally called by ``step()``)."""
         ref = self._sbc.manager.reference
         self._capture_reference()
-        # dW = W_local - W_ref per parameter; the average of all ranks' decoded updates is added
-        # straight into W_ref, then every rank continues from W_ref
-        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name])
+        res = self._sbc.manager.residuals
+        if self._sbc_local_residual:
+            # the weights hold W_ref + R (rounded to the parameter's dtype): the update of this
+            # window is W_local - (W_ref + R), added to the exact residual kept by the compressor
+            base = {name: (ref[name] + res[name].view_as(p).to(ref[name].dtype))
+                    if name in res else ref[name] for name, p in self._sbc_params}
+        else:
+            base = ref
+        # the average of all ranks' decoded updates is added straight into W_ref
+        items = [Update(name, p.detach(), tuple(p.shape), base=base[name])
                  for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
-            p.copy_(ref[name])
+            if self._sbc_local_residual and name in res:
+                # W_ref + R; after a skipped sync healthy ranks keep R + dW (weights unchanged)
+                # and the failing rank has R again (its non-finite window is dropped)
+                p.copy_(ref[name] + res[name].view_as(p).to(p.dtype))
+            else:
+                p.copy_(ref[name])
         self._sbc_local_steps = 0
+
+    @torch.no_grad()
+    def finish(self, average_residuals: bool = True) -> None:
+        """End of training: give every rank the same weights.
+
+        Syncs a pending partial delay window first. With ``local_residual=True`` ranks' weights
+        differ by their unsent residuals; ``average_residuals=True`` sets every rank's weights to
+        ``W_ref`` + the average of all ranks' residuals (one dense allreduce, then a broadcast
+        from rank 0 so that the result is bit-identical); ``False`` drops the residuals
+        (weights = ``W_ref``, no traffic). Residuals are cleared either way."""
+        import horovod.torch as hvd
+        self._capture_reference()
+        if self._sbc_local_steps:
+            self.synchronize()
+        ref = self._sbc.manager.reference
+        res = self._sbc.manager.residuals
+        for name, p in self._sbc_params:
+            r = res.get(name)
+            if average_residuals and r is not None:
+                avg = hvd.allreduce(r.view_as(p).to(p.dtype), op=hvd.Average,
+                                    name=f"sbc.finish.{name}")
+                p.copy_(ref[name] + avg)
+            else:
+                p.copy_(ref[name])
+            if r is not None:
+                r.zero_()
+            ref[name].copy_(p)
+        if average_residuals:
+            _broadcast_tensors(self._sbc_params, 0)
+            for name, p in self._sbc_params:
+                ref[name].copy_(p)
+        self._sbc_local_steps = 0
+
+    @contextlib.contextmanager
+    def shared_weights(self):
+        """Within this context the parameters hold the shared weights ``W_ref`` (bit-identical on
+        every rank, e.g. to evaluate or save one model); they are restored afterwards."""
+        ref = self._sbc.manager.reference
+        saved = [(p, p.detach().clone()) for name, p in self._sbc_params if name in ref]
+        try:
+            with torch.no_grad():
+                for name, p in self._sbc_params:
+                    if name in ref:
+                        p.copy_(ref[name])
+            yield
+        finally:
+            with torch.no_grad():
+                for p, v in saved:
+                    p.copy_(v)
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self):
@@ -196,7 +296,7 @@ class _SBCOptimizer:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: Optional[SBC] = None, delay: Optional[int] = None,
-                         density: Optional[float] = None):
+                         density: Optional[float] = None, local_residual: bool = True):
     """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
 
     Args:
@@ -207,6 +307,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             steps between syncs.
         delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
             ``compression`` is not given.
+        local_residual: True (default): after a sync every rank continues from the shared
+            weights plus its own unsent residual (stable with momentum and Adam at any delay;
+            ranks' weights differ by their residuals until :meth:`finish`). False: every rank
+            continues from the shared weights (bit-identical after every sync; with momentum
+            and a small delay this trains much worse, see the module docstring).
 
     Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
@@ -223,7 +328,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression)
+    return cls(optimizer.param_groups, named_parameters, compression, local_residual)
 
 
 def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:

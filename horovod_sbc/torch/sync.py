@@ -21,6 +21,7 @@ import torch
 
 from .. import wire
 from . import exchange
+from ..core import keep_count
 from .codec import NonFiniteError, _scratch, encode_positions, encode_update, subtract_sent_
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -182,8 +183,22 @@ def server_step(state: "SBC", gathered, layout, size, acc_dtype, dev) -> torch.T
             if r is None or r.numel() != a.numel():
                 r = srv[name] = torch.zeros_like(a)
             r.add_(a)  # server-side error feedback
-            msg, pos, sent = encode_update(r, cfg.downlink_density, cfg.downlink_mode, name,
-                                           selection=cfg.selection)
+            msg, pos, sent = encode_downlink(r, cfg.downlink_density, cfg.downlink_mode, name,
+                                             cfg.selection)
             subtract_sent_(r, pos, sent)
         msgs.append(msg)
     return exchange.frame(msgs, fp, dev)
+
+
+def encode_downlink(r: torch.Tensor, density: float, mode: str, name: str, selection: str):
+    """The server's message for the residual-corrected average ``r``: never a zero-valued
+    position. With few ranks the average often has fewer non-zeros than the downlink's k (2 ranks
+    at p=0.01 send 2k positions at most, the downlink keeps k of a sum of sparse messages), so k
+    is min(k, non-zeros) (one count crosses to the host)."""
+    n = r.numel()
+    k = keep_count(n, density)
+    nz = int(torch.count_nonzero(r)) if n else 0
+    if nz == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=r.device)
+        return encode_positions(empty, n), empty, r.new_zeros(0)
+    return encode_update(r, density if nz >= k else nz / n, mode, name, selection=selection)

@@ -92,6 +92,13 @@ def digest(model):
     return h.hexdigest()
 
 
+# These jobs check the exchange itself: bit-identical weights after every sync, exact accounting,
+# errors, checkpoints. Bit-identical *weights* after a sync is the local_residual=False mode; the
+# default (local_residual=True: each rank continues from the shared weights + its own residual)
+# is covered by tests/test_training.py. "local_residual=1" on the command line selects it.
+LOCAL_RESIDUAL = KW.get("local_residual", "0") == "1"
+
+
 def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
     torch.manual_seed(0)
     model = Net()
@@ -116,7 +123,7 @@ def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
         stats = None
     else:
         opt = sbc.DistributedOptimizer(base, named, compression=comp or sbc.SBC(
-            density=density, delay=delay, binarize=binarize))
+            density=density, delay=delay, binarize=binarize), local_residual=LOCAL_RESIDUAL)
         sbc.broadcast_state(model, opt, root_rank=0)
         opt.zero_grad()
         stats = opt.stats
@@ -231,7 +238,7 @@ def run_errors():
     opt = sbc.DistributedOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05),
         [(n, p) for n, p in model.named_parameters() if p.requires_grad],
-        compression=sbc.SBC(density=0.1, nonfinite="skip"))
+        compression=sbc.SBC(density=0.1, nonfinite="skip"), local_residual=LOCAL_RESIDUAL)
     sbc.broadcast_state(model, opt)
     before = digest(model)
     import warnings
@@ -309,7 +316,8 @@ def run_odd():
     # must leave those alone (and keep them out of the layout)
     named = list(model.named_parameters())
     opt = sbc.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named,
-                                   compression=sbc.SBC(density=0.3, delay=2))
+                                   compression=sbc.SBC(density=0.3, delay=2),
+                                   local_residual=LOCAL_RESIDUAL)
     sbc.broadcast_state(model, opt)
     digests = []
     for s in range(6):
@@ -347,7 +355,8 @@ def run_mismatch():
         ps = [("a", torch.nn.Parameter(torch.ones(6))), ("b", torch.nn.Parameter(torch.ones(2)))]
         named = ps if RANK == 0 else ps[::-1]
     opt = sbc.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named,
-                                   compression=sbc.SBC(density=0.5))
+                                   compression=sbc.SBC(density=0.5),
+                                   local_residual=LOCAL_RESIDUAL)
     for _, p in named:
         p.grad = torch.full_like(p, 1.0 + RANK)
     out["error"] = catch(opt.step)
