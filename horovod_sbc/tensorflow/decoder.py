@@ -293,8 +293,12 @@ def _tiny(bits: tf.Tensor) -> tf.Tensor:
     return tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
 
 
+def _zero(bits: tf.Tensor) -> tf.Tensor:
+    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0)
+
+
 def _subnormal(bits: tf.Tensor) -> tf.Tensor:
-    return tf.logical_and(_tiny(bits), tf.not_equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0))
+    return tf.logical_and(_tiny(bits), tf.logical_not(_zero(bits)))
 
 
 def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -305,18 +309,14 @@ def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     s = tf.bitcast(tf.bitcast(x, tf.float32) + tf.bitcast(y, tf.float32), tf.int32)
     # TF's add is exact unless an operand is subnormal or the result is (then it shows as a zero
     # that two non-zero operands did not cancel to; real cancellations are redone harmlessly)
-    both_zero = tf.logical_and(tf.logical_not(tf.logical_or(_subnormal(x), tf.logical_not(
-        _tiny(x)))), tf.logical_not(tf.logical_or(_subnormal(y), tf.logical_not(_tiny(y)))))
+    both_zero = tf.logical_and(_zero(x), _zero(y))
     redo = tf.logical_or(tf.logical_or(_subnormal(x), _subnormal(y)),
                          tf.logical_and(_tiny(s), tf.logical_not(both_zero)))
     redo = tf.reshape(tf.where(redo), [-1])
 
-    def exact():
-        xs, ys = tf.gather(x, redo), tf.gather(y, redo)
-        return tf.tensor_scatter_nd_update(
-            s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))
-
-    return tf.cond(tf.size(redo) > 0, exact, lambda: s)
+    xs, ys = tf.gather(x, redo), tf.gather(y, redo)  # usually empty
+    return tf.tensor_scatter_nd_update(
+        s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))
 
 
 def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
