@@ -18,9 +18,11 @@ test: install
 bench: install
 	$(PY) -m benchmarks.bench all --json benchmarks/results/bench.json
 	$(PY) -m benchmarks.bench downlink --json benchmarks/results/downlink.json
+	$(PY) -m benchmarks.bench_tf_codec --json benchmarks/results/tf_codec.json
+	$(PY) -m benchmarks.bench_ddp --json benchmarks/results/ddp.json
 
 fuzz: install
-	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} \
+	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} DIFF_TF_EVERY=10 \
 	  $(PY) -m pytest -q tests/test_fuzz.py tests/test_differential.py
 
 clean:

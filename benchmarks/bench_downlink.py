@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,22 +25,19 @@ CONFIGS = [("allgather", None), ("server-dense", None), ("server-topk", 0.02),
 
 def _run(np_: int, topology: str, downlink: float, epochs: int, timeout: float) -> Dict:
     out = os.path.join(tempfile.mkdtemp(prefix="sbc-downlink-"), "res.json")
-    bindir = Path(sys.executable).parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{bindir}:{os.environ.get('PATH', '')}")
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-bind-to",
-           "none", "-map-by", "slot", "-x", "PATH", "-x", "OMP_NUM_THREADS", sys.executable,
-           str(EXAMPLE), "--methods", "sbc", "--density", "0.01", "--delay", "4",
-           "--epochs", str(epochs), "--no-progress", "--json", out,
-           "--topology", "server" if topology.startswith("server") else "allgather"]
+    from . import launch
+    cmd = launch.launcher_prefix(np_, "mpirun") + [
+        sys.executable, str(EXAMPLE), "--methods", "sbc", "--density", "0.01", "--delay", "4",
+        "--epochs", str(epochs), "--no-progress", "--json", out,
+        "--topology", "server" if topology.startswith("server") else "allgather"]
     if downlink is not None:
         cmd += ["--downlink-density", str(downlink)]
     if topology == "server-sbc":
         cmd.append("--downlink-binarize")
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                       cwd=str(ROOT))
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    rc, output = launch.run(cmd, timeout)
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{output[-6000:]}")
     (run,) = json.load(open(out))["runs"]
     worker = run["per_rank"][1]  # a worker that is not the server
     return {"topology": topology, "downlink_density": downlink, "workers": np_,
@@ -49,7 +45,7 @@ def _run(np_: int, topology: str, downlink: float, epochs: int, timeout: float) 
             "downlink_bits_per_sync": worker["downstream_bits"] / worker["syncs"],
             "uplink_bits_per_sync": worker["upstream_bits"] / worker["syncs"],
             "root": run["per_rank"][0], "wall_s": time.monotonic() - t0,
-            "command": " ".join(cmd[:1] + cmd[2:])}
+            "command": " ".join(cmd)}
 
 
 def run_downlink(sizes=(2, 4, 8), epochs: int = 20, timeout: float = 600,

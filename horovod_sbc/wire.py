@@ -323,15 +323,19 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
         raise ValueError(f"corrupt message: {name} declares {count} positions for {numel} elements")
     if p + 4 > n:
         raise ValueError(f"truncated message: value of {name} cut short")
+    # checked on the bit pattern: inside tf.function this may run on a thread whose FPU treats
+    # subnormals as zero (a float comparison would then accept a subnormal where 0 is required)
+    (vbits,) = struct.unpack_from("<I", bytes(buf[p:p + 4]))
     (value,) = struct.unpack_from("<f", bytes(buf[p:p + 4]))
     p += 4
-    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and math.copysign(1, value) < 0):
-        raise ValueError(f"corrupt message: value {value} of {name} is not a finite number >= 0")
+    if (vbits & 0x7F800000) == 0x7F800000 or vbits >> 31:
+        raise ValueError(f"corrupt message: value of {name} (float32 bits {vbits:#010x}) is not "
+                         "a finite number >= 0")
     has_values = bool(flags & FLAG_VALUES)
     negative = bool(flags & FLAG_NEGATIVE)
     has_signs = bool(flags & FLAG_SIGNS)
     all_pos = bool(flags & FLAG_ALL)
-    if has_values and (negative or has_signs or value != 0.0):
+    if has_values and (negative or has_signs or vbits):
         raise ValueError(f"corrupt message: {name} has per-position values and a binary value")
     if has_signs and negative:
         raise ValueError(f"corrupt message: {name} has both sign bits and NEGATIVE")
@@ -423,26 +427,42 @@ def stream_stats_np(buf: bytes, msg: TensorMessage):
                 StreamStats(sign_pad_nonzero=sign_bad, nonfinite=nonfinite))
     ubytes = np.frombuffer(mv[msg.unary[0]:msg.unary[1]], dtype=np.uint8)
     ones = np.flatnonzero(np.unpackbits(ubytes))
-    q = np.diff(ones, prepend=np.int64(-1)) - 1
+    q = np.diff(ones, prepend=np.int64(-1))
+    q -= 1
+    n_ones = ones.size
+    del ones  # the decoder's memory stays a few int64 per position (tests/test_codec.py)
     rem_bad = False
     if b:
         rbits = np.unpackbits(np.frombuffer(mv[msg.remainder[0]:msg.remainder[1]],
                                             dtype=np.uint8))
         rem_bad = bool(rbits[count * b:].any())
-        n_r = min(ones.size, count)
-        rbits = rbits[:n_r * b].reshape(n_r, b).astype(np.int64)
-        weights = np.int64(1) << np.arange(b - 1, -1, -1, dtype=np.int64)
-        r = rbits @ weights
+        n_r = min(n_ones, count)
+        # b bits per row -> ceil(b / 8) bytes per row (uint8), then combined into int64: no
+        # 8-bytes-per-bit intermediate
+        rows = np.packbits(rbits[:n_r * b].reshape(n_r, b), axis=1)
+        del rbits
+        r = np.zeros(n_r, dtype=np.uint64)  # unsigned: b = 62 fills all 64 bits
+        for j in range(rows.shape[1]):
+            r <<= np.uint64(8)
+            r |= rows[:, j]
+        r >>= np.uint64(8 * rows.shape[1] - b)
+        r = r.view(np.int64)
     else:
-        r = np.zeros(min(ones.size, count), dtype=np.int64)
-    stats = StreamStats(ones=int(ones.size), unary_last_zero=bool(ubytes[-1] == 0),
+        r = np.zeros(min(n_ones, count), dtype=np.int64)
+    stats = StreamStats(ones=int(n_ones), unary_last_zero=bool(ubytes[-1] == 0),
                         max_q=int(q.max()) if q.size else 0,
                         max_r=int(r.max()) if r.size else 0, rem_pad_nonzero=rem_bad,
                         sign_pad_nonzero=sign_bad, nonfinite=nonfinite)
-    if ones.size != count or (stats.max_q << b) + stats.max_r >= msg.numel:
+    if n_ones != count or (stats.max_q << b) + stats.max_r >= msg.numel:
         return np.zeros(0, dtype=np.int64), stats  # rejected by the protocol before pos_max
     with np.errstate(over="ignore"):
-        pos = np.cumsum((q << b) + r + 1) - 1
+        pos = q  # in place: gaps + 1, cumulated
+        pos <<= b
+        pos += r
+        del r
+        pos += 1
+        np.cumsum(pos, out=pos)
+        pos -= 1
     return pos, StreamStats(**{**stats.__dict__, "pos_max": int(pos.max())})
 
 

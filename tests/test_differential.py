@@ -17,7 +17,7 @@ Mutation classes (each case draws one; the step framing and CRCs are recomputed 
 
 ``DIFF_CASES`` sets the number of cases for numpy and torch (default 100000; ``make fuzz``
 runs 10^6); TensorFlow, whose per-call overhead is larger, gets every ``DIFF_TF_EVERY``-th case
-(default 10), eager and ``tf.function`` both.
+(default 100; ``make fuzz``: 10), eager and ``tf.function`` both.
 """
 import os
 import random
@@ -32,7 +32,7 @@ from horovod_sbc import core, protocol, wire
 from horovod_sbc.torch import exchange
 
 CASES = int(os.environ.get("DIFF_CASES", "100000"))
-TF_EVERY = int(os.environ.get("DIFF_TF_EVERY", "10"))
+TF_EVERY = int(os.environ.get("DIFF_TF_EVERY", "100"))
 
 # a fixed set of layouts keeps tf.function from retracing for every case
 LAYOUTS = [

@@ -1,7 +1,6 @@
 """Reliability on real multi-rank jobs: odd tensors, rank disagreement, rank failure, resume."""
 import os
 import tempfile
-import time
 
 import pytest
 
@@ -21,7 +20,8 @@ def test_odd_parameters_train_and_stay_identical():
     assert a["finite"] and b["finite"]
     moved = a["moved"]
     assert moved == {"scalar": True, "empty": False, "one": True, "p16": True, "pbf": True,
-                     "p64": True, "emb.weight": True}
+                     "p64": True, "emb.weight": True, "frozen": False, "steps": False}
+    assert "frozen" not in a["layout"] and "steps" not in a["layout"]
     assert a["stats"]["syncs"] == 3
 
 
@@ -39,16 +39,6 @@ def test_different_parameter_order_across_ranks_is_handled():
     assert a["values"] == b["values"]
     # grads 1 and 2, lr 0.1, density 0.5 -> the first 3 of 6 entries move by the mean -0.15
     assert a["values"]["a"] == pytest.approx([0.85] * 3 + [1.0] * 3)
-
-
-@pytest.mark.parametrize("controller", ["mpi", "gloo"])
-def test_killed_rank_makes_the_job_fail_fast(controller):
-    t0 = time.monotonic()
-    _, out = run_ranks("torch_sbc.py", 2, ["kill"], timeout=120, controller=controller,
-                       expect_fail=True)
-    assert time.monotonic() - t0 < 60
-    assert "killing myself at step 5" in out
-    assert ("exited on signal 9" in out) or ("exited with non-zero status" in out), out[-2000:]
 
 
 def test_checkpoint_from_another_world_size_or_rank_is_refused():

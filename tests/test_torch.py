@@ -14,12 +14,14 @@ TRAINABLE = 20 * 64 + 64 + 64 * 5 + 5 + 64 * 5 + 5
 N_TENSORS = 6
 
 
-@pytest.mark.parametrize("api,np_,delay", [("stock", 2, 1), ("stock", 3, 1), ("dropin", 2, 1),
-                                           ("dropin", 3, 3)])
-def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, delay):
+@pytest.mark.parametrize("api,np_,delay,controller", [
+    ("stock", 2, 1, "mpi"), ("stock", 3, 1, "mpi"), ("dropin", 2, 1, "mpi"), ("dropin", 3, 3, "mpi"),
+    ("stock", 2, 1, "gloo"), ("dropin", 3, 3, "gloo")])
+def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, delay, controller):
     steps = 12
     results, _ = run_ranks("torch_sbc.py", np_, ["train", f"api={api}", f"delay={delay}",
-                                                 f"steps={steps}", "density=0.05"], timeout=180)
+                                                 f"steps={steps}", "density=0.05"], timeout=180,
+                           controller=controller)
     digests = [r["digests"] for r in results]
     for s in range(0, steps + 1, delay):  # after the broadcast and after every sync
         assert len({d[s] for d in digests}) == 1, f"ranks differ after step {s}"
@@ -47,11 +49,14 @@ def test_density_one_without_binarization_equals_dense_averaging(api):
     assert results[0]["digest"] == results[1]["digest"]
 
 
-def test_checkpoint_mid_delay_resumes_bit_identically():
+@pytest.mark.parametrize("method", ["sbc", "terngrad"])
+def test_checkpoint_mid_delay_resumes_bit_identically(method):
     ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
-    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}"], timeout=120)
+    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", f"method={method}"],
+                         timeout=120)
     assert sorted(os.listdir(ckpt)) == ["ckpt_rank0.pt", "ckpt_rank1.pt"]
-    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}"], timeout=120)
+    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", f"method={method}"],
+                          timeout=120)
     for r in range(2):
         assert loaded[r]["digests"] == saved[r]["digests"]  # next 20 steps bit-identical
         assert loaded[r]["stats_at_checkpoint"] == saved[r]["stats_at_checkpoint"]

@@ -33,12 +33,11 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from .. import wire
-from ..core import validate_density, validate_selection
+from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
 from . import exchange
 from .exchange import COMMIT, residual_dtype, tf_name
 
-_NONFINITE = ("raise", "skip")
 # Our graph-building code uses Python control flow on Python values only; AutoGraph must not
 # rewrite it when a user's tf.function calls into it.
 _no_autograph = tf.autograph.experimental.do_not_convert
@@ -127,18 +126,16 @@ class SBC(tf.Module):
                  nonfinite: str = "raise", selection: str = "paper", codec: str = "native",
                  name: str = "sbc"):
         super().__init__(name=name)
-        self.density = validate_density(density)
-        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
-            raise ValueError(f"delay must be an integer >= 1, got {delay!r}")
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
-        self.delay = delay
-        self.binarize = bool(binarize)
-        self.selection = validate_selection(selection)
+        # the same validated knobs as the torch adapter's (horovod_sbc.config)
+        self.config = SBCConfig(density=density, delay=delay,
+                                mode="sbc" if binarize else "values", selection=selection,
+                                nonfinite=nonfinite)
+        self.density, self.delay = self.config.density, self.config.delay
+        self.binarize, self.selection = self.config.binarize, self.config.selection
         if codec not in exchange.CODECS:
             raise ValueError(f"codec must be one of {exchange.CODECS}, got {codec!r}")
         self.codec = codec
-        self.nonfinite = nonfinite
+        self.nonfinite = self.config.nonfinite
         self._mode: Optional[str] = None
         with tf.init_scope():
             self.residuals = {}

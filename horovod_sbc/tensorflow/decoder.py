@@ -25,6 +25,8 @@ inside ``tf.function``).
 """
 from __future__ import annotations
 
+import enum
+
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -36,7 +38,15 @@ from .. import protocol, wire
 from .bits import f32_bits_to_f64, f64_to_f32_bits
 
 # the verdict codes (shared with exchange.py)
-COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = 0, 1, 2
+class SyncCode(enum.IntEnum):
+    """What a decode tells the caller to do with its residuals (an int32 inside graphs)."""
+    COMMIT = 0            # the sync succeeded: subtract what was sent
+    SKIP_KEEP_UPDATE = 1  # a rank asked to skip: healthy ranks keep R + dW in the residual
+    SKIP_DROP_UPDATE = 2  # ... and the rank that failed to encode drops its update
+
+
+COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = (SyncCode.COMMIT, SyncCode.SKIP_KEEP_UPDATE,
+                                              SyncCode.SKIP_DROP_UPDATE)
 
 # columns of the per-message table the host parse returns
 (C_TENSOR, C_RANK, C_COUNT, C_B, C_KIND, C_USTART, C_UBYTES, C_RSTART, C_SSTART, C_VSTART,

@@ -108,10 +108,26 @@ def decode_into(gathered: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]
 # ----------------------------------------------------------------------------------------------
 # graph side (TensorFlow ops)
 # ----------------------------------------------------------------------------------------------
-def allgather(step: tf.Tensor, name: str) -> tf.Tensor:
-    """Every rank's step message, concatenated in rank order (``horovod.tensorflow.allgather``)."""
+_EAGER_ALLGATHER = {}
+
+
+def allgather(step: tf.Tensor, tag: str) -> tf.Tensor:
+    """Every rank's step message, concatenated in rank order (``horovod.tensorflow.allgather``).
+
+    The collective is named ``"allgather.<tag>"``, exactly as ``horovod.torch`` names its
+    allgather of the same tag, so TensorFlow and PyTorch ranks of one job meet in Horovod's
+    negotiation. An eager TensorFlow op loses its name (Horovod would see ``HorovodAllgather``),
+    so in eager mode the op runs inside a small ``tf.function`` (one trace per tag)."""
     import horovod.tensorflow as hvd
-    return hvd.allgather(step, name=name)
+    name = "allgather." + tf_name(tag)
+    if not tf.executing_eagerly():
+        return hvd.allgather(step, name=name, ignore_name_scope=True)
+    fn = _EAGER_ALLGATHER.get(name)
+    if fn is None:
+        fn = _EAGER_ALLGATHER[name] = tf.function(
+            lambda t: hvd.allgather(t, name=name, ignore_name_scope=True),
+            input_signature=[tf.TensorSpec([None], tf.uint8)])
+    return fn(step)
 
 
 def residual_dtype(dtype: tf.DType) -> tf.DType:

@@ -8,6 +8,8 @@
   exchange (values instead of one mean; dense with communication delay; 1 bit per element;
   stochastic ternary).
 * :func:`broadcast_state` — start all ranks equal (parameters, optimizer state, reference weights).
+* :mod:`horovod_sbc.torch.ddp` — without Horovod: a DistributedDataParallel comm hook
+  (``SBCState``, ``sbc_hook``) and ``SBCModelAverager`` for ``torch.distributed``.
 """
 try:
     import torch  # noqa: F401

@@ -12,109 +12,199 @@ exactly the k largest (ties to the lower index), so the estimate costs speed, ne
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+import struct
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import protocol, wire
 from ..core import choose_side, keep_count
 
-_EXACT_BELOW = 1 << 14  # below this a kthvalue over the whole tensor is faster
-_BLOCK = 32
-_BIT_SHIFTS = {}
+_EXACT_BELOW = 1 << 14  # below this one exact pass over the whole tensor is cheaper
+_SAMPLE_MAX = 1 << 18   # largest strided sample for the threshold estimate
+_U8_SHIFTS = {}
 
 
 def _shifts(b: int, device) -> torch.Tensor:
+    """[b-1, ..., 1, 0] as uint8 (bit shifts, most significant bit first), cached per device."""
     key = (b, str(device))
-    t = _BIT_SHIFTS.get(key)
+    t = _U8_SHIFTS.get(key)
     if t is None:
-        t = torch.arange(b - 1, -1, -1, dtype=torch.int64, device=device)
-        _BIT_SHIFTS[key] = t
+        t = _U8_SHIFTS[key] = torch.arange(b - 1, -1, -1, dtype=torch.uint8, device=device)
     return t
 
 
-def _exact_topk(vals: torch.Tensor, k: int, cand: Optional[torch.Tensor]) -> torch.Tensor:
-    """Positions of the k largest of ``vals`` (magnitudes; ``cand`` their ascending positions,
-    None for 0..len-1), ties at the k-th value to the lowest positions; sorted ascending."""
+class NonFiniteError(ValueError):
+    """An update holds NaN or Inf (raised by the selection, which sees every element once)."""
+
+
+def _topk_mask(vals: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask of the k largest of 1-D ``vals``, ties at the k-th value to the lowest indices.
+
+    One ``kthvalue`` and a few elementwise ops, no sort: the kept entries stay in their order
+    (callers keep candidate positions ascending, so the kept positions come out sorted)."""
     c = vals.numel()
-    kth = torch.kthvalue(vals, c - k + 1).values  # the k-th largest magnitude
-    gt = torch.nonzero(vals > kth).squeeze(1)
-    need = k - gt.numel()
-    sel = torch.cat([gt, torch.nonzero(vals == kth).squeeze(1)[:need]]) if need > 0 else gt
-    if cand is not None:
-        sel = cand[sel]
-    return torch.sort(sel).values
+    if k >= c:
+        return torch.ones(c, dtype=torch.bool, device=vals.device)
+    kth = torch.kthvalue(vals, c - k + 1).values  # the k-th largest
+    gt = vals > kth
+    eq = vals == kth
+    need = k - gt.sum()
+    return gt | (eq & (torch.cumsum(eq, 0) <= need))
+
+
+def _check_finite(vals, name: str) -> None:
+    if not all(math.isfinite(v) for v in vals):
+        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+
+
+def _rows_for(frac: float) -> int:
+    """Rows R of the ``(R, n // R)`` view whose column maxima/minima prefilter the candidates.
+
+    A column is searched when its extreme reaches the threshold; with a candidate fraction q
+    about ``q R`` of the tensor is searched against ``n / R`` column extremes to test, so
+    ``R ~ 1 / sqrt(q)`` balances the two (2..64)."""
+    r = 1.0 / math.sqrt(max(frac, 1e-12))
+    return 1 << max(1, min(6, int(round(math.log2(r)))))
+
+
+@dataclass
+class _Side:
+    """Candidates of one side of the selection: ascending positions, their scores (the value
+    ranked: ``a``, ``-a`` or ``|a|``)."""
+    pos: torch.Tensor
+    score: torch.Tensor
+
+
+def _candidates(a: torch.Tensor, k: int, paper: bool, name: str) -> Optional[List[_Side]]:
+    """Candidate sets (paper: [positive, negative]; magnitude: [|a|]) holding at least the k
+    largest scores of each side, or None where an exact pass over the whole tensor is the better
+    plan (small tensors, dense selections, a side with fewer than k candidates in the sample).
+
+    One read pass computes the column maxima and minima of an ``(R, n // R)`` view; a strided
+    sample gives thresholds a little below each side's k-th score; only the columns whose
+    extremes reach them are gathered. Too few candidates lowers the thresholds and retries
+    without another pass over the tensor. Raises :class:`NonFiniteError` on NaN/Inf.
+    """
+    n = a.numel()
+    dev = a.device
+    frac = (2.6 if paper else 1.3) * k / n
+    if n <= _EXACT_BELOW or frac > 0.3:
+        return None
+    rows = _rows_for(frac)
+    nb = n // rows
+    head = a[:rows * nb].view(rows, nb)
+    tail = a[rows * nb:]
+    cmax, cmin = head.amax(0), head.amin(0)
+    m_target = int(min(max(16384, 32 * n // k), _SAMPLE_MAX, n // 4))
+    stride = max(1, n // m_target)
+    sample = a[::stride]
+    m = sample.numel()
+    expect = k * m / n
+    ks = int(min(m, math.ceil(1.3 * expect + 3.0 * math.sqrt(expect) + 4)))
+    extremes = [cmax.max(), cmin.min()]
+    if tail.numel():
+        extremes += [tail.max(), tail.min()]
+    first = True
+    while True:
+        if paper:
+            tp = torch.topk(sample, ks, sorted=False).values.min()
+            tn = torch.topk(sample, ks, largest=False, sorted=False).values.max().neg()
+        else:
+            tp = tn = torch.topk(sample.abs(), ks, sorted=False).values.min()
+        ctl = torch.stack(extremes + [tp, tn]).tolist() if first else torch.stack(
+            [tp, tn]).tolist()
+        if first:
+            _check_finite(ctl[:-2], name)
+            first = False
+        if not (ctl[-2] > 0.0 and ctl[-1] > 0.0):
+            return None  # a side may have fewer than k entries: let the exact path decide
+        hit = torch.nonzero((cmax >= tp) | (cmin <= -tn)).squeeze(1)
+        if hit.numel() * rows > (3 * n) // 4:
+            return None
+        blk = head.index_select(1, hit)  # (rows, hits): row-major order is position order
+        tl = tail
+        if paper:
+            masks = [(blk >= tp, tl >= tp, False), (blk <= -tn, tl <= -tn, True)]
+        else:
+            masks = [((blk >= tp) | (blk <= -tn), (tl >= tp) | (tl <= -tn), None)]
+        sides = []
+        h = hit.numel()
+        flat = blk.view(-1)
+        for mb, mt, neg in masks:
+            f = torch.nonzero(mb.view(-1)).squeeze(1)  # row-major: ascending positions
+            row = torch.div(f, h, rounding_mode="floor") if h else f
+            pos = row * nb + hit.index_select(0, f - row * h)
+            sc = flat.index_select(0, f)
+            if tl.numel():
+                tpos = torch.nonzero(mt).squeeze(1)
+                pos = torch.cat([pos, tpos + rows * nb])
+                sc = torch.cat([sc, tl[tpos]])
+            sc = sc.abs() if neg is None else sc.neg() if neg else sc
+            sides.append(_Side(pos, sc))
+        if all(s.pos.numel() >= k for s in sides):
+            return sides
+        if ks >= m:
+            return None
+        ks = min(m, 2 * ks)
+
+
+def _exact_sides(a: torch.Tensor, k: int, paper: bool, name: str) -> List[torch.Tensor]:
+    """The exact selection over the whole tensor (small tensors, dense selections)."""
+    n = a.numel()
+    if paper:
+        _check_finite(torch.stack([a.max(), a.min()]).tolist(), name)
+        p = torch.nonzero(_topk_mask(a.clamp(min=0), k) & (a > 0)).squeeze(1)
+        q = torch.nonzero(_topk_mask(a.clamp(max=0).neg_(), k) & (a < 0)).squeeze(1)
+        return [p, q]
+    a_abs = torch.abs(a, out=_scratch(n, a.dtype, a.device))
+    _check_finite([a_abs.max().item()], name)
+    if k >= n:
+        return [torch.arange(n, dtype=torch.int64, device=a.device)]
+    return [torch.nonzero(_topk_mask(a_abs, k)).squeeze(1)]
+
+
+def _select(a: torch.Tensor, k: int, paper: bool, name: str) -> List[torch.Tensor]:
+    sides = _candidates(a, k, paper, name)
+    if sides is None:
+        return _exact_sides(a, k, paper, name)
+    return [s.pos[_topk_mask(s.score, k)] for s in sides]
 
 
 def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
     """Sorted int64 flat indices of the k entries of 1-D ``a`` largest in magnitude
     (ties: lower index). Raises :class:`NonFiniteError` if ``a`` holds NaN or Inf.
 
-    Large tensors never materialise ``|a|``: one read pass computes the maximum magnitude of
-    each block of ``_BLOCK`` elements (``amax``/``amin``), a strided sample gives a threshold a
-    little below the k-th magnitude, and only the blocks whose maximum reaches it are gathered
-    and searched exactly. Too few candidates only lowers the threshold and searches the block
-    maxima again (no new pass over the tensor).
-    """
-    n = a.numel()
-    dev = a.device
-    if k >= n or n <= _EXACT_BELOW or 16 * k > n:
-        a_abs = torch.abs(a, out=_scratch(n, a.dtype, dev))
-        if not bool(torch.isfinite(a_abs.max())):
-            raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
-        if k >= n:
-            return torch.arange(n, dtype=torch.int64, device=dev)
-        return _exact_topk(a_abs, k, None)
-    nb = n // _BLOCK
-    head = a[:nb * _BLOCK].view(nb, _BLOCK)
-    tail = a[nb * _BLOCK:]
-    bmax = torch.maximum(head.amax(1), head.amin(1).neg_())
-    peak = bmax.max() if tail.numel() == 0 else torch.maximum(bmax.max(), tail.abs().max())
-    if not bool(torch.isfinite(peak)):  # amax/amin propagate NaN
-        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
-    # threshold estimate from a strided sample of magnitudes
-    m_target = int(min(max(16384, 32 * n // k), 262144, n // 4))
-    stride = max(1, n // m_target)
-    sample = a[::stride].abs()
-    m = sample.numel()
-    expect = k * m / n
-    ks = int(min(m, math.ceil(1.3 * expect + 3.0 * math.sqrt(expect) + 4)))
-    offs = torch.arange(_BLOCK, dtype=torch.int64, device=dev)
-    tail_pos = torch.arange(nb * _BLOCK, n, dtype=torch.int64, device=dev)
-    while True:
-        t_lo = torch.topk(sample, ks, sorted=False).values.min()
-        hit = torch.nonzero(bmax >= t_lo).squeeze(1)
-        if hit.numel() * _BLOCK > n // 2 or ks >= m:
-            # the threshold selects most of the tensor: search it whole
-            return _exact_topk(torch.abs(a, out=_scratch(n, a.dtype, dev)), k, None)
-        vals = torch.index_select(head, 0, hit).abs_().view(-1)
-        pos = (hit[:, None] * _BLOCK + offs).view(-1)
-        if tail.numel():
-            vals = torch.cat([vals, tail.abs()])
-            pos = torch.cat([pos, tail_pos])
-        keep = torch.nonzero(vals >= t_lo).squeeze(1)
-        if keep.numel() >= k:
-            return _exact_topk(vals[keep], k, pos[keep])
-        ks = min(m, 2 * ks)
+    Exact top-k without a sort or ``torch.topk`` of the tensor: see :func:`_candidates`."""
+    return _select(a, k, False, name)[0]
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
     """0-d float64 tensor: the fixed pairwise-tree sum of :func:`horovod_sbc.core.tree_sum_np`
     (zero padding to a power of two, then ``x[:h] + x[h:]``), on ``x``'s device."""
-    x = x.reshape(-1).to(torch.float64)
-    n = x.numel()
-    if n == 0:
-        return x.new_zeros(())
-    size = 1 << (n - 1).bit_length()
-    if size != n:
-        x = torch.cat([x, x.new_zeros(size - n)])
-    while x.numel() > 1:
-        h = x.numel() // 2
-        x = x[:h] + x[h:]
-    return x[0]
+    return tree_sums([x])[0]
+
+
+def tree_sums(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float64 ``[len(xs)]``: :func:`tree_sum` of each vector, computed together (one halving
+    loop). Padding a vector with more zeros to a larger power of two leaves its tree sum
+    unchanged (each extra level adds exact zeros), so one common width serves all."""
+    lens = [x.numel() for x in xs]
+    width = 1 << max(0, (max(lens + [1]) - 1).bit_length())
+    dev = xs[0].device
+    m = torch.zeros(len(xs), width, dtype=torch.float64, device=dev)
+    for i, x in enumerate(xs):
+        if lens[i]:
+            m[i, :lens[i]] = x.reshape(-1)
+    while m.shape[1] > 1:
+        h = m.shape[1] // 2
+        m = m[:, :h] + m[:, h:]
+    return m[:, 0]
 
 
 def _f32(x: float) -> float:
+    """Round a Python float to float32 (overflow gives inf, as on the device)."""
     return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
 
 
@@ -123,55 +213,145 @@ def select_sides(a: torch.Tensor, k: int, selection: str = "paper", name: str = 
     """(P, N): sorted positions of the positive and negative candidate sets
     (:func:`horovod_sbc.core.select_sides_np`)."""
     if selection == "paper":
-        p = select_topk(a.clamp(min=0), k, name)  # clamp keeps NaN: select_topk reports it
-        n = select_topk(a.clamp(max=0).neg_(), k, name)
-        return p[a[p] > 0], n[a[n] < 0]
+        p, q = _select(a, k, True, name)
+        return p, q
     if selection != "magnitude":
         raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
-    idx = select_topk(a, k, name)
+    idx = _select(a, k, False, name)[0]
     kept = a[idx]
     return idx[kept > 0], idx[kept < 0]
 
 
-def binarize_sides(a: torch.Tensor, p_idx: torch.Tensor, n_idx: torch.Tensor
-                   ) -> Tuple[torch.Tensor, float, bool]:
-    """(positions sent, mu as a float32-exact Python float, negative): the side with the larger
-    mean (fixed-order tree sums on the device; only the two sums cross to the host)."""
-    s_pos, s_neg = torch.stack([tree_sum(a[p_idx]), tree_sum(a[n_idx].neg())]).tolist()
+@dataclass
+class _Binarized:
+    """Binarization's verdict and the Rice parameter of the side sent (host values)."""
+    pos: torch.Tensor     # positions sent (ascending)
+    mu: float             # float32-exact magnitude
+    negative: bool
+    rice_b: int
+    sum_q: int            # sum of gaps >> rice_b (unary stream bits = sum_q + count)
+
+
+def _rice_candidates(count: int, numel: int) -> List[int]:
+    b0 = wire.rice_parameter(count / numel) if count else 0
+    return [b for b in (b0 - 1, b0, b0 + 1) if 0 <= b <= wire.MAX_RICE_B]
+
+
+def _gaps(pos: torch.Tensor) -> torch.Tensor:
+    return torch.diff(pos, prepend=pos.new_full((1,), -1)) - 1
+
+
+def binarize_sides(a: torch.Tensor, p_idx: torch.Tensor, n_idx: torch.Tensor, numel: int = None
+                   ) -> _Binarized:
+    """Pick the side with the larger mean (fixed-order tree sums on the device) and its Rice
+    parameter. One transfer to the host: both sums (as bit patterns) and, for each side, the
+    ``sum(gaps >> b)`` of the three candidate b (:func:`horovod_sbc.wire.choose_rice_b`)."""
+    numel = a.numel() if numel is None else numel
+    sides = [p_idx, n_idx]
+    sums = tree_sums([a[p_idx], a[n_idx].neg()])
+    parts = [sums.view(torch.int64)]
+    cands = [_rice_candidates(s.numel(), numel) for s in sides]
+    for s, bs in zip(sides, cands):
+        if bs and s.numel():
+            g = _gaps(s)
+            parts.append(torch.stack([(g >> b).sum() for b in bs]))
+    row = torch.cat(parts).tolist()
+    s_pos, s_neg = struct.unpack("<2d", struct.pack("<2q", *row[:2]))
     np_, nn_ = p_idx.numel(), n_idx.numel()
     side, mu = choose_side(_f32(s_pos / np_) if np_ else 0.0, _f32(s_neg / nn_) if nn_ else 0.0)
-    if side > 0:
-        return p_idx, mu, False
-    if side < 0:
-        return n_idx, mu, True
-    return p_idx[:0], 0.0, False
+    if side == 0:
+        return _Binarized(p_idx[:0], 0.0, False, 0, 0)
+    off, tables = 2, []
+    for s, bs in zip(sides, cands):
+        if bs and s.numel():
+            tables.append(dict(zip(bs, row[off:off + len(bs)])))
+            off += len(bs)
+        else:
+            tables.append({})
+    i = 0 if side > 0 else 1
+    pos, table = sides[i], tables[i]
+    b = wire.choose_rice_b(pos.numel(), numel, lambda bb: table[bb])
+    return _Binarized(pos, mu, side < 0, b, int(table[b]))
 
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """uint8 0/1 vector -> bytes, MSB first, zero-padded (numpy.packbits order)."""
+    """0/1 (bool or uint8) vector -> bytes, MSB first, zero-padded (numpy.packbits order);
+    uint8 arithmetic throughout (no widening)."""
+    bits = bits.to(torch.uint8)
     n = bits.numel()
     pad = (-n) % 8
     if pad:
-        bits = torch.cat([bits, torch.zeros(pad, dtype=bits.dtype, device=bits.device)])
-    w = _shifts(8, bits.device)
-    return (bits.view(-1, 8).to(torch.int64) << w).sum(1).to(torch.uint8)
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    m = bits.view(-1, 8)
+    out = m[:, 0] << 7
+    for j in range(1, 8):
+        out |= m[:, j] << (7 - j)
+    return out
 
 
 def _unpack_bits(data: torch.Tensor) -> torch.Tensor:
-    return ((data.to(torch.int64)[:, None] >> _shifts(8, data.device)) & 1).view(-1)
+    """bytes -> 0/1 uint8 bits, MSB first (numpy.unpackbits order)."""
+    return ((data[:, None] >> _shifts(8, data.device)) & 1).view(-1)
+
+
+def _scatter_bits(nbytes: int, bit_at: torch.Tensor, dev) -> torch.Tensor:
+    """A byte stream of ``nbytes`` zero bytes with the (distinct) bits ``bit_at`` set."""
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    if bit_at.numel():
+        out.index_add_(0, bit_at >> 3, (128 >> (bit_at & 7)).to(torch.uint8))
+    return out
+
+
+def _pack_fields(r: torch.Tensor, b: int, dev) -> torch.Tensor:
+    """``count`` fields of ``b`` bits each (values < 2**b), back to back, MSB first, zero
+    padded: the remainder stream. Each field lands in at most ceil((7 + b) / 8) bytes, whose
+    shares are scattered with one ``index_add_`` per byte (the fields' bits are disjoint, so
+    adding is OR-ing); beyond 25 bits falls back to a bit matrix."""
+    count = r.numel()
+    nbytes = -(-count * b // 8)
+    if b > 25:
+        bits = ((r[:, None] >> torch.arange(b - 1, -1, -1, device=dev)) & 1).to(torch.uint8)
+        return _pack_bits(bits.view(-1))
+    off = torch.arange(count, dtype=torch.int64, device=dev) * b
+    word = r << (32 - b - (off & 7))  # the field left-aligned in a 32-bit big-endian window
+    at = off >> 3
+    out = torch.zeros(nbytes + 4, dtype=torch.uint8, device=dev)
+    for j in range((7 + b + 7) // 8):
+        out.index_add_(0, at + j, ((word >> (24 - 8 * j)) & 255).to(torch.uint8))
+    return out[:nbytes]
 
 
 def _head(head: bytes, dev) -> torch.Tensor:
-    return torch.tensor(list(head), dtype=torch.uint8, device=dev)
+    t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return t if dev.type == "cpu" else t.to(dev)
+
+
+def _streams(pos: torch.Tensor, numel: int, b: Optional[int] = None, sum_q: Optional[int] = None
+             ) -> Tuple[int, torch.Tensor, torch.Tensor]:
+    """(rice_b, unary stream, remainder stream) of sorted unique ``pos`` (count > 0)."""
+    dev = pos.device
+    count = pos.numel()
+    gaps = _gaps(pos)
+    if b is None:
+        bs = _rice_candidates(count, numel)
+        table = dict(zip(bs, torch.stack([(gaps >> bb).sum() for bb in bs]).tolist()))
+        b = wire.choose_rice_b(count, numel, lambda bb: table[bb])
+        sum_q = int(table[b])
+    ones_at = torch.cumsum((gaps >> b) + 1, 0) - 1
+    unary = _scatter_bits(-(-(sum_q + count) // 8), ones_at, dev)
+    rem = _pack_fields(gaps & ((1 << b) - 1), b, dev) if b else unary[:0]
+    return b, unary, rem
 
 
 def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative: bool = False,
                      values: Optional[torch.Tensor] = None, signs: Optional[torch.Tensor] = None,
-                     all_positions: bool = False) -> torch.Tensor:
+                     all_positions: bool = False, rice_b: Optional[int] = None,
+                     sum_q: Optional[int] = None) -> torch.Tensor:
     """One tensor message (uint8, on ``pos``'s device) — see :mod:`horovod_sbc.wire`.
 
     ``signs`` (bool, True = negative) makes it ternary; ``all_positions`` sends every element
-    (``pos`` is then only used for its device) with ``signs`` or ``values``.
+    (``pos`` is then only used for its device) with ``signs`` or ``values``. ``rice_b`` and
+    ``sum_q`` (``sum(gaps >> rice_b)``), when the caller already has them, save a reduction.
     """
     dev = pos.device
     if all_positions:
@@ -180,34 +360,18 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
             return torch.cat([_head(head, dev),
                               values.to(torch.float32).contiguous().view(torch.uint8)])
         head = wire.tensor_header(numel, numel, 0, 0, value, False, False, True, True)
-        return torch.cat([_head(head, dev), _pack_bits(signs.to(torch.uint8))])
+        return torch.cat([_head(head, dev), _pack_bits(signs)])
     count = pos.numel()
     if count == 0:
-        head = wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None)
-        return torch.tensor(list(head), dtype=torch.uint8, device=dev)
-    gaps = torch.diff(pos, prepend=torch.full((1,), -1, dtype=torch.int64, device=dev)) - 1
-    bs = [b for b in range(max(0, wire.rice_parameter(count / numel) - 1),
-                           min(wire.MAX_RICE_B, wire.rice_parameter(count / numel) + 1) + 1)]
-    sums = torch.stack([(gaps >> b).sum() for b in bs]).tolist()
-    table = dict(zip(bs, sums))
-    b = wire.choose_rice_b(count, numel, lambda bb: table[bb])
-    q = gaps >> b
-    ones_at = torch.cumsum(q + 1, 0) - 1
-    total = int(table[b]) + count
-    ubits = torch.zeros(total, dtype=torch.uint8, device=dev)
-    ubits[ones_at] = 1
-    unary = _pack_bits(ubits)
-    parts = [None, unary]
-    if b:
-        r = gaps & ((1 << b) - 1)
-        rbits = ((r[:, None] >> _shifts(b, dev)) & 1).to(torch.uint8).view(-1)
-        parts.append(_pack_bits(rbits))
+        return _head(wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None), dev)
+    b, unary, rem = _streams(pos, numel, rice_b, sum_q)
+    parts = [None, unary, rem]
     if values is not None:
         head = wire.tensor_header(numel, count, b, unary.numel(), 0.0, False, True)
         parts.append(values.to(torch.float32).contiguous().view(torch.uint8))
     elif signs is not None:
         head = wire.tensor_header(numel, count, b, unary.numel(), value, False, False, True)
-        parts.append(_pack_bits(signs.to(torch.uint8)))
+        parts.append(_pack_bits(signs))
     else:
         head = wire.tensor_header(numel, count, b, unary.numel(), value, negative)
     parts[0] = _head(head, dev)
@@ -246,7 +410,8 @@ def stream_stats(buf: torch.Tensor, msg: wire.TensorMessage):
     if b:
         rbits = _unpack_bits(buf[msg.remainder[0]:msg.remainder[1]])
         rem_bad = rbits[count * b:].sum()
-        r = (rbits[:n * b].view(n, b) << _shifts(b, dev)).sum(1)
+        w = torch.arange(b - 1, -1, -1, dtype=torch.int64, device=dev)
+        r = (rbits[:n * b].view(n, b).to(torch.int64) << w).sum(1)
     else:
         rem_bad = zero
         r = torch.zeros_like(q)
@@ -265,10 +430,6 @@ def stream_stats(buf: torch.Tensor, msg: wire.TensorMessage):
 
 def _EMPTY_POS(dev) -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64, device=dev)
-
-
-class NonFiniteError(ValueError):
-    pass
 
 
 _SCRATCH = {}
@@ -334,15 +495,17 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
         vals = a[idx].to(torch.float32)
         return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
                 vals.to(a.dtype))
-    pos, mu, negative = binarize_sides(a, *select_sides(a, k, selection, name))
-    sent = torch.full((pos.numel(),), -mu if negative else mu, dtype=a.dtype, device=dev)
-    return encode_positions(pos, n, mu, negative), pos, sent
+    bz = binarize_sides(a, *select_sides(a, k, selection, name))
+    sent = torch.full((bz.pos.numel(),), -bz.mu if bz.negative else bz.mu, dtype=a.dtype,
+                      device=dev)
+    msg = encode_positions(bz.pos, n, bz.mu, bz.negative, rice_b=bz.rice_b, sum_q=bz.sum_q)
+    return msg, bz.pos, sent
 
 
 def subtract_sent_(a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:
     """Error feedback: ``a[pos] -= sent`` (positions are unique)."""
     if pos.numel():
-        a[pos] = a[pos] - sent
+        a.index_add_(0, pos, sent, alpha=-1)
 
 
 def compress_(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",

@@ -26,18 +26,41 @@ non-floating-point parameters are left alone.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
 
 from ..core import resolve_compression
 from .compressor import SBC
+from .sync import Update
 
 _STATE_KEY = "horovod_sbc"
 
 
+def _called_by_horovod_broadcast() -> bool:
+    """Is ``step()`` being called by ``hvd.broadcast_optimizer_state``? It runs one step on zero
+    gradients to create the optimizer state before broadcasting it; that is not a training step
+    and must not count towards the delay window. Up to four callers are inspected, read-only
+    (wrappers such as an LR scheduler's step counter sit in between)."""
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            return False
+        if (f.f_code.co_name == "broadcast_optimizer_state"
+                and str(f.f_globals.get("__name__", "")).startswith("horovod.")):
+            return True
+        f = f.f_back
+    return False
+
+
 class _SBCOptimizer:
     """Methods mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
+
+    # torch.amp.GradScaler hands us ``grad_scale``/``found_inf`` and always calls step(): a rank
+    # whose gradients overflowed then skips its local update but still counts the step, so the
+    # delay windows of all ranks stay aligned (a skipped step() call would hang the next sync)
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, named_parameters, compression: SBC):
         super(self.__class__, self).__init__(params)
@@ -105,11 +128,30 @@ class _SBCOptimizer:
             if name not in ref:
                 ref[name] = p.detach().clone()
 
+    def _local_step(self, closure):
+        """The user's optimizer step on this rank's gradients (AMP-aware, see above)."""
+        if "found_inf" not in self.__dict__:
+            return super(self.__class__, self).step(closure)
+        # GradScaler's attributes are for us; the wrapped optimizer must not see them
+        found_inf, scale = self.__dict__.pop("found_inf"), self.__dict__.pop("grad_scale", None)
+        try:
+            if bool(found_inf):  # O(1) host read: this rank's scaled gradients overflowed
+                return None
+            if scale is not None:  # GradScaler did not unscale them: do it as it would
+                inv = scale.double().reciprocal().float()
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(inv.to(p.grad.device))
+            return super(self.__class__, self).step(closure)
+        finally:
+            self.found_inf, self.grad_scale = found_inf, scale
+
     def step(self, closure=None):
-        if self._sbc_bypass:
+        if self._sbc_bypass or _called_by_horovod_broadcast():
             return super(self.__class__, self).step(closure)
         self._capture_reference()
-        loss = super(self.__class__, self).step(closure)
+        loss = self._local_step(closure)
         self._sbc_local_steps += 1
         numel = sum(p.numel() for _, p in self._sbc_params)
         self._sbc.manager.add(steps=1, dense_bits=32 * numel)
@@ -124,7 +166,8 @@ class _SBCOptimizer:
         self._capture_reference()
         # dW = W_local - W_ref per parameter; the average of all ranks' decoded updates is added
         # straight into W_ref, then every rank continues from W_ref
-        items = [(name, p.detach(), tuple(p.shape), ref[name]) for name, p in self._sbc_params]
+        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name])
+                 for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
             p.copy_(ref[name])
@@ -164,6 +207,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             steps between syncs.
         delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
             ``compression`` is not given.
+
+    Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
+    ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
+    counted as a training step), LR schedulers, and ``torch.amp.GradScaler`` (a rank whose
+    gradients overflow skips its local update but keeps the delay window). If you overwrite the
+    weights mid-training (a broadcast or a load of model weights only), call
+    :meth:`reset_reference` on every rank afterwards.
 
     Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights
     and the step counter within the delay window; save it **on every rank** (residuals differ per

@@ -1,0 +1,357 @@
+"""Codec speed at every density, for a flat tensor and a real many-tensor model, with peers.
+
+``python -m benchmarks.bench codec`` calls :func:`run`. Every speed figure is a ratio to
+``torch.add(a, b, out=c)`` over the same number of elements, timed in the same process on one
+thread (``torch.set_num_threads(1)``), each time the minimum over repetitions (the machine is
+shared; the minimum is the least disturbed run).
+
+Workloads:
+
+flat25m   one flat fp32 tensor of 25M elements
+resnet18  the 62 parameter tensors of a ResNet-18 (11.7M elements), encoded and decoded as one
+          sync: every tensor's message in one step message, 8 ranks' step messages decoded and
+          scatter-added in one ``decode_gathered`` call
+
+Per density p in {1e-4, 1e-3, 1e-2, 5e-2} and workload:
+
+compress_over_add   a whole compress step of one rank: ``R += g``, select, binarize, encode,
+                    frame the step message, ``R -= sent``
+decode_over_add     decode 8 ranks' step messages and add their average into dense tensors
+topk_over_add       ``torch.topk(|a|, k)`` per tensor (what a plain top-k would pay to select)
+bits_per_position_over_entropy  position-stream bits / (numel * H(k / numel)), summed over the
+                    tensors of one message (headers excluded)
+
+Peers on the same tensors (``peers``): top-k with values (``torch.topk`` selection, int32
+positions + fp32 values, decode = scatter-add), DGC's sampled-threshold selection (Lin et al.
+2018: threshold from the top of a 1 % random sample, then ``|a| >= t``; positions + values), and
+PowerSGD rank 1/2/4 (Vogels et al. 2019, the math of PyTorch's ``powerSGD_hook``: matrices
+``P = M Q``, orthogonalise P, ``Q = M^T P``, error feedback ``M - P Q^T``, buffers reused;
+vectors (biases) are sent uncompressed as the hook does). Each peer reports encode and decode
+time over add, bits per step (one rank's upload) and the one-step relative error
+``||g - decoded|| / ||g||`` of a Gaussian gradient (no error feedback history).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
+WORKLOADS = ("flat25m", "resnet18")
+N_RANKS = 8
+
+
+def resnet18_shapes() -> List[Tuple[str, Tuple[int, ...]]]:
+    """The parameter shapes of torchvision's ResNet-18 (62 tensors, 11,689,512 elements)."""
+    shapes = [("conv1.weight", (64, 3, 7, 7)), ("bn1.weight", (64,)), ("bn1.bias", (64,))]
+    cin = 64
+    for li, cout in enumerate((64, 128, 256, 512), start=1):
+        for bi in range(2):
+            pre = f"layer{li}.{bi}."
+            c_in = cin if bi == 0 else cout
+            shapes += [(pre + "conv1.weight", (cout, c_in, 3, 3)), (pre + "bn1.weight", (cout,)),
+                       (pre + "bn1.bias", (cout,)), (pre + "conv2.weight", (cout, cout, 3, 3)),
+                       (pre + "bn2.weight", (cout,)), (pre + "bn2.bias", (cout,))]
+            if bi == 0 and li > 1:
+                shapes += [(pre + "downsample.0.weight", (cout, cin, 1, 1)),
+                           (pre + "downsample.1.weight", (cout,)),
+                           (pre + "downsample.1.bias", (cout,))]
+        cin = cout
+    shapes += [("fc.weight", (1000, 512)), ("fc.bias", (1000,))]
+    return shapes
+
+
+def workload_layout(workload: str, n_flat: int = 25_000_000):
+    if workload == "flat25m":
+        return [("w", (n_flat,))]
+    if workload == "resnet18":
+        return resnet18_shapes()
+    raise ValueError(f"unknown workload {workload!r}; one of {WORKLOADS}")
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def min_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Minimum wall time of ``fn`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def entropy_bits(p: float) -> float:
+    return -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+
+
+def _gradients(layout, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(_numel(s), generator=g) for _, s in layout]
+
+
+def add_time(n: int, reps: int) -> float:
+    import torch
+    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+    return min_time(lambda: torch.add(a, b, out=c), reps)
+
+
+def bench_sbc(layout, density: float, reps: int, t_add: float,
+              selection: str = "paper") -> Dict[str, float]:
+    """Our codec on one workload at one density (see the module docstring)."""
+    import torch
+    from horovod_sbc import wire
+    from horovod_sbc.torch import codec, exchange
+    fp = wire.layout_fingerprint(layout)
+    grads = _gradients(layout, 0)
+    residuals = [torch.zeros_like(g) for g in grads]
+    names = [n for n, _ in layout]
+
+    def compress_step():
+        msgs, commits = [], []
+        for name, g, r in zip(names, grads, residuals):
+            r.add_(g)
+            m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection)
+            msgs.append(m)
+            commits.append((r, pos, sent))
+        step = exchange.frame(msgs, fp, grads[0].device)
+        for r, pos, sent in commits:
+            codec.subtract_sent_(r, pos, sent)
+        return step
+
+    t_comp = min_time(compress_step, reps)
+    steps, pos_bits, entropy = [], 0, 0.0
+    for rank in range(N_RANKS):
+        msgs = []
+        for (name, _), g in zip(layout, _gradients(layout, 100 + rank)):
+            m, _ = codec.compress_(g, density, "sbc", name, selection=selection)
+            msgs.append(m)
+            if rank == 0:
+                hdr = wire.parse_tensor_header(bytes(m.numpy()), 0, g.numel())
+                pos_bits += 8 * ((hdr.unary[1] - hdr.unary[0]) + (hdr.remainder[1] - hdr.remainder[0]))
+                if 0 < hdr.count < g.numel():
+                    entropy += g.numel() * entropy_bits(hdr.count / g.numel())
+        steps.append(exchange.frame(msgs, fp, grads[0].device))
+    gathered = torch.cat(steps)
+    outs = [torch.zeros(_numel(s)) for _, s in layout]
+
+    def decode():
+        for o in outs:
+            o.zero_()
+        exchange.decode_gathered(gathered, layout, N_RANKS, outs, 1.0 / N_RANKS)
+
+    t_dec = min_time(decode, reps)
+    k_list = [min(_numel(s), max(1, round(density * _numel(s)))) for _, s in layout]
+    absg = [g.abs() for g in grads]
+    t_topk = min_time(lambda: [torch.topk(x, k, sorted=False) for x, k in zip(absg, k_list)],
+                      max(2, reps // 2))
+    return {"compress_s": t_comp, "decode_s": t_dec, "topk_s": t_topk,
+            "compress_over_add": t_comp / t_add, "decode_over_add": t_dec / t_add,
+            "topk_over_add": t_topk / t_add,
+            "bits_per_position_over_entropy": pos_bits / entropy if entropy else float("nan"),
+            "step_message_bytes": int(steps[0].numel()),
+            "bits_per_step": 8 * int(steps[0].numel())}
+
+
+# ----------------------------------------------------------------------------------------------
+# peers
+# ----------------------------------------------------------------------------------------------
+def _rel_error(grads, decoded) -> float:
+    num = sum(float((g - d).pow(2).sum()) for g, d in zip(grads, decoded))
+    den = sum(float(g.pow(2).sum()) for g in grads)
+    return math.sqrt(num / den)
+
+
+def _sparse_peer(grads, select, reps, t_add) -> Dict[str, float]:
+    """A values-carrying sparsifier: ``select(|g|) -> indices``; int32 positions + fp32 values."""
+    import torch
+    absg = [g.abs() for g in grads]
+    t_enc = min_time(lambda: [(i, g.index_select(0, i)) for g, a in zip(grads, absg)
+                              for i in (select(a),)], reps)
+    msgs = [(i, g.index_select(0, i)) for g, a in zip(grads, absg) for i in (select(a),)]
+    outs = [torch.zeros_like(g) for g in grads]
+
+    def decode():
+        for o in outs:
+            o.zero_()
+        for _ in range(N_RANKS):
+            for o, (i, v) in zip(outs, msgs):
+                o.index_add_(0, i, v, alpha=1.0 / N_RANKS)
+
+    t_dec = min_time(decode, reps)
+    decoded = [torch.zeros_like(g).index_put_((i,), v) for g, (i, v) in zip(grads, msgs)]
+    bits = sum(64 * i.numel() for i, _ in msgs)
+    return {"encode_over_add": t_enc / t_add, "decode_over_add": t_dec / t_add,
+            "bits_per_step": bits, "relative_error": _rel_error(grads, decoded)}
+
+
+def dgc_select(density: float, sample_frac: float = 0.01):
+    """DGC (Lin et al. 2018): threshold = the k_s-th largest of a random 1 % sample of |g|,
+    then every |g| >= threshold (about k entries, not exactly k)."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+
+    def select(a):
+        n = a.numel()
+        k = max(1, round(density * n))
+        if n < 1000:
+            return torch.topk(a, k, sorted=False).indices
+        m = max(1, int(n * sample_frac))
+        s = a.index_select(0, torch.randint(0, n, (m,), generator=gen))
+        ks = max(1, round(density * m))
+        thr = torch.topk(s, ks, sorted=False).values.min()
+        return torch.nonzero(a >= thr).squeeze(1)
+    return select
+
+
+def topk_select(density: float):
+    import torch
+    return lambda a: torch.topk(a, max(1, round(density * a.numel())), sorted=False).indices
+
+
+class PowerSGD:
+    """The math of PyTorch's ``powerSGD_hook`` (rank r, error feedback, warm-started Q, buffers
+    reused) for one rank: tensors with ndim > 1 are viewed as (shape[0], -1) matrices M
+    (with the error added), ``P = M Q``, P orthogonalised (QR), ``Q = M^T P``; the
+    decompressed update is ``P Q^T`` and the error ``M - P Q^T``; vectors are sent dense."""
+
+    def __init__(self, layout, rank: int):
+        import torch
+        self.rank = rank
+        self.mats = []
+        for _, shape in layout:
+            if len(shape) > 1:
+                n, m = shape[0], _numel(shape) // shape[0]
+                r = min(rank, n, m)
+                g = torch.Generator().manual_seed(0)
+                self.mats.append((n, m, torch.randn(m, r, generator=g), torch.zeros(n, m),
+                                  torch.empty(n, r)))
+            else:
+                self.mats.append(None)
+
+    def encode(self, grads):
+        import torch
+        sent = []
+        for g, st in zip(grads, self.mats):
+            if st is None:
+                sent.append(("dense", g))
+                continue
+            n, m, q, err, p = st
+            mat = err.add_(g.view(n, m))  # M = g + error
+            torch.matmul(mat, q, out=p)
+            p.copy_(torch.linalg.qr(p).Q)
+            torch.matmul(mat.t(), p, out=q)
+            sent.append(("lowrank", p, q))
+        return sent
+
+    def commit(self, sent):
+        """error = M - P Q^T (after encode; the hook does it after the allreduce)."""
+        for s, st in zip(sent, self.mats):
+            if st is not None:
+                st[3].sub_(s[1] @ s[2].t())
+
+    @staticmethod
+    def decode(sent_per_rank, outs):
+        for sent in sent_per_rank:
+            for o, s in zip(outs, sent):
+                if s[0] == "dense":
+                    o.add_(s[1], alpha=1.0 / N_RANKS)
+                else:
+                    o.view(s[1].shape[0], -1).addmm_(s[1], s[2].t(), alpha=1.0 / N_RANKS)
+
+    def bits(self, sent) -> int:
+        return sum(32 * (s[1].numel() if s[0] == "dense" else s[1].numel() + s[2].numel())
+                   for s in sent)
+
+
+def bench_powersgd(layout, grads, rank: int, reps: int, t_add: float) -> Dict[str, float]:
+    import torch
+    ps = PowerSGD(layout, rank)
+
+    def enc():
+        s = ps.encode(grads)
+        ps.commit(s)
+        return s
+    t_enc = min_time(enc, reps)
+    fresh = PowerSGD(layout, rank)
+    sent = fresh.encode(grads)
+    outs = [torch.zeros_like(g) for g in grads]
+
+    def dec():
+        for o in outs:
+            o.zero_()
+        PowerSGD.decode([sent] * N_RANKS, outs)
+    t_dec = min_time(dec, reps)
+    decoded = [torch.zeros_like(g) for g in grads]
+    for o, s in zip(decoded, sent):
+        if s[0] == "dense":
+            o.copy_(s[1])
+        else:
+            o.view(s[1].shape[0], -1).copy_(s[1] @ s[2].t())
+    return {"encode_over_add": t_enc / t_add, "decode_over_add": t_dec / t_add,
+            "bits_per_step": fresh.bits(sent), "relative_error": _rel_error(grads, decoded)}
+
+
+def bench_peers(layout, density: float, reps: int, t_add: float) -> Dict[str, Dict]:
+    grads = _gradients(layout, 0)
+    out = {"topk": _sparse_peer(grads, topk_select(density), max(2, reps // 2), t_add),
+           "dgc": _sparse_peer(grads, dgc_select(density), reps, t_add)}
+    return out
+
+
+def sbc_relative_error(layout, density: float) -> float:
+    import torch
+    from horovod_sbc.torch import codec
+    grads = _gradients(layout, 0)
+    decoded = []
+    for (name, _), g in zip(layout, grads):
+        _, pos, sent = codec.encode_update(g.clone(), density, "sbc", name)
+        decoded.append(torch.zeros_like(g).index_put_((pos,), sent))
+    return _rel_error(grads, decoded)
+
+
+def run(densities: Sequence[float] = DENSITIES, workloads: Sequence[str] = WORKLOADS,
+        reps: int = 5, n_flat: int = 25_000_000, powersgd_ranks=(1, 2, 4)) -> Dict[str, object]:
+    """Every density x workload: our codec and the peers (see the module docstring)."""
+    rows, peers = [], []
+    for wl in workloads:
+        layout = workload_layout(wl, n_flat)
+        n = sum(_numel(s) for _, s in layout)
+        t_add = add_time(n, reps)
+        for p in densities:
+            r = bench_sbc(layout, p, reps, t_add)
+            r.update(p=p, workload=wl, add_s=t_add, relative_error=sbc_relative_error(layout, p))
+            rows.append(r)
+            for name, f in bench_peers(layout, p, reps, t_add).items():
+                f.update(method=name, p=p, workload=wl)
+                peers.append(f)
+        if wl == "resnet18":
+            grads = _gradients(layout, 0)
+            for rank in powersgd_ranks:
+                f = bench_powersgd(layout, grads, rank, reps, t_add)
+                f.update(method=f"powersgd_r{rank}", p=None, workload=wl)
+                peers.append(f)
+    return {"densities": rows, "peers": peers}
+
+
+def print_table(res: Dict[str, object]) -> None:
+    print(f"\n{'workload':<9}{'p':>8}{'compress':>10}{'decode x8':>11}{'topk':>7}"
+          f"{'bits/H':>8}{'rel.err':>9}{'bits/step':>12}   (time / torch.add, 1 thread)")
+    for r in res["densities"]:
+        print(f"{r['workload']:<9}{r['p']:>8g}{r['compress_over_add']:>9.2f}x"
+              f"{r['decode_over_add']:>10.2f}x{r['topk_over_add']:>6.1f}x"
+              f"{r['bits_per_position_over_entropy']:>8.3f}{r['relative_error']:>9.3f}"
+              f"{r['bits_per_step']:>12,}")
+    print(f"\n{'peer':<12}{'workload':<9}{'p':>8}{'encode':>9}{'decode x8':>11}{'rel.err':>9}"
+          f"{'bits/step':>14}")
+    for f in res["peers"]:
+        p = "-" if f["p"] is None else f"{f['p']:g}"
+        print(f"{f['method']:<12}{f['workload']:<9}{p:>8}{f['encode_over_add']:>8.2f}x"
+              f"{f['decode_over_add']:>10.2f}x{f['relative_error']:>9.3f}{f['bits_per_step']:>14,}")

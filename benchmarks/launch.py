@@ -1,0 +1,102 @@
+"""One launcher for multi-rank jobs on this machine, shared by the tests (``tests/harness.py``) and
+the benchmarks: the environment a job needs, the command line of each launcher, and a runner
+that kills the whole process group on a timeout (a hang fails instead of blocking).
+
+Launchers: ``"mpirun"`` (Open MPI, Horovod's MPI controller), ``"horovodrun-mpi"`` /
+``"horovodrun-gloo"`` (Horovod's launcher with either controller) and ``"torchrun"``
+(``python -m torch.distributed.run``, for the DDP hook).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LAUNCHERS = ("mpirun", "horovodrun-mpi", "horovodrun-gloo", "torchrun")
+#: the variables mpirun must forward to its ranks (``-x``)
+ENV_NAMES = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL",
+             "HOROVOD_LOG_LEVEL")
+
+
+class JobTimeout(RuntimeError):
+    def __init__(self, cmd: Sequence[str], timeout: float, output: str):
+        super().__init__(f"{' '.join(map(str, cmd[:6]))} ... did not finish within "
+                         f"{timeout:.0f} s (hang?)")
+        self.output = output
+
+
+def python_exe() -> str:
+    return sys.executable
+
+
+def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """This environment plus what every rank needs: the venv's binaries first on PATH, the
+    repository on PYTHONPATH, one thread per rank, unbuffered output, quiet TF and Horovod."""
+    env = dict(os.environ)
+    env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
+    pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                "HOROVOD_LOG_LEVEL": env.get("HOROVOD_LOG_LEVEL", "warning")})
+    env.update(extra or {})
+    return env
+
+
+def launcher_prefix(np_: int, launcher: str = "mpirun",
+                    env_names: Sequence[str] = ENV_NAMES) -> List[str]:
+    """The launcher's part of the command line for ``np_`` local ranks (the program follows)."""
+    if launcher == "mpirun":
+        mpirun = shutil.which("mpirun")
+        if not mpirun:  # no Open MPI on PATH: Horovod's launcher with its MPI controller
+            return launcher_prefix(np_, "horovodrun-mpi")
+        cmd = [mpirun, "--allow-run-as-root", "-np", str(np_), "-bind-to", "none",
+               "-map-by", "slot"]
+        if np_ > (os.cpu_count() or 1):
+            cmd.insert(2, "--oversubscribe")
+        for n in env_names:
+            cmd += ["-x", n]
+        return cmd
+    if launcher in ("horovodrun-mpi", "horovodrun-gloo"):
+        hr = shutil.which("horovodrun") or str(BIN / "horovodrun")
+        return [hr, "-np", str(np_), "-H", f"localhost:{np_}",
+                "--gloo" if launcher.endswith("gloo") else "--mpi"]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={np_}", "--monitor_interval=0.5"]
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+        on_line: Optional[Callable[[str], None]] = None) -> Tuple[int, str]:
+    """Run ``cmd`` in its own process group from the repository root; returns (exit code,
+    output). ``on_line`` sees each output line as it comes. On timeout the whole group is
+    killed and :class:`JobTimeout` carries the output so far."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=str(ROOT), env=env if env is not None else job_env(),
+                            start_new_session=True)
+    lines: List[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+
+    import threading
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t.join(5)
+        raise JobTimeout(cmd, timeout, "".join(lines)) from None
+    t.join(10)
+    return proc.returncode, "".join(lines)

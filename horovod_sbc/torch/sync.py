@@ -1,0 +1,189 @@
+"""One sync of a set of updates (GRACE's *Communicator* at work): encode every update plus its
+residual, exchange one fused step message, decode and average, then commit the error feedback.
+
+:func:`synchronize` serves the drop-in optimizer (weight updates ``W - W_ref``), the DDP hook
+and averager (:mod:`horovod_sbc.torch.ddp`) and the tests; the stock Horovod hook
+(:mod:`horovod_sbc.torch.hook`) exchanges one gradient at a time with the same pieces. The
+collective is the state's ``transport`` (Horovod's allgather by default, ``torch.distributed``
+for DDP); the ``"server"`` topology gathers to rank 0 and broadcasts one downlink instead.
+
+Error feedback is committed only after every rank's message decoded: a sync that fails (a
+rank's NaN, a malformed message) leaves every residual as it was before the sync, and a skipped
+sync keeps ``R + dW`` in the healthy ranks' residuals.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import wire
+from . import exchange
+from .codec import NonFiniteError, _scratch, encode_positions, encode_update, subtract_sent_
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .compressor import SBC
+
+
+@dataclass
+class Update:
+    """One tensor of a sync: the update is ``value`` (any shape, read flat) or, with ``base``,
+    ``value - base`` (computed into a reused buffer, e.g. the weights minus the reference
+    weights). ``name`` keys the residual and labels the tensor message; ``shape`` is the
+    tensor's shape in the layout every rank must agree on."""
+    name: str
+    value: torch.Tensor
+    shape: Tuple[int, ...]
+    base: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, item) -> "Update":
+        """From an :class:`Update` or a ``(name, value, shape[, base])`` tuple."""
+        return item if isinstance(item, Update) else cls(item[0], item[1], tuple(item[2]),
+                                                         item[3] if len(item) > 3 else None)
+
+    def flat(self, dtype: torch.dtype) -> torch.Tensor:
+        value = self.value.reshape(-1)
+        if self.base is None:
+            return value
+        buf = _scratch(value.numel(), dtype, value.device, slot=1)
+        return torch.sub(value.to(dtype), self.base.reshape(-1).to(dtype), out=buf)
+
+
+@dataclass
+class Encoded:
+    """An update encoded but not yet committed: its residual holds ``A = R + dW``; once the
+    sync succeeded, ``sent`` is subtracted at ``positions``."""
+    update: Update
+    residual: torch.Tensor
+    positions: torch.Tensor
+    sent: torch.Tensor
+    message: torch.Tensor
+
+
+def restore(res: torch.Tensor, upd: torch.Tensor) -> None:
+    """Undo ``res += upd`` after a failed encode; entries made non-finite by a NaN/Inf in
+    ``upd`` cannot be recovered and are reset to 0 (only on the failing rank)."""
+    res.sub_(upd)
+    torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
+    return torch.float64 if any(u.value.dtype == torch.float64 for u in updates) else \
+        torch.float32
+
+
+def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
+                tag: str = "sbc.sync", count_sync: bool = True) -> Optional[List[torch.Tensor]]:
+    """Compress, exchange (one fused message), decode and average ``items``
+    (:class:`Update` or tuples, see :meth:`Update.of`). Returns ``out`` (flat tensors, e.g. the
+    reference weights) or new zero tensors plus the average of all ranks' decoded updates; None
+    if the sync was skipped (``nonfinite="skip"``); raises ``ValueError`` on every rank if any
+    rank failed. ``count_sync=False`` leaves the ``syncs`` counter to the caller."""
+    updates = [Update.of(it) for it in items]
+    cfg = state.config
+    size, rank = state.world()
+    layout = [(u.name, u.shape) for u in updates]
+    fp = wire.layout_fingerprint(layout)
+    dev = updates[0].value.device if updates else torch.device("cpu")
+    encoded: List[Encoded] = []
+    step = None
+    local_error = False
+    for u in updates:
+        res = state.residual(u.name, u.value)
+        if res.numel() != u.value.numel():
+            raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
+                             f"has {res.numel()}; did the model change shape?")
+        upd = u.flat(res.dtype)
+        res.add_(upd)  # A = R + dW, in place (error feedback is committed below)
+        try:
+            msg, pos, sent = encode_update(res, cfg.density, cfg.mode, u.name,
+                                           state.generator(res.device), cfg.selection)
+        except NonFiniteError as e:
+            restore(res, upd)
+            step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
+            local_error = True
+            break
+        encoded.append(Encoded(u, res, pos, sent, msg))
+    if step is None:
+        step = exchange.frame([e.message for e in encoded], fp, dev)
+    acc = sum_dtype(updates)
+    try:
+        if cfg.topology == "server":
+            out = server_exchange(state, step, layout, size, rank, out, acc)
+        else:
+            gathered = state.transport.allgather(step, tag)
+            state.manager.add(upstream_bits=8 * step.numel(),
+                              downstream_bits=8 * (gathered.numel() - step.numel()))
+            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc)
+    except wire.PeerError as e:
+        if e.skip:
+            warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+            if local_error:  # the failing rank drops this window's update
+                for enc in encoded:
+                    restore(enc.residual, enc.update.flat(enc.residual.dtype))
+            # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
+            return None
+        raise ValueError(f"SBC: {e}") from None
+    for enc in encoded:  # commit error feedback only after success
+        subtract_sent_(enc.residual, enc.positions, enc.sent)
+    state.manager.add(syncs=int(count_sync),
+                      positions_sent=sum(e.positions.numel() for e in encoded),
+                      elements_synced=sum(e.residual.numel() for e in encoded))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# topology "server"
+# ----------------------------------------------------------------------------------------------
+def server_exchange(state: "SBC", step: torch.Tensor, layout, size: int, rank: int, out,
+                    acc_dtype) -> List[torch.Tensor]:
+    """Server topology (Zou, De Sterck, Liu, "Downlink Compression Improves TopK
+    Sparsification", arXiv 2209.15203): rank 0 gathers every rank's step message (a real MPI
+    gather: nothing goes to the other workers), decodes and averages them, adds its own server
+    residual, compresses the average at ``downlink_density`` and broadcasts that one message;
+    every rank, rank 0 included, applies the same decoded downlink."""
+    from . import server
+    root = 0
+    gathered = server.gather(step, root)
+    state.manager.add(upstream_bits=8 * step.numel())
+    down = None
+    if rank == root:
+        state.manager.add(server_in_bits=8 * (gathered.numel() - step.numel()))
+        down = server_step(state, gathered, layout, size, acc_dtype, step.device)
+    down = server.broadcast(down, root, step.device)
+    if rank == root:
+        state.manager.add(server_out_bits=8 * down.numel() * (size - 1))
+    else:
+        state.manager.add(downstream_bits=8 * down.numel())
+    return exchange.decode_gathered(down, layout, 1, out, 1.0, acc_dtype)
+
+
+def server_step(state: "SBC", gathered, layout, size, acc_dtype, dev) -> torch.Tensor:
+    """Root only: the downlink step message for the gathered uplinks (or an error frame that
+    makes every rank fail or skip together)."""
+    fp = wire.layout_fingerprint(layout)
+    try:
+        avg = exchange.decode_gathered(gathered, layout, size, None, 1.0 / size, acc_dtype)
+    except wire.PeerError as e:
+        return exchange.error_frame(e.reason, fp, e.skip, dev, e.rank)  # relay it
+    except ValueError as e:  # a malformed uplink: everybody must hear about it
+        return exchange.error_frame(f"the server rejected an uplink: {e}", fp, False, dev, 0)
+    msgs = []
+    srv = state.manager.server_residuals
+    cfg = state.config
+    for (name, _), a in zip(layout, avg):
+        if cfg.downlink_density is None:  # dense downlink: exact average, no residual
+            msg, _, _ = encode_update(a, 1.0, "values", name)
+        else:
+            r = srv.get(name)
+            if r is None or r.numel() != a.numel():
+                r = srv[name] = torch.zeros_like(a)
+            r.add_(a)  # server-side error feedback
+            msg, pos, sent = encode_update(r, cfg.downlink_density, cfg.downlink_mode, name,
+                                           selection=cfg.selection)
+            subtract_sent_(r, pos, sent)
+        msgs.append(msg)
+    return exchange.frame(msgs, fp, dev)

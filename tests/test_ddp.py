@@ -1,0 +1,104 @@
+"""SBC for torch.distributed (DDP comm hook, model averager) on real torchrun jobs, gloo."""
+import tempfile
+import time
+
+import pytest
+
+from harness import ROOT, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def _job(mode, np_=2, args=(), timeout=120, **kw):
+    return run_ranks("ddp_sbc.py", np_, [mode, *args], timeout=timeout, controller="torchrun",
+                     **kw)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_hook_and_averager_train_a_non_iid_task_with_identical_ranks(np_):
+    results, _ = _job("train", np_, timeout=180)
+    # the hook: bit-identical parameters on every rank after DDP's broadcast and every step
+    hook = [r["hook"] for r in results]
+    steps = len(hook[0]["digests"]) - 1
+    for s in range(steps + 1):
+        assert len({h["digests"][s] for h in hook}) == 1, f"ranks differ after step {s}"
+    assert len(set(hook[0]["digests"])) == steps + 1  # the weights move at every step
+    # each rank sees only its own classes: only the exchange can teach it the others
+    noop = [r["noop"] for r in results]
+    assert max(n["accuracy"] for n in noop) < 0.7  # the negative control: no exchange
+    assert all(h["accuracy"] > 0.9 for h in hook)
+    for r, h in enumerate(hook):
+        st = h["stats"]
+        assert st["steps"] == st["syncs"] == steps and st["skipped_steps"] == 0
+        assert abs(st["positions_sent"] / st["elements_synced"] - 0.05) < 0.01
+        assert 40 * st["upstream_bits"] < st["dense_bits"]
+        # the collectives carry the message, its padding to the longest rank's and the length
+        assert st["upstream_bits"] < st["transport_upstream_bits"] < 1.1 * st["upstream_bits"]
+    # every upstream byte of one rank reaches every other rank
+    assert sum(h["stats"]["upstream_bits"] for h in hook) * (np_ - 1) == \
+        sum(h["stats"]["downstream_bits"] for h in hook)
+    # the averager: shared weights during warm-up and after every average, local in between
+    avg = [r["averager"] for r in results]
+    period, warmup = avg[0]["period"], avg[0]["warmup"]
+    synced = [s for s in range(1, steps + 1)
+              if s <= warmup or (s - 1 - warmup) % period == 0]
+    for s in synced:
+        assert len({a["digests"][s] for a in avg}) == 1, f"averager: ranks differ after {s}"
+    local = [s for s in range(warmup + 2, steps + 1) if s not in synced]
+    assert all(len({a["digests"][s] for a in avg}) == np_ for s in local)
+    assert all(a["accuracy"] > 0.9 for a in avg)
+    assert avg[0]["stats"]["syncs"] == len([s for s in synced if s > warmup])
+    assert avg[0]["stats"]["steps"] == steps
+
+
+def test_nonfinite_gradient_on_one_rank_raises_or_skips_on_every_rank():
+    results, _ = _job("nan")
+    for res in results:
+        for key, param in (("hook_raise", "'2.bias'"), ("averager_raise", "'0.bias'")):
+            msg = res[key]
+            assert msg is not None and msg.startswith("ValueError: SBC: rank 1 could not encode")
+            assert "contains NaN or Inf" in msg and param in msg, msg
+        skip = res["skip"]
+        assert skip["skipped"] == [False, False, True, False]
+        assert skip["unchanged"] and skip["finite"]
+        assert "skipping this sync" in skip["warning"] and "rank 1" in skip["warning"]
+        assert skip["stats"]["skipped_steps"] == 1 and skip["stats"]["syncs"] == 3
+    a, b = (r["skip"]["digests"] for r in results)
+    assert a == b  # identical through the skipped step and after it
+
+
+def test_killed_rank_ends_the_job_with_a_clear_error():
+    t0 = time.monotonic()
+    _, out = _job("kill", timeout=90, expect_fail=True)
+    assert time.monotonic() - t0 < 60
+    assert "killing myself at step 5" in out
+    assert "Signal 9 (SIGKILL)" in out and "rank      : 1" in out, out[-3000:]
+
+
+def test_checkpoint_resumes_hook_and_averager_bit_identically():
+    ckpt = tempfile.mkdtemp(prefix="sbc-ddp-ckpt-")
+    saved, _ = _job("save", args=[f"ckpt={ckpt}"])
+    loaded, _ = _job("load", args=[f"ckpt={ckpt}"])
+    for r in range(2):
+        for kind in ("hook", "averager"):
+            s, lo = saved[r][kind], loaded[r][kind]
+            assert lo["digests"] == s["digests"], (r, kind)  # the next 10 steps
+            assert lo["stats_at_checkpoint"] == s["stats_at_checkpoint"]
+            assert lo["stats"] == s["stats"]
+        # without its SBC state (residuals), the resumed hook run would not continue exactly
+        assert loaded[r]["fresh"]["digests"] != saved[r]["hook"]["digests"]
+    assert saved[0]["averager"]["stats_at_checkpoint"]["steps"] == 7  # mid-window (period 3)
+    assert saved[0]["averager"]["stats_at_checkpoint"]["syncs"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["hook", "averager"])
+def test_example_trains_digits_with_identical_ranks(method):
+    _, out = run_ranks(str(ROOT / "examples" / "pytorch_ddp_sbc.py"), 2,
+                       ["--method", method, "--epochs", "8"], timeout=300,
+                       controller="torchrun", raw=True)
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"{method} on 2 ranks"))
+    assert "ranks identical: True" in line, line
+    acc = float(line.split("accuracy ")[1].split("%")[0])
+    ratio = float(line.split("compression ")[1].split("x")[0])
+    assert acc > 90 and ratio > (300 if method == "hook" else 1000), line

@@ -1,0 +1,22 @@
+"""A job that mixes frameworks: TensorFlow on even ranks, PyTorch on odd ranks, one horovodrun.
+The wire format and the protocol layer are shared, so both kinds of rank decode the same bits
+and reach the same verdicts."""
+import pytest
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tensorflow_and_torch_ranks_sync_and_agree(np_):
+    results, _ = run_ranks("mixed_sbc.py", np_, [], timeout=240)
+    frameworks = [r["framework"] for r in results]
+    assert frameworks == ["tf", "torch", "tf"][:np_]
+    for s in range(3):  # identical averaged updates, whatever framework decoded them
+        assert len({r["digests"][s] for r in results}) == 1, f"sync {s}: ranks differ"
+    assert len({r["digests"][0] for r in results} | {r["digests"][1] for r in results}) == 2
+    for r in results:  # a NaN on the torch rank 1: every rank fails, naming it and the tensor
+        assert r["nan"] is not None and "rank 1 could not encode" in r["nan"], r
+        assert "'b'" in r["nan"] and "NaN or Inf" in r["nan"]
+        assert r["skip"] is True  # nonfinite="skip": every rank skips the sync
