@@ -48,7 +48,7 @@ from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
 
 _EXACT_BELOW = 1 << 14   # below this (or at high density) the exact path runs on the whole tensor
 _BLOCK = 32              # elements per block of the block-maxima pass
-_SAMPLE_MIN, _SAMPLE_MAX = 16384, 262144
+_SAMPLE_MAX = 262144
 _BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviations off the k-th
 MODES = ("sbc", "values", "sign")
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
@@ -67,16 +67,26 @@ class Side:
 class Encoded:
     """One encoded tensor (all TF tensors, on the update's device).
 
-    message:   uint8 [bytes], the tensor message (see :mod:`horovod_sbc.wire`)
+    header:    int64 [5], ``[flags, rice_b, count, unary_nbytes, value_bits]``: the O(1)
+               integers of the tensor header (:func:`header_bytes_host` / ``message``)
+    body:      uint8, the message after its header (streams, signs or values)
     positions: int64 [count], sorted flat positions sent
     sent:      [count] values sent, in the update's dtype (error feedback subtracts them)
-    finite:    bool scalar; False if the update holds NaN or Inf (then the message is an empty
-               placeholder and nothing may be committed)
+    finite:    bool scalar; False if the update holds NaN or Inf (then the message must not be
+               sent and nothing may be committed)
+    numel:     the tensor's element count (static)
     """
-    message: tf.Tensor
+    header: tf.Tensor
+    body: tf.Tensor
     positions: tf.Tensor
     sent: tf.Tensor
     finite: tf.Tensor
+    numel: int
+
+    @property
+    def message(self) -> tf.Tensor:
+        """uint8: the whole tensor message, its header built with TF ops."""
+        return tf.concat([_header_bytes(self.numel, self.header), self.body], 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,30 +116,42 @@ def _value_in(bits32: tf.Tensor, dtype: tf.DType, negative=None) -> tf.Tensor:
     return tf.cast(_f32_of_bits(bits32), dtype)
 
 
-def tree_sum(x: tf.Tensor) -> tf.Tensor:
+def tree_sum(x: tf.Tensor, max_len: Optional[int] = None) -> tf.Tensor:
     """0-d float64: the fixed pairwise-tree sum of :func:`horovod_sbc.core.tree_sum_np` (values in
-    order, zero padded to a power of two, then repeatedly ``x[:h] + x[h:]``), on x's device."""
+    order, zero padded to a power of two, then repeatedly ``x[:h] + x[h:]``), on x's device.
+
+    Padding to any larger power of two gives the same bits (the extra levels add exact zeros),
+    so ``x`` is padded to the power of two >= ``max_len`` (a static bound on its length; default
+    its static length) and the halving is unrolled: no loop in the graph."""
     x = tf.cast(tf.reshape(x, [-1]), tf.float64)
+    if max_len is None:
+        max_len = int(x.shape[0])
+    size = 1 << max(0, (max_len - 1).bit_length())
     n = tf.size(x, out_type=tf.int64)
-    size = tf.while_loop(lambda s: s < n, lambda s: [s * 2], [_c64(1)])[0]
     x = tf.pad(x, tf.reshape(tf.stack([_c64(0), size - n]), [1, 2]))
-
-    def halve(v, s):
-        h = s // 2
-        return v[:h] + v[h:], h
-
-    x, _ = tf.while_loop(lambda v, s: s > 1, halve, [x, size],
-                         shape_invariants=[tf.TensorShape([None]), tf.TensorShape([])])
-    return tf.reshape(x[:1], [])
+    x = tf.reshape(x, [size])
+    while size > 1:
+        size //= 2
+        x = x[:size] + x[size:]
+    return tf.reshape(x, [])
 
 
-def _mean_bits(values: tf.Tensor) -> tf.Tensor:
-    """int32 bits of ``float32(tree_sum(values) / count)`` (0 for no values), as
-    :func:`horovod_sbc.core.mean_f32`. The float64 division is exact IEEE (no subnormal float64
-    can arise from float32-range data); the rounding to float32 is done on the bits."""
-    n = tf.size(values, out_type=tf.int64)
-    s = tree_sum(values) / tf.cast(tf.maximum(n, 1), tf.float64)
-    return tf.where(n > 0, f64_to_f32_bits(s), 0)
+def _mean_bits_2(x: tf.Tensor, y: tf.Tensor, max_len: int) -> tf.Tensor:
+    """int32 [2]: bits of ``float32(tree_sum(v) / len(v))`` (0 for no values) for ``v`` = x, y,
+    as :func:`horovod_sbc.core.mean_f32`. The float64 division is exact IEEE (no subnormal
+    float64 arises from float32-range data); the rounding to float32 is done on the bits."""
+    n = tf.stack([tf.size(x, out_type=tf.int64), tf.size(y, out_type=tf.int64)])
+    size = 1 << max(0, (max_len - 1).bit_length())
+    rows = tf.stack([tf.pad(tf.cast(v, tf.float64), tf.reshape(tf.stack([_c64(0), size - c]),
+                                                                [1, 2]))
+                     for v, c in ((x, n[0]), (y, n[1]))])
+    rows = tf.reshape(rows, [2, size])
+    while size > 1:  # the tree of tree_sum, both rows at once
+        size //= 2
+        rows = rows[:, :size] + rows[:, size:]
+    sums = rows[:, 0]
+    m = f64_to_f32_bits(sums / tf.cast(tf.maximum(n, 1), tf.float64))
+    return tf.where(n > 0, m, tf.zeros_like(m))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,18 +175,16 @@ def _select_among(vals: tf.Tensor, k, positive_only: bool) -> tf.Tensor:
         k = tf.minimum(k, tf.reduce_sum(tf.cast(vals > 0, tf.int64)))
     kk = tf.minimum(k, c)
 
-    def some():
-        kth = tf.reduce_min(tf.math.top_k(vals, tf.cast(kk, tf.int32), sorted=False).values)
-        gt = vals > kth
-        need = kk - tf.reduce_sum(tf.cast(gt, tf.int64))
-        eq = tf.equal(vals, kth)
-        eq = tf.logical_and(eq, tf.cumsum(tf.cast(eq, tf.int64)) <= need)
-        sel = tf.logical_or(gt, eq)
-        if positive_only:
-            sel = tf.logical_and(sel, vals > 0)
-        return tf.reshape(tf.where(sel), [-1])
-
-    return tf.cond(kk > 0, some, lambda: tf.zeros([0], tf.int64))
+    # k == 0: top_k is empty, its min is +max, nothing is selected
+    kth = tf.reduce_min(tf.math.top_k(vals, tf.cast(kk, tf.int32), sorted=False).values)
+    gt = vals > kth
+    need = kk - tf.reduce_sum(tf.cast(gt, tf.int64))
+    eq = tf.equal(vals, kth)
+    eq = tf.logical_and(eq, tf.cumsum(tf.cast(eq, tf.int64)) <= need)
+    sel = tf.logical_or(gt, eq)
+    if positive_only:
+        sel = tf.logical_and(sel, vals > 0)
+    return tf.reshape(tf.where(sel), [-1])
 
 
 def _exact_side(a: tf.Tensor, k: int, side: str, positive_only: bool) -> tf.Tensor:
@@ -233,16 +253,23 @@ def _prepare(a: tf.Tensor, k: int, n_sides: int) -> _Prep:
 
 def _side_hit(x: tf.Tensor, side: str, t_lo, positive_only: bool, x_min=None) -> tf.Tensor:
     """Does the side value of ``x`` (or, for blocks, of the block with max ``x`` and min
-    ``x_min``) reach ``t_lo`` (and, with ``positive_only``, exceed 0)?"""
+    ``x_min``) reach ``t_lo`` (and, with ``positive_only``, exceed 0)? One comparison per side:
+    ``s >= t_lo and s > 0`` is ``s > max(nextafter(t_lo, -inf), 0)``. (Should TF flush a
+    subnormal threshold to 0 the test only gets wider: the candidates are filtered exactly.)"""
     lo = x if x_min is None else x_min
+    if positive_only:
+        t = tf.maximum(tf.math.nextafter(t_lo, tf.constant(-np.inf, t_lo.dtype)),
+                       tf.zeros_like(t_lo))
+        if side == Side.POS:
+            return x > t
+        if side == Side.NEG:
+            return lo < -t
+        return tf.logical_or(x > t, lo < -t)
     if side == Side.POS:
-        hit = x >= t_lo
-        return tf.logical_and(hit, x > 0) if positive_only else hit
+        return x >= t_lo
     if side == Side.NEG:
-        hit = lo <= -t_lo
-        return tf.logical_and(hit, lo < 0) if positive_only else hit
-    hit = tf.logical_or(x >= t_lo, lo <= -t_lo)
-    return tf.logical_and(hit, tf.logical_or(x > 0, lo < 0)) if positive_only else hit
+        return lo <= -t_lo
+    return tf.logical_or(x >= t_lo, lo <= -t_lo)
 
 
 def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool,
@@ -259,7 +286,8 @@ def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool
     if n <= _EXACT_BELOW:
         return [_exact_side(a, k, s, positive_only) for s in sides]
     prep = prep or _prepare(a, k, len(sides))
-    m_target = int(min(max(_SAMPLE_MIN, 64 * n // k), _SAMPLE_MAX, n // 4))
+    # a large sample keeps the band between the thresholds narrow (~8 / sqrt(k m / n) of k)
+    m_target = int(min(_SAMPLE_MAX, n // 4))
     stride = max(1, n // m_target)
     sample = a[::stride]
     thresholds = {s: _sample_thresholds(_side_values(sample, s), k, n) for s in sides}
@@ -340,17 +368,16 @@ def rice_b(gaps: tf.Tensor, count: tf.Tensor, numel: int) -> tf.Tensor:
     b1, ts = _rice_table(numel)
     count = _i64(count)
     b0 = _c64(b1) - tf.reduce_sum(tf.cast(tf.constant(ts, tf.int64) <= count, tf.int64))
-    best_b, best_len = _c64(0), _c64(np.iinfo(np.int64).max)
-    for d in (-1, 0, 1):
-        b = b0 + d
-        bc = tf.clip_by_value(b, 0, wire.MAX_RICE_B)
-        sq = tf.reduce_sum(tf.bitwise.right_shift(gaps, bc))
-        nbytes = (sq + count + 7) // 8 + (count * bc + 7) // 8
-        valid = tf.logical_and(b >= 0, b <= wire.MAX_RICE_B)
-        better = tf.logical_and(valid, nbytes < best_len)
-        best_b = tf.where(better, bc, best_b)
-        best_len = tf.where(better, nbytes, best_len)
-    return tf.where(count > 0, best_b, 0)
+    bs = b0 + tf.constant([-1, 0, 1], tf.int64)
+    bc = tf.clip_by_value(bs, 0, wire.MAX_RICE_B)
+    sq = tf.reduce_sum(tf.bitwise.right_shift(gaps[None, :], bc[:, None]), 1)
+    nbytes = (sq + count + 7) // 8 + (count * bc + 7) // 8
+    valid = tf.logical_and(bs >= 0, bs <= wire.MAX_RICE_B)
+    nbytes = tf.where(valid, nbytes, _c64(np.iinfo(np.int64).max))
+    # the smallest length, ties to the smaller b (the first of the three)
+    first = tf.reduce_min(tf.where(tf.equal(nbytes, tf.reduce_min(nbytes)),
+                                   tf.constant([0, 1, 2], tf.int64), 3))
+    return tf.where(count > 0, tf.gather(bc, first), 0)
 
 
 def _pack_ones(bit_index: tf.Tensor, nbytes) -> tf.Tensor:
@@ -418,31 +445,47 @@ def _pack_bools(bits: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.reduce_sum(tf.reshape(x, [-1, 8]) * w, 1), tf.uint8)
 
 
-def encode_positions(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
-                     values: Optional[tf.Tensor] = None, signs: Optional[tf.Tensor] = None,
-                     all_positions: bool = False) -> tf.Tensor:
-    """One tensor message (uint8) of sorted unique int64 positions in [0, numel).
+def _header_bytes(numel: int, header: tf.Tensor) -> tf.Tensor:
+    """uint8 tensor header (:func:`horovod_sbc.wire.tensor_header`) from the int64
+    ``[flags, rice_b, count, unary_nbytes, value_bits]`` of :func:`encode_parts`, in TF ops."""
+    fixed = _const_bytes(wire.TENSOR_MAGIC + bytes((wire.VERSION,)))
+    return tf.concat([fixed, tf.cast(header[:2], tf.uint8), _const_bytes(wire.uvarint(numel)),
+                      _uvarint(header[2]), _uvarint(header[3]), _le32(header[4])], 0)
+
+
+def header_bytes_host(numel: int, header) -> bytes:
+    """The same tensor header on the host from the five integers (exact: the value's bits are
+    copied, never converted through a float)."""
+    flags, b, count, unary_nbytes, vbits = (int(x) for x in header)
+    return (wire.TENSOR_MAGIC + bytes((wire.VERSION, flags, b)) + wire.uvarint(numel)
+            + wire.uvarint(count) + wire.uvarint(unary_nbytes)
+            + (vbits & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
+def encode_parts(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
+                 values: Optional[tf.Tensor] = None, signs: Optional[tf.Tensor] = None,
+                 all_positions: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    """``(header, body)`` of one tensor message of sorted unique int64 positions in [0, numel):
+    ``header`` int64 ``[flags, rice_b, count, unary_nbytes, value_bits]`` (the O(1) integers the
+    header bytes are made of), ``body`` uint8 (unary, remainder, sign or value streams).
 
     ``value_bits`` (int32 scalar tensor) is the float32 value's bit pattern; ``negative`` a bool
     scalar tensor. ``values`` (float32, one per position) makes a top-k VALUES message, ``signs``
     (bool, True = negative) a ternary one; ``all_positions`` (static) sends every element.
     """
-    def head(flags, b, count, unary_nbytes, vbits):
-        fixed = _const_bytes(wire.TENSOR_MAGIC + bytes((wire.VERSION,)))
-        return tf.concat([fixed, tf.cast(tf.reshape(flags, [1]), tf.uint8),
-                          tf.cast(tf.reshape(b, [1]), tf.uint8),
-                          _const_bytes(wire.uvarint(numel)), _uvarint(count),
-                          _uvarint(unary_nbytes), _le32(vbits)], 0)
-
-    zero32 = tf.constant(0, tf.int32)
-    value_bits = zero32 if value_bits is None else tf.cast(value_bits, tf.int32)
+    zero = _c64(0)
+    value_bits = zero if value_bits is None else tf.cast(
+        tf.bitwise.bitwise_and(tf.cast(value_bits, tf.int64), 0xFFFFFFFF), tf.int64)
     negative = tf.constant(False) if negative is None else tf.cast(negative, tf.bool)
+
+    def head(flags, b, count, unary_nbytes, vbits):
+        return tf.stack([_i64(flags), _i64(b), _i64(count), _i64(unary_nbytes), _i64(vbits)])
+
     if all_positions:
         if values is not None:
             vb = tf.reshape(tf.bitcast(tf.cast(values, tf.float32), tf.uint8), [-1])
-            return tf.concat([head(wire.FLAG_VALUES | wire.FLAG_ALL, 0, numel, 0, zero32), vb], 0)
-        return tf.concat([head(wire.FLAG_SIGNS | wire.FLAG_ALL, 0, numel, 0, value_bits),
-                          _pack_bools(signs)], 0)
+            return head(wire.FLAG_VALUES | wire.FLAG_ALL, 0, numel, 0, zero), vb
+        return head(wire.FLAG_SIGNS | wire.FLAG_ALL, 0, numel, 0, value_bits), _pack_bools(signs)
     count = tf.size(pos, out_type=tf.int64)
     gaps = pos - tf.concat([[_c64(-1)], pos[:-1]], 0) - 1
     b = rice_b(gaps, count, numel)
@@ -452,28 +495,34 @@ def encode_positions(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
     unary = _pack_ones(ones_at, unary_nbytes)
     r = tf.bitwise.bitwise_and(gaps, tf.bitwise.left_shift(_c64(1), b) - 1)
     rem = _write_fields(r, b, (count * b + 7) // 8)
-    nothing = tf.equal(count, 0)
+    some = tf.cast(count > 0, tf.int64)
     if values is not None:
         vb = tf.reshape(tf.bitcast(tf.cast(values, tf.float32), tf.uint8), [-1])
-        flags = tf.where(nothing, 0, wire.FLAG_VALUES)
-        return tf.concat([head(flags, b, count, unary_nbytes, zero32), unary, rem, vb], 0)
+        return head(some * wire.FLAG_VALUES, b, count, unary_nbytes, zero), \
+            tf.concat([unary, rem, vb], 0)
     if signs is not None:
-        flags = tf.where(nothing, 0, wire.FLAG_SIGNS)
-        vbits = tf.where(nothing, zero32, value_bits)
-        return tf.concat([head(flags, b, count, unary_nbytes, vbits), unary, rem,
-                          _pack_bools(signs)], 0)
-    neg = tf.logical_and(tf.logical_not(nothing), negative)
-    flags = tf.where(neg, wire.FLAG_NEGATIVE, 0)
-    vbits = tf.where(nothing, zero32, value_bits)
-    return tf.concat([head(flags, b, count, unary_nbytes, vbits), unary, rem], 0)
+        return head(some * wire.FLAG_SIGNS, b, count, unary_nbytes, some * value_bits), \
+            tf.concat([unary, rem, _pack_bools(signs)], 0)
+    flags = some * tf.cast(negative, tf.int64) * wire.FLAG_NEGATIVE
+    return head(flags, b, count, unary_nbytes, some * value_bits), tf.concat([unary, rem], 0)
+
+
+def encode_positions(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
+                     values: Optional[tf.Tensor] = None, signs: Optional[tf.Tensor] = None,
+                     all_positions: bool = False) -> tf.Tensor:
+    """One tensor message (uint8), header included, in TF ops (see :func:`encode_parts`)."""
+    header, body = encode_parts(pos, numel, value_bits, negative, values, signs, all_positions)
+    return tf.concat([_header_bytes(numel, header), body], 0)
 
 
 # ----------------------------------------------------------------------------------------------
 # the encoder
 # ----------------------------------------------------------------------------------------------
 def _finite(a: tf.Tensor) -> tf.Tensor:
-    """One reduction pass: max and min propagate NaN on TF's CPU kernels; a float sum is checked
-    too so a device whose max ignores NaN still catches it (overflowing sums recheck exactly)."""
+    """Does ``a`` hold only finite numbers? Large tensors: one float sum (NaN and Inf propagate
+    through it; only a sum that overflowed is rechecked element by element)."""
+    if int(a.shape[0]) <= _EXACT_BELOW:
+        return tf.reduce_all(tf.math.is_finite(a))
     s = tf.reduce_sum(a)
     return tf.cond(tf.math.is_finite(s), lambda: tf.constant(True),
                    lambda: tf.reduce_all(tf.math.is_finite(a)))
@@ -507,8 +556,8 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     n = int(a.shape[0])
     empty_pos = tf.zeros([0], tf.int64)
     if n == 0:
-        return Encoded(encode_positions(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
-                       tf.constant(True))
+        return Encoded(*encode_parts(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
+                       tf.constant(True), 0)
     k = core.keep_count(n, density)
     if mode == "sign" or n <= _EXACT_BELOW or k >= n:
         prep = _Prep(None, None, _finite(a))
@@ -518,17 +567,17 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
 
     def encode():
         if mode == "sign":
-            sbits = f64_to_f32_bits(tree_sum(tf.abs(a)) / float(n))
+            sbits = f64_to_f32_bits(tree_sum(tf.abs(a), n) / float(n))
             neg = a < 0
             scale = _value_in(sbits, a.dtype)
             sent = tf.where(neg, -scale, scale)
-            msg = encode_positions(empty_pos, n, sbits, signs=neg, all_positions=True)
+            msg = encode_parts(empty_pos, n, sbits, signs=neg, all_positions=True)
             return msg, tf.range(n, dtype=tf.int64), sent
         if mode == "values":
             (idx,) = select_sides(a, k, [Side.ABS], positive_only=False, prep=prep)
             vals = tf.gather(a, idx)
             v32 = vals if a.dtype == tf.float32 else tf.cast(vals, tf.float32)
-            msg = encode_positions(idx, n, values=v32, all_positions=(k == n))
+            msg = encode_parts(idx, n, values=v32, all_positions=(k == n))
             sent = v32 if a.dtype == tf.float32 else _value_in(tf.bitcast(v32, tf.int32),
                                                                  a.dtype)
             return msg, idx, sent
@@ -539,23 +588,23 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
             (idx,) = select_sides(a, k, [Side.ABS], positive_only=True, prep=prep)
             kept = tf.gather(a, idx)
             p_idx, n_idx = tf.boolean_mask(idx, kept > 0), tf.boolean_mask(idx, kept < 0)
-        mu_pos = _mean_bits(tf.gather(a, p_idx))
-        mu_neg = _mean_bits(-tf.gather(a, n_idx))
+        mu_pos, mu_neg = tf.unstack(_mean_bits_2(tf.gather(a, p_idx), -tf.gather(a, n_idx),
+                                                  min(k, n)))
         # core.choose_side on bit patterns: non-negative float32 bits order like their values
         pos_side = tf.logical_and(mu_pos >= mu_neg, mu_pos > 0)
         neg_side = tf.logical_and(tf.logical_not(pos_side), mu_neg > 0)
-        pos = tf.cond(pos_side, lambda: p_idx,
-                      lambda: tf.cond(neg_side, lambda: n_idx, lambda: empty_pos))
+        take_p = tf.where(pos_side, tf.size(p_idx, out_type=tf.int64), 0)
+        take_n = tf.where(neg_side, tf.size(n_idx, out_type=tf.int64), 0)
+        pos = tf.concat([p_idx[:take_p], n_idx[:take_n]], 0)  # the side sent (no tf.cond)
         mu = tf.where(pos_side, mu_pos, tf.where(neg_side, mu_neg, 0))
-        msg = encode_positions(pos, n, mu, neg_side)
+        msg = encode_parts(pos, n, mu, neg_side)
         value = _value_in(mu, a.dtype, negative=neg_side)
         return msg, pos, tf.fill(tf.shape(pos), value)
 
-    def failed():
-        return encode_positions(empty_pos, n), empty_pos, tf.zeros([0], a.dtype)
-
-    msg, pos, sent = tf.cond(finite, encode, failed)
-    return Encoded(msg, pos, sent, finite)
+    # A non-finite update is encoded all the same (nothing in the selection breaks on NaN, it only
+    # takes the slow exact path); ``finite`` tells the caller to send an error instead.
+    (header, body), pos, sent = encode()
+    return Encoded(header, body, pos, sent, finite, n)
 
 
 def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor) -> tf.Tensor:

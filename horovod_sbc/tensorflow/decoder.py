@@ -20,6 +20,14 @@ A decode is four pieces, the same eagerly and inside ``tf.function``:
    TensorFlow float arithmetic in the output dtype, done in rank order at every position (the
    same order as :func:`horovod_sbc.tensorflow.exchange.decode_into`, so all ranks agree).
 
+Speed (one CPU thread): per decoded position a few dozen element-wise TF ops, one sort of all
+ranks' positions (so that positions several ranks sent are added in rank order, without copying
+the output once per rank) and one TF scatter (tens of ns per element). That is cheap at the
+densities SBC is meant for (1e-4 .. 1e-3: ~1.5-5x a ``tf.add`` of the tensor for 8 ranks) and
+slower than numpy above ~1e-3; ``benchmarks/bench_tf_codec.py`` measures it. Next steps if it
+matters: sort only positions that several ranks sent (a dense count per position finds them),
+and fewer, fused passes in :func:`_streams`.
+
 Errors: ``ValueError`` raised by the host steps (``InvalidArgumentError`` with the same text
 inside ``tf.function``).
 """
@@ -303,8 +311,12 @@ def _tiny(bits: tf.Tensor) -> tf.Tensor:
     return tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
 
 
+def _zero(bits: tf.Tensor) -> tf.Tensor:
+    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0)
+
+
 def _subnormal(bits: tf.Tensor) -> tf.Tensor:
-    return tf.logical_and(_tiny(bits), tf.not_equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0))
+    return tf.logical_and(_tiny(bits), tf.logical_not(_zero(bits)))
 
 
 def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -315,18 +327,14 @@ def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     s = tf.bitcast(tf.bitcast(x, tf.float32) + tf.bitcast(y, tf.float32), tf.int32)
     # TF's add is exact unless an operand is subnormal or the result is (then it shows as a zero
     # that two non-zero operands did not cancel to; real cancellations are redone harmlessly)
-    both_zero = tf.logical_and(tf.logical_not(tf.logical_or(_subnormal(x), tf.logical_not(
-        _tiny(x)))), tf.logical_not(tf.logical_or(_subnormal(y), tf.logical_not(_tiny(y)))))
+    both_zero = tf.logical_and(_zero(x), _zero(y))
     redo = tf.logical_or(tf.logical_or(_subnormal(x), _subnormal(y)),
                          tf.logical_and(_tiny(s), tf.logical_not(both_zero)))
     redo = tf.reshape(tf.where(redo), [-1])
 
-    def exact():
-        xs, ys = tf.gather(x, redo), tf.gather(y, redo)
-        return tf.tensor_scatter_nd_update(
-            s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))
-
-    return tf.cond(tf.size(redo) > 0, exact, lambda: s)
+    xs, ys = tf.gather(x, redo), tf.gather(y, redo)  # usually empty
+    return tf.tensor_scatter_nd_update(
+        s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))
 
 
 def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
@@ -348,10 +356,10 @@ def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
 
 
 def _fold(p: tf.Tensor, a: tf.Tensor, n_ranks: int, base, add):
-    """``(u, acc)``: the distinct positions ``u`` of ``p`` (all ranks' positions of one tensor,
-    rank after rank) and at each the rank-ordered sum ``((base + a_r0) + a_r1) + ...`` of the
-    values ``a`` there (``add`` is the element-wise addition; zeros if ``base`` is None).
-    Compact: nothing here is O(numel)."""
+    """``(u, acc)``: the distinct keys ``u`` (sorted) of ``p`` (all ranks' positions, rank after
+    rank) and at each the rank-ordered sum ``((base(u) + a_r0) + a_r1) + ...`` of the values
+    ``a`` there (``add`` is the element-wise addition; ``base`` a function of ``u`` giving the
+    initial values, or None for zeros). Compact: nothing here is O(numel)."""
     c = tf.size(p, out_type=tf.int64)
     # sort by (position, element index): element indices are rank-major, so equal positions
     # come out in rank order. pos * c + i < numel * c <= numel**2 * n_ranks < 2**63 (callers
@@ -373,7 +381,7 @@ def _fold(p: tf.Tensor, a: tf.Tensor, n_ranks: int, base, add):
             acc = acc + tf.zeros_like(acc)
         first = 1
     else:
-        acc = tf.gather(base, u)
+        acc = base(u)
         first = 0
     for j in range(first, n_ranks):  # the j-th rank present at each position
         seg = tf.reshape(tf.where(lens > j), [-1])
@@ -383,17 +391,39 @@ def _fold(p: tf.Tensor, a: tf.Tensor, n_ranks: int, base, add):
     return u, acc
 
 
+def _accumulate_all(key, adds, numels: Sequence[int], n_ranks: int, bases, add):
+    """Dense flat results of several tensors at once: ``key`` are global positions (tensor
+    offset + position, rank after rank), ``adds`` their values (one dtype), ``bases`` the
+    initial tensors (or None: zeros). One sort and one rank-ordered fold for all tensors, then
+    one scatter per tensor (see :func:`_fold`); a few graph nodes per tensor."""
+    offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)]).astype(np.int64)
+    off_t = tf.constant(offs, tf.int64)
+
+    def split(u):  # [start, end) of each tensor's keys in the sorted u
+        return tf.searchsorted(u, off_t, side="left")
+
+    base_fn = None
+    if bases is not None:
+        def base_fn(u):
+            bd = split(u)
+            return tf.concat([tf.gather(bases[t], u[bd[t]:bd[t + 1]] - offs[t])
+                              for t in range(len(numels))], 0)
+
+    u, acc = _fold(key, adds, n_ranks, base_fn, add)
+    bd = split(u)
+    out = []
+    for t, numel in enumerate(numels):
+        p = (u[bd[t]:bd[t + 1]] - offs[t])[:, None]
+        v = acc[bd[t]:bd[t + 1]]
+        out.append(tf.scatter_nd(p, v, [numel]) if bases is None else
+                   tf.tensor_scatter_nd_update(bases[t], p, v))
+    return out
+
+
 def _accumulate(ps, adds, numel: int, base, add) -> tf.Tensor:
-    """Dense flat result: ``base`` (or zeros) plus each rank's values ``adds[r]`` at its unique
-    positions ``ps[r]``, rank after rank. Compact fold plus one scatter (:func:`_fold`); for
-    tensors too large for its int64 sort key, one scatter per rank."""
-    dtype = adds[0].dtype
-    if numel * numel * len(ps) < 1 << 62:
-        u, acc = _fold(tf.concat(ps, 0), tf.concat(adds, 0), len(ps), base, add)
-        if base is None:
-            return tf.scatter_nd(u[:, None], acc, [numel])
-        return tf.tensor_scatter_nd_update(base, u[:, None], acc)
-    out = tf.zeros([numel], dtype) if base is None else base
+    """One tensor, one scatter per rank (for tensors too large for the sort key of
+    :func:`_accumulate_all`)."""
+    out = tf.zeros([numel], adds[0].dtype) if base is None else base
     for p, a in zip(ps, adds):
         out = tf.tensor_scatter_nd_update(out, p[:, None], add(tf.gather(out, p), a))
     return out
@@ -448,18 +478,47 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
     add32 = (_scaled_f32_bits(d, table, scale) if tf.float32 in out_dtypes else None)
     add64 = (f32_bits_to_f64(d.bits) * scale
              if any(dt != tf.float32 for dt in out_dtypes) else None)
-    results = []
-    for t, ((name, shape), numel, dt) in enumerate(zip(layout, numels, out_dtypes)):
+    results: List[Optional[tf.Tensor]] = [None] * n_t
+    total = sum(numels)
+    if total * total * n_ranks < 1 << 62:  # the fold's int64 sort key cannot overflow
+        e_tensor = tf.gather(table[:, C_TENSOR],
+                             tf.repeat(tf.range(tf.size(d.count, out_type=tf.int64)), d.count))
+        offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
+        key = pos + tf.gather(tf.constant(offs, tf.int64), e_tensor)
+        for dt in sorted(set(out_dtypes), key=lambda x: x.name):  # one fold per output dtype
+            ts = [t for t in range(n_t) if out_dtypes[t] == dt]
+            if len(ts) < n_t:
+                mine = tf.reduce_any(tf.equal(e_tensor[:, None], tf.constant(ts, tf.int64)), 1)
+                idx = tf.reshape(tf.where(mine), [-1])
+            else:
+                idx = None
+            pick = (lambda x: x) if idx is None else (lambda x: tf.gather(x, idx))
+            if dt == tf.float32:
+                adds, add, view = pick(add32), add_f32_bits, lambda x: tf.bitcast(x, tf.int32)
+            else:
+                adds, add, view = tf.cast(pick(add64), dt), tf.add, lambda x: x
+            # keys of a subset of tensors: renumber their offsets to be contiguous
+            sub_numels = [numels[t] for t in ts]
+            sub_offs = np.concatenate([[0], np.cumsum(sub_numels, dtype=np.int64)[:-1]])
+            remap = np.zeros(n_t, np.int64)
+            remap[ts] = sub_offs - offs[ts]
+            k = pick(key) + tf.gather(tf.constant(remap, tf.int64), pick(e_tensor))
+            bases = (None if outs is None else
+                     [view(tf.reshape(outs[t], [-1])) for t in ts])
+            outs_dt = _accumulate_all(k, adds, sub_numels, n_ranks, bases, add)
+            for t, o in zip(ts, outs_dt):
+                results[t] = tf.bitcast(o, tf.float32) if dt == tf.float32 else o
+        return code, results
+    for t, (numel, dt) in enumerate(zip(numels, out_dtypes)):
         base = None if outs is None else tf.reshape(outs[t], [-1])
         ps = [piece(pos, t, r) for r in range(n_ranks)]
         if dt == tf.float32:
             adds = [piece(add32, t, r) for r in range(n_ranks)]
             b32 = None if base is None else tf.bitcast(base, tf.int32)
-            results.append(tf.bitcast(_accumulate(ps, adds, numel, b32, add_f32_bits),
-                                      tf.float32))
+            results[t] = tf.bitcast(_accumulate(ps, adds, numel, b32, add_f32_bits), tf.float32)
         else:
             adds = [tf.cast(piece(add64, t, r), dt) for r in range(n_ranks)]
-            results.append(_accumulate(ps, adds, numel, base, tf.add))
+            results[t] = _accumulate(ps, adds, numel, base, tf.add)
     return code, results
 
 

@@ -135,17 +135,20 @@ def residual_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def frame_host(names: Sequence[str], layout_crc: int, rank: int, skip: bool, finite,
-               *messages) -> np.ndarray:
-    """Step 2 (host, compressed bytes only): the step message of this rank's tensor messages, or
-    an ERROR/SKIP step message naming the first tensor whose update is not finite."""
+def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
+               skip: bool, finite, headers, *bodies) -> np.ndarray:
+    """Step 2 (host, compressed bytes only): the step message of this rank's tensors — each
+    tensor header from its five integers (:func:`horovod_sbc.tensorflow.codec.header_bytes_host`)
+    followed by its body — or an ERROR/SKIP step message naming the first tensor whose update is
+    not finite."""
     for name, ok in zip(names, np.asarray(finite).tolist()):
         if not ok:
             reason = f"the update of {name!r} contains NaN or Inf"
             step = wire.error_step_message(reason, layout_crc, skip, origin=rank)
             return np.frombuffer(step, np.uint8).copy()
-    body = b"".join(np.asarray(m, np.uint8).tobytes() for m in messages)
-    return np.frombuffer(wire.step_message_bytes(body, layout_crc, len(messages)),
+    body = b"".join(tfcodec.header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
+                    for n, h, b in zip(numels, np.asarray(headers).tolist(), bodies))
+    return np.frombuffer(wire.step_message_bytes(body, layout_crc, len(bodies)),
                          np.uint8).copy()
 
 
@@ -191,20 +194,24 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
     fp = wire.layout_fingerprint(layout)
-    msgs, finite, new_res = [], [], []
+    numels = [wire.layout_numel(s) for s in shapes]
+    heads, bodies, finite, new_res = [], [], [], []
     for name, u, r in zip(names, updates, residuals):
         a = tf.reshape(u, [-1]) + tf.reshape(r, [-1])
         enc = tfcodec.encode_update(a, density, binarize, selection, name)
-        msgs.append(enc.message)
+        heads.append(enc.header)
+        bodies.append(enc.body)
         finite.append(enc.finite)
         new_res.append(tf.reshape(tfcodec.apply_sent(a, enc.positions, enc.sent), tf.shape(r)))
-    all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+    if not names:
+        heads, finite = [tf.zeros([5], tf.int64)], [tf.constant(True)]
+    all_finite = tf.reduce_all(tf.stack(finite))
 
-    def _frame(fin, *ms):
-        return frame_host(names, fp, rank, skip, fin, *ms)
+    def _frame(fin, hs, *bs):
+        return frame_host(names, numels, fp, rank, skip, fin, hs, *bs)
 
-    step = tf.numpy_function(_frame, [tf.stack(finite), *msgs], tf.uint8, stateful=True,
-                             name="sbc_frame")
+    step = tf.numpy_function(_frame, [tf.stack(finite), tf.stack(heads), *bodies], tf.uint8,
+                             stateful=True, name="sbc_frame")
     step.set_shape([None])
     gathered = allgather(step, tag)
     out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
