@@ -41,8 +41,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .bench_train import (ENV_NAMES, PROGRESS_TAG, RESULT_TAG, JobError, Progress, job_env,
-                          launcher_prefix, make_mlp, python_exe, run_job)
+from .bench_train import PROGRESS_TAG, RESULT_TAG, JobError, Progress, make_mlp, run_job
+from .launch import ENV_NAMES, job_env, launcher_prefix, python_exe
 
 SUBNET = "10.231.0.0/24"
 NS_PREFIX = "sbcnet"
@@ -586,7 +586,7 @@ def run_net(bandwidths: Sequence[str] = ("100mbit",), quick: bool = False, loopb
             prog.start(net)
             try:
                 if net == "loopback":
-                    cmd = launcher_prefix(workers, ENV_NAMES) + argv_for(net)
+                    cmd = launcher_prefix(workers, "mpirun", ENV_NAMES) + argv_for(net)
                     env = job_env()
                     info["transport"] = "Open MPI shared memory (vader), localhost"
                 else:

@@ -64,38 +64,8 @@ GRID_DELAYS = (1, 4, 16)
 # ------------------------------------------------------------------------------------------------
 # launching jobs (shared with bench_net)
 # ------------------------------------------------------------------------------------------------
-def python_exe() -> str:
-    return sys.executable
-
-
-def launcher_prefix(np_: int, env_names: Sequence[str] = ()) -> List[str]:
-    """``mpirun`` (or ``horovodrun`` if Open MPI's mpirun is missing) for ``np_`` local ranks."""
-    mpirun = shutil.which("mpirun")
-    if mpirun:
-        cmd = [mpirun, "--allow-run-as-root", "-np", str(np_), "-bind-to", "none",
-               "-map-by", "slot"]
-        if np_ > (os.cpu_count() or 1):
-            cmd.insert(2, "--oversubscribe")
-        for n in env_names:
-            cmd += ["-x", n]
-        return cmd
-    hr = shutil.which("horovodrun") or str(Path(sys.executable).parent / "horovodrun")
-    return [hr, "-np", str(np_), "-H", f"localhost:{np_}"]
-
-
-def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-                "HOROVOD_LOG_LEVEL": env.get("HOROVOD_LOG_LEVEL", "warning")})
-    env.update(extra or {})
-    return env
-
-
-ENV_NAMES = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL",
-             "HOROVOD_LOG_LEVEL")
+# the launcher, the job environment and the interpreter are shared with the tests
+from .launch import ENV_NAMES, job_env, launcher_prefix, python_exe  # noqa: E402,F401
 
 
 class JobError(RuntimeError):
@@ -499,7 +469,7 @@ def run_configs(configs: List[dict], title: str, seeds: Sequence[int], timeout: 
         cfg = dict(DEFAULTS, **(overrides or {}), **spec, seeds=list(seeds))
         if spec["method"] in STOCK or spec["method"] == "local":
             cfg["density"], cfg["delay"] = 1.0, 1
-        cmd = launcher_prefix(spec["workers"], ENV_NAMES) + [
+        cmd = launcher_prefix(spec["workers"], "mpirun", ENV_NAMES) + [
             python_exe(), "-m", "benchmarks.bench_train", "worker", json.dumps(cfg)]
         prog.start(label(spec))
         t0 = time.perf_counter()
@@ -964,7 +934,7 @@ def run_task_jobs(task: str, jobs: Sequence[dict], seeds: Sequence[int], timeout
             continue
         cfg = {"task": task, "task_kw": task_kw or {}, "seeds": list(job.get("seeds", seeds)),
                "partition": job["partition"], "runs": job["runs"]}
-        cmd = launcher_prefix(job["workers"], ENV_NAMES) + [
+        cmd = launcher_prefix(job["workers"], "mpirun", ENV_NAMES) + [
             python_exe(), "-m", "benchmarks.bench_train", "task-worker", json.dumps(cfg)]
         prog.start(f"{task} W={job['workers']} {job['partition']} ({len(job['runs'])} runs)")
         try:
