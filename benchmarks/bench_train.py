@@ -39,7 +39,6 @@ import json
 import os
 import queue
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
