@@ -41,7 +41,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from ..core import resolve_compression
 from .compressor import SBC
-from .sync import Update
+from .sync import Update, named_parameters
 from .exchange import ProcessGroupTransport
 
 __all__ = ["Granularity", "SBCState", "sbc_hook", "SBCModelAverager"]
@@ -53,22 +53,6 @@ class Granularity(str, enum.Enum):
     """What one SBC tensor message covers in the DDP hook (see the module docstring)."""
     PARAMETER = "parameter"
     BUCKET = "bucket"
-
-
-def _named_parameters(model) -> List[Tuple[str, torch.nn.Parameter]]:
-    """``(name, parameter)`` of a module (a DDP wrapper is unwrapped, so names carry no
-    ``module.`` prefix) or of an iterable of such pairs; names must be unique."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model = model.module
-    named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else list(model)
-    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-        raise ValueError("expected a torch.nn.Module or (name, parameter) pairs such as "
-                         "model.named_parameters()")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"parameter names must be unique; duplicated: {', '.join(dups)}")
-    return named
 
 
 def _copy_into(dst, src):
@@ -121,7 +105,7 @@ class SBCState:
         self.process_group = process_group
         self.transport = ProcessGroupTransport(process_group)
         self.compression.transport = self.transport
-        self._names: Dict[int, str] = {id(p): n for n, p in _named_parameters(model)}
+        self._names: Dict[int, str] = {id(p): n for n, p in named_parameters(model)}
         self._bucket_keys: Dict[int, str] = {}
         self._skipping = False
         self.last_step_skipped = False
@@ -254,7 +238,7 @@ class SBCModelAverager(ModelAverager):
         self.transport = ProcessGroupTransport(process_group)
         self.compression.transport = self.transport
         self.compression.manager.config.update(delay=period)
-        self._named = [(n, p) for n, p in _named_parameters(model)
+        self._named = [(n, p) for n, p in named_parameters(model)
                        if p.requires_grad and p.is_floating_point()]
         self._names = {id(p): n for n, p in self._named}
         self._capture(self._named, refresh=True)

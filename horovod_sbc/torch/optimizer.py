@@ -65,6 +65,7 @@ import torch
 from ..core import resolve_compression
 from .compressor import SBC
 from .sync import Update
+from .sync import named_parameters as checked_named_parameters
 
 _STATE_KEY = "horovod_sbc"
 
@@ -98,18 +99,10 @@ class _SBCOptimizer:
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
         self._sbc_local_residual = local_residual
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
+        if named_parameters is None:
             named_parameters = [(f"param.{gi}.{i}", p) for gi, g in enumerate(self.param_groups)
                                 for i, p in enumerate(g["params"])]
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named_parameters):
-            raise ValueError("named_parameters must be (name, parameter) tuples, e.g. "
-                             "model.named_parameters()")
-        names = [n for n, _ in named_parameters]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"parameter names must be unique; duplicated: {', '.join(dups)}")
+        named_parameters = checked_named_parameters(named_parameters)
         by_id = {id(p): n for n, p in named_parameters}
         ours = []
         for g in self.param_groups:

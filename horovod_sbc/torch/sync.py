@@ -28,6 +28,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from .compressor import SBC
 
 
+def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` pairs of a module (a DDP wrapper is unwrapped, so names carry no
+    ``module.`` prefix) or of an iterable of pairs such as ``model.named_parameters()``; the
+    names key residuals and checkpoint state, so they must be unique."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else list(model)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+        raise ValueError("named_parameters must be a torch.nn.Module or (name, parameter) "
+                         "pairs such as model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names must be unique; duplicated: {', '.join(dups)}")
+    return named
+
+
 @dataclass
 class Update:
     """One tensor of a sync: the update is ``value`` (any shape, read flat) or, with ``base``,
