@@ -67,6 +67,19 @@ GRID_DELAYS = (1, 4, 16)
 from .launch import ENV_NAMES, job_env, launcher_prefix, python_exe  # noqa: E402,F401
 
 
+def run_stats(comp, method: str, numel: int, steps: int) -> Dict[str, int]:
+    """Traffic figures of one run: the compressor's own, or those of a dense Horovod method
+    (fp32/fp16 allreduce every step), or none (no communication)."""
+    if comp is not None:
+        return dict(comp.stats())
+    if method in STOCK:
+        bits = 16 if method == "fp16" else 32
+        return {"upstream_bits": bits * numel * steps, "downstream_bits": bits * numel * steps,
+                "dense_bits": 32 * numel * steps, "syncs": steps, "steps": steps}
+    return {"upstream_bits": 0, "downstream_bits": 0, "dense_bits": 32 * numel * steps,
+            "syncs": 0, "steps": steps}
+
+
 class JobError(RuntimeError):
     pass
 
@@ -313,15 +326,7 @@ def _train_once(cfg: dict, seed: int, data, emit) -> dict:
         acc = (model(xte).argmax(1) == yte).float().mean().item()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    if comp is not None:
-        st = dict(comp.stats())
-    elif method in STOCK:
-        bits = 16 if method == "fp16" else 32
-        st = {"upstream_bits": bits * numel * total, "downstream_bits": bits * numel * total,
-              "dense_bits": 32 * numel * total, "syncs": total, "steps": total}
-    else:
-        st = {"upstream_bits": 0, "downstream_bits": 0, "dense_bits": 32 * numel * total,
-              "syncs": 0, "steps": total}
+    st = run_stats(comp, method, numel, total)
     skip = min(5, len(times) - 1)
     return {"accuracy": acc, "digest": digest, "stats": st, "params": numel,
             "step_time_mean": float(np.mean(times[skip:])),
@@ -811,15 +816,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     score = task.evaluate(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    if comp is not None:
-        st = dict(comp.stats())
-    elif method in STOCK:
-        bits = 16 if method == "fp16" else 32
-        st = {"upstream_bits": bits * numel * steps, "downstream_bits": bits * numel * steps,
-              "dense_bits": 32 * numel * steps, "syncs": steps, "steps": steps}
-    else:
-        st = {"upstream_bits": 0, "downstream_bits": 0, "dense_bits": 32 * numel * steps,
-              "syncs": 0, "steps": steps}
+    st = run_stats(comp, method, numel, steps)
     every = max(1, steps // 20)
     curve = [float(np.mean(losses[i:i + every])) for i in range(0, steps, every)]
     skip = min(5, len(times) - 1)
