@@ -457,13 +457,30 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
                                     [tf.int32, tf.int64], stateful=True, name="sbc_parse")
     code.set_shape([])
     table.set_shape([n_ranks * len(layout), N_COLS])
+
+    def check(stats):  # step 3: the host verdict on the streams' statistics
+        return tf.numpy_function(
+            lambda g, c, st: check_stats_host(g, c, st, layout, n_ranks, single),
+            [gathered, code, stats], tf.int32, stateful=True, name="sbc_verdict")
+
+    def general():
+        return _decode_general(gathered, table, check, layout, numels, n_ranks, outs, scale,
+                               out_dtypes, single)
+
+    if binary.static_ok(numels, n_ranks, outs, out_dtypes, single):
+        def fast():
+            return binary.decode(gathered, table, layout, numels, n_ranks, scale, check)
+
+        results = tf.cond(binary.runtime_ok(gathered, table), fast, general)
+        return code, list(results) if isinstance(results, (list, tuple)) else [results]
+    return code, general()
+
+
+def _decode_general(gathered, table, check, layout, numels, n_ranks, outs, scale, out_dtypes,
+                    single) -> List[tf.Tensor]:
+    """Steps 2-4 for any messages (ternary, values, ALL, float64 outputs, ``outs``)."""
     d = _streams(gathered, table)
-
-    def _check_fn(g, c, st):
-        return check_stats_host(g, c, st, layout, n_ranks, single)
-
-    ok = tf.numpy_function(_check_fn, [gathered, code, d.stats], tf.int32, stateful=True,
-                           name="sbc_verdict")
+    ok = check(d.stats)
     with tf.control_dependencies([ok]):  # nothing is added before the verdict passed
         pos = tf.identity(d.pos)
     n_t = len(layout)
@@ -474,7 +491,7 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
 
     if single:
         dense = tf.scatter_nd(piece(pos, 0, 0)[:, None], piece(d.bits, 0, 0), [numels[0]])
-        return code, [tf.bitcast(dense, tf.float32)]
+        return [tf.bitcast(dense, tf.float32)]
     add32 = (_scaled_f32_bits(d, table, scale) if tf.float32 in out_dtypes else None)
     add64 = (f32_bits_to_f64(d.bits) * scale
              if any(dt != tf.float32 for dt in out_dtypes) else None)
@@ -508,7 +525,7 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
             outs_dt = _accumulate_all(k, adds, sub_numels, n_ranks, bases, add)
             for t, o in zip(ts, outs_dt):
                 results[t] = tf.bitcast(o, tf.float32) if dt == tf.float32 else o
-        return code, results
+        return results
     for t, (numel, dt) in enumerate(zip(numels, out_dtypes)):
         base = None if outs is None else tf.reshape(outs[t], [-1])
         ps = [piece(pos, t, r) for r in range(n_ranks)]
@@ -519,10 +536,13 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
         else:
             adds = [tf.cast(piece(add64, t, r), dt) for r in range(n_ranks)]
             results[t] = _accumulate(ps, adds, numel, base, tf.add)
-    return code, results
+    return results
 
 
 def decode_messages(gathered, layout, n_ranks, outs=None, scale=1.0, out_dtypes=None,
                     single=False):
     """Only the results of :func:`decode_gathered` (strict: ERROR/SKIP raise ``PeerError``)."""
     return decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes, False, single)[1]
+
+
+from . import binary  # noqa: E402  (the fast path imports this module's helpers)

@@ -1,0 +1,221 @@
+"""The TF decoder's fast path: binary SBC messages of every rank, decoded and averaged at once.
+
+:func:`horovod_sbc.tensorflow.decoder.decode_gathered` takes this path (a ``tf.cond`` on
+O(messages) values of the host parse) when every message of the step is *binary* (no SIGNS, no
+VALUES, not ALL; or empty), its Rice parameter is at most :data:`MAX_RICE_B`, the gathered buffer
+is below :data:`MAX_BUFFER` bytes, and — static conditions — the outputs are fresh float32 zeros
+(no ``outs``), there are at most :data:`MAX_RANKS` ranks and ``n_ranks * sum(numel) < 2**31``.
+Everything else (ternary, top-k values, signSGD, float64 outputs, accumulating into ``outs``)
+takes the general path of ``decoder.py``; both reach the same verdicts and bits (pinned by
+``tests/test_differential.py`` and ``tests/test_tf_codec.py``).
+
+What makes it cheaper than the general path, per decoded position:
+
+* **streams** — one ``tf.where`` over the unary bits gives every one bit's offset in the
+  concatenated unary streams; element ``i`` of message ``m`` is its ``i``-th one bit (a remap
+  only runs when some message's one-bit count differs from its header, i.e. on corrupt input).
+  With ``uj = u - j`` (u: the one bit's offset in its stream, j: the element's index in its
+  message; ``uj`` is the sum of the quotients so far) the position is
+  ``(uj << b) + sum(r[0..j]) + j``: per element a few int64 ops, four gathers of per-message
+  constants, the remainder read (:func:`decoder.read_fields`) and one running sum — no per-kind
+  branches, no sign or value streams.
+* **statistics** (:class:`horovod_sbc.protocol.StreamStats`) — one bits per message by a binary
+  search of the message's end in the sorted one-bit offsets (O(messages x log)), the largest
+  quotient and remainder by sorted ``segment_max``, the largest position as the message's last
+  (positions strictly increase: every gap is ``(q << b) + r + 1 >= 1``, and with ``b <= 30`` and
+  a buffer below 256 MiB no int64 sum can wrap: ``uj < 2**31``, ``r < 2**30``, count < 2**31).
+* **accumulation** — for binary messages the value a rank adds at a position depends only on the
+  rank and the tensor, so the rank-ordered sum at a position depends only on *which* ranks sent
+  it: a ``mask`` of up to 8 bits. A table ``[tensor, mask]`` of the exact rank-ordered float32
+  sums (``horovod_sbc.protocol``'s arithmetic, computed on 2**n_ranks entries per tensor with
+  :func:`decoder.add_f32_bits`, so subnormal values and sums stay exact) replaces the sort and the
+  per-rank fold. The masks are written with one ``SparseToDense`` per rank into a dense uint8
+  vector and OR-ed as uint64 words; each position then reads its mask, its table entry, and one
+  ``SparseToDense`` writes the results (a position several ranks sent is written several times,
+  always with the same bits, so the order of those writes does not matter).
+
+All O(numel) work is the zero fills and word ORs of the mask (``n_ranks`` bytes per element) and
+the output's zero fill; the rest is O(positions).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from . import decoder as _d  # noqa: F401 (decoder imports this module at its end)
+
+MAX_RANKS = 8            # masks are uint8
+MAX_RICE_B = 30          # keeps every position sum inside int64 (see the module docstring)
+MAX_BUFFER = 1 << 28     # bytes: unary bit offsets and element indices fit int32
+
+
+def static_ok(numels: Sequence[int], n_ranks: int, outs, out_dtypes, single: bool) -> bool:
+    """Can this decode take the fast path at all (decided while tracing)?"""
+    return (not single and outs is None and 1 <= n_ranks <= MAX_RANKS and len(numels) > 0
+            and all(dt == tf.float32 for dt in out_dtypes)
+            and n_ranks * max(1, sum(numels)) < (1 << 31))
+
+
+def runtime_ok(buf: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
+    """bool scalar: every message binary (or empty) with ``rice_b <= MAX_RICE_B``, and the buffer
+    small enough (O(messages) ops on the parsed header table)."""
+    count, b, kind = table[:, _d.C_COUNT], table[:, _d.C_B], table[:, _d.C_KIND]
+    binary = tf.logical_or(tf.equal(count, 0), tf.logical_and(tf.equal(kind, _d.K_BINARY),
+                                                                b <= MAX_RICE_B))
+    return tf.logical_and(tf.reduce_all(binary),
+                          tf.size(buf, out_type=tf.int64) < MAX_BUFFER)
+
+
+def _excl(x: tf.Tensor) -> tf.Tensor:
+    return tf.cumsum(x, exclusive=True)
+
+
+def _owner(starts: tf.Tensor, total: tf.Tensor, n: int) -> tf.Tensor:
+    """int32 [total]: for each index of a concatenation of ``n`` segments starting at ``starts``
+    (int64, non-decreasing, ``starts[0] == 0``), the segment holding it (empty segments are
+    skipped): a +1 at each later segment's start, then a running sum."""
+    marks = tf.math.unsorted_segment_sum(tf.ones([n - 1], tf.int32), starts[1:], total + 1)
+    return tf.cumsum(marks[:-1])
+
+
+def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
+           n_ranks: int, scale: float, check_fn) -> List[tf.Tensor]:
+    """Flat float32 results (zeros plus ``float32(float64(value) * scale)`` at every rank's
+    positions, in rank order) of a step whose messages passed :func:`runtime_ok`.
+
+    ``table`` is the host parse's int64 ``[n_ranks * len(layout), N_COLS]`` (canonical (rank,
+    tensor) order); ``check_fn(stats)`` runs the host verdict on the int64 ``[M, 8]``
+    :class:`horovod_sbc.protocol.StreamStats` rows and returns an op that must run (and pass)
+    before anything is written.
+    """
+    n_t = len(layout)
+    m_count = n_ranks * n_t
+    col = lambda c: table[:, c]  # noqa: E731
+    count, b = col(_d.C_COUNT), col(_d.C_B)
+    ustart, ubytes = col(_d.C_USTART), col(_d.C_UBYTES)
+    rstart, rbytes = col(_d.C_RSTART), col(_d.C_RBYTES)
+    slack = tf.concat([buf, tf.zeros([8], tf.uint8)], 0)
+
+    # --- unary streams: the offset of every one bit in their concatenation -------------------
+    ucum = _excl(ubytes)
+    n_ub = tf.reduce_sum(ubytes)
+    if m_count > 1:
+        u_own = _owner(ucum, n_ub, m_count)
+        u_src = tf.range(n_ub, dtype=tf.int64) + tf.gather(ustart - ucum, u_own)
+    else:
+        u_src = tf.range(n_ub, dtype=tf.int64) + ustart[0]
+    ub = tf.gather(buf, u_src)
+    bitmask = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.uint8)
+    set_bits = tf.not_equal(tf.bitwise.bitwise_and(ub[:, None], bitmask), 0)
+    g = tf.reshape(tf.where(tf.reshape(set_bits, [-1])), [-1])  # int64, increasing
+    # one bits per message: where each message's stream ends among the sorted offsets
+    ends = tf.searchsorted(g, 8 * (ucum + ubytes), side="left", out_type=tf.int64)
+    ones = ends - tf.concat([[tf.constant(0, tf.int64)], ends[:-1]], 0)
+    last_u = tf.gather(slack, tf.where(ubytes > 0, ustart + ubytes - 1, 0))
+    unary_last_zero = tf.logical_and(ubytes > 0, tf.equal(last_u, 0))
+
+    # --- elements: element i of message m takes the i-th one bit of m's stream ----------------
+    first = _excl(count)
+    c_total = tf.reduce_sum(count)
+    i = tf.range(c_total, dtype=tf.int64)
+    e_msg = _owner(first, c_total, m_count) if m_count > 1 else tf.zeros_like(i, tf.int32)
+
+    def remap():  # corrupt input only (the verdict rejects it); keeps the shapes valid
+        j = tf.gather(_excl(ones) - first, e_msg) + i
+        padded = tf.concat([g, tf.zeros([1], tf.int64)], 0)
+        return tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64)))
+
+    gi = tf.cond(tf.reduce_all(tf.equal(ones, count)), lambda: g[:c_total], remap)
+    per = lambda x: tf.gather(x, e_msg)  # noqa: E731  (a per-message constant per element)
+    b_e = per(b)
+    uj = gi - i - per(8 * ucum - first)          # sum of the quotients up to element i
+    r = _d.read_fields(_d.be_words(buf), per(8 * rstart - first * b) + i * b_e, b_e)
+    cr = tf.cumsum(r)
+    offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
+    toff = tf.tile(tf.constant(offs, tf.int64), [n_ranks])  # tensor offset of each message
+    cr_before = tf.gather(tf.concat([[tf.constant(0, tf.int64)], cr], 0), first)
+    # global key = tensor offset + (uj << b) + (cr - cr_before) + (i - first)
+    key = tf.bitwise.left_shift(uj, b_e) + cr + i + per(toff - cr_before - first)
+
+    # --- statistics (protocol.StreamStats rows) ------------------------------------------------
+    dq = uj - tf.concat([tf.zeros([1], tf.int64), uj[:-1]], 0)
+    has = count > 0
+    first_c = tf.minimum(first, tf.maximum(c_total - 1, 0))
+    q_first = tf.where(has, tf.gather(tf.concat([uj, [tf.constant(0, tf.int64)]], 0), first_c), 0)
+
+    def seg_max(x):  # per message, 0 for empty ones (segments sorted by message)
+        mx = tf.math.segment_max(x, e_msg)
+        mx = tf.concat([mx, tf.zeros(tf.reshape(m_count - tf.size(mx), [1]), tf.int64)], 0)
+        return tf.maximum(mx, 0)
+
+    # dq at a message's first element belongs to the previous message: the first's own quotient
+    # is uj there (q_first); a message's other quotients are dq
+    is_first = tf.not_equal(e_msg, tf.concat([[tf.constant(-1, tf.int32)], e_msg[:-1]], 0))
+    max_q = tf.maximum(seg_max(tf.where(is_first, tf.zeros_like(dq), dq)), q_first)
+    max_r = seg_max(r)
+    last = tf.gather(tf.concat([key, [tf.constant(0, tf.int64)]], 0),
+                     tf.where(has, first + count - 1, c_total))
+    pos_max = tf.where(has, last - toff, -1)
+    pad = 8 * rbytes - count * b
+    last_r = tf.cast(tf.gather(slack, tf.where(rbytes > 0, rstart + rbytes - 1, 0)), tf.int64)
+    mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.clip_by_value(pad, 0, 8)) - 1
+    rem_pad = tf.logical_and(pad > 0, tf.bitwise.bitwise_and(last_r, mask) != 0)
+    zero = tf.zeros_like(count)
+    stats = tf.stack([ones, tf.cast(unary_last_zero, tf.int64), max_q, max_r,
+                      tf.cast(rem_pad, tf.int64), pos_max, zero, zero], 1)
+    ok = check_fn(stats)
+
+    # --- accumulation: rank masks, then the exact rank-ordered sums from a table ---------------
+    with tf.control_dependencies([ok]):  # nothing is written before the verdict passed
+        key32 = tf.cast(key, tf.int32)
+    total = int(sum(numels))
+    table_bits = _sum_table(table, n_ranks, n_t, scale)  # int32 [n_t << n_ranks]
+    if n_ranks == 1:
+        bits = tf.gather(table_bits, per(tf.range(n_t, dtype=tf.int64) * 2 + 1))  # mask 1
+    else:
+        padded = -(-max(total, 1) // 8) * 8
+        bounds = tf.cast(tf.concat([first[::n_t], [c_total]], 0), tf.int32)  # rank r's elements
+        words = None
+        for rk in range(n_ranks):
+            d = tf.raw_ops.SparseToDense(
+                sparse_indices=key32[bounds[rk]:bounds[rk + 1]], output_shape=[padded],
+                sparse_values=tf.constant(1 << rk, tf.uint8),
+                default_value=tf.constant(0, tf.uint8), validate_indices=False)
+            w = tf.bitcast(tf.reshape(d, [padded // 8, 8]), tf.uint64)
+            words = w if words is None else tf.bitwise.bitwise_or(words, w)
+        masks = tf.reshape(tf.bitcast(words, tf.uint8), [padded])
+        idx = tf.cast(tf.gather(masks, key32), tf.int64)
+        if n_t > 1:
+            t_of = tf.tile(tf.range(n_t, dtype=tf.int64), [n_ranks])
+            idx = idx + per(tf.bitwise.left_shift(t_of, n_ranks))
+        bits = tf.gather(table_bits, idx)
+    dense = tf.raw_ops.SparseToDense(sparse_indices=key32, output_shape=[max(total, 1)],
+                                     sparse_values=bits, default_value=tf.constant(0, tf.int32),
+                                     validate_indices=False)
+    dense = tf.bitcast(dense, tf.float32)
+    if n_t == 1:
+        return [dense[:total]]
+    return tf.split(dense[:total], list(numels)) if total else [dense[:0] for _ in numels]
+
+
+def _sum_table(table: tf.Tensor, n_ranks: int, n_t: int, scale: float) -> tf.Tensor:
+    """int32 [n_t << n_ranks]: entry ``(t << n_ranks) | mask`` holds the float32 bits of
+    ``((0 + v[r0, t]) + v[r1, t]) + ...`` over the ranks r0 < r1 < ... set in ``mask``, with
+    ``v[r, t] = float32(float64(value) * scale)`` (signed) of rank r's message for tensor t —
+    the protocol's decoded arithmetic, exact also for subnormal values and sums."""
+    vb = tf.cast(table[:, _d.C_VBITS], tf.int32)
+    if scale != 1.0:
+        vb = _d.f64_to_f32_bits(_d.f32_bits_to_f64(vb) * scale)
+    vb = tf.where(table[:, _d.C_NEG] > 0, tf.bitwise.bitwise_or(vb, tf.constant(-2 ** 31,
+                                                                               tf.int32)), vb)
+    v = tf.reshape(vb, [n_ranks, n_t])
+    size = 1 << n_ranks
+    m = np.arange(size, dtype=np.int64)
+    acc = tf.zeros([n_t * size], tf.int32)
+    for rk in range(n_ranks):
+        sel = tf.constant(np.tile((m >> rk) & 1, n_t).astype(bool))
+        add = tf.reshape(tf.tile(v[rk][:, None], [1, size]), [-1])
+        acc = tf.where(sel, _d.add_f32_bits(acc, add), acc)
+    return acc
