@@ -80,6 +80,23 @@ def _owner(starts: tf.Tensor, total: tf.Tensor, n: int) -> tf.Tensor:
     return tf.cumsum(marks[:-1])
 
 
+def _read_fields30(buf: tf.Tensor, bit_start: tf.Tensor, width: tf.Tensor) -> tf.Tensor:
+    """int64 fields of ``width`` (0..30) bits at ``bit_start`` (MSB first) of ``buf``: one gather
+    per field from 64-bit big-endian windows starting every 4 bytes (a field starts at most 31
+    bits into its window and ends at most 61 bits in)."""
+    n = tf.size(buf, out_type=tf.int64)
+    padded = tf.concat([buf, tf.zeros(tf.reshape(12 - n % 4, [1]), tf.uint8)], 0)
+    w32 = tf.cast(tf.bitcast(tf.reverse(tf.reshape(padded, [-1, 4]), [1]), tf.uint32), tf.uint64)
+    windows = tf.bitwise.bitwise_or(tf.bitwise.left_shift(w32[:-1], tf.constant(32, tf.uint64)),
+                                    w32[1:])
+    w = tf.gather(windows, tf.bitwise.right_shift(bit_start, 5))
+    # w >> (64 - off - width), in two steps so that no shift reaches 64 (width 0 gives 0)
+    sh = tf.cast(63 - tf.bitwise.bitwise_and(bit_start, 31) - width, tf.uint64)
+    v = tf.bitwise.right_shift(tf.bitwise.right_shift(w, sh), tf.constant(1, tf.uint64))
+    v = tf.bitcast(v, tf.int64)
+    return tf.bitwise.bitwise_and(v, tf.bitwise.left_shift(tf.constant(1, tf.int64), width) - 1)
+
+
 def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
            n_ranks: int, scale: float, check_fn) -> List[tf.Tensor]:
     """Flat float32 results (zeros plus ``float32(float64(value) * scale)`` at every rank's
@@ -108,8 +125,8 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
         u_src = tf.range(n_ub, dtype=tf.int64) + ustart[0]
     ub = tf.gather(buf, u_src)
     bitmask = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.uint8)
-    set_bits = tf.not_equal(tf.bitwise.bitwise_and(ub[:, None], bitmask), 0)
-    g = tf.reshape(tf.where(tf.reshape(set_bits, [-1])), [-1])  # int64, increasing
+    g = tf.reshape(tf.raw_ops.Where(condition=tf.reshape(
+        tf.bitwise.bitwise_and(ub[:, None], bitmask), [-1])), [-1])  # int64, increasing
     # one bits per message: where each message's stream ends among the sorted offsets
     ends = tf.searchsorted(g, 8 * (ucum + ubytes), side="left", out_type=tf.int64)
     ones = ends - tf.concat([[tf.constant(0, tf.int64)], ends[:-1]], 0)
@@ -119,42 +136,47 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
     # --- elements: element i of message m takes the i-th one bit of m's stream ----------------
     first = _excl(count)
     c_total = tf.reduce_sum(count)
-    i = tf.range(c_total, dtype=tf.int64)
-    e_msg = _owner(first, c_total, m_count) if m_count > 1 else tf.zeros_like(i, tf.int32)
+
+    def matched():  # valid input: the one bits are the elements, in order
+        if m_count == 1:
+            return g, tf.zeros_like(g, tf.int32)
+        return g, tf.gather(u_own, tf.bitwise.right_shift(g, 3))
 
     def remap():  # corrupt input only (the verdict rejects it); keeps the shapes valid
-        j = tf.gather(_excl(ones) - first, e_msg) + i
+        i = tf.range(c_total, dtype=tf.int64)
+        e = _owner(first, c_total, m_count) if m_count > 1 else tf.zeros_like(i, tf.int32)
+        j = tf.gather(_excl(ones) - first, e) + i
         padded = tf.concat([g, tf.zeros([1], tf.int64)], 0)
-        return tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64)))
+        return tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64))), e
 
-    gi = tf.cond(tf.reduce_all(tf.equal(ones, count)), lambda: g[:c_total], remap)
+    gi, e_msg = tf.cond(tf.reduce_all(tf.equal(ones, count)), matched, remap)
     per = lambda x: tf.gather(x, e_msg)  # noqa: E731  (a per-message constant per element)
-    b_e = per(b)
-    uj = gi - i - per(8 * ucum - first)          # sum of the quotients up to element i
-    r = _d.read_fields(_d.be_words(buf), per(8 * rstart - first * b) + i * b_e, b_e)
-    cr = tf.cumsum(r)
+    has = count > 0
+    nonempty = tf.reshape(tf.where(has), [-1])
+    first_ne = tf.gather(first, nonempty)
+    # quotients: zero bits between consecutive one bits; a message's first one counts from the
+    # start of its stream
+    q = gi - tf.concat([tf.constant([-1], tf.int64), gi[:-1]], 0) - 1
+    q = tf.tensor_scatter_nd_update(q, first_ne[:, None], tf.gather(gi, first_ne)
+                                    - 8 * tf.gather(ucum, nonempty))
+    # remainders: b and the field offset's base packed into one per-message constant
+    packed = per((8 * rstart - first * b) * 64 + b)
+    b_e = tf.bitwise.bitwise_and(packed, 63)
+    i = tf.range(c_total, dtype=tf.int64)
+    r = _read_fields30(buf, tf.bitwise.right_shift(packed, 6) + i * b_e, b_e)
+    s = tf.cumsum(tf.bitwise.left_shift(q, b_e) + r + 1)  # positions + 1, running over messages
     offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
     toff = tf.tile(tf.constant(offs, tf.int64), [n_ranks])  # tensor offset of each message
-    cr_before = tf.gather(tf.concat([[tf.constant(0, tf.int64)], cr], 0), first)
-    # global key = tensor offset + (uj << b) + (cr - cr_before) + (i - first)
-    key = tf.bitwise.left_shift(uj, b_e) + cr + i + per(toff - cr_before - first)
+    s_before = tf.gather(tf.concat([[tf.constant(0, tf.int64)], s], 0), first)
+    key = s + per(toff - s_before - 1)  # tensor offset + position
 
     # --- statistics (protocol.StreamStats rows) ------------------------------------------------
-    dq = uj - tf.concat([tf.zeros([1], tf.int64), uj[:-1]], 0)
-    has = count > 0
-    first_c = tf.minimum(first, tf.maximum(c_total - 1, 0))
-    q_first = tf.where(has, tf.gather(tf.concat([uj, [tf.constant(0, tf.int64)]], 0), first_c), 0)
-
     def seg_max(x):  # per message, 0 for empty ones (segments sorted by message)
         mx = tf.math.segment_max(x, e_msg)
-        mx = tf.concat([mx, tf.zeros(tf.reshape(m_count - tf.size(mx), [1]), tf.int64)], 0)
+        mx = tf.concat([mx, tf.zeros(tf.reshape(m_count - tf.size(mx), [1]), x.dtype)], 0)
         return tf.maximum(mx, 0)
 
-    # dq at a message's first element belongs to the previous message: the first's own quotient
-    # is uj there (q_first); a message's other quotients are dq
-    is_first = tf.not_equal(e_msg, tf.concat([[tf.constant(-1, tf.int32)], e_msg[:-1]], 0))
-    max_q = tf.maximum(seg_max(tf.where(is_first, tf.zeros_like(dq), dq)), q_first)
-    max_r = seg_max(r)
+    max_q, max_r = seg_max(q), seg_max(r)
     last = tf.gather(tf.concat([key, [tf.constant(0, tf.int64)]], 0),
                      tf.where(has, first + count - 1, c_total))
     pos_max = tf.where(has, last - toff, -1)
