@@ -13,7 +13,9 @@ Mutation classes (each case draws one; the step framing and CRCs are recomputed 
 * ``field``    — one tensor-header field set to a hostile value (Rice b up to 62, counts, lengths,
                  flags, the float value's bits: NaN, Inf, negative zero, subnormal), framing recomputed;
 * ``step``     — step-header fields (flags ERROR/SKIP/both, origin, layout, n_tensors), CRC recomputed;
-* ``peers``    — ranks that send ERROR and/or SKIP besides ranks that send malformed messages.
+* ``peers``    — ranks that send ERROR and/or SKIP besides ranks that send malformed messages;
+* ``stream``   — (binary-only cases, for the TF decoder's fast path) stream bytes of one tensor
+                 message flipped or overwritten, framing recomputed.
 
 ``DIFF_CASES`` sets the number of cases for numpy and torch (default 100000; ``make fuzz``
 runs 10^6); TensorFlow, whose per-call overhead is larger, gets every ``DIFF_TF_EVERY``-th case
@@ -55,9 +57,9 @@ def _update(r: random.Random, numel: int) -> np.ndarray:
     return (rng.standard_normal(numel) * 1e-39).astype(np.float32)  # subnormal values
 
 
-def _tensor_message(r: random.Random, numel: int) -> bytes:
+def _tensor_message(r: random.Random, numel: int, binary_only: bool = False) -> bytes:
     u = _update(r, numel)
-    mode = r.randrange(6)
+    mode = r.randrange(2 if binary_only else 6)
     density = r.choice([1e-3, 0.01, 0.1, 0.5, 1.0])
     if mode == 0:
         return core.compress_np(u, None, density, selection="paper")[0]
@@ -137,21 +139,44 @@ def _mutate_field(msg: bytes, r: random.Random) -> bytes:
     return bytes(out)
 
 
-def make_case(seed: int):
-    """(layout, n_ranks, gathered bytes, mutation class) for one case; deterministic in seed."""
+def _mutate_stream(msg: bytes, r: random.Random) -> bytes:
+    """Flip bits or overwrite bytes in a tensor message's streams (after its header)."""
+    try:
+        h = wire.parse_tensor_header(msg, 0)
+    except ValueError:
+        return msg
+    lo, hi = h.unary[0], len(msg)
+    if hi <= lo:
+        return msg
+    out = bytearray(msg)
+    for _ in range(r.randint(1, 3)):
+        i = r.randrange(lo, hi)
+        out[i] = r.choice([0, 0xFF, out[i] ^ (1 << r.randrange(8)), r.randrange(256)])
+    return bytes(out)
+
+
+def make_case(seed: int, binary_only: bool = False):
+    """(layout, n_ranks, gathered bytes, mutation class) for one case; deterministic in seed.
+    ``binary_only``: every tensor message is binary SBC (the TF decoder's fast path) before the
+    mutation, up to 8 ranks."""
     r = random.Random(seed)
     layout = LAYOUTS[r.randrange(len(LAYOUTS))]
-    n_ranks = r.randint(1, 3)
-    cls = r.choice(["valid", "raw", "framed", "field", "step", "peers"])
+    n_ranks = r.choice([1, 3, 8]) if binary_only else r.randint(1, 3)
+    cls = r.choice(["valid", "raw", "framed", "field", "stream", "stream"] if binary_only else
+                   ["valid", "raw", "framed", "field", "step", "peers"])
     steps = []
     for rank in range(n_ranks):
-        parts = [_tensor_message(r, wire.layout_numel(shape)) for _, shape in layout]
+        parts = [_tensor_message(r, wire.layout_numel(shape), binary_only)
+                 for _, shape in layout]
         if cls == "framed" and r.random() < 0.7:
             j = r.randrange(len(parts))
             parts[j] = bytes(_mutate_bytes(bytearray(parts[j]), r))
         if cls == "field" and r.random() < 0.7:
             j = r.randrange(len(parts))
             parts[j] = _mutate_field(parts[j], r)
+        if cls == "stream" and r.random() < 0.7:
+            j = r.randrange(len(parts))
+            parts[j] = _mutate_stream(parts[j], r)
         step = _step(layout, parts)
         if cls == "step" and r.random() < 0.6:
             kw = r.choice([{"flags": r.randrange(8)}, {"origin": r.randrange(3)},
@@ -246,8 +271,8 @@ def tf_decoders():
     return TFDecoders()
 
 
-def _check(seed, tf_dec=None):
-    layout, n_ranks, data, cls = make_case(seed)
+def _check(seed, tf_dec=None, binary_only=False):
+    layout, n_ranks, data, cls = make_case(seed, binary_only)
     scale = 1.0 / n_ranks
     ref = decode_numpy(layout, n_ranks, data, scale)
     got = {"torch": decode_torch(layout, n_ranks, data, scale)}
@@ -258,13 +283,13 @@ def _check(seed, tf_dec=None):
         assert out == ref, (f"case {seed} ({cls}, {n_ranks} ranks): {name} disagrees with numpy:\n"
                             f"  numpy: {str(ref)[:300]}\n  {name}: {str(out)[:300]}\n"
                             f"  data: {data.hex()[:400]}")
-    return cls, ref[0]
+    return cls, ref[0], (layout, n_ranks, data)
 
 
 def test_differential_numpy_torch():
     seen = {}
     for seed in range(CASES):
-        cls, verdict = _check(seed)
+        cls, verdict, _ = _check(seed)
         seen[(cls, verdict)] = seen.get((cls, verdict), 0) + 1
     # every mutation class is exercised, and reaches both accepting and rejecting verdicts
     kinds = {k for _, k in seen}
@@ -277,6 +302,38 @@ def test_differential_tensorflow(tf_decoders):
     n = max(200, CASES // TF_EVERY)
     for seed in range(0, n * TF_EVERY, TF_EVERY):
         _check(seed, tf_decoders)
+
+
+def _takes_fast_path(layout, n_ranks, data) -> bool:
+    """Does the TF decoder take its binary fast path (horovod_sbc.tensorflow.binary) here?"""
+    import tensorflow as tf
+    from horovod_sbc.tensorflow import binary, decoder
+    buf = np.frombuffer(data, np.uint8)
+    try:
+        code, table = decoder.parse_host(buf, layout, n_ranks, False, False, True)
+    except ValueError:
+        return False  # rejected by the host parse, before any stream is decoded
+    numels = [wire.layout_numel(s) for _, s in layout]
+    return (binary.static_ok(numels, n_ranks, None, [tf.float32] * len(layout), False)
+            and bool(binary.runtime_ok(tf.constant(buf), tf.constant(table))))
+
+
+@pytest.mark.parametrize("masks", ["sorted", "dense"])
+def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatch):
+    """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF decoder's fast
+    path must reach numpy's verdicts and bits, with either way of building the rank masks."""
+    from horovod_sbc.tensorflow import binary
+    monkeypatch.setattr(binary, "SORT_FACTOR", 1 << 40 if masks == "sorted" else 0)
+    tf_decoders.graphs.clear()  # SORT_FACTOR is read while tracing
+    n = max(60, CASES // (20 * TF_EVERY))
+    fast = {}
+    for seed in range(n):
+        cls, verdict, case = _check(10 ** 7 + seed, tf_decoders, binary_only=True)
+        if _takes_fast_path(*case):
+            fast[(cls, verdict)] = fast.get((cls, verdict), 0) + 1
+    # the fast path saw valid steps and mutated ones it had to reject from its statistics
+    assert fast.get(("valid", "ok"), 0) >= n // 10, fast
+    assert sum(v for (c, k), v in fast.items() if k == "invalid") >= n // 20, fast
 
 
 # ----------------------------------------------------------------------------------------------
