@@ -35,6 +35,7 @@ without subnormal numbers the results are bit-identical to numpy's.
 """
 from __future__ import annotations
 
+import enum
 import math
 import sys
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ _EXACT_BELOW = 1 << 14   # below this (or at high density) the exact path runs o
 _BLOCK = 32              # elements per block of the block-maxima pass
 _SAMPLE_MAX = 262144
 _BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviations off the k-th
+_SAMPLE_EXPECT = 4096    # sample so that ~this many sampled entries reach the k-th (top_k cost)
+_DENSE_UPDATE = 200      # residual update by one dense subtraction once k * this >= numel
 MODES = ("sbc", "values", "sign")
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
     raise ImportError("horovod_sbc.tensorflow.codec assumes a little-endian host")
@@ -61,6 +64,16 @@ class Side:
     """Which entries a selection ranks: the positive side (``a``), the negative side (``-a``) or
     magnitudes (``|a|``)."""
     POS, NEG, ABS = "pos", "neg", "abs"
+
+
+class ResidualUpdate(enum.Enum):
+    """How :func:`apply_sent` subtracts what was sent (chosen while tracing from the keep count;
+    every way gives the same bits: ``a - 0 == a`` for every float TensorFlow keeps)."""
+    SCATTER = "scatter"  # copy ``a``, subtract at the positions (few positions)
+    DENSE = "dense"      # ``a - SparseToDense(positions, sent)`` (many positions: TF's scatter
+                         # costs ~100 ns per position on one CPU thread, the dense fill ~0.1 ns
+                         # per element)
+    ALL = "all"          # every element was sent: ``a - sent``
 
 
 @dataclass
@@ -75,6 +88,7 @@ class Encoded:
     finite:    bool scalar; False if the update holds NaN or Inf (then the message must not be
                sent and nothing may be committed)
     numel:     the tensor's element count (static)
+    update:    how the error feedback is best applied (:class:`ResidualUpdate`, static)
     """
     header: tf.Tensor
     body: tf.Tensor
@@ -82,6 +96,11 @@ class Encoded:
     sent: tf.Tensor
     finite: tf.Tensor
     numel: int
+    update: ResidualUpdate = ResidualUpdate.SCATTER
+
+    def residual(self, a: tf.Tensor) -> tf.Tensor:
+        """``a`` (the encoded update, any shape) with what was sent subtracted."""
+        return apply_sent(a, self.positions, self.sent, self.update)
 
     @property
     def message(self) -> tf.Tensor:
@@ -287,7 +306,7 @@ def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool
         return [_exact_side(a, k, s, positive_only) for s in sides]
     prep = prep or _prepare(a, k, len(sides))
     # a large sample keeps the band between the thresholds narrow (~8 / sqrt(k m / n) of k)
-    m_target = int(min(_SAMPLE_MAX, n // 4))
+    m_target = int(min(_SAMPLE_MAX, n // 4, max(1, _SAMPLE_EXPECT * n // max(k, 1))))
     stride = max(1, n // m_target)
     sample = a[::stride]
     thresholds = {s: _sample_thresholds(_side_values(sample, s), k, n) for s in sides}
@@ -604,13 +623,29 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     # A non-finite update is encoded all the same (nothing in the selection breaks on NaN, it only
     # takes the slow exact path); ``finite`` tells the caller to send an error instead.
     (header, body), pos, sent = encode()
-    return Encoded(header, body, pos, sent, finite, n)
+    if mode == "sign" or (mode == "values" and k >= n):
+        update = ResidualUpdate.ALL
+    elif k * _DENSE_UPDATE >= n:
+        update = ResidualUpdate.DENSE
+    else:
+        update = ResidualUpdate.SCATTER
+    return Encoded(header, body, pos, sent, finite, n, update)
 
 
-def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor) -> tf.Tensor:
-    """Error feedback: ``a`` with ``a[positions] -= sent`` (positions unique), same shape."""
+def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor,
+               update: ResidualUpdate = ResidualUpdate.SCATTER) -> tf.Tensor:
+    """Error feedback: ``a`` with ``a[positions] -= sent`` (positions unique), same shape
+    (``update``: how, see :class:`ResidualUpdate`; all give the same result)."""
     flat = tf.reshape(a, [-1])
-    out = tf.tensor_scatter_nd_sub(flat, positions[:, None], tf.cast(sent, a.dtype))
+    sent = tf.cast(sent, a.dtype)
+    if update is ResidualUpdate.ALL:
+        out = flat - tf.reshape(sent, [-1])
+    elif update is ResidualUpdate.DENSE:
+        out = flat - tf.raw_ops.SparseToDense(
+            sparse_indices=positions, output_shape=tf.shape(flat, out_type=tf.int64),
+            sparse_values=sent, default_value=tf.zeros([], a.dtype), validate_indices=False)
+    else:
+        out = tf.tensor_scatter_nd_sub(flat, positions[:, None], sent)
     return tf.reshape(out, tf.shape(a))
 
 
@@ -634,7 +669,7 @@ def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=Tr
     else:
         check = [tf.debugging.Assert(enc.finite, [f"update contains NaN or Inf ({name!r})"])]
     with tf.control_dependencies(check):
-        new_res = tf.cast(tf.reshape(apply_sent(a, enc.positions, enc.sent),
+        new_res = tf.cast(tf.reshape(enc.residual(a),
                                      tf.shape(residual)), residual.dtype)
         return tf.identity(enc.message), new_res
 

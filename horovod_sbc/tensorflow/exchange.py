@@ -202,7 +202,7 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
         heads.append(enc.header)
         bodies.append(enc.body)
         finite.append(enc.finite)
-        new_res.append(tf.reshape(tfcodec.apply_sent(a, enc.positions, enc.sent), tf.shape(r)))
+        new_res.append(tf.reshape(enc.residual(a), tf.shape(r)))
     if not names:
         heads, finite = [tf.zeros([5], tf.int64)], [tf.constant(True)]
     all_finite = tf.reduce_all(tf.stack(finite))
