@@ -187,7 +187,7 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
     pad = 8 * rbytes - count * b
     last_r = tf.cast(tf.gather(slack, tf.where(rbytes > 0, rstart + rbytes - 1, 0)), tf.int64)
     mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.clip_by_value(pad, 0, 8)) - 1
-    rem_pad = tf.logical_and(pad > 0, tf.bitwise.bitwise_and(last_r, mask) != 0)
+    rem_pad = tf.logical_and(pad > 0, tf.not_equal(tf.bitwise.bitwise_and(last_r, mask), 0))
     zero = tf.zeros_like(count)
     stats = tf.stack([ones, tf.cast(unary_last_zero, tf.int64), max_q, max_r,
                       tf.cast(rem_pad, tf.int64), pos_max, zero, zero], 1)

@@ -32,8 +32,8 @@ def f32_bits_to_f64(bits: tf.Tensor) -> tf.Tensor:
     """float64 value of float32 bit patterns (int32), exact also for subnormals."""
     b = tf.cast(bits, tf.int64)
     b = tf.bitwise.bitwise_and(b, 0xFFFFFFFF)
-    sign = tf.where(tf.bitwise.bitwise_and(b, 0x80000000) != 0, tf.constant(-1.0, tf.float64),
-                    tf.constant(1.0, tf.float64))
+    sign = tf.where(tf.not_equal(tf.bitwise.bitwise_and(b, 0x80000000), 0),
+                    tf.constant(-1.0, tf.float64), tf.constant(1.0, tf.float64))
     mag = tf.bitwise.bitwise_and(b, 0x7FFFFFFF)
     normal = tf.cast(tf.bitcast(tf.cast(mag, tf.int32), tf.float32), tf.float64)
     sub = tf.cast(mag, tf.float64) * (2.0 ** -149)  # exact: integer * power of two, normal f64

@@ -286,8 +286,9 @@ def _streams(buf: tf.Tensor, table: tf.Tensor) -> _Decoded:
     def pad_nonzero(start, nbytes, used_bits):
         pad = 8 * nbytes - used_bits
         mask = tf.bitwise.left_shift(_c64(1), tf.clip_by_value(pad, 0, 8)) - 1
-        return tf.cast(tf.logical_and(pad > 0, tf.bitwise.bitwise_and(
-            last_byte(start, nbytes), mask) != 0), tf.int64)
+        # tf.not_equal, not ``!=``: outside TF2 functions (a v1 graph) ``!=`` is Python identity
+        return tf.cast(tf.logical_and(pad > 0, tf.not_equal(tf.bitwise.bitwise_and(
+            last_byte(start, nbytes), mask), 0)), tf.int64)
 
     smax = lambda x, init: tf.maximum(tf.math.unsorted_segment_max(x, e_msg, m), init)  # noqa
     ubytes = col(C_UBYTES)
