@@ -50,8 +50,9 @@ from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
 _EXACT_BELOW = 1 << 14   # below this (or at high density) the exact path runs on the whole tensor
 _BLOCK = 32              # elements per block of the block-maxima pass
 _SAMPLE_MAX = 262144
+_SAMPLE_MIN = 65536
 _BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviations off the k-th
-_SAMPLE_EXPECT = 4096    # sample so that ~this many sampled entries reach the k-th (top_k cost)
+_SAMPLE_EXPECT = 1024    # sample so that ~this many sampled entries reach the k-th (top_k cost)
 _DENSE_UPDATE = 200      # residual update by one dense subtraction once k * this >= numel
 MODES = ("sbc", "values", "sign")
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
@@ -306,7 +307,10 @@ def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool
         return [_exact_side(a, k, s, positive_only) for s in sides]
     prep = prep or _prepare(a, k, len(sides))
     # a large sample keeps the band between the thresholds narrow (~8 / sqrt(k m / n) of k)
-    m_target = int(min(_SAMPLE_MAX, n // 4, max(1, _SAMPLE_EXPECT * n // max(k, 1))))
+    # ... but a sample only as large as needed for ~_SAMPLE_EXPECT entries above the k-th (its
+    # top_k is the cost), and not below _SAMPLE_MIN (a small sample widens the band)
+    m_target = int(min(_SAMPLE_MAX, n // 4,
+                       max(_SAMPLE_MIN, _SAMPLE_EXPECT * n // max(k, 1))))
     stride = max(1, n // m_target)
     sample = a[::stride]
     thresholds = {s: _sample_thresholds(_side_values(sample, s), k, n) for s in sides}
