@@ -20,13 +20,22 @@ A decode is four pieces, the same eagerly and inside ``tf.function``:
    TensorFlow float arithmetic in the output dtype, done in rank order at every position (the
    same order as :func:`horovod_sbc.tensorflow.exchange.decode_into`, so all ranks agree).
 
-Speed (one CPU thread): per decoded position a few dozen element-wise TF ops, one sort of all
-ranks' positions (so that positions several ranks sent are added in rank order, without copying
-the output once per rank) and one TF scatter (tens of ns per element). That is cheap at the
-densities SBC is meant for (1e-4 .. 1e-3: ~1.5-5x a ``tf.add`` of the tensor for 8 ranks) and
-slower than numpy above ~1e-3; ``benchmarks/bench_tf_codec.py`` measures it. Next steps if it
-matters: sort only positions that several ranks sent (a dense count per position finds them),
-and fewer, fused passes in :func:`_streams`.
+Two ways through steps 2-4, chosen by a ``tf.cond`` on the parsed headers:
+
+* the **binary fast path** (:mod:`horovod_sbc.tensorflow.binary`) when every message is binary
+  SBC (or empty), the outputs are fresh float32 zeros and there are at most 8 ranks: the one
+  bits are located once, positions come from one running sum, and the rank-ordered float32
+  sums come from a small exact table indexed by which ranks sent a position (no sort of all
+  positions unless there are few, no per-rank fold);
+* the **general path** below (:func:`_streams`, :func:`_accumulate_all`) for everything else
+  (ternary, top-k values, signSGD, float64 outputs, accumulating into ``outs``).
+
+Speed (one CPU thread, 25M fp32, 8 ranks, ``benchmarks/bench_tf_codec.py``): the fast path costs
+~50-60 ns per decoded position plus ~1 ns per element of the layout (the dense masks), i.e. ~1x
+``tf.add`` at density 1e-4, ~2x at 1e-3, ~12x at 1e-2; the general path costs ~4x that per
+position (a sort of all ranks' positions and TensorFlow's scatter). The rest is TensorFlow's
+per-op cost (``Where``, ``Cumsum``, ``SparseToDense`` and gathers run at 3-7 ns per element on one
+thread); the host steps are O(messages).
 
 Errors: ``ValueError`` raised by the host steps (``InvalidArgumentError`` with the same text
 inside ``tf.function``).
