@@ -120,7 +120,7 @@ def _bind(lib) -> None:
     lib.sbc_decode_batch.restype = ctypes.c_int
     lib.sbc_positions.argtypes = [_I64, _I64, _P]
     lib.sbc_positions.restype = ctypes.c_int
-    lib.sbc_scatter_add_groups.argtypes = [_I64] + [_P] * 6
+    lib.sbc_scatter_add_groups.argtypes = [_I64] + [_P] * 6 + [ctypes.c_int]
     lib.sbc_scatter_add_groups.restype = ctypes.c_int
 
 

@@ -532,6 +532,70 @@ static inline u64 read_bits(const uint8_t *p, i64 len, u64 off, i64 b) {
     return (hi << 32) | lo;
 }
 
+/* ONE_AT[v][t]: bit offset (MSB = 0) of the t-th set bit of byte value v (8 entries each, the
+ * unused ones 0); ONES[v]: its popcount. Filled once when the library loads. */
+static uint8_t ONE_AT[256][8], ONES[256];
+
+__attribute__((constructor)) static void init_tables(void) {
+    for (int v = 0; v < 256; v++) {
+        int c = 0;
+        for (int bit = 0; bit < 8; bit++)
+            if (v & (0x80 >> bit)) ONE_AT[v][c++] = (uint8_t)bit;
+        ONES[v] = (uint8_t)c;
+    }
+}
+
+/* decode_one for the common case: exactly count one bits, b <= 32, a unary stream under 2^28
+ * bytes (bit offsets fit 32 bits, no sum below can wrap). Chunk by chunk, two branch-free
+ * passes: the bit offsets of the one bits, byte by byte from a table (eight stores per byte,
+ * the cursor advancing by the byte's popcount), then quotients as offset differences,
+ * remainders read at fixed offsets and positions as a running sum. Positions past
+ * numel are computed anyway (the protocol rejects such a message from st; nothing is added). */
+static void decode_fast(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i64 count,
+                        i64 b, i64 numel, u32 *pos, i64 *st) {
+    enum { LOCAL = 2048 };
+    u32 loc[LOCAL + 8]; /* one chunk of one-bit offsets, kept in L1 between the two passes */
+    u64 p = (u64)-1, max_r = 0;
+    u32 max_q = 0, prev = (u32)-1;
+    i64 safe = 0;
+    if (b) {
+        safe = rlen >= 8 ? ((rlen - 8) * 8) / b : 0; /* fields whose 8-byte load fits */
+        if (safe > count) safe = count;
+    }
+    i64 i = 0, j = 0;
+    while (j < ulen) {
+        i64 m = 0;
+        for (; j < ulen && m <= LOCAL - 8; j++) {
+            const uint8_t *t = ONE_AT[u[j]];
+            u32 base = (u32)(j * 8);
+            for (int k = 0; k < 8; k++) loc[m + k] = base + t[k];
+            m += ONES[u[j]];
+        }
+        for (i64 c = 0; c < m; c++, i++) {
+            u32 bit = loc[c], qv = bit - prev - 1;
+            prev = bit;
+            max_q = qv > max_q ? qv : max_q;
+            u64 rv = 0;
+            if (b) {
+                u64 off = (u64)i * (u64)b, w;
+                if (i < safe) {
+                    memcpy(&w, r + (off >> 3), 8);
+                    w = __builtin_bswap64(w);
+                } else {
+                    w = load_be64(r, rlen, (i64)(off >> 3));
+                }
+                rv = (w << (off & 7)) >> (64 - b);
+                max_r = rv > max_r ? rv : max_r;
+            }
+            p += ((u64)qv << b) + rv + 1;
+            pos[i] = (u32)p;
+        }
+    }
+    st[2] = (i64)max_q;
+    st[3] = (i64)max_r;
+    st[5] = ((u128)max_q << b) + max_r < (u128)numel ? (i64)p : -1;
+}
+
 /* Stream statistics of one binary message (horovod_sbc.protocol.StreamStats fields ones,
  * unary_last_zero, max_q, max_r, rem_pad_nonzero, pos_max into st[0..6)) and, when the
  * message is valid (count one bits, no gap reaching numel), its positions into pos[0..count)
@@ -557,6 +621,10 @@ static int decode_one(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i6
     i64 pad = (i64)((u128)rlen * 8 - used);
     st[4] = pad > 0 && (r[rlen - 1] & ((1u << pad) - 1u)) != 0;
     st[5] = -1;
+    if (ones == count && pos != NULL && b <= 32 && ulen < ((i64)1 << 28)) {
+        decode_fast(u, ulen, r, rlen, count, b, numel, pos, st);
+        return SBC_OK;
+    }
     i64 n = ones < count ? ones : count;
     u64 max_q = 0, max_r = 0, mask = b ? (~0ull >> (64 - b)) : 0;
     u64 qlim = (u64)numel >> b; /* q > qlim: the gap reaches numel (and q << b may overflow) */
@@ -651,12 +719,13 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
  * [gstart[g], gstart[g + 1]) of one output tensor (address outs[g], numel[g] elements), in
  * rank order; message j's count[j] positions sit at pos_off[j] in the position scratch and all
  * get value[j]. Each element receives its ranks' values in rank order (float32 adds, the
- * reference's order), but the output is walked once, chunk by chunk, every rank adding its
- * positions of the chunk in turn: at high density the ranks' positions cover most cache lines,
+ * reference's order), but the output is walked once, chunk by chunk (zeroed first when zero
+ * is set: the output then holds just the sum), every rank adding its positions of the chunk in
+ * turn: at high density the ranks' positions cover most cache lines,
  * and adding rank after rank would stream the whole output once per rank. Positions were
  * validated (< numel) by the protocol before this is called; they are checked again. */
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
-                           const i64 *pos_off, const i64 *count, const float *value) {
+                           const i64 *pos_off, const i64 *count, const float *value, int zero) {
     const u32 *pos = (const u32 *)TLS.dpos.p;
     i64 stack_cur[64];
     for (i64 g = 0; g < ng; g++) {
@@ -671,6 +740,7 @@ int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64
         for (i64 j = 0; j < nm; j++) cur[j] = 0;
         for (i64 lo = 0; lo < n; lo += CHUNK) {
             i64 hi = lo + CHUNK;
+            if (zero) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
             for (i64 j = 0; j < nm; j++) {
                 const u32 *pj = pos + pos_off[a + j];
                 i64 c = cur[j], cnt = count[a + j];

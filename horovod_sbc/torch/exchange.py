@@ -39,11 +39,14 @@ def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int) -
 
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
                     n_ranks: int, out: Optional[List[torch.Tensor]] = None, scale: float = 1.0,
-                    out_dtype=torch.float32) -> List[torch.Tensor]:
+                    out_dtype=torch.float32, zero_out: bool = False) -> List[torch.Tensor]:
     """Accumulate ``scale`` x every rank's decoded tensor, in rank order, into ``out``.
 
     ``out`` are flat tensors in ``layout`` order (e.g. the reference weights, or a gradient
-    buffer just zeroed); None allocates zeros of ``out_dtype``. With ``scale = 1/size`` this is
+    buffer); None allocates them (``out_dtype``) and implies ``zero_out``. ``zero_out``: the
+    outputs hold just the sum afterwards (as if zeroed first; on the CPU the kernels zero each
+    cache-sized chunk just before adding to it, saving a pass over memory). On a rejected step
+    ``out`` is left untouched either way. With ``scale = 1/size`` this is
     the average. Every rank adds the same values in the same order, so results are bit-identical.
 
     The verdict is the protocol layer's (:mod:`horovod_sbc.protocol`): headers are parsed on the
@@ -58,7 +61,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     dev = gathered.device
     lib = kernels.lib() if dev.type == "cpu" and gathered.is_contiguous() else None
     if lib is not None:
-        return _decode_c(lib, gathered, step, layout, out, scale, out_dtype)
+        return _decode_c(lib, gathered, step, layout, out, scale, out_dtype, zero_out)
     # binary messages: all at once, in (tensor, rank) order; the rest one by one
     # (a tensor goes to the batch only if every rank's message for it does, so that each
     # tensor's sum is accumulated in rank order by one path)
@@ -82,6 +85,9 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     if out is None:
         out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
                for _, shape in layout]
+    elif zero_out:
+        for t in out:
+            t.zero_()
     if order:
         _add_batch(out, flat, order, batch, scale, dev)
     for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
@@ -103,8 +109,8 @@ def _kernel_message(msg: wire.TensorMessage) -> bool:
         and msg.numel <= 1 << 32
 
 
-def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype
-              ) -> List[torch.Tensor]:
+def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
+              zero_out: bool) -> List[torch.Tensor]:
     """:func:`decode_gathered` on the CPU with the C kernels (:mod:`horovod_sbc.kernels`): one
     call decodes every binary message's statistics and positions, the protocol judges, one call
     adds them to the float32 outputs, each tensor's ranks in rank order. A tensor with another
@@ -141,19 +147,22 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             single[k] = (p, vals)
     protocol.check_streams(step, stats)
     if out is None:
-        out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype) for _, shape in layout]
+        out = [torch.empty(wire.layout_numel(shape), dtype=out_dtype) for _, shape in layout]
+        zero_out = True
     per_tensor = {}
     for k, (_, i, msg, _) in enumerate(flat):  # flat is rank-major: rank order per tensor
         if msg.count:
             per_tensor.setdefault(i, []).append(k)
     groups, kmsgs = [0], []
-    for i, ks in per_tensor.items():
-        t = out[i]
-        if all(k in slot for k in ks) and t.dtype == torch.float32 and t.is_contiguous() \
-                and t.device.type == "cpu":
+    for i, t in enumerate(out):
+        ks = per_tensor.get(i, [])
+        if ks and all(k in slot for k in ks) and t.dtype == torch.float32 and \
+                t.is_contiguous() and t.device.type == "cpu":
             kmsgs += [(t.data_ptr(), t.numel(), k) for k in ks]
             groups.append(len(kmsgs))
             continue
+        if zero_out:
+            t.zero_()
         for k in ks:  # the tensor-op path, rank by rank
             msg = flat[k][2]
             value = msg.signed_value * scale  # the Python float product, rounded once
@@ -180,7 +189,7 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
         val = np.array([flat[k][2].signed_value * scale for _, _, k in kmsgs], np.float32)
         rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
                                         numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
-                                        val.ctypes.data)
+                                        val.ctypes.data, int(zero_out))
         if rc != kernels.OK:
             raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
     return out

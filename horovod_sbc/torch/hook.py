@@ -162,8 +162,9 @@ class StockHook:
         out = grad if grad.is_contiguous() else torch.empty_like(grad)
         flat = out.view(-1)
         try:
-            exchange.decode_gathered(gathered, ctx.layout, ctx.size, [flat.zero_()],
-                                     1.0 if ctx.owner.op_sum else 1.0 / ctx.size)
+            exchange.decode_gathered(gathered, ctx.layout, ctx.size, [flat],
+                                     1.0 if ctx.owner.op_sum else 1.0 / ctx.size,
+                                     zero_out=True)
         except wire.PeerError as e:
             if not e.skip:
                 raise ValueError(f"SBC: {e}") from None
