@@ -116,9 +116,9 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
 
     def compress_step():
         msgs, commits = [], []
-        for name, g, r in zip(names, grads, residuals):
-            r.add_(g)
-            m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection)
+        for name, g, r in zip(names, grads, residuals):  # r += g, then encode (as the hook)
+            m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection,
+                                               addend=g)
             msgs.append(m)
             commits.append((r, pos, sent))
         step = exchange.frame(msgs, fp, grads[0].device)

@@ -104,7 +104,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
 def _bind(lib) -> None:
-    lib.sbc_select.argtypes = [_P, _I64, _I64, ctypes.c_int, _P, _P]
+    lib.sbc_select.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P]
     lib.sbc_select.restype = ctypes.c_int
     lib.sbc_take.argtypes = [ctypes.c_int, _P]
     lib.sbc_take.restype = ctypes.c_int

@@ -111,9 +111,52 @@ enum { SIDE_POS = 0, SIDE_NEG = 1, SIDE_ABS = 2 };
 /* ------------------------------------------------------------------------------------------ */
 /* exact k-th largest key (radix select: 11 + 11 + 10 bits)                                     */
 /* ------------------------------------------------------------------------------------------ */
+/* The element of ascending rank t of v[0..n), v reordered (quickselect, three-way partition,
+ * pseudo-random pivots: expected linear time whatever the keys). */
+static u32 nth_key(u32 *v, i64 n, i64 t) {
+    i64 lo = 0, hi = n;
+    u64 seed = 0x9E3779B97F4A7C15ull;
+    while (hi - lo > 1) {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        u32 pv = v[lo + (i64)(seed % (u64)(hi - lo))];
+        i64 lt = lo, i = lo, gt = hi;
+        while (i < gt) {
+            u32 x = v[i];
+            if (x < pv) {
+                v[i++] = v[lt];
+                v[lt++] = x;
+            } else if (x > pv) {
+                v[i] = v[--gt];
+                v[gt] = x;
+            } else {
+                i++;
+            }
+        }
+        if (t < lt)
+            hi = lt;
+        else if (t >= gt)
+            lo = gt;
+        else
+            return pv;
+    }
+    return v[lo];
+}
+
+#define SMALL_SELECT 4096 /* below this a quickselect beats the radix histograms' fixed cost */
+
 /* The k-th largest of keys[0..c) (1 <= k <= c); *ties gets how many keys equal to it are among
  * the k largest. tmp holds >= c keys. */
 static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties) {
+    if (c <= SMALL_SELECT) {
+        memcpy(tmp, keys, (size_t)c * sizeof(u32));
+        u32 kth = nth_key(tmp, c, c - k);
+        i64 gt = 0;
+        for (i64 i = 0; i < c; i++) gt += keys[i] > kth;
+        *ties = k - gt;
+        return kth;
+    }
     static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
     i64 hist[2048], h4[4][2048];
     u32 prefix = 0;
@@ -206,12 +249,12 @@ static inline u32 side_key(float x, int side) {
 /* Thresholds from the strided sample: per side the ks-th largest eligible score, or the "every
  * eligible element" threshold (TRUE_MIN for the signed sides, 0 for magnitudes) when the
  * sample has fewer. buf holds 2 m keys. */
-static void sample_thresholds(const float *a, i64 n, i64 stride, i64 ks, int two, u32 *buf,
-                              u32 *tmp, float *t) {
+static void sample_thresholds(const float *a, const float *g, i64 n, i64 stride, i64 ks,
+                              int two, u32 *buf, u32 *tmp, float *t) {
     i64 m = (n + stride - 1) / stride, np = 0, nn = 0;
     u32 *pk = buf, *nk = buf + m;
     for (i64 i = 0; i < n; i += stride) {
-        float x = a[i];
+        float x = g ? a[i] + g[i] : a[i];
         if (two) {
             if (x > 0.0f) pk[np++] = fbits(x);
             if (x < 0.0f) nk[nn++] = fbits(x) ^ 0x80000000u;
@@ -243,14 +286,19 @@ static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c
 }
 
 /* One pass: candidates of the positive (x >= tp) and negative (x <= -tn) sides, or of the
- * magnitude side (|x| >= tp) when two == 0, by blocks of BLOCK elements: per-side bit masks
+ * magnitude side (|x| >= tp) when two == 0, by blocks of BLOCK elements (with g, each block
+ * first becomes a += g: the residual-corrected update, computed in the same pass): per-side bit masks
  * (SSE2 compares + movemask where available) whose set bits are pushed, and the NaN/Inf check.
  * With prefilter (low densities: most blocks hold no candidate) a block is first tested with
  * one cheap compare (|x| below both thresholds; NaN and Inf fail it too) and skipped whole.
  * Returns 1 if a non-finite value was seen. */
 #define BLOCK 64
-static int scan(const float *a, i64 n, float tp, float tn, int two, int prefilter, cands *p,
-                cands *q, int *oom) {
+static void add_into(float *a, const float *g, i64 s, i64 e) {
+    for (i64 i = s; i < e; i++) a[i] = a[i] + g[i];
+}
+
+static int scan(float *a, const float *g, i64 n, float tp, float tn, int two, int prefilter,
+                cands *p, cands *q, int *oom) {
     float tmin = two && tn < tp ? tn : tp, ntn = -tn;
     i64 full = n - n % BLOCK;
     u32 bad = 0;
@@ -263,6 +311,7 @@ static int scan(const float *a, i64 n, float tp, float tn, int two, int prefilte
         i64 e = s < full ? s + BLOCK : n;
         u64 pm = 0, nm = 0;
         u32 badb = 0;
+        if (g) add_into(a, g, s, e); /* A = R + dW, block by block (then hot in L1) */
 #if defined(__SSE2__)
         if (e - s == BLOCK) {
             if (prefilter) {
@@ -306,6 +355,7 @@ static int scan(const float *a, i64 n, float tp, float tn, int two, int prefilte
         if (!(pm | nm)) continue;
         if (!cands_reserve(p, BLOCK) || (two && !cands_reserve(q, BLOCK))) {
             *oom = 1;
+            if (g) add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
             return 0;
         }
         if (two) {
@@ -339,18 +389,21 @@ static double tree_sum(const float *v, i64 c, double *x) {
     return x[0];
 }
 
-/* mode: 0 paper (side 0 = P, the min(k, #positive) largest positive entries; side 1 = N, the
+/* With g (may be NULL), first a += g over the whole tensor, in the selection's pass: the
+ * residual-corrected update A = R + dW (a is then A whatever the return code, except
+ * SBC_BADARG). mode: 0 paper (side 0 = P, the min(k, #positive) largest positive entries; side 1 = N, the
  * most negative ones), 1 magnitude split (the k largest |a|: side 0 their positive entries,
  * side 1 the negative ones), 2 magnitude (side 0 = the k largest |a|, zeros included). Ties at
  * the k-th score go to the lower position. counts[2]: the sides' sizes; sums[2] (modes 0, 1):
  * tree sums of a[P] and of -a[N]. The positions (ascending) stay in this thread's scratch until
  * the next call: sbc_take copies a side out. Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or
  * SBC_BADARG. */
-int sbc_select(const float *a, i64 n, i64 k, int mode, i64 *counts, double *sums) {
+int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums) {
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
     sums[0] = sums[1] = 0.0;
     if (n < 0 || k < 0 || k > n || mode < 0 || mode > 2) return SBC_BADARG;
     if (n == 0 || k == 0) {
+        if (g) add_into(a, g, 0, n);
         for (i64 i = 0; i < n; i++)
             if (!isfinite(a[i])) return SBC_NONFINITE;
         return SBC_OK;
@@ -359,7 +412,7 @@ int sbc_select(const float *a, i64 n, i64 k, int mode, i64 *counts, double *sums
     i64 m_target = 16 * (n / k);
     if (m_target < 16384) m_target = 16384;
     if (m_target > SAMPLE_MAX) m_target = SAMPLE_MAX;
-    if (m_target > n / 4) m_target = n / 4;
+    if (m_target > n / 16) m_target = n / 16; /* at most one sample per cache line */
     double frac = (two ? 2.6 : 1.3) * (double)k / (double)n;
     int exact = n <= EXACT_BELOW || frac > 0.3 || m_target < 1;
     i64 stride = exact ? 1 : n / m_target;
@@ -378,13 +431,15 @@ int sbc_select(const float *a, i64 n, i64 k, int mode, i64 *counts, double *sums
     if (!exact && !sbuf) return SBC_NOMEM;
     for (;;) {
         PROF(0);
-        if (!exact) sample_thresholds(a, n, stride, ks, two, sbuf, sbuf + 2 * m, t);
+        if (!exact) sample_thresholds(a, g, n, stride, ks, two, sbuf, sbuf + 2 * m, t);
         else t[0] = t[1] = all;
         PROF(1);
         p->n = q->n = 0;
         /* expected candidates per block below ~1/2: most blocks are skipped whole */
         int prefilter = exact ? 0 : frac * BLOCK < 0.5;
-        if (scan(a, n, t[0], t[1], two, prefilter, p, q, &oom)) return SBC_NONFINITE;
+        int bad = scan(a, g, n, t[0], t[1], two, prefilter, p, q, &oom);
+        g = NULL; /* added: a rescan reads A */
+        if (bad) return SBC_NONFINITE;
         if (oom) return SBC_NOMEM;
         /* enough candidates on each side, or every eligible element is a candidate already */
         int ok = (p->n >= k || t[0] <= all) && (!two || q->n >= k || t[1] <= all);

@@ -223,11 +223,14 @@ def _check_rc(rc: int, name: str, what: str) -> None:
         raise AssertionError(f"horovod_sbc: {what} of {name!r} rejected its arguments ({rc})")
 
 
-def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str) -> _CSelection:
+def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
+              addend: Optional[torch.Tensor] = None) -> _CSelection:
+    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first)."""
     import ctypes
     counts = kernels.Int64s(2)
     sums = (ctypes.c_double * 2)()
-    rc = lib.sbc_select(a.data_ptr(), a.numel(), k, mode, counts.ptr, ctypes.addressof(sums))
+    rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), a.numel(),
+                        k, mode, counts.ptr, ctypes.addressof(sums))
     _check_rc(rc, name, "the selection")
     c0, c1 = counts.list()
     return _CSelection(lib, (c0, c1), (sums[0], sums[1]))
@@ -245,11 +248,11 @@ def _rice_choice_c(lib, pos: torch.Tensor, numel: int) -> Tuple[int, int]:
     return b, table[b]
 
 
-def _binarize_c(lib, a: torch.Tensor, k: int, selection: str, name: str) -> "_Binarized":
+def _binarize_c(lib, a: torch.Tensor, k: int, selection: str, name: str,
+                addend: Optional[torch.Tensor] = None) -> "_Binarized":
     """:func:`binarize_sides` of :func:`select_sides` in two kernel calls."""
-    if selection not in ("paper", "magnitude"):
-        raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
-    sel = _select_c(lib, a, k, _C_PAPER if selection == "paper" else _C_MAGNITUDE_SPLIT, name)
+    sel = _select_c(lib, a, k, _C_PAPER if selection == "paper" else _C_MAGNITUDE_SPLIT, name,
+                    addend)
     (np_, nn_), (s_pos, s_neg) = sel.counts, sel.sums
     side, mu = choose_side(_f32(s_pos / np_) if np_ else 0.0, _f32(s_neg / nn_) if nn_ else 0.0)
     if side == 0:
@@ -550,9 +553,14 @@ MODES = ("sbc", "values", "sign", "terngrad")
 
 
 def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
-                  generator: Optional[torch.Generator] = None, selection: str = "paper"
+                  generator: Optional[torch.Generator] = None, selection: str = "paper",
+                  addend: Optional[torch.Tensor] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``).
+
+    ``addend`` (flat, like ``a``): first ``a += addend`` (``R += dW``), in the selection's own
+    pass over the tensor when the C kernels run (saving a pass over memory), else with
+    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised.
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
     float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
@@ -563,8 +571,16 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.
     """
     mode = "sbc" if mode is True else "values" if mode is False else mode
+    if selection not in ("paper", "magnitude"):
+        raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
     n = a.numel()
     dev = a.device
+    lib = _kernels_for(a)
+    if addend is not None:
+        if lib is None or mode not in ("sbc", "values") or _kernels_for(addend) is None or \
+                addend.numel() != n or a.dim() != 1 or addend.dim() != 1:
+            a.add_(addend)
+            addend = None
     empty = torch.zeros(0, dtype=torch.int64, device=dev)
     if n == 0:
         return encode_positions(empty, 0), empty, a.new_zeros(0)
@@ -591,13 +607,13 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
         raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
     k = keep_count(n, density)
     if mode == "values":
-        idx = select_topk(a, k, name)
+        idx = _select_c(lib, a, k, _C_MAGNITUDE, name, addend).take(0) if lib is not None \
+            else select_topk(a, k, name)
         vals = a[idx].to(torch.float32)
         return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
                 vals.to(a.dtype))
-    lib = _kernels_for(a)
     if lib is not None:
-        bz = _binarize_c(lib, a, k, selection, name)
+        bz = _binarize_c(lib, a, k, selection, name, addend)
     else:
         bz = binarize_sides(a, *select_sides(a, k, selection, name))
     # one value for every position: a stride-0 view (subtract_sent_ recognises it)

@@ -129,11 +129,11 @@ class StockHook:
         fp = wire.layout_fingerprint(layout)
         res = self.residual(name, tensor)
         upd = tensor.detach().reshape(-1)
-        res.add_(upd)  # A = R + g, in place; error feedback committed in decompress()
         pos = sent = None
-        try:
+        try:  # A = R + g, in place (in the selection's pass); error feedback in decompress()
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, name,
-                                           self.generator(res.device), cfg.selection)
+                                           self.generator(res.device), cfg.selection,
+                                           addend=upd)
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
             restore(res, upd)
