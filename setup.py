@@ -13,6 +13,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["horovod_sbc", "horovod_sbc.*"]),
+    # the CPU kernels are compiled from source on first use (horovod_sbc/kernels/__init__.py)
+    package_data={"horovod_sbc.kernels": ["sbc_kernels.c"]},
     python_requires=">=3.9",
     install_requires=["numpy>=1.22"],
     extras_require={

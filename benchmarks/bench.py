@@ -117,7 +117,7 @@ def bench_torch(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
     dense = torch.empty(n)
 
     def decode():  # into an existing dense tensor (the reference weights / gradient buffer)
-        exchange.decode_gathered(gathered, layout, n_msgs, [dense.zero_()], 1.0 / n_msgs)
+        exchange.decode_gathered(gathered, layout, n_msgs, [dense], 1.0 / n_msgs, zero_out=True)
 
     t_dec = _median_time(decode, reps)
     return {"add_s": t_add, "compress_s": t_comp, "decode_s": t_dec, "topk_s": t_topk,

@@ -116,9 +116,9 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
 
     def compress_step():
         msgs, commits = [], []
-        for name, g, r in zip(names, grads, residuals):
-            r.add_(g)
-            m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection)
+        for name, g, r in zip(names, grads, residuals):  # r += g, then encode (as the hook)
+            m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection,
+                                               addend=g)
             msgs.append(m)
             commits.append((r, pos, sent))
         step = exchange.frame(msgs, fp, grads[0].device)
@@ -142,10 +142,8 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
     gathered = torch.cat(steps)
     outs = [torch.zeros(_numel(s)) for _, s in layout]
 
-    def decode():
-        for o in outs:
-            o.zero_()
-        exchange.decode_gathered(gathered, layout, N_RANKS, outs, 1.0 / N_RANKS)
+    def decode():  # into the gradient buffers, as the stock hook does (zero_out)
+        exchange.decode_gathered(gathered, layout, N_RANKS, outs, 1.0 / N_RANKS, zero_out=True)
 
     t_dec = min_time(decode, reps)
     k_list = [min(_numel(s), max(1, round(density * _numel(s)))) for _, s in layout]

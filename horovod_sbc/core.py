@@ -63,15 +63,64 @@ def validate_density(density) -> float:
 
 def select_np(a_abs: np.ndarray, k: int) -> np.ndarray:
     """Sorted flat indices of the k largest values of ``a_abs`` (ties: lower index first)."""
-    n = a_abs.size
-    if k >= n:
-        return np.arange(n, dtype=np.int64)
-    if k == 0:
+    return top_k_np(a_abs, k)
+
+
+def top_k_np(values: np.ndarray, k: int, above: Optional[float] = None,
+             negate: bool = False) -> np.ndarray:
+    """Sorted flat indices of the k largest entries of ``values`` (of ``-values`` with
+    ``negate``; only entries ``> above`` count when ``above`` is given: fewer than k if fewer
+    qualify); ties at the k-th value go to the lower index.
+
+    The rule is the specification; how it is computed only costs time: a strided sample gives
+    a threshold t that probably has at least k qualifying entries ``>= t``; the exact k-th value
+    is then found among those candidates only, and if they are fewer than k the whole tensor is
+    searched instead, so the result never depends on the sample."""
+    v = values.ravel()
+    n = v.size
+    if k <= 0 or n == 0:
         return np.zeros(0, dtype=np.int64)
-    thr = np.partition(a_abs, n - k)[n - k]  # the k-th largest magnitude
-    above = np.flatnonzero(a_abs > thr)
-    ties = np.flatnonzero(a_abs == thr)[:k - above.size]  # lowest indices first
-    return np.sort(np.concatenate([above, ties])).astype(np.int64)
+    sgn = -1 if negate else 1
+    t = _sample_threshold_np(v, k, above, sgn)
+    cand = None
+    if t is not None:
+        cand = np.flatnonzero(v <= -t if negate else v >= t)
+        if cand.size < k:
+            cand = None  # the sample overestimated: search everything
+    if cand is None:
+        if above is None:
+            cand = np.arange(n, dtype=np.int64)
+        else:
+            cand = np.flatnonzero(v < -above if negate else v > above)
+    if cand.size <= k:
+        return cand.astype(np.int64)
+    vals = -v[cand] if negate else v[cand]
+    thr = np.partition(vals, vals.size - k)[vals.size - k]  # the k-th largest
+    big = vals > thr
+    ties = np.flatnonzero(vals == thr)[:k - int(np.count_nonzero(big))]
+    big[ties] = True  # lowest indices first among the ties
+    return cand[big].astype(np.int64)
+
+
+def _sample_threshold_np(v: np.ndarray, k: int, above: Optional[float], sgn: int
+                         ) -> Optional[float]:
+    """A threshold a little below the k-th largest qualifying value of ``sgn * v``, from a
+    strided sample of at most one element per 16 (None for small tensors, dense selections)."""
+    n = v.size
+    if n <= 1 << 14 or k * 4 > n:
+        return None
+    m = min(max(16384, 16 * (n // k)), 1 << 16, n // 16)
+    sample = v[::max(1, n // m)] * sgn
+    expect = k * sample.size / n  # sampled entries expected among the k largest
+    if above is not None:
+        sample = sample[sample > above]
+    ks = int(math.ceil(1.02 * expect + 4.0 * math.sqrt(expect) + 4.0))
+    if ks > sample.size:
+        return None
+    t = float(np.partition(sample, sample.size - ks)[sample.size - ks])
+    if above is not None and not t > above:
+        return None
+    return t
 
 
 SELECTIONS = ("paper", "magnitude")
@@ -117,9 +166,7 @@ def select_sides_np(a: np.ndarray, k: int, selection: str = "paper"
                     ) -> Tuple[np.ndarray, np.ndarray]:
     """(P, N): sorted flat indices of the positive and negative candidate sets (see docstring)."""
     if selection == "paper":
-        p = select_np(np.where(a > 0, a, 0).astype(a.dtype), k)
-        n = select_np(np.where(a < 0, -a, 0).astype(a.dtype), k)
-        return p[a[p] > 0], n[a[n] < 0]
+        return top_k_np(a, k, above=0.0), top_k_np(a, k, above=0.0, negate=True)
     validate_selection(selection)
     idx = select_np(np.abs(a), k)
     return idx[a[idx] > 0], idx[a[idx] < 0]
@@ -147,10 +194,12 @@ def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: flo
     """
     validate_selection(selection)
     rdt = np.float64 if update.dtype == np.float64 else np.float32
-    a = update.astype(rdt).ravel()
-    if residual is not None:
-        a = a + residual.astype(rdt).ravel()
-    if not np.all(np.isfinite(a)):
+    if residual is not None:  # A = R + dW: a new array (the inputs are left alone)
+        a = np.add(update.astype(rdt, copy=False).ravel(),
+                   residual.astype(rdt, copy=False).ravel())
+    else:
+        a = update.astype(rdt, copy=True).ravel()
+    if a.size and not (np.isfinite(a.max()) and np.isfinite(a.min())):  # NaN/Inf propagate
         raise ValueError("update contains NaN or Inf")
     n = a.size
     if n == 0:  # one canonical encoding of an empty tensor, whatever the mode

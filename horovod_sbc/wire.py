@@ -387,10 +387,12 @@ def encode_streams_np(positions: np.ndarray, b: int) -> Tuple[bytes, bytes]:
     unary_bits[ones_at] = 1
     unary = np.packbits(unary_bits).tobytes()
     if b:
-        r = gaps & ((1 << b) - 1)
-        shifts = np.arange(b - 1, -1, -1, dtype=np.int64)
-        rbits = ((r[:, None] >> shifts[None, :]) & 1).astype(np.uint8).ravel()
-        rem = np.packbits(rbits).tobytes()
+        # each remainder as a big-endian integer of W bytes (the narrowest that holds b bits),
+        # unpacked to its 8W bits, the last b of them kept: one byte per bit, never eight
+        w = next(x for x in (1, 2, 4, 8) if 8 * x >= b)
+        r = (gaps & ((1 << b) - 1)).astype(f">u{w}")
+        rbits = np.unpackbits(r.view(np.uint8).reshape(count, w), axis=1)[:, 8 * w - b:]
+        rem = np.packbits(rbits.ravel()).tobytes()
     else:
         rem = b""
     return unary, rem

@@ -8,7 +8,7 @@
 #   3. Horovod 0.28.1 built with PyTorch + TensorFlow + MPI + Gloo. The wheel is cached under
 #      ~/.cache/horovod_sbc/ keyed by the Horovod, torch and TF versions, so a second clean clone
 #      installs it in seconds. The sdist needs three fixes on this stack (see patch_horovod_sdist).
-#   4. horovod_sbc itself, editable, with its extras.
+#   4. horovod_sbc itself, editable, with its extras, and its C kernels (horovod_sbc.kernels).
 #
 # Environment knobs:
 #   PYTHON               interpreter used to create .venv (default: python3)
@@ -116,5 +116,8 @@ fi
 # ---- 4. horovod_sbc itself -------------------------------------------------------------------
 log "installing horovod_sbc (editable) with extras"
 "${PIP[@]}" install -e "$ROOT[torch,tensorflow,test,bench]"
+# the C kernels of the CPU codec (compiled on first use otherwise; without a compiler the
+# tensor-op codec runs instead)
+"$PY" -m horovod_sbc.kernels >/dev/null || log "C kernels not built: the tensor-op codec will be used"
 echo "$want_stamp" > "$STAMP"
 log "done: $("$VENV/bin/horovodrun" --version 2>/dev/null | tail -1) in $VENV"

@@ -1,5 +1,6 @@
 """Differential test of every decoder: the same valid and mutated gathered buffers go through the
-numpy reference (``wire.decode_step_np``), the torch decoder (``torch.exchange.decode_gathered``)
+numpy reference (``wire.decode_step_np``), the torch decoder (``torch.exchange.decode_gathered``:
+its C kernels on every case, its tensor-op path on every ``DIFF_OPS_EVERY``-th, default 4)
 and the TensorFlow decoder (eager and inside ``tf.function``); all must reach the same verdict
 (accept, a rank's ERROR, a rank's SKIP, or malformed — with the same text) and, when they
 accept, add bit-identical values.
@@ -31,9 +32,11 @@ import pytest
 import torch
 
 from horovod_sbc import core, protocol, wire
+from horovod_sbc import kernels
 from horovod_sbc.torch import exchange
 
 CASES = int(os.environ.get("DIFF_CASES", "100000"))
+OPS_EVERY = int(os.environ.get("DIFF_OPS_EVERY", "4"))  # torch's tensor-op path on every n-th
 TF_EVERY = int(os.environ.get("DIFF_TF_EVERY", "100"))
 
 # a fixed set of layouts keeps tf.function from retracing for every case
@@ -275,7 +278,10 @@ def _check(seed, tf_dec=None, binary_only=False):
     layout, n_ranks, data, cls = make_case(seed, binary_only)
     scale = 1.0 / n_ranks
     ref = decode_numpy(layout, n_ranks, data, scale)
-    got = {"torch": decode_torch(layout, n_ranks, data, scale)}
+    got = {"torch": decode_torch(layout, n_ranks, data, scale)}  # the C kernels on the CPU
+    if seed % OPS_EVERY == 0:
+        with kernels.disabled():
+            got["torch (tensor ops)"] = decode_torch(layout, n_ranks, data, scale)
     if tf_dec is not None:
         got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, graph=False)
         got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, graph=True)
@@ -287,6 +293,7 @@ def _check(seed, tf_dec=None, binary_only=False):
 
 
 def test_differential_numpy_torch():
+    assert kernels.available(), "the C kernels must build here: the differential test covers them"
     seen = {}
     for seed in range(CASES):
         cls, verdict, _ = _check(seed)
@@ -340,8 +347,10 @@ def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatc
 # the reproducers that showed the decoders disagreeing (issue 13)
 # ----------------------------------------------------------------------------------------------
 def _all_verdicts(layout, n_ranks, data, scale=1.0):
+    with kernels.disabled():
+        ops = decode_torch(layout, n_ranks, data, scale)
     return {"numpy": decode_numpy(layout, n_ranks, data, scale),
-            "torch": decode_torch(layout, n_ranks, data, scale)}
+            "torch": decode_torch(layout, n_ranks, data, scale), "torch (tensor ops)": ops}
 
 
 def test_rice_62_positions_wrapping_int64_are_rejected_everywhere():

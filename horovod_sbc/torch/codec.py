@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import protocol, wire
+from .. import kernels, protocol, wire
 from ..core import choose_side, keep_count
 
 _EXACT_BELOW = 1 << 14  # below this one exact pass over the whole tensor is cheaper
@@ -176,8 +176,90 @@ def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
     """Sorted int64 flat indices of the k entries of 1-D ``a`` largest in magnitude
     (ties: lower index). Raises :class:`NonFiniteError` if ``a`` holds NaN or Inf.
 
-    Exact top-k without a sort or ``torch.topk`` of the tensor: see :func:`_candidates`."""
+    Exact top-k without a sort or ``torch.topk`` of the tensor: see :func:`_candidates` (or the
+    C kernel on the CPU, :mod:`horovod_sbc.kernels`)."""
+    lib = _kernels_for(a)
+    if lib is not None:
+        return _select_c(lib, a, k, _C_MAGNITUDE, name).take(0)
     return _select(a, k, False, name)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# the C kernels (contiguous float32 CPU tensors; see horovod_sbc.kernels)
+# ------------------------------------------------------------------------------------------------
+_C_PAPER, _C_MAGNITUDE_SPLIT, _C_MAGNITUDE = 0, 1, 2
+
+
+def _kernels_for(a: torch.Tensor):
+    """The kernel library when ``a`` is a contiguous float32 CPU tensor and the kernels are
+    available, else None (the tensor-op path)."""
+    if a.device.type != "cpu" or a.dtype != torch.float32 or not a.is_contiguous():
+        return None
+    return kernels.lib()
+
+
+@dataclass
+class _CSelection:
+    """``sbc_select``'s result: the sides' sizes and fixed-order float64 tree sums (of ``a[P]``
+    and of ``-a[N]``); the positions wait in the kernel's scratch for :meth:`take`."""
+    lib: object
+    counts: Tuple[int, int]
+    sums: Tuple[float, float]
+
+    def take(self, side: int) -> torch.Tensor:
+        """Side 0 or 1's ascending positions (int64), copied out of the kernel's scratch: call
+        before the next selection on this thread."""
+        out = torch.empty(self.counts[side], dtype=torch.int64)
+        self.lib.sbc_take(side, out.data_ptr())
+        return out
+
+
+def _check_rc(rc: int, name: str, what: str) -> None:
+    if rc == kernels.NONFINITE:
+        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+    if rc == kernels.NOMEM:
+        raise MemoryError(f"horovod_sbc: out of memory in {what} of {name!r}")
+    if rc != kernels.OK:
+        raise AssertionError(f"horovod_sbc: {what} of {name!r} rejected its arguments ({rc})")
+
+
+def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
+              addend: Optional[torch.Tensor] = None) -> _CSelection:
+    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first)."""
+    import ctypes
+    counts = kernels.Int64s(2)
+    sums = (ctypes.c_double * 2)()
+    rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), a.numel(),
+                        k, mode, counts.ptr, ctypes.addressof(sums))
+    _check_rc(rc, name, "the selection")
+    c0, c1 = counts.list()
+    return _CSelection(lib, (c0, c1), (sums[0], sums[1]))
+
+
+def _rice_choice_c(lib, pos: torch.Tensor, numel: int) -> Tuple[int, int]:
+    """(b, sum(gaps >> b)) by :func:`horovod_sbc.wire.choose_rice_b`, the sums from the kernel."""
+    count = pos.numel()
+    bs = _rice_candidates(count, numel)
+    b_arr, out = kernels.Int64s(len(bs)), kernels.Int64s(len(bs))
+    b_arr.buf[:] = bs
+    lib.sbc_gap_shift_sums(pos.data_ptr(), count, b_arr.ptr, len(bs), out.ptr)
+    table = dict(zip(bs, out.list()))
+    b = wire.choose_rice_b(count, numel, table.__getitem__)
+    return b, table[b]
+
+
+def _binarize_c(lib, a: torch.Tensor, k: int, selection: str, name: str,
+                addend: Optional[torch.Tensor] = None) -> "_Binarized":
+    """:func:`binarize_sides` of :func:`select_sides` in two kernel calls."""
+    sel = _select_c(lib, a, k, _C_PAPER if selection == "paper" else _C_MAGNITUDE_SPLIT, name,
+                    addend)
+    (np_, nn_), (s_pos, s_neg) = sel.counts, sel.sums
+    side, mu = choose_side(_f32(s_pos / np_) if np_ else 0.0, _f32(s_neg / nn_) if nn_ else 0.0)
+    if side == 0:
+        return _Binarized(torch.zeros(0, dtype=torch.int64), 0.0, False, 0, 0)
+    pos = sel.take(0 if side > 0 else 1)
+    b, sum_q = _rice_choice_c(lib, pos, a.numel())
+    return _Binarized(pos, mu, side < 0, b, sum_q)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -212,11 +294,16 @@ def select_sides(a: torch.Tensor, k: int, selection: str = "paper", name: str = 
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(P, N): sorted positions of the positive and negative candidate sets
     (:func:`horovod_sbc.core.select_sides_np`)."""
+    if selection not in ("paper", "magnitude"):
+        raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
+    lib = _kernels_for(a)
+    if lib is not None:
+        mode = _C_PAPER if selection == "paper" else _C_MAGNITUDE_SPLIT
+        sel = _select_c(lib, a, k, mode, name)
+        return sel.take(0), sel.take(1)
     if selection == "paper":
         p, q = _select(a, k, True, name)
         return p, q
-    if selection != "magnitude":
-        raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
     idx = _select(a, k, False, name)[0]
     kept = a[idx]
     return idx[kept > 0], idx[kept < 0]
@@ -331,6 +418,16 @@ def _streams(pos: torch.Tensor, numel: int, b: Optional[int] = None, sum_q: Opti
     """(rice_b, unary stream, remainder stream) of sorted unique ``pos`` (count > 0)."""
     dev = pos.device
     count = pos.numel()
+    lib = _kernels_for_positions(pos)
+    if lib is not None:
+        if b is None:
+            b, sum_q = _rice_choice_c(lib, pos, numel)
+        ubytes, rbytes = -(-(sum_q + count) // 8), -(-(count * b) // 8)
+        buf = torch.empty(ubytes + rbytes, dtype=torch.uint8)
+        rc = lib.sbc_rice_encode(pos.data_ptr(), count, b, buf.data_ptr(), ubytes,
+                                 buf.data_ptr() + ubytes, rbytes)
+        _check_rc(rc, "positions", "the Rice encoder")
+        return b, buf[:ubytes], buf[ubytes:]
     gaps = _gaps(pos)
     if b is None:
         bs = _rice_candidates(count, numel)
@@ -341,6 +438,12 @@ def _streams(pos: torch.Tensor, numel: int, b: Optional[int] = None, sum_q: Opti
     unary = _scatter_bits(-(-(sum_q + count) // 8), ones_at, dev)
     rem = _pack_fields(gaps & ((1 << b) - 1), b, dev) if b else unary[:0]
     return b, unary, rem
+
+
+def _kernels_for_positions(pos: torch.Tensor):
+    if pos.device.type != "cpu" or pos.dtype != torch.int64 or not pos.is_contiguous():
+        return None
+    return kernels.lib()
 
 
 def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative: bool = False,
@@ -450,9 +553,14 @@ MODES = ("sbc", "values", "sign", "terngrad")
 
 
 def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
-                  generator: Optional[torch.Generator] = None, selection: str = "paper"
+                  generator: Optional[torch.Generator] = None, selection: str = "paper",
+                  addend: Optional[torch.Tensor] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``).
+
+    ``addend`` (flat, like ``a``): first ``a += addend`` (``R += dW``), in the selection's own
+    pass over the tensor when the C kernels run (saving a pass over memory), else with
+    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised.
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
     float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
@@ -463,8 +571,16 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.
     """
     mode = "sbc" if mode is True else "values" if mode is False else mode
+    if selection not in ("paper", "magnitude"):
+        raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
     n = a.numel()
     dev = a.device
+    lib = _kernels_for(a)
+    if addend is not None:
+        if lib is None or mode not in ("sbc", "values") or _kernels_for(addend) is None or \
+                addend.numel() != n or a.dim() != 1 or addend.dim() != 1:
+            a.add_(addend)
+            addend = None
     empty = torch.zeros(0, dtype=torch.int64, device=dev)
     if n == 0:
         return encode_positions(empty, 0), empty, a.new_zeros(0)
@@ -491,21 +607,34 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
         raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
     k = keep_count(n, density)
     if mode == "values":
-        idx = select_topk(a, k, name)
+        idx = _select_c(lib, a, k, _C_MAGNITUDE, name, addend).take(0) if lib is not None \
+            else select_topk(a, k, name)
         vals = a[idx].to(torch.float32)
         return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
                 vals.to(a.dtype))
-    bz = binarize_sides(a, *select_sides(a, k, selection, name))
-    sent = torch.full((bz.pos.numel(),), -bz.mu if bz.negative else bz.mu, dtype=a.dtype,
-                      device=dev)
+    if lib is not None:
+        bz = _binarize_c(lib, a, k, selection, name, addend)
+    else:
+        bz = binarize_sides(a, *select_sides(a, k, selection, name))
+    # one value for every position: a stride-0 view (subtract_sent_ recognises it)
+    sent = torch.full((1,), -bz.mu if bz.negative else bz.mu, dtype=a.dtype,
+                      device=dev).expand(bz.pos.numel())
     msg = encode_positions(bz.pos, n, bz.mu, bz.negative, rice_b=bz.rice_b, sum_q=bz.sum_q)
     return msg, bz.pos, sent
 
 
 def subtract_sent_(a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:
-    """Error feedback: ``a[pos] -= sent`` (positions are unique)."""
-    if pos.numel():
-        a.index_add_(0, pos, sent, alpha=-1)
+    """Error feedback: ``a[pos] -= sent`` (positions are unique). ``sent`` of one value for all
+    positions (a stride-0 view, as :func:`encode_update` returns for SBC) is subtracted by the C
+    kernel on the CPU: ``a + (-v)`` is ``a - v`` exactly, as ``index_add_(alpha=-1)`` computes."""
+    if not pos.numel():
+        return
+    if sent.dim() == 1 and sent.stride(0) == 0 and _kernels_for(a) is not None \
+            and _kernels_for_positions(pos) is not None and a.dim() == 1:
+        kernels.lib().sbc_add_at(a.data_ptr(), pos.data_ptr(), pos.numel(),
+                                 -float(sent[0].to(torch.float32)))
+        return
+    a.index_add_(0, pos, sent, alpha=-1)
 
 
 def compress_(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import protocol, wire
+from .. import kernels, protocol, wire
 from . import decoder
 from .codec import stream_stats
 
@@ -39,11 +39,14 @@ def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int) -
 
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
                     n_ranks: int, out: Optional[List[torch.Tensor]] = None, scale: float = 1.0,
-                    out_dtype=torch.float32) -> List[torch.Tensor]:
+                    out_dtype=torch.float32, zero_out: bool = False) -> List[torch.Tensor]:
     """Accumulate ``scale`` x every rank's decoded tensor, in rank order, into ``out``.
 
     ``out`` are flat tensors in ``layout`` order (e.g. the reference weights, or a gradient
-    buffer just zeroed); None allocates zeros of ``out_dtype``. With ``scale = 1/size`` this is
+    buffer); None allocates them (``out_dtype``) and implies ``zero_out``. ``zero_out``: the
+    outputs hold just the sum afterwards (as if zeroed first; on the CPU the kernels zero each
+    cache-sized chunk just before adding to it, saving a pass over memory). On a rejected step
+    ``out`` is left untouched either way. With ``scale = 1/size`` this is
     the average. Every rank adds the same values in the same order, so results are bit-identical.
 
     The verdict is the protocol layer's (:mod:`horovod_sbc.protocol`): headers are parsed on the
@@ -56,6 +59,9 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     step = protocol.parse_gathered(host, layout, n_ranks)
     flat = step.flat()
     dev = gathered.device
+    lib = kernels.lib() if dev.type == "cpu" and gathered.is_contiguous() else None
+    if lib is not None:
+        return _decode_c(lib, gathered, step, layout, out, scale, out_dtype, zero_out)
     # binary messages: all at once, in (tensor, rank) order; the rest one by one
     # (a tensor goes to the batch only if every rank's message for it does, so that each
     # tensor's sum is accumulated in rank order by one path)
@@ -79,6 +85,9 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     if out is None:
         out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
                for _, shape in layout]
+    elif zero_out:
+        for t in out:
+            t.zero_()
     if order:
         _add_batch(out, flat, order, batch, scale, dev)
     for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
@@ -90,6 +99,99 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
             t[pos] += msg.signed_value * scale
         else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
             t[pos] += (vals.to(torch.float64) * scale).to(t.dtype)
+    return out
+
+
+def _kernel_message(msg: wire.TensorMessage) -> bool:
+    """Binary messages (positions + one value) of tensors up to 2**32 elements: the C kernels
+    decode them (uint32 positions); the others take the tensor-op path."""
+    return bool(msg.count) and not (msg.all_positions or msg.has_values or msg.has_signs) \
+        and msg.numel <= 1 << 32
+
+
+def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
+              zero_out: bool) -> List[torch.Tensor]:
+    """:func:`decode_gathered` on the CPU with the C kernels (:mod:`horovod_sbc.kernels`): one
+    call decodes every binary message's statistics and positions, the protocol judges, one call
+    adds them to the float32 outputs, each tensor's ranks in rank order. A tensor with another
+    kind of message or output takes the tensor-op path for all its ranks, in rank order."""
+    import numpy as np
+    flat = step.flat()
+    binary = [k for k, (_, _, msg, _) in enumerate(flat) if _kernel_message(msg)]
+    desc = np.zeros((7, len(binary)), np.int64)
+    for j, k in enumerate(binary):
+        msg = flat[k][2]
+        desc[:, j] = (msg.unary[0], msg.unary[1] - msg.unary[0], msg.remainder[0],
+                      msg.remainder[1] - msg.remainder[0], msg.count, msg.rice_b, msg.numel)
+    offset = np.concatenate([[0], np.cumsum(desc[4])]).astype(np.int64)
+    rows = np.zeros((len(binary), 6), np.int64)
+    if binary:
+        rc = lib.sbc_decode_batch(gathered.data_ptr(), gathered.numel(), len(binary),
+                                  *[desc[i].ctypes.data for i in range(7)], rows.ctypes.data)
+        if rc == kernels.NOMEM:
+            raise MemoryError("horovod_sbc: out of memory decoding a step")
+        if rc != kernels.OK:  # the parser guarantees the ranges: a bug, not bad input
+            raise AssertionError(f"horovod_sbc: the decoding kernel rejected its arguments ({rc})")
+    stats: List[Optional[protocol.StreamStats]] = [None] * len(flat)
+    slot = {}
+    for j, k in enumerate(binary):
+        r = rows[j].tolist()
+        stats[k] = protocol.StreamStats(ones=r[0], unary_last_zero=bool(r[1]), max_q=r[2],
+                                        max_r=r[3], rem_pad_nonzero=bool(r[4]), pos_max=r[5])
+        slot[k] = j
+    single = {}
+    for k, (_, _, msg, _) in enumerate(flat):
+        if stats[k] is None:
+            p, vals, st = stream_stats(gathered, msg)
+            stats[k] = st
+            single[k] = (p, vals)
+    protocol.check_streams(step, stats)
+    if out is None:
+        out = [torch.empty(wire.layout_numel(shape), dtype=out_dtype) for _, shape in layout]
+        zero_out = True
+    per_tensor = {}
+    for k, (_, i, msg, _) in enumerate(flat):  # flat is rank-major: rank order per tensor
+        if msg.count:
+            per_tensor.setdefault(i, []).append(k)
+    groups, kmsgs = [0], []
+    for i, t in enumerate(out):
+        ks = per_tensor.get(i, [])
+        if ks and all(k in slot for k in ks) and t.dtype == torch.float32 and \
+                t.is_contiguous() and t.device.type == "cpu":
+            kmsgs += [(t.data_ptr(), t.numel(), k) for k in ks]
+            groups.append(len(kmsgs))
+            continue
+        if zero_out:
+            t.zero_()
+        for k in ks:  # the tensor-op path, rank by rank
+            msg = flat[k][2]
+            value = msg.signed_value * scale  # the Python float product, rounded once
+            if k in slot:
+                j = slot[k]
+                p = torch.empty(msg.count, dtype=torch.int64)
+                lib.sbc_positions(int(offset[j]), msg.count, p.data_ptr())
+                t[p.to(t.device)] += value
+                continue
+            p, vals = single[k]
+            if vals is None:
+                t[p] += value
+            else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
+                t[p] += (vals.to(torch.float64) * scale).to(t.dtype)
+    if kmsgs:
+        g = np.array(groups, np.int64)
+        first = g[:-1]
+        addr = np.array([kmsgs[f][0] for f in first], np.int64)
+        numel = np.array([kmsgs[f][1] for f in first], np.int64)
+        js = [slot[k] for _, _, k in kmsgs]
+        off = offset[js].astype(np.int64)
+        cnt = desc[4, js].astype(np.int64)
+        # the value each position gets: the Python float product rounded once to float32
+        val = np.array([flat[k][2].signed_value * scale for _, _, k in kmsgs], np.float32)
+        rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
+                                        numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
+                                        val.ctypes.data, int(zero_out))
+        if rc != kernels.OK:
+            raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
     return out
 
 

@@ -129,11 +129,11 @@ class StockHook:
         fp = wire.layout_fingerprint(layout)
         res = self.residual(name, tensor)
         upd = tensor.detach().reshape(-1)
-        res.add_(upd)  # A = R + g, in place; error feedback committed in decompress()
         pos = sent = None
-        try:
+        try:  # A = R + g, in place (in the selection's pass); error feedback in decompress()
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, name,
-                                           self.generator(res.device), cfg.selection)
+                                           self.generator(res.device), cfg.selection,
+                                           addend=upd)
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
             restore(res, upd)
@@ -162,8 +162,9 @@ class StockHook:
         out = grad if grad.is_contiguous() else torch.empty_like(grad)
         flat = out.view(-1)
         try:
-            exchange.decode_gathered(gathered, ctx.layout, ctx.size, [flat.zero_()],
-                                     1.0 if ctx.owner.op_sum else 1.0 / ctx.size)
+            exchange.decode_gathered(gathered, ctx.layout, ctx.size, [flat],
+                                     1.0 if ctx.owner.op_sum else 1.0 / ctx.size,
+                                     zero_out=True)
         except wire.PeerError as e:
             if not e.skip:
                 raise ValueError(f"SBC: {e}") from None

@@ -115,10 +115,10 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
             raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
                              f"has {res.numel()}; did the model change shape?")
         upd = u.flat(res.dtype)
-        res.add_(upd)  # A = R + dW, in place (error feedback is committed below)
-        try:
+        try:  # A = R + dW, in place (in the selection's pass); error feedback committed below
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, u.name,
-                                           state.generator(res.device), cfg.selection)
+                                           state.generator(res.device), cfg.selection,
+                                           addend=upd)
         except NonFiniteError as e:
             restore(res, upd)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)

@@ -1,0 +1,174 @@
+"""SBC's CPU kernels (``sbc_kernels.c``), compiled on first use and called through ``ctypes``.
+
+The torch codec does its O(numel) and O(k) work in tensor ops so that it runs unchanged on any
+device. On the CPU, a handful of tensor ops per stage still means several passes over the tensor
+and over the positions, and int64 temporaries for every bit; these kernels do each stage in one
+pass of plain C instead (issue 12: compress and decode within a few ``torch.add`` of the same
+size). They are used for contiguous float32 CPU tensors and CPU step buffers; everything else
+(CUDA tensors, other dtypes, SIGNS/VALUES/ALL messages) takes the tensor-op path, and so does
+everything when the kernels are unavailable or disabled. Both paths produce the same bytes and
+the same verdicts: the golden vectors and the differential test run through each.
+
+What the kernels compute (``sbc_kernels.c`` has the details):
+
+* ``sbc_select`` — the exact selection of :mod:`horovod_sbc.core` (paper: the min(k, #positive)
+  largest positive and the most negative entries; magnitude: the k largest ``|a|``), ties at the
+  k-th value to the lower index, via thresholds from a strided sample, one candidate pass (which
+  also rejects NaN/Inf) and a radix select among the candidates; plus the fixed-order float64
+  tree sums of both sides (:func:`horovod_sbc.core.tree_sum_np`, same additions in the same
+  order, so the means are bit-identical). The positions stay in per-thread scratch (kept
+  between calls, so a step does not page-fault fresh buffers per tensor; ``sbc_release`` frees
+  it) until ``sbc_take`` copies the side that is sent;
+* ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
+  parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
+* ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
+  :func:`horovod_sbc.protocol.check_streams` judges, and the positions (into per-thread
+  scratch; ``sbc_positions`` copies some out). It reads only inside the byte ranges the host
+  parser found (and checks them against the buffer once more);
+* ``sbc_scatter_add_groups`` — ``out[pos] += value`` for every tensor's messages, each element
+  receiving its ranks' values in rank order (float32 adds, the reference's order), walking the
+  output once in cache-sized chunks rather than once per rank.
+
+Build: ``cc -O3 -fPIC -shared -ffp-contract=off`` (never ``-ffast-math``: every float operation
+must be the IEEE one of the reference), into ``$HOROVOD_SBC_KERNELS_DIR`` or
+``~/.cache/horovod_sbc/kernels``, keyed by a hash of the source, the compiler command and the
+platform; concurrent ranks building at once each write a private file and rename it into place.
+``python -m horovod_sbc.kernels`` builds ahead of time (``scripts/install.sh`` does).
+``HOROVOD_SBC_KERNELS=0`` disables them (the tensor-op codec is used); so does
+:func:`disabled` for a block of code (tests).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).with_name("sbc_kernels.c")
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+
+OK, NONFINITE, NOMEM, BADARG = 0, 1, -1, -2
+
+_lib = None
+_tried = False
+_disabled = 0
+
+
+def _compiler() -> list:
+    return shlex.split(os.environ.get("CC", "cc"))
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("HOROVOD_SBC_KERNELS_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "horovod_sbc" / "kernels"
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, compiler and platform lives."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(" ".join(_compiler() + FLAGS).encode())
+    h.update(f"{platform.machine()}-{platform.system()}-{sys.byteorder}".encode())
+    return cache_dir() / f"sbc_kernels-{h.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile ``sbc_kernels.c`` if needed; returns the library's path (raises on failure)."""
+    out = library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".so.tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = _compiler() + FLAGS + ["-o", tmp, str(SOURCE), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+def _bind(lib) -> None:
+    lib.sbc_select.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P]
+    lib.sbc_select.restype = ctypes.c_int
+    lib.sbc_take.argtypes = [ctypes.c_int, _P]
+    lib.sbc_take.restype = ctypes.c_int
+    lib.sbc_release.argtypes = []
+    lib.sbc_release.restype = None
+    lib.sbc_gap_shift_sums.argtypes = [_P, _I64, _P, _I64, _P]
+    lib.sbc_gap_shift_sums.restype = None
+    lib.sbc_add_at.argtypes = [_P, _P, _I64, ctypes.c_float]
+    lib.sbc_add_at.restype = None
+    lib.sbc_rice_encode.argtypes = [_P, _I64, _I64, _P, _I64, _P, _I64]
+    lib.sbc_rice_encode.restype = ctypes.c_int
+    lib.sbc_decode_batch.argtypes = [_P, _I64, _I64] + [_P] * 8
+    lib.sbc_decode_batch.restype = ctypes.c_int
+    lib.sbc_positions.argtypes = [_I64, _I64, _P]
+    lib.sbc_positions.restype = ctypes.c_int
+    lib.sbc_scatter_add_groups.argtypes = [_I64] + [_P] * 6 + [ctypes.c_int]
+    lib.sbc_scatter_add_groups.restype = ctypes.c_int
+
+
+def lib():
+    """The loaded library, or None (disabled, or it could not be built: warned once)."""
+    global _lib, _tried
+    if _disabled or os.environ.get("HOROVOD_SBC_KERNELS", "1") == "0":
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            handle = ctypes.CDLL(str(build()))
+            _bind(handle)
+            _lib = handle
+        except Exception as e:  # no compiler, read-only cache, ...
+            warnings.warn(f"horovod_sbc: C kernels unavailable ({e}); the tensor-op codec is "
+                          "used instead (same bytes, slower on the CPU)")
+    return _lib
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the block, :func:`lib` returns None (the tensor-op paths run)."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+class Int64s:
+    """A small ctypes int64 array (counts, statistics) with a list view."""
+
+    def __init__(self, n: int):
+        self.buf = (ctypes.c_int64 * n)()
+
+    @property
+    def ptr(self):
+        return ctypes.addressof(self.buf)
+
+    def list(self):
+        return list(self.buf)
+
+
+if __name__ == "__main__":
+    print(build())

@@ -1,0 +1,810 @@
+/* SBC's CPU kernels: exact selection, binarization sums, Golomb-Rice encoding and decoding.
+ *
+ * Plain C99 on raw arrays (no Python, torch or numpy headers), loaded with ctypes by
+ * horovod_sbc/kernels/__init__.py, which documents every function. The bytes and numbers these
+ * kernels produce are those of the numpy reference (horovod_sbc/wire.py is the format's
+ * specification, horovod_sbc/core.py the selection's); tests/golden and tests/test_differential.py
+ * pin them. Compiled without -ffast-math and with -ffp-contract=off: every float operation is
+ * the IEEE one the reference performs, in the same order.
+ *
+ * Safety: the decoder reads only inside the byte ranges it is given and writes only into the
+ * caller's arrays, whatever the bytes say; a range that does not fit is reported, not read.
+ */
+#include <math.h>
+#include <stdint.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+typedef uint64_t u64;
+typedef uint32_t u32;
+typedef unsigned __int128 u128;
+
+#ifndef PROF
+#define PROF(i)
+#endif
+#define SBC_OK 0
+#define SBC_NONFINITE 1
+#define SBC_NOMEM -1
+#define SBC_BADARG -2
+
+/* ------------------------------------------------------------------------------------------ */
+/* candidates: growable (position, key) arrays                                                  */
+/* ------------------------------------------------------------------------------------------ */
+/* A selection side ranks non-negative scores: x (positive side, x > 0), -x (negative side,
+ * x < 0) or |x| (magnitude). For non-negative floats the IEEE bit pattern, read as an unsigned
+ * integer, orders exactly like the value, so candidates carry their score as that u32 key and
+ * the exact k-th largest is found by a radix select on the keys. */
+typedef struct {
+    i64 *pos;
+    u32 *key;
+    i64 n, cap;
+} cands;
+
+static int cands_reserve(cands *a, i64 extra) {
+    if (a->n + extra <= a->cap) return 1;
+    i64 cap = a->cap ? a->cap : 4096;
+    while (cap < a->n + extra) cap *= 2;
+    i64 *p = (i64 *)realloc(a->pos, (size_t)cap * sizeof(i64));
+    if (!p) return 0;
+    a->pos = p;
+    u32 *k = (u32 *)realloc(a->key, (size_t)cap * sizeof(u32));
+    if (!k) return 0;
+    a->key = k;
+    a->cap = cap;
+    return 1;
+}
+
+/* Scratch kept per thread between calls: sized by the largest tensor seen, so a training step
+ * does not page-fault fresh buffers for every tensor (that alone cost about one torch.add of
+ * the tensor at density 0.05). sbc_release() frees it. */
+typedef struct {
+    void *p;
+    size_t cap;
+} scratch;
+
+static void *grow(scratch *b, size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    if (b->cap < bytes) {
+        free(b->p);
+        b->p = malloc(bytes);
+        b->cap = b->p ? bytes : 0;
+    }
+    return b->p;
+}
+
+static __thread struct {
+    cands p, q;
+    scratch sample, tmp, vals, tree, out[2], dpos;
+    i64 count[2], dcount;
+} TLS;
+
+void sbc_release(void) {
+    free(TLS.p.pos);
+    free(TLS.p.key);
+    free(TLS.q.pos);
+    free(TLS.q.key);
+    scratch *all[] = {&TLS.sample, &TLS.tmp, &TLS.vals, &TLS.tree, &TLS.out[0], &TLS.out[1],
+                      &TLS.dpos};
+    for (int i = 0; i < 7; i++) free(all[i]->p);
+    memset(&TLS, 0, sizeof(TLS));
+}
+
+static inline u32 fbits(float x) {
+    u32 u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static inline float bitsf(u32 u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* side scores: the value ranked by each selection side */
+enum { SIDE_POS = 0, SIDE_NEG = 1, SIDE_ABS = 2 };
+
+/* ------------------------------------------------------------------------------------------ */
+/* exact k-th largest key (radix select: 11 + 11 + 10 bits)                                     */
+/* ------------------------------------------------------------------------------------------ */
+/* The element of ascending rank t of v[0..n), v reordered (quickselect, three-way partition,
+ * pseudo-random pivots: expected linear time whatever the keys). */
+static u32 nth_key(u32 *v, i64 n, i64 t) {
+    i64 lo = 0, hi = n;
+    u64 seed = 0x9E3779B97F4A7C15ull;
+    while (hi - lo > 1) {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        u32 pv = v[lo + (i64)(seed % (u64)(hi - lo))];
+        i64 lt = lo, i = lo, gt = hi;
+        while (i < gt) {
+            u32 x = v[i];
+            if (x < pv) {
+                v[i++] = v[lt];
+                v[lt++] = x;
+            } else if (x > pv) {
+                v[i] = v[--gt];
+                v[gt] = x;
+            } else {
+                i++;
+            }
+        }
+        if (t < lt)
+            hi = lt;
+        else if (t >= gt)
+            lo = gt;
+        else
+            return pv;
+    }
+    return v[lo];
+}
+
+#define SMALL_SELECT 4096 /* below this a quickselect beats the radix histograms' fixed cost */
+
+/* The k-th largest of keys[0..c) (1 <= k <= c); *ties gets how many keys equal to it are among
+ * the k largest. tmp holds >= c keys. */
+static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties) {
+    if (c <= SMALL_SELECT) {
+        memcpy(tmp, keys, (size_t)c * sizeof(u32));
+        u32 kth = nth_key(tmp, c, c - k);
+        i64 gt = 0;
+        for (i64 i = 0; i < c; i++) gt += keys[i] > kth;
+        *ties = k - gt;
+        return kth;
+    }
+    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
+    i64 hist[2048], h4[4][2048];
+    u32 prefix = 0;
+    i64 need = k;
+    const u32 *src = keys;
+    i64 n = c;
+    for (int lv = 0; lv < 3; lv++) {
+        int sh = shift[lv], nb = 1 << width[lv];
+        u32 bm = (u32)(nb - 1);
+        /* four interleaved histograms: keys near the threshold share a few buckets, and one
+         * counter incremented back to back would serialise on its store */
+        memset(h4, 0, sizeof(h4));
+        i64 i = 0;
+        for (; i + 4 <= n; i += 4) {
+            h4[0][(src[i] >> sh) & bm]++;
+            h4[1][(src[i + 1] >> sh) & bm]++;
+            h4[2][(src[i + 2] >> sh) & bm]++;
+            h4[3][(src[i + 3] >> sh) & bm]++;
+        }
+        for (; i < n; i++) h4[0][(src[i] >> sh) & bm]++;
+        for (int j = 0; j < nb; j++) hist[j] = h4[0][j] + h4[1][j] + h4[2][j] + h4[3][j];
+        int bucket = nb - 1;
+        for (; bucket > 0; bucket--) {
+            if (need <= hist[bucket]) break;
+            need -= hist[bucket];
+        }
+        prefix |= (u32)bucket << sh;
+        if (lv < 2) { /* keep only the keys of that bucket for the next level */
+            i64 m = 0;
+            for (i64 i = 0; i < n; i++) {
+                tmp[m] = src[i];
+                m += ((src[i] >> sh) & bm) == (u32)bucket;
+            }
+            src = tmp;
+            n = m;
+        }
+    }
+    *ties = need;
+    return prefix;
+}
+
+/* Keep the k largest keys among the candidates (ascending positions), ties at the k-th value
+ * to the lower position: kept positions (ascending) to out, their scores (as floats) to vals
+ * (may be NULL); returns how many. tmp holds >= c keys. */
+static i64 keep_topk(const cands *cd, i64 k, u32 *tmp, i64 *out, float *vals) {
+    i64 c = cd->n;
+    if (c <= k) {
+        memcpy(out, cd->pos, (size_t)c * sizeof(i64));
+        if (vals)
+            for (i64 i = 0; i < c; i++) vals[i] = bitsf(cd->key[i]);
+        return c;
+    }
+    i64 ties;
+    u32 kth = kth_largest_key(cd->key, c, k, tmp, &ties);
+    /* exactly k are kept: stop there (outputs hold k); branch-free, as keeping is a coin flip */
+    i64 m = 0;
+    const u32 *key = cd->key;
+    const i64 *pos = cd->pos;
+    if (vals) {
+        for (i64 i = 0; i < c && m < k; i++) {
+            u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
+            ties -= eq & keep;
+            out[m] = pos[i];
+            vals[m] = bitsf(key[i]);
+            m += keep;
+        }
+    } else {
+        for (i64 i = 0; i < c && m < k; i++) {
+            u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
+            ties -= eq & keep;
+            out[m] = pos[i];
+            m += keep;
+        }
+    }
+    return m;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* selection                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+#define EXACT_BELOW (1 << 14)
+#define SAMPLE_MAX (1 << 16)
+#define TRUE_MIN 1.401298464324817e-45f /* x >= TRUE_MIN <=> x > 0 for finite x */
+
+static inline u32 side_key(float x, int side) {
+    u32 u = fbits(x);
+    return side == SIDE_POS ? u : side == SIDE_NEG ? u ^ 0x80000000u : u & 0x7FFFFFFFu;
+}
+
+/* Thresholds from the strided sample: per side the ks-th largest eligible score, or the "every
+ * eligible element" threshold (TRUE_MIN for the signed sides, 0 for magnitudes) when the
+ * sample has fewer. buf holds 2 m keys. */
+static void sample_thresholds(const float *a, const float *g, i64 n, i64 stride, i64 ks,
+                              int two, u32 *buf, u32 *tmp, float *t) {
+    i64 m = (n + stride - 1) / stride, np = 0, nn = 0;
+    u32 *pk = buf, *nk = buf + m;
+    for (i64 i = 0; i < n; i += stride) {
+        float x = g ? a[i] + g[i] : a[i];
+        if (two) {
+            if (x > 0.0f) pk[np++] = fbits(x);
+            if (x < 0.0f) nk[nn++] = fbits(x) ^ 0x80000000u;
+        } else {
+            pk[np++] = fbits(x) & 0x7FFFFFFFu;
+        }
+    }
+    i64 ties;
+    float all = two ? TRUE_MIN : 0.0f;
+    t[0] = np >= ks && ks > 0 ? bitsf(kth_largest_key(pk, np, ks, tmp, &ties)) : all;
+    if (t[0] < all) t[0] = all;
+    if (two) {
+        t[1] = nn >= ks && ks > 0 ? bitsf(kth_largest_key(nk, nn, ks, tmp, &ties)) : all;
+        if (t[1] < all) t[1] = all;
+    }
+}
+
+/* Push the elements of block [s, s + 64) whose bits are set in mask (bit j: element s + j). */
+static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c) {
+    i64 n = c->n;
+    while (mask) {
+        int j = __builtin_ctzll(mask);
+        mask &= mask - 1;
+        c->pos[n] = s + j;
+        c->key[n] = fbits(a[s + j]) ^ flip;
+        n++;
+    }
+    c->n = n;
+}
+
+/* One pass: candidates of the positive (x >= tp) and negative (x <= -tn) sides, or of the
+ * magnitude side (|x| >= tp) when two == 0, by blocks of BLOCK elements (with g, each block
+ * first becomes a += g: the residual-corrected update, computed in the same pass): per-side bit masks
+ * (SSE2 compares + movemask where available) whose set bits are pushed, and the NaN/Inf check.
+ * With prefilter (low densities: most blocks hold no candidate) a block is first tested with
+ * one cheap compare (|x| below both thresholds; NaN and Inf fail it too) and skipped whole.
+ * Returns 1 if a non-finite value was seen. */
+#define BLOCK 64
+static void add_into(float *a, const float *g, i64 s, i64 e) {
+    for (i64 i = s; i < e; i++) a[i] = a[i] + g[i];
+}
+
+static int scan(float *a, const float *g, i64 n, float tp, float tn, int two, int prefilter,
+                cands *p, cands *q, int *oom) {
+    float tmin = two && tn < tp ? tn : tp, ntn = -tn;
+    i64 full = n - n % BLOCK;
+    u32 bad = 0;
+#if defined(__SSE2__)
+    const __m128 vt = _mm_set1_ps(tmin), vtp = _mm_set1_ps(tp), vntn = _mm_set1_ps(ntn);
+    const __m128 vmax = _mm_set1_ps(3.4028234663852886e38f);
+    const __m128 vabs = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
+#endif
+    for (i64 s = 0; s < n; s += BLOCK) {
+        i64 e = s < full ? s + BLOCK : n;
+        u64 pm = 0, nm = 0;
+        u32 badb = 0;
+        if (g) add_into(a, g, s, e); /* A = R + dW, block by block (then hot in L1) */
+#if defined(__SSE2__)
+        if (e - s == BLOCK) {
+            if (prefilter) {
+                __m128 acc = _mm_setzero_ps();
+                for (int j = 0; j < BLOCK; j += 4)
+                    acc = _mm_or_ps(acc, _mm_cmpnlt_ps(_mm_and_ps(_mm_loadu_ps(a + s + j), vabs),
+                                                       vt));
+                if (!_mm_movemask_ps(acc)) continue;
+            }
+            for (int j = 0; j < BLOCK; j += 4) {
+                __m128 x = _mm_loadu_ps(a + s + j);
+                __m128 ax = _mm_and_ps(x, vabs);
+                badb |= (u32)_mm_movemask_ps(_mm_cmpnle_ps(ax, vmax));
+                if (two) {
+                    pm |= (u64)_mm_movemask_ps(_mm_cmpge_ps(x, vtp)) << j;
+                    nm |= (u64)_mm_movemask_ps(_mm_cmple_ps(x, vntn)) << j;
+                } else {
+                    pm |= (u64)_mm_movemask_ps(_mm_cmpge_ps(ax, vtp)) << j;
+                }
+            }
+        } else
+#endif
+        {
+            if (prefilter) {
+                u32 any = 0;
+                for (i64 i = s; i < e; i++) any |= !(fabsf(a[i]) < tmin);
+                if (!any) continue;
+            }
+            for (i64 i = s; i < e; i++) {
+                float x = a[i];
+                badb |= !(fabsf(x) <= 3.4028234663852886e38f);
+                if (two) {
+                    pm |= (u64)(x >= tp) << (i - s);
+                    nm |= (u64)(x <= ntn) << (i - s);
+                } else {
+                    pm |= (u64)(fabsf(x) >= tp) << (i - s);
+                }
+            }
+        }
+        bad |= badb;
+        if (!(pm | nm)) continue;
+        if (!cands_reserve(p, BLOCK) || (two && !cands_reserve(q, BLOCK))) {
+            *oom = 1;
+            if (g) add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
+            return 0;
+        }
+        if (two) {
+            push_mask(a, s, pm, 0u, p);
+            push_mask(a, s, nm, 0x80000000u, q);
+        } else { /* magnitude keys: the sign bit cleared */
+            i64 c = p->n;
+            push_mask(a, s, pm, 0u, p);
+            for (i64 i = c; i < p->n; i++) p->key[i] &= 0x7FFFFFFFu;
+        }
+    }
+    return bad != 0;
+}
+
+/* Fixed-order float64 tree sum of v[0..c) (horovod_sbc.core.tree_sum_np: zero padding to a
+ * power of two, then x[:h] + x[h:] until one value is left); x holds >= c doubles. The values
+ * are > 0 here (never -0.0), so adding a padding zero leaves them unchanged: only the real
+ * values are stored and only sums with a real right operand are formed. */
+static double tree_sum(const float *v, i64 c, double *x) {
+    if (c == 0) return 0.0;
+    i64 size = 1;
+    while (size < c) size <<= 1;
+    for (i64 i = 0; i < c; i++) x[i] = (double)v[i];
+    i64 len = c; /* x[len..size) are (virtual) zeros */
+    while (size > 1) {
+        i64 h = size / 2;
+        for (i64 i = 0; i + h < len; i++) x[i] = x[i] + x[i + h];
+        len = len < h ? len : h;
+        size = h;
+    }
+    return x[0];
+}
+
+/* With g (may be NULL), first a += g over the whole tensor, in the selection's pass: the
+ * residual-corrected update A = R + dW (a is then A whatever the return code, except
+ * SBC_BADARG). mode: 0 paper (side 0 = P, the min(k, #positive) largest positive entries; side 1 = N, the
+ * most negative ones), 1 magnitude split (the k largest |a|: side 0 their positive entries,
+ * side 1 the negative ones), 2 magnitude (side 0 = the k largest |a|, zeros included). Ties at
+ * the k-th score go to the lower position. counts[2]: the sides' sizes; sums[2] (modes 0, 1):
+ * tree sums of a[P] and of -a[N]. The positions (ascending) stay in this thread's scratch until
+ * the next call: sbc_take copies a side out. Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or
+ * SBC_BADARG. */
+int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums) {
+    counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
+    sums[0] = sums[1] = 0.0;
+    if (n < 0 || k < 0 || k > n || mode < 0 || mode > 2) return SBC_BADARG;
+    if (n == 0 || k == 0) {
+        if (g) add_into(a, g, 0, n);
+        for (i64 i = 0; i < n; i++)
+            if (!isfinite(a[i])) return SBC_NONFINITE;
+        return SBC_OK;
+    }
+    int two = mode == 0;
+    i64 m_target = 16 * (n / k);
+    if (m_target < 16384) m_target = 16384;
+    if (m_target > SAMPLE_MAX) m_target = SAMPLE_MAX;
+    if (m_target > n / 16) m_target = n / 16; /* at most one sample per cache line */
+    double frac = (two ? 2.6 : 1.3) * (double)k / (double)n;
+    int exact = n <= EXACT_BELOW || frac > 0.3 || m_target < 1;
+    i64 stride = exact ? 1 : n / m_target;
+    if (stride < 1) stride = 1;
+    i64 m = (n + stride - 1) / stride;
+    double expect = (double)k * (double)m / (double)n;
+    /* the sample's count above the true k-th value is about Poisson(expect): ks this far
+     * above it makes a rescan (too few candidates) a one in ~10^4 event, while the candidates
+     * stay close to k (every candidate costs a store, a radix pass and a filter read) */
+    i64 ks = (i64)ceil(1.02 * expect + 4.0 * sqrt(expect) + 4.0);
+    if (ks > m) ks = m;
+    cands *p = &TLS.p, *q = &TLS.q;
+    int oom = 0;
+    float all = two ? TRUE_MIN : 0.0f, t[2] = {all, all};
+    u32 *sbuf = exact ? NULL : (u32 *)grow(&TLS.sample, (size_t)(3 * m) * sizeof(u32));
+    if (!exact && !sbuf) return SBC_NOMEM;
+    for (;;) {
+        PROF(0);
+        if (!exact) sample_thresholds(a, g, n, stride, ks, two, sbuf, sbuf + 2 * m, t);
+        else t[0] = t[1] = all;
+        PROF(1);
+        p->n = q->n = 0;
+        /* expected candidates per block below ~1/2: most blocks are skipped whole */
+        int prefilter = exact ? 0 : frac * BLOCK < 0.5;
+        int bad = scan(a, g, n, t[0], t[1], two, prefilter, p, q, &oom);
+        g = NULL; /* added: a rescan reads A */
+        if (bad) return SBC_NONFINITE;
+        if (oom) return SBC_NOMEM;
+        /* enough candidates on each side, or every eligible element is a candidate already */
+        int ok = (p->n >= k || t[0] <= all) && (!two || q->n >= k || t[1] <= all);
+        if (ok) break;
+        if (ks >= m) {
+            exact = 1;
+            continue;
+        }
+        ks = 2 * ks < m ? 2 * ks : m;
+    }
+    i64 cmax = p->n > q->n ? p->n : q->n;
+    u32 *tmp = (u32 *)grow(&TLS.tmp, (size_t)cmax * sizeof(u32));
+    float *vals = (float *)grow(&TLS.vals, (size_t)k * sizeof(float));
+    double *x = (double *)grow(&TLS.tree, (size_t)k * sizeof(double));
+    i64 *out0 = (i64 *)grow(&TLS.out[0], (size_t)k * sizeof(i64));
+    i64 *out1 = (i64 *)grow(&TLS.out[1], (size_t)k * sizeof(i64));
+    if (!tmp || !vals || !x || !out0 || !out1) return SBC_NOMEM;
+    if (mode == 0) {
+        PROF(2);
+        counts[0] = keep_topk(p, k, tmp, out0, vals);
+        PROF(3);
+        sums[0] = tree_sum(vals, counts[0], x);
+        PROF(4);
+        counts[1] = keep_topk(q, k, tmp, out1, vals);
+        PROF(5);
+        sums[1] = tree_sum(vals, counts[1], x);
+        PROF(6);
+    } else {
+        i64 c = keep_topk(p, k, tmp, out0, NULL);
+        if (mode == 2) {
+            counts[0] = c;
+        } else { /* split by sign: positives in place, their values and the negatives' */
+            i64 np = 0, nn = 0;
+            for (i64 i = 0; i < c; i++) {
+                i64 j = out0[i];
+                if (a[j] > 0.0f)
+                    out0[np++] = j;
+                else if (a[j] < 0.0f)
+                    out1[nn++] = j;
+            }
+            counts[0] = np;
+            counts[1] = nn;
+            for (i64 i = 0; i < np; i++) vals[i] = a[out0[i]];
+            sums[0] = tree_sum(vals, np, x);
+            for (i64 i = 0; i < nn; i++) vals[i] = -a[out1[i]];
+            sums[1] = tree_sum(vals, nn, x);
+        }
+    }
+    TLS.count[0] = counts[0];
+    TLS.count[1] = counts[1];
+    return SBC_OK;
+}
+
+/* Copy side (0 or 1) of this thread's last sbc_select into dst (counts[side] positions). */
+int sbc_take(int side, i64 *dst) {
+    if (side < 0 || side > 1) return SBC_BADARG;
+    if (TLS.count[side]) memcpy(dst, TLS.out[side].p, (size_t)TLS.count[side] * sizeof(i64));
+    return SBC_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Golomb-Rice encoding                                                                          */
+/* ------------------------------------------------------------------------------------------ */
+/* out[j] = sum over i of (gap_i >> bs[j]) for the gaps of ascending pos (gap_0 = pos_0). */
+void sbc_gap_shift_sums(const i64 *pos, i64 c, const i64 *bs, i64 nb, i64 *out) {
+    for (i64 j = 0; j < nb; j++) { /* one vectorisable pass per b */
+        int b = (int)bs[j];
+        u64 sum = c ? (u64)pos[0] >> b : 0;
+        for (i64 i = 1; i < c; i++) sum += (u64)(pos[i] - pos[i - 1] - 1) >> b;
+        out[j] = (i64)sum;
+    }
+}
+
+/* a[pos[i]] += v for the count (distinct) positions: the error feedback's commit (v = -mu). */
+void sbc_add_at(float *a, const i64 *pos, i64 count, float v) {
+    for (i64 i = 0; i < count; i++) a[pos[i]] += v;
+}
+
+/* Unary and remainder streams of ascending pos with Rice parameter b (0..62), written into
+ * unary[0..ubytes) and rem[0..rbytes) (zeroed here). Returns SBC_BADARG if the sizes are not
+ * the stream sizes (then the outputs are incomplete). */
+int sbc_rice_encode(const i64 *pos, i64 c, i64 b, uint8_t *unary, i64 ubytes, uint8_t *rem,
+                    i64 rbytes) {
+    if (b < 0 || b > 62 || c < 0) return SBC_BADARG;
+    if (rbytes != (i64)(((u128)c * (u64)b + 7) / 8)) return SBC_BADARG;
+    if (ubytes < 0) return SBC_BADARG;
+    if (ubytes) memset(unary, 0, (size_t)ubytes);
+    if (rbytes) memset(rem, 0, (size_t)rbytes);
+    u64 bit = 0, mask = b ? (~0ull >> (64 - b)) : 0;
+    i64 prev = -1;
+    u64 acc = 0;
+    int nacc = 0;
+    i64 out = 0;
+    for (i64 i = 0; i < c; i++) {
+        u64 g = (u64)(pos[i] - prev - 1);
+        prev = pos[i];
+        bit += g >> b;
+        if ((i64)(bit >> 3) >= ubytes) return SBC_BADARG;
+        unary[bit >> 3] |= (uint8_t)(0x80u >> (bit & 7));
+        bit++;
+        if (!b) continue;
+        u64 r = g & mask;
+        if (b > 56) { /* two pushes keep the accumulator within 64 bits */
+            acc = (acc << (b - 32)) | (r >> 32);
+            nacc += (int)b - 32;
+            while (nacc >= 8) {
+                nacc -= 8;
+                rem[out++] = (uint8_t)(acc >> nacc);
+            }
+            acc = (acc << 32) | (r & 0xFFFFFFFFull);
+            nacc += 32;
+        } else {
+            acc = (acc << b) | r;
+            nacc += (int)b;
+        }
+        while (nacc >= 8) {
+            nacc -= 8;
+            rem[out++] = (uint8_t)(acc >> nacc);
+        }
+    }
+    if (nacc) rem[out++] = (uint8_t)(acc << (8 - nacc));
+    if ((i64)((bit + 7) >> 3) != ubytes || out != rbytes) return SBC_BADARG;
+    return SBC_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Golomb-Rice decoding                                                                          */
+/* ------------------------------------------------------------------------------------------ */
+static inline u64 load_be64(const uint8_t *p, i64 len, i64 at) {
+    u64 w = 0;
+    if (at + 8 <= len) {
+        memcpy(&w, p + at, 8);
+        return __builtin_bswap64(w);
+    }
+    for (int i = 0; i < 8; i++) w = (w << 8) | (at + i < len ? p[at + i] : 0u);
+    return w;
+}
+
+/* b bits (1..62) MSB first at bit offset off of p[0..len) (bits past the end read as 0) */
+static inline u64 read_bits(const uint8_t *p, i64 len, u64 off, i64 b) {
+    if (b <= 56) return (load_be64(p, len, (i64)(off >> 3)) << (off & 7)) >> (64 - b);
+    u64 hi = (load_be64(p, len, (i64)(off >> 3)) << (off & 7)) >> (64 - (b - 32));
+    u64 o2 = off + (u64)(b - 32);
+    u64 lo = (load_be64(p, len, (i64)(o2 >> 3)) << (o2 & 7)) >> 32;
+    return (hi << 32) | lo;
+}
+
+/* ONE_AT[v][t]: bit offset (MSB = 0) of the t-th set bit of byte value v (8 entries each, the
+ * unused ones 0); ONES[v]: its popcount. Filled once when the library loads. */
+static uint8_t ONE_AT[256][8], ONES[256];
+
+__attribute__((constructor)) static void init_tables(void) {
+    for (int v = 0; v < 256; v++) {
+        int c = 0;
+        for (int bit = 0; bit < 8; bit++)
+            if (v & (0x80 >> bit)) ONE_AT[v][c++] = (uint8_t)bit;
+        ONES[v] = (uint8_t)c;
+    }
+}
+
+/* decode_one for the common case: exactly count one bits, b <= 32, a unary stream under 2^28
+ * bytes (bit offsets fit 32 bits, no sum below can wrap). Chunk by chunk, two branch-free
+ * passes: the bit offsets of the one bits, byte by byte from a table (eight stores per byte,
+ * the cursor advancing by the byte's popcount), then quotients as offset differences,
+ * remainders read at fixed offsets and positions as a running sum. Positions past
+ * numel are computed anyway (the protocol rejects such a message from st; nothing is added). */
+static void decode_fast(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i64 count,
+                        i64 b, i64 numel, u32 *pos, i64 *st) {
+    enum { LOCAL = 2048 };
+    u32 loc[LOCAL + 8]; /* one chunk of one-bit offsets, kept in L1 between the two passes */
+    u64 p = (u64)-1, max_r = 0;
+    u32 max_q = 0, prev = (u32)-1;
+    i64 safe = 0;
+    if (b) {
+        safe = rlen >= 8 ? ((rlen - 8) * 8) / b : 0; /* fields whose 8-byte load fits */
+        if (safe > count) safe = count;
+    }
+    i64 i = 0, j = 0;
+    while (j < ulen) {
+        i64 m = 0;
+        for (; j < ulen && m <= LOCAL - 8; j++) {
+            const uint8_t *t = ONE_AT[u[j]];
+            u32 base = (u32)(j * 8);
+            for (int k = 0; k < 8; k++) loc[m + k] = base + t[k];
+            m += ONES[u[j]];
+        }
+        for (i64 c = 0; c < m; c++, i++) {
+            u32 bit = loc[c], qv = bit - prev - 1;
+            prev = bit;
+            max_q = qv > max_q ? qv : max_q;
+            u64 rv = 0;
+            if (b) {
+                u64 off = (u64)i * (u64)b, w;
+                if (i < safe) {
+                    memcpy(&w, r + (off >> 3), 8);
+                    w = __builtin_bswap64(w);
+                } else {
+                    w = load_be64(r, rlen, (i64)(off >> 3));
+                }
+                rv = (w << (off & 7)) >> (64 - b);
+                max_r = rv > max_r ? rv : max_r;
+            }
+            p += ((u64)qv << b) + rv + 1;
+            pos[i] = (u32)p;
+        }
+    }
+    st[2] = (i64)max_q;
+    st[3] = (i64)max_r;
+    st[5] = ((u128)max_q << b) + max_r < (u128)numel ? (i64)p : -1;
+}
+
+/* Stream statistics of one binary message (horovod_sbc.protocol.StreamStats fields ones,
+ * unary_last_zero, max_q, max_r, rem_pad_nonzero, pos_max into st[0..6)) and, when the
+ * message is valid (count one bits, no gap reaching numel), its positions into pos[0..count)
+ * (numel <= 2^32: they fit 32 bits). pos_max is -1 when positions were not decoded; when a
+ * position reaches numel it is that position (>= numel; storing stops there). */
+static int decode_one(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i64 count, i64 b,
+                      i64 numel, u32 *pos, i64 *st) {
+    if (ulen < 0 || rlen < 0 || count < 0 || b < 0 || b > 62 || numel < 0 ||
+        numel > ((i64)1 << 32))
+        return SBC_BADARG;
+    u128 used = (u128)count * (u64)b;
+    if ((u128)rlen != (used + 7) / 8) return SBC_BADARG; /* header parsing guarantees it */
+    i64 ones = 0;
+    i64 j = 0;
+    for (; j + 8 <= ulen; j += 8) {
+        u64 w;
+        memcpy(&w, u + j, 8);
+        ones += __builtin_popcountll(w);
+    }
+    for (; j < ulen; j++) ones += __builtin_popcount(u[j]);
+    st[0] = ones;
+    st[1] = ulen > 0 && u[ulen - 1] == 0;
+    i64 pad = (i64)((u128)rlen * 8 - used);
+    st[4] = pad > 0 && (r[rlen - 1] & ((1u << pad) - 1u)) != 0;
+    st[5] = -1;
+    if (ones == count && pos != NULL && b <= 32 && ulen < ((i64)1 << 28)) {
+        decode_fast(u, ulen, r, rlen, count, b, numel, pos, st);
+        return SBC_OK;
+    }
+    i64 n = ones < count ? ones : count;
+    u64 max_q = 0, max_r = 0, mask = b ? (~0ull >> (64 - b)) : 0;
+    u64 qlim = (u64)numel >> b; /* q > qlim: the gap reaches numel (and q << b may overflow) */
+    int want_pos = ones == count && pos != NULL;
+    int pos_ok = want_pos;
+    u64 p = (u64)-1; /* position accumulator: -1 + sum(gap + 1) */
+    u64 prev_bit = (u64)-1;
+    i64 i = 0;
+    u64 roff = 0;
+    for (i64 wi = 0; i < n && wi < ulen; wi += 8) {
+        u64 w = load_be64(u, ulen, wi);
+        while (w && i < n) {
+            int lz = __builtin_clzll(w);
+            u64 bit = (u64)wi * 8 + (u64)lz;
+            w &= ~(0x8000000000000000ull >> lz);
+            u64 qv = bit - prev_bit - 1;
+            prev_bit = bit;
+            u64 rv = 0;
+            if (b) {
+                rv = b <= 56 ? (load_be64(r, rlen, (i64)(roff >> 3)) << (roff & 7)) >> (64 - b)
+                             : read_bits(r, rlen, roff, b);
+                rv &= mask;
+                roff += (u64)b;
+            }
+            max_q = qv > max_q ? qv : max_q;
+            max_r = rv > max_r ? rv : max_r;
+            if (pos_ok) {
+                if (qv > qlim) {
+                    pos_ok = 0;
+                } else {
+                    u64 gap = (qv << b) + rv; /* < 2^63: qv <= numel >> b, numel <= 2^32 */
+                    p += gap + 1;
+                    if (gap >= (u64)numel || p >= (u64)numel)
+                        pos_ok = 0;
+                    else
+                        pos[i] = (u32)p;
+                }
+            }
+            i++;
+        }
+    }
+    st[2] = (i64)max_q;
+    st[3] = (i64)max_r;
+    if (want_pos && ((u128)max_q << b) + max_r < (u128)numel) st[5] = count ? (i64)p : -1;
+    return SBC_OK;
+}
+
+/* Batched decoding of m binary messages of one gathered buffer buf[0..buflen): message j has
+ * unary bytes [ustart[j], ustart[j] + ulen[j]), remainder bytes [rstart[j], ...+rlen[j]),
+ * count[j] positions with Rice parameter rb[j] in a tensor of numel[j] <= 2^32 elements; its
+ * statistics go to stats[6 j .. 6 j + 6) and its positions (uint32: at most 32 bytes of
+ * scratch per message byte, as a position takes at least one bit) to this thread's scratch
+ * at offset sum(count[0..j)) (kept until the next call: sbc_scatter_add_groups adds them,
+ * sbc_positions copies them out). Returns SBC_BADARG (nothing trusted) if any range lies
+ * outside the buffer, SBC_NOMEM if the scratch cannot grow. */
+int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
+                     const i64 *rstart, const i64 *rlen, const i64 *count, const i64 *rb,
+                     const i64 *numel, i64 *stats) {
+    u128 total = 0;
+    for (i64 j = 0; j < m; j++) {
+        if (ustart[j] < 0 || ulen[j] < 0 || ustart[j] > buflen - ulen[j] || rstart[j] < 0 ||
+            rlen[j] < 0 || rstart[j] > buflen - rlen[j] || count[j] < 0 ||
+            count[j] > 8 * ulen[j]) /* a position needs a unary bit */
+            return SBC_BADARG;
+        total += (u64)count[j];
+    }
+    if (total > ((u64)1 << 40)) return SBC_BADARG;
+    u32 *pos = (u32 *)grow(&TLS.dpos, (size_t)total * sizeof(u32));
+    if (!pos) return SBC_NOMEM;
+    TLS.dcount = (i64)total;
+    i64 off = 0;
+    for (i64 j = 0; j < m; j++) {
+        int rc = decode_one(buf + ustart[j], ulen[j], buf + rstart[j], rlen[j], count[j], rb[j],
+                            numel[j], pos + off, stats + 6 * j);
+        if (rc != SBC_OK) return rc;
+        off += count[j];
+    }
+    return SBC_OK;
+}
+
+/* Copy count decoded positions from offset off of the position scratch into dst. */
+int sbc_positions(i64 off, i64 count, i64 *dst) {
+    if (off < 0 || count < 0 || off > TLS.dcount - count) return SBC_BADARG;
+    const u32 *src = (const u32 *)TLS.dpos.p + off;
+    for (i64 i = 0; i < count; i++) dst[i] = src[i];
+    return SBC_OK;
+}
+
+#define CHUNK 16384 /* output elements (64 KiB of float32) kept hot while every rank adds */
+
+/* Add the decoded messages to their float32 outputs: group g is the messages
+ * [gstart[g], gstart[g + 1]) of one output tensor (address outs[g], numel[g] elements), in
+ * rank order; message j's count[j] positions sit at pos_off[j] in the position scratch and all
+ * get value[j]. Each element receives its ranks' values in rank order (float32 adds, the
+ * reference's order), but the output is walked once, chunk by chunk (zeroed first when zero
+ * is set: the output then holds just the sum), every rank adding its positions of the chunk in
+ * turn: at high density the ranks' positions cover most cache lines,
+ * and adding rank after rank would stream the whole output once per rank. Positions were
+ * validated (< numel) by the protocol before this is called; they are checked again. */
+int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
+                           const i64 *pos_off, const i64 *count, const float *value, int zero) {
+    const u32 *pos = (const u32 *)TLS.dpos.p;
+    i64 stack_cur[64];
+    for (i64 g = 0; g < ng; g++) {
+        i64 a = gstart[g], nm = gstart[g + 1] - a, n = numel[g];
+        float *o = (float *)(intptr_t)outs[g];
+        for (i64 j = a; j < a + nm; j++)
+            if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > TLS.dcount - count[j] ||
+                (count[j] && pos[pos_off[j] + count[j] - 1] >= n))
+                return SBC_BADARG; /* ascending: first and last bound them all */
+        i64 *cur = nm <= 64 ? stack_cur : (i64 *)calloc((size_t)nm, sizeof(i64));
+        if (!cur) return SBC_NOMEM;
+        for (i64 j = 0; j < nm; j++) cur[j] = 0;
+        for (i64 lo = 0; lo < n; lo += CHUNK) {
+            i64 hi = lo + CHUNK;
+            if (zero) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
+            for (i64 j = 0; j < nm; j++) {
+                const u32 *pj = pos + pos_off[a + j];
+                i64 c = cur[j], cnt = count[a + j];
+                float v = value[a + j];
+                while (c < cnt && pj[c] < hi) o[pj[c++]] += v;
+                cur[j] = c;
+            }
+        }
+        if (cur != stack_cur) free(cur);
+    }
+    return SBC_OK;
+}

@@ -1,0 +1,221 @@
+"""The C kernels of the torch CPU codec (horovod_sbc.kernels) against the tensor-op path and the
+numpy reference: the same bytes, positions, sums and verdicts; bounded memory; a working
+fallback when they cannot be built."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_sbc import core, kernels, wire
+from horovod_sbc.torch import codec, exchange
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler here")
+
+
+def _inputs():
+    """Updates that stress the selection: sizes around the exact/sampled switch, heavy ties,
+    one-signed, sparse, subnormal and heavy-tailed values."""
+    rng = np.random.default_rng(11)
+    for n in (1, 3, 100, 16384, 16385, 50_000, 400_000):
+        yield n, "normal", rng.standard_normal(n).astype(np.float32)
+        yield n, "ties", rng.integers(-3, 4, n).astype(np.float32)
+        yield n, "positive", np.abs(rng.standard_normal(n)).astype(np.float32)
+        x = np.zeros(n, np.float32)
+        x[rng.integers(0, n, 5)] = -2.0
+        yield n, "sparse", x
+        yield n, "subnormal", (rng.standard_normal(n) * 1e-40).astype(np.float32)
+        yield n, "cauchy", rng.standard_cauchy(n).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode,selection", [("sbc", "paper"), ("sbc", "magnitude"),
+                                            ("values", "paper")])
+def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
+    for n, kind, a in _inputs():
+        for density in (1e-4, 1e-3, 1e-2, 5e-2, 0.3, 1.0):
+            got = codec.encode_update(torch.from_numpy(a.copy()), density, mode,
+                                      selection=selection)
+            with kernels.disabled():
+                want = codec.encode_update(torch.from_numpy(a.copy()), density, mode,
+                                           selection=selection)
+            what = f"{mode}/{selection} n={n} {kind} p={density}"
+            assert torch.equal(got[0], want[0]), what
+            assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), what
+            if mode == "sbc":
+                ref = a.copy()
+                msg, _ = core.compress_np(ref, None, density, selection=selection)
+                assert got[0].numpy().tobytes() == msg, what
+
+
+def test_fused_addend_is_r_plus_dw_even_when_rejected():
+    rng = np.random.default_rng(2)
+    r = rng.standard_normal(100_000).astype(np.float32)
+    g = rng.standard_normal(100_000).astype(np.float32)
+    a = torch.from_numpy(r.copy())
+    msg, pos, sent = codec.encode_update(a, 0.01, "sbc", "w", addend=torch.from_numpy(g))
+    assert np.array_equal(a.numpy(), r + g)
+    want = codec.encode_update(torch.from_numpy(r + g), 0.01, "sbc", "w")
+    assert torch.equal(msg, want[0]) and torch.equal(pos, want[1])
+    g[77_000] = np.nan
+    a = torch.from_numpy(r.copy())
+    with pytest.raises(codec.NonFiniteError, match="'w' contains NaN or Inf"):
+        codec.encode_update(a, 0.01, "sbc", "w", addend=torch.from_numpy(g))
+    assert np.array_equal(a.numpy(), r + g, equal_nan=True)  # the caller restores R from it
+
+
+def test_commit_subtracts_exactly_what_was_sent():
+    rng = np.random.default_rng(4)
+    a0 = rng.standard_normal(200_000).astype(np.float32)
+    a = torch.from_numpy(a0.copy())
+    msg, pos, sent = codec.encode_update(a, 0.05, "sbc")
+    codec.subtract_sent_(a, pos, sent)
+    want = torch.from_numpy(a0.copy())
+    want.index_add_(0, pos, sent.contiguous(), alpha=-1)
+    assert torch.equal(a, want)
+
+
+def _big_step(seed, n_ranks, layout, density):
+    """Every rank's step message for ``layout``: overlapping positions across ranks."""
+    fp = wire.layout_fingerprint(layout)
+    steps = []
+    for r in range(n_ranks):
+        g = torch.Generator().manual_seed(seed + r)
+        msgs = [codec.compress_(torch.randn(int(np.prod(s)), generator=g), density, "sbc", n)[0]
+                for n, s in layout]
+        steps.append(exchange.frame(msgs, fp, torch.device("cpu")))
+    return torch.cat(steps)
+
+
+def test_large_multirank_decode_matches_numpy_across_chunks():
+    """Tensors far larger than the scatter's chunk, 5 ranks, densities where ranks' positions
+    collide: the kernels add each element's ranks in rank order, as the reference does."""
+    layout = [("a", (300_000,)), ("b", (7,)), ("c", (90_001,))]
+    for density in (0.01, 0.2):
+        buf = _big_step(10, 5, layout, density)
+        got = exchange.decode_gathered(buf, layout, 5, None, 1 / 5)
+        with kernels.disabled():
+            ops = exchange.decode_gathered(buf, layout, 5, None, 1 / 5)
+        per = wire.decode_step_np(buf.numpy().tobytes(), layout, 5)
+        ref = [np.zeros(int(np.prod(s)), np.float32) for _, s in layout]
+        wire.accumulate_np(per, ref, 1 / 5)
+        for t, o, r in zip(got, ops, ref):
+            assert t.numpy().tobytes() == r.tobytes() == o.numpy().tobytes()
+
+
+def test_zero_out_replaces_and_accumulate_adds():
+    layout = [("a", (100_000,)), ("b", (5,))]
+    buf = _big_step(3, 3, layout, 0.02)
+    avg = exchange.decode_gathered(buf, layout, 3, None, 1 / 3)
+    base = [torch.full((100_000,), 2.0), torch.full((5,), 2.0)]
+    acc = exchange.decode_gathered(buf, layout, 3, [t.clone() for t in base], 1 / 3)
+    over = exchange.decode_gathered(buf, layout, 3, [t.clone() for t in base], 1 / 3,
+                                    zero_out=True)
+    for a, b, c, o in zip(avg, base, acc, over):
+        assert torch.equal(o, a)
+        assert torch.equal(c, b + a)  # 2.0 + x is what the reference adds too (one add)
+    # float64 outputs (the fused sync's accumulator for float64 models) take the op path
+    out64 = exchange.decode_gathered(buf, layout, 3, None, 1 / 3, torch.float64)
+    with kernels.disabled():
+        want64 = exchange.decode_gathered(buf, layout, 3, None, 1 / 3, torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(out64, want64))
+
+
+def test_rejected_step_leaves_outputs_untouched():
+    """Rank 1's unary stream loses a one bit (framing and CRC intact): the protocol rejects the
+    step from the kernel's statistics, and the output keeps its contents."""
+    layout = [("a", (50_000,))]
+    fp = wire.layout_fingerprint(layout)
+    steps = []
+    for r in range(2):
+        g = torch.Generator().manual_seed(r)
+        msg = codec.compress_(torch.randn(50_000, generator=g), 0.01, "sbc", "a")[0]
+        if r == 1:
+            raw = bytearray(msg.numpy().tobytes())
+            hdr = wire.parse_tensor_header(bytes(raw), 0, 50_000)
+            at = next(i for i in range(*hdr.unary) if raw[i])
+            raw[at] &= raw[at] - 1  # clear its lowest set bit
+            msg = torch.frombuffer(raw, dtype=torch.uint8)
+        steps.append(exchange.frame([msg], fp, torch.device("cpu")))
+    out = torch.full((50_000,), 7.0)
+    with pytest.raises(ValueError, match="unary stream holds"):
+        exchange.decode_gathered(torch.cat(steps), layout, 2, [out], 0.5, zero_out=True)
+    assert torch.equal(out, torch.full((50_000,), 7.0))
+
+
+_MEMORY_PROBE = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch
+    from horovod_sbc import kernels, wire
+    from horovod_sbc.torch import exchange
+    torch.set_num_threads(1)
+    assert kernels.lib() is not None
+    rng = np.random.default_rng(5)
+    pos = np.cumsum(rng.geometric(0.05, size=2_000_000)) - 1
+    numel = int(pos[-1]) + 1
+    layout = [("w", (numel,))]
+    buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
+                                  wire.layout_fingerprint(layout), 1)
+    gathered = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    out = torch.zeros(numel)
+    small = [("s", (1000,))]
+    sbuf = wire.step_message_bytes(wire.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
+                                   wire.layout_fingerprint(small), 1)
+    exchange.decode_gathered(torch.frombuffer(bytearray(sbuf), dtype=torch.uint8), small, 1)
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size
+    before = status("VmRSS:")
+    exchange.decode_gathered(gathered, layout, 1, [out], 1.0, zero_out=True)
+    peak = status("VmHWM:")
+    ok = np.array_equal(np.flatnonzero(out.numpy()), pos)
+    print(json.dumps({"bytes": len(buf), "extra": peak - before, "ok": bool(ok)}))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+def test_torch_decoder_memory_is_bounded_by_the_message_size():
+    """A valid ~1.5 MiB message (2M positions at density 0.05), decoded into a preallocated
+    output: the decoder's peak extra memory is <= 40 bytes per message byte (its position
+    scratch is 4 bytes per position; the message's own host copy is one byte per byte)."""
+    res = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["ok"]
+    assert got["bytes"] > 1 << 20
+    assert got["extra"] <= 40 * got["bytes"], got["extra"] / got["bytes"]
+
+
+def test_without_a_compiler_the_tensor_op_codec_runs(tmp_path):
+    code = textwrap.dedent("""
+        import warnings, torch
+        from horovod_sbc import kernels
+        from horovod_sbc.torch import codec
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            msg, pos, sent = codec.encode_update(torch.arange(-5.0, 50000.0), 0.01, "sbc")
+        assert kernels.lib() is None
+        assert any("C kernels unavailable" in str(x.message) for x in w), [str(x.message) for x in w]
+        print(pos.numel())
+    """)
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"),
+           "HOROVOD_SBC_KERNELS_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "500"
+
+
+def test_kernels_can_be_switched_off_by_environment():
+    code = "from horovod_sbc import kernels; print(kernels.lib() is None)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "HOROVOD_SBC_KERNELS": "0"})
+    assert res.stdout.strip() == "True", res.stderr
