@@ -330,7 +330,7 @@ def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatc
     """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF decoder's fast
     path must reach numpy's verdicts and bits, with either way of building the rank masks."""
     from horovod_sbc.tensorflow import binary
-    monkeypatch.setattr(binary, "SORT_FACTOR", 1 << 40 if masks == "sorted" else 0)
+    monkeypatch.setattr(binary, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
     tf_decoders.graphs.clear()  # SORT_FACTOR is read while tracing
     n = max(60, CASES // (20 * TF_EVERY))
     fast = {}

@@ -245,3 +245,71 @@ def test_encoded_positions_and_sent_values_commit_the_residual():
     assert new.tobytes() == want.tobytes()
     assert struct.unpack("<f", enc.message.numpy().tobytes()[hdr.unary[0] - 4:hdr.unary[0]])[0] \
         == hdr.value
+
+
+def _fast_path_taken(data: bytes, layout, n_ranks: int) -> bool:
+    from horovod_sbc.tensorflow import binary
+    buf = np.frombuffer(data, np.uint8)
+    _, table = decoder.parse_host(buf, layout, n_ranks, False, False, True)
+    numels = [wire.layout_numel(s) for _, s in layout]
+    return (binary.static_ok(numels, n_ranks, None, [tf.float32] * len(layout), False)
+            and bool(binary.runtime_ok(tf.constant(buf), tf.constant(table))))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("masks", ["sorted", "dense"])
+def test_binary_fast_path_edge_steps(graph, masks, monkeypatch):
+    """The TF decoder's binary fast path (tensorflow/binary.py) on the steps that stress it: no
+    positions at all, every rank sending the same positions (all 2**8 rank sets of the sum
+    table are exercised by random signs), subnormal values and sums, empty tensors between
+    others — bit-identical to numpy, with either way of building the rank masks."""
+    from horovod_sbc.tensorflow import binary
+    monkeypatch.setattr(binary, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
+    layout = [("a", (4000,)), ("e", (0,)), ("b", (9,)), ("c", (700,))]
+    fp = wire.layout_fingerprint(layout)
+    rng = np.random.default_rng(11)
+    base = [rng.standard_normal(wire.layout_numel(s)).astype(np.float32) for _, s in layout]
+
+    def step_of(rank, kind):
+        parts = []
+        for t, u in enumerate(base):
+            if kind == "empty":
+                x = np.zeros_like(u)
+            elif kind == "same":  # identical positions on every rank, sign and scale per rank
+                x = u * np.float32(rng.choice([-1.0, 1.0]) * (1 + rank))
+            else:  # subnormal magnitudes: the means and their sums are subnormal
+                x = (u * np.float32(1e-39 * (1 + rank % 3))).astype(np.float32)
+            parts.append(core.compress_np(x, None, 0.05)[0])
+        return wire.step_message_bytes(b"".join(parts), fp, len(parts))
+
+    for n_ranks, kind in [(3, "empty"), (8, "same"), (8, "subnormal"), (1, "same")]:
+        data = b"".join(step_of(r, kind) for r in range(n_ranks))
+        assert _fast_path_taken(data, layout, n_ranks)
+        ref = [np.zeros(wire.layout_numel(s), np.float32) for _, s in layout]
+        wire.accumulate_np(wire.decode_step_np(data, layout, n_ranks), ref, 1 / n_ranks)
+        dec = lambda g: tfx.decode_gathered(g, layout, n_ranks, 1 / n_ranks)  # noqa: E731
+        got = (tf.function(dec) if graph else dec)(tf.constant(np.frombuffer(data, np.uint8)))
+        assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], (n_ranks, kind)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_residual_update_ways_agree(dtype):
+    """codec.ResidualUpdate: scatter, dense (SparseToDense + subtract) and all-positions give the
+    same bits (negative zeros kept)."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(5000).astype(dtype)
+    a[::7] = -0.0
+    pos = np.sort(rng.choice(5000, 400, replace=False)).astype(np.int64)
+    sent = rng.standard_normal(400).astype(dtype)
+    want = a.copy()
+    want[pos] -= sent
+    for way in (codec.ResidualUpdate.SCATTER, codec.ResidualUpdate.DENSE):
+        got = codec.apply_sent(tf.constant(a), tf.constant(pos), tf.constant(sent), way)
+        assert got.numpy().tobytes() == want.tobytes(), way
+    full = rng.standard_normal(5000).astype(dtype)
+    got = codec.apply_sent(tf.constant(a), tf.range(5000, dtype=tf.int64), tf.constant(full),
+                           codec.ResidualUpdate.ALL)
+    assert got.numpy().tobytes() == (a - full).tobytes()
+    assert codec.encode_update(tf.constant(a), 0.01).update is codec.ResidualUpdate.DENSE
+    assert codec.encode_update(tf.constant(a), 1e-3).update is codec.ResidualUpdate.SCATTER
+    assert codec.encode_update(tf.constant(a), 1.0, "sign").update is codec.ResidualUpdate.ALL

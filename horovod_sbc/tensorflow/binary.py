@@ -229,7 +229,8 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
         def sorted_masks():  # few positions: sort (key, rank) pairs, one mask per distinct key
             sk = tf.sort(tf.cast(key32, tf.int64) * 8 + per(rank_of))
             k = tf.bitwise.right_shift(sk, 3)
-            new = tf.concat([tf.ones([1], tf.bool), tf.not_equal(k[1:], k[:-1])], 0)
+            first_one = tf.fill(tf.reshape(tf.minimum(tf.size(k), 1), [1]), True)  # [] if none
+            new = tf.concat([first_one, tf.not_equal(k[1:], k[:-1])], 0)
             seg = tf.cumsum(tf.cast(new, tf.int32)) - 1
             m = tf.math.segment_sum(tf.bitwise.left_shift(tf.constant(1, tf.int64),
                                                           tf.bitwise.bitwise_and(sk, 7)), seg)
