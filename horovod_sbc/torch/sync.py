@@ -49,12 +49,15 @@ def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
 class Update:
     """One tensor of a sync: the update is ``value`` (any shape, read flat) or, with ``base``,
     ``value - base`` (computed into a reused buffer, e.g. the weights minus the reference
-    weights). ``name`` keys the residual and labels the tensor message; ``shape`` is the
-    tensor's shape in the layout every rank must agree on."""
+    weights); with ``base_offset`` too, ``value - (base + base_offset)``, the sum rounded to
+    ``base``'s dtype (the reference weights plus this rank's residual: what the weights were
+    set to at the last sync). ``name`` keys the residual and labels the tensor message;
+    ``shape`` is the tensor's shape in the layout every rank must agree on."""
     name: str
     value: torch.Tensor
     shape: Tuple[int, ...]
     base: Optional[torch.Tensor] = None
+    base_offset: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, item) -> "Update":
@@ -67,7 +70,14 @@ class Update:
         if self.base is None:
             return value
         buf = _scratch(value.numel(), dtype, value.device, slot=1)
-        return torch.sub(value.to(dtype), self.base.reshape(-1).to(dtype), out=buf)
+        base = self.base.reshape(-1)
+        if self.base_offset is not None:
+            off = self.base_offset.reshape(-1).to(base.dtype)
+            if base.dtype == dtype:  # base + offset into the buffer: no allocation
+                base = torch.add(base, off, out=buf)
+            else:
+                base = base + off
+        return torch.sub(value.to(dtype), base.to(dtype), out=buf)
 
 
 @dataclass
