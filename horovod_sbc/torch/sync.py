@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import wire
+from .. import kernels, wire
 from . import exchange
 from ..core import keep_count
 from .codec import NonFiniteError, _scratch, encode_positions, encode_update, subtract_sent_
@@ -43,6 +43,15 @@ def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
     if dups:
         raise ValueError(f"parameter names must be unique; duplicated: {', '.join(dups)}")
     return named
+
+
+def kernels_for(*ts: torch.Tensor):
+    """The C kernels when every tensor is a contiguous float32 CPU tensor of one size, else
+    None."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or
+           t.numel() != ts[0].numel() for t in ts):
+        return None
+    return kernels.lib()
 
 
 @dataclass
@@ -72,6 +81,12 @@ class Update:
         buf = _scratch(value.numel(), dtype, value.device, slot=1)
         base = self.base.reshape(-1)
         if self.base_offset is not None:
+            off = self.base_offset.reshape(-1)
+            lib = kernels_for(value, base, off, buf)
+            if lib is not None:  # one pass instead of two
+                lib.sbc_sub_sum(buf.data_ptr(), value.data_ptr(), base.data_ptr(),
+                                off.data_ptr(), buf.numel())
+                return buf
             off = self.base_offset.reshape(-1).to(base.dtype)
             if base.dtype == dtype:  # base + offset into the buffer: no allocation
                 base = torch.add(base, off, out=buf)
