@@ -491,6 +491,11 @@ def main(argv=None) -> int:
     n.add_argument("--workers", type=int, default=2)
     n.add_argument("--no-loopback", action="store_true", help="skip plain localhost mpirun")
     n.add_argument("--no-unlimited", action="store_true", help="skip the unshaped veth run")
+    st = sub.add_parser("steptime", help="SBC step time / dense allreduce step time over "
+                                          "loopback (10.5M-parameter MLP, 2 ranks)")
+    st.add_argument("--json", help="write the results to this file")
+    st.add_argument("--workers", type=int, default=2)
+    st.add_argument("--no-progress", action="store_true")
     a = sub.add_parser("all", help="every benchmark: codec, train, grid, net (make bench)")
     _add_common(a, "quick mode of every benchmark")
     _add_train_opts(a)
@@ -548,6 +553,12 @@ def main(argv=None) -> int:
         if plots:
             bt.plot_tasks(res, f"{plots}/tasks_score_vs_bits.png")
         md = [("Training tasks (mnist1d, text)", bt.markdown_tasks(res))]
+    elif args.cmd == "steptime":
+        from . import bench_net as bn
+        res = bn.run_steptime(workers=args.workers, progress=not args.no_progress)
+        bn.print_steptime(res)
+        out.update(res)
+        md = []
     elif args.cmd == "net":
         from . import bench_net as bn
         res = cmd_net(args)

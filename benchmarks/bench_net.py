@@ -84,6 +84,8 @@ def method_label(m: dict) -> str:
         s += f" p={m['density']:g}"
     if m.get("delay", 1) != 1:
         s += f" n={m['delay']}"
+    if m.get("api") == "stock":
+        s += " (stock hook)"
     return s
 
 
@@ -354,6 +356,10 @@ def _bench_method(m: dict, cfg: dict, emit) -> dict:
                                        compression=c)
     elif method == "local":
         opt = base
+    elif m.get("api") == "stock":  # the one-line change: SBC as stock Horovod's compression
+        comp = make_compressor(method, density, 1)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=comp)
     else:
         comp = make_compressor(method, density, delay)
         opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
@@ -546,6 +552,42 @@ def analyse(runs: List[dict]) -> Dict[str, object]:
     if local:
         out["compute_only_step_s"] = local["step_time_s"]
     return out
+
+
+STEP_METHODS = [
+    {"method": "local"},
+    {"method": "none"},
+    {"method": "sbc", "density": 0.01},
+    {"method": "sbc", "density": 0.01, "api": "stock"},
+    {"method": "sbc", "density": 0.001},
+    {"method": "topk", "density": 0.01},
+]
+STEP_TARGET = 1.15  # issue 12: SBC step time / dense allreduce step time over loopback
+
+
+def run_steptime(workers: int = 2, sizes: Optional[List[int]] = None, budget_s: float = 12.0,
+                 max_steps: int = 24, progress: bool = True) -> Dict[str, object]:
+    """Step time of SBC (drop-in and stock hook, p = 0.01, delay 1) and peers / dense allreduce
+    step time, over loopback (Open MPI shared memory: what remains is compute, encode, decode
+    and the collectives' own cost), 2 ranks, the 10.5M-parameter MLP."""
+    res = run_net((), loopback=True, unlimited=False, workers=workers, methods=STEP_METHODS,
+                  sizes=sizes, budget_s=budget_s, max_steps=max_steps, progress=progress)
+    runs = {r["label"]: r for r in res["runs"]}
+    dense = runs.get("none")
+    res["ratios"] = {k: r["step_time_s"] / dense["step_time_s"] for k, r in runs.items()} \
+        if dense else {}
+    res["target"] = STEP_TARGET
+    return res
+
+
+def print_steptime(res: Dict[str, object]) -> None:
+    print(f"\nstep time / dense allreduce step time (loopback, {res['workers']} ranks, "
+          f"MLP {res['config']['sizes']})")
+    for r in res["runs"]:
+        k = r["label"]
+        print(f"  {k:<28} {1000 * r['step_time_s']:8.1f} ms   "
+              f"{res['ratios'].get(k, float('nan')):5.2f}x")
+    print(f"  target for SBC p=0.01: <= {res['target']}x")
 
 
 def net_order(bandwidths: Sequence[str], loopback: bool, unlimited: bool) -> List[str]:

@@ -513,6 +513,13 @@ void sbc_gap_shift_sums(const i64 *pos, i64 c, const i64 *bs, i64 nb, i64 *out) 
     }
 }
 
+/* out = v - (base + off), elementwise in float32 (two IEEE operations per element, as
+ * torch.add then torch.sub compute them): a window's update in weight space when the weights
+ * were set to base + off at the last sync (the drop-in optimizer's local residual). */
+void sbc_sub_sum(float *out, const float *v, const float *base, const float *off, i64 n) {
+    for (i64 i = 0; i < n; i++) out[i] = v[i] - (base[i] + off[i]);
+}
+
 /* a[pos[i]] += v for the count (distinct) positions: the error feedback's commit (v = -mu). */
 void sbc_add_at(float *a, const i64 *pos, i64 count, float v) {
     for (i64 i = 0; i < count; i++) a[pos[i]] += v;

@@ -197,22 +197,23 @@ class _SBCOptimizer:
         ref = self._sbc.manager.reference
         self._capture_reference()
         res = self._sbc.manager.residuals
-        if self._sbc_local_residual:
-            # the weights hold W_ref + R (rounded to the parameter's dtype): the update of this
-            # window is W_local - (W_ref + R), added to the exact residual kept by the compressor
-            base = {name: (ref[name] + res[name].view_as(p).to(ref[name].dtype))
-                    if name in res else ref[name] for name, p in self._sbc_params}
-        else:
-            base = ref
+        local = self._sbc_local_residual
+        # the weights hold W_ref + R (rounded to the parameter's dtype): the update of this
+        # window is W_local - (W_ref + R), added to the exact residual kept by the compressor;
         # the average of all ranks' decoded updates is added straight into W_ref
-        items = [Update(name, p.detach(), tuple(p.shape), base=base[name])
+        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name],
+                        base_offset=res[name] if local and name in res else None)
                  for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
-            if self._sbc_local_residual and name in res:
+            if local and name in res:
                 # W_ref + R; after a skipped sync healthy ranks keep R + dW (weights unchanged)
                 # and the failing rank has R again (its non-finite window is dropped)
-                p.copy_(ref[name] + res[name].view_as(p).to(p.dtype))
+                r = res[name].view_as(p)
+                if r.dtype == p.dtype == ref[name].dtype and p.is_contiguous():
+                    torch.add(ref[name].view_as(p), r, out=p)  # no temporary
+                else:
+                    p.copy_(ref[name] + r.to(p.dtype))
             else:
                 p.copy_(ref[name])
         self._sbc_local_steps = 0

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import wire
+from .. import kernels, wire
 from . import exchange
 from ..core import keep_count
 from .codec import NonFiniteError, _scratch, encode_positions, encode_update, subtract_sent_
@@ -45,16 +45,28 @@ def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
     return named
 
 
+def kernels_for(*ts: torch.Tensor):
+    """The C kernels when every tensor is a contiguous float32 CPU tensor of one size, else
+    None."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or
+           t.numel() != ts[0].numel() for t in ts):
+        return None
+    return kernels.lib()
+
+
 @dataclass
 class Update:
     """One tensor of a sync: the update is ``value`` (any shape, read flat) or, with ``base``,
     ``value - base`` (computed into a reused buffer, e.g. the weights minus the reference
-    weights). ``name`` keys the residual and labels the tensor message; ``shape`` is the
-    tensor's shape in the layout every rank must agree on."""
+    weights); with ``base_offset`` too, ``value - (base + base_offset)``, the sum rounded to
+    ``base``'s dtype (the reference weights plus this rank's residual: what the weights were
+    set to at the last sync). ``name`` keys the residual and labels the tensor message;
+    ``shape`` is the tensor's shape in the layout every rank must agree on."""
     name: str
     value: torch.Tensor
     shape: Tuple[int, ...]
     base: Optional[torch.Tensor] = None
+    base_offset: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, item) -> "Update":
@@ -67,7 +79,20 @@ class Update:
         if self.base is None:
             return value
         buf = _scratch(value.numel(), dtype, value.device, slot=1)
-        return torch.sub(value.to(dtype), self.base.reshape(-1).to(dtype), out=buf)
+        base = self.base.reshape(-1)
+        if self.base_offset is not None:
+            off = self.base_offset.reshape(-1)
+            lib = kernels_for(value, base, off, buf)
+            if lib is not None:  # one pass instead of two
+                lib.sbc_sub_sum(buf.data_ptr(), value.data_ptr(), base.data_ptr(),
+                                off.data_ptr(), buf.numel())
+                return buf
+            off = self.base_offset.reshape(-1).to(base.dtype)
+            if base.dtype == dtype:  # base + offset into the buffer: no allocation
+                base = torch.add(base, off, out=buf)
+            else:
+                base = base + off
+        return torch.sub(value.to(dtype), base.to(dtype), out=buf)
 
 
 @dataclass
