@@ -219,3 +219,14 @@ def test_kernels_can_be_switched_off_by_environment():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "HOROVOD_SBC_KERNELS": "0"})
     assert res.stdout.strip() == "True", res.stderr
+
+
+def test_build_ahead_of_time_command(tmp_path):
+    """``python -m horovod_sbc.kernels`` (what scripts/install.sh runs) builds and prints the
+    library's path."""
+    res = subprocess.run([sys.executable, "-m", "horovod_sbc.kernels"], capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "HOROVOD_SBC_KERNELS_DIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    path = res.stdout.strip()
+    assert path.startswith(str(tmp_path)) and os.path.exists(path)

@@ -172,6 +172,3 @@ class Int64s:
     def list(self):
         return list(self.buf)
 
-
-if __name__ == "__main__":
-    print(build())
