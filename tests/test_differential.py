@@ -18,7 +18,7 @@ Mutation classes (each case draws one; the step framing and CRCs are recomputed 
 * ``stream``   — (binary-only cases, for the TF decoder's fast path) stream bytes of one tensor
                  message flipped or overwritten, framing recomputed.
 
-``DIFF_CASES`` sets the number of cases for numpy and torch (default 100000; ``make fuzz``
+``DIFF_CASES`` sets the number of cases for numpy and torch (default 40000; ``make fuzz``
 runs 10^6); TensorFlow, whose per-call overhead is larger, gets every ``DIFF_TF_EVERY``-th case
 (default 100; ``make fuzz``: 10), eager and ``tf.function`` both.
 """
@@ -35,7 +35,7 @@ from horovod_sbc import core, protocol, wire
 from horovod_sbc import kernels
 from horovod_sbc.torch import exchange
 
-CASES = int(os.environ.get("DIFF_CASES", "100000"))
+CASES = int(os.environ.get("DIFF_CASES", "40000"))
 OPS_EVERY = int(os.environ.get("DIFF_OPS_EVERY", "4"))  # torch's tensor-op path on every n-th
 TF_EVERY = int(os.environ.get("DIFF_TF_EVERY", "100"))
 
