@@ -230,3 +230,24 @@ def test_build_ahead_of_time_command(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     path = res.stdout.strip()
     assert path.startswith(str(tmp_path)) and os.path.exists(path)
+
+
+def test_momentum_masking_kernel_matches_masked_fill():
+    from horovod_sbc.torch.hook import Owner, mask_momentum
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000, generator=g))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    avg = torch.zeros(1000)
+    avg[::7] = torch.randn(143, generator=g)
+    avg[3], avg[14] = float("nan"), -0.0  # NaN is masked, -0.0 is not (as avg != 0 says)
+    got = []
+    for off in (False, True):
+        opt.state[p]["momentum_buffer"] = torch.arange(1000.0)
+        if off:
+            with kernels.disabled():
+                mask_momentum(Owner("w", opt, p), avg)
+        else:
+            mask_momentum(Owner("w", opt, p), avg)
+        got.append(opt.state[p]["momentum_buffer"].clone())
+    assert torch.equal(got[0], got[1])
+    assert got[0][3] == 0 and got[0][14] == 14 and got[0][7] == (0 if avg[7] != 0 else 7)

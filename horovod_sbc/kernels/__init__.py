@@ -20,6 +20,7 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   between calls, so a step does not page-fault fresh buffers per tensor; ``sbc_release`` frees
   it) until ``sbc_take`` copies the side that is sent;
 * ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the drop-in optimizer's window update);
+  ``sbc_zero_where_nonzero`` — the stock hook's momentum masking without a mask tensor;
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
   parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
 * ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
@@ -113,6 +114,8 @@ def _bind(lib) -> None:
     lib.sbc_release.restype = None
     lib.sbc_gap_shift_sums.argtypes = [_P, _I64, _P, _I64, _P]
     lib.sbc_gap_shift_sums.restype = None
+    lib.sbc_zero_where_nonzero.argtypes = [_P, _P, _I64]
+    lib.sbc_zero_where_nonzero.restype = None
     lib.sbc_sub_sum.argtypes = [_P, _P, _P, _P, _I64]
     lib.sbc_sub_sum.restype = None
     lib.sbc_add_at.argtypes = [_P, _P, _I64, ctypes.c_float]

@@ -520,6 +520,11 @@ void sbc_sub_sum(float *out, const float *v, const float *base, const float *off
     for (i64 i = 0; i < n; i++) out[i] = v[i] - (base[i] + off[i]);
 }
 
+/* buf[i] = 0 wherever avg[i] != 0 (DGC's momentum factor masking, one pass, no mask array). */
+void sbc_zero_where_nonzero(float *buf, const float *avg, i64 n) {
+    for (i64 i = 0; i < n; i++) buf[i] = avg[i] != 0.0f ? 0.0f : buf[i];
+}
+
 /* a[pos[i]] += v for the count (distinct) positions: the error feedback's commit (v = -mu). */
 void sbc_add_at(float *a, const i64 *pos, i64 count, float v) {
     for (i64 i = 0; i < count; i++) a[pos[i]] += v;

@@ -19,7 +19,7 @@ import torch
 from .. import wire
 from . import exchange
 from .codec import NonFiniteError, encode_update, subtract_sent_
-from .sync import restore
+from .sync import kernels_for, restore
 
 
 @dataclass
@@ -190,7 +190,12 @@ def mask_momentum(owner: Owner, avg: torch.Tensor) -> None:
         return
     buf = state.get(owner.parameter, {}).get("momentum_buffer")
     if isinstance(buf, torch.Tensor) and buf.numel() == avg.numel():
-        buf.view(-1).masked_fill_(avg != 0, 0)
+        flat = buf.view(-1)
+        lib = kernels_for(flat, avg)
+        if lib is not None:  # one pass, no tensor-sized mask
+            lib.sbc_zero_where_nonzero(flat.data_ptr(), avg.data_ptr(), flat.numel())
+        else:
+            flat.masked_fill_(avg != 0, 0)
 
 
 def warn_momentum(hook, owner: Owner) -> None:
