@@ -73,14 +73,9 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     if batch is not None and not batch.complete:  # corrupt: the exact per-message verdict
         order, batch = [], None
     stats: List[Optional[protocol.StreamStats]] = [None] * len(flat)
-    single = {}
     for slot, k in enumerate(order):
         stats[k] = protocol.StreamStats(*batch.stats[slot])
-    for k, (_, _, msg, _) in enumerate(flat):
-        if stats[k] is None:
-            pos, vals, st = stream_stats(gathered, msg)
-            stats[k] = st
-            single[k] = (pos, vals)
+    single = _remaining_stats(gathered, flat, stats)
     protocol.check_streams(step, stats)
     if out is None:
         out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
@@ -94,12 +89,29 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
         msg, i = flat[k][2], flat[k][1]
         if not msg.count:
             continue
-        t = out[i]  # positions within one message are unique: plain indexed add
-        if vals is None:  # one value: the Python float product, rounded once by torch
-            t[pos] += msg.signed_value * scale
-        else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
-            t[pos] += (vals.to(torch.float64) * scale).to(t.dtype)
+        _add_message(out[i], pos, vals, msg, scale)
     return out
+
+
+def _remaining_stats(gathered: torch.Tensor, flat, stats: list) -> dict:
+    """Fill the ``None`` entries of ``stats`` with the per-message tensor-op path; returns
+    ``{index: (positions, values or None)}`` of those messages."""
+    single = {}
+    for k, (_, _, msg, _) in enumerate(flat):
+        if stats[k] is None:
+            pos, vals, st = stream_stats(gathered, msg)
+            stats[k] = st
+            single[k] = (pos, vals)
+    return single
+
+
+def _add_message(t: torch.Tensor, pos: torch.Tensor, vals: Optional[torch.Tensor],
+                 msg: wire.TensorMessage, scale: float) -> None:
+    """``t[pos] +=`` one message's decoded values (positions within a message are unique)."""
+    if vals is None:  # one value: the Python float product, rounded once by torch
+        t[pos] += msg.signed_value * scale
+    else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
+        t[pos] += (vals.to(torch.float64) * scale).to(t.dtype)
 
 
 def _kernel_message(msg: wire.TensorMessage) -> bool:
@@ -139,12 +151,7 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
         stats[k] = protocol.StreamStats(ones=r[0], unary_last_zero=bool(r[1]), max_q=r[2],
                                         max_r=r[3], rem_pad_nonzero=bool(r[4]), pos_max=r[5])
         slot[k] = j
-    single = {}
-    for k, (_, _, msg, _) in enumerate(flat):
-        if stats[k] is None:
-            p, vals, st = stream_stats(gathered, msg)
-            stats[k] = st
-            single[k] = (p, vals)
+    single = _remaining_stats(gathered, flat, stats)
     protocol.check_streams(step, stats)
     if out is None:
         out = [torch.empty(wire.layout_numel(shape), dtype=out_dtype) for _, shape in layout]
@@ -165,18 +172,12 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             t.zero_()
         for k in ks:  # the tensor-op path, rank by rank
             msg = flat[k][2]
-            value = msg.signed_value * scale  # the Python float product, rounded once
             if k in slot:
-                j = slot[k]
                 p = torch.empty(msg.count, dtype=torch.int64)
-                lib.sbc_positions(int(offset[j]), msg.count, p.data_ptr())
-                t[p.to(t.device)] += value
-                continue
-            p, vals = single[k]
-            if vals is None:
-                t[p] += value
-            else:  # the protocol's decoded arithmetic: float64(value) * scale, rounded once
-                t[p] += (vals.to(torch.float64) * scale).to(t.dtype)
+                lib.sbc_positions(int(offset[slot[k]]), msg.count, p.data_ptr())
+                _add_message(t, p.to(t.device), None, msg, scale)
+            else:
+                _add_message(t, *single[k], msg, scale)
     if kmsgs:
         g = np.array(groups, np.int64)
         first = g[:-1]
