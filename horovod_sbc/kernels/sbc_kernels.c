@@ -23,9 +23,6 @@ typedef uint64_t u64;
 typedef uint32_t u32;
 typedef unsigned __int128 u128;
 
-#ifndef PROF
-#define PROF(i)
-#endif
 #define SBC_OK 0
 #define SBC_NONFINITE 1
 #define SBC_NOMEM -1
@@ -430,10 +427,8 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
     u32 *sbuf = exact ? NULL : (u32 *)grow(&TLS.sample, (size_t)(3 * m) * sizeof(u32));
     if (!exact && !sbuf) return SBC_NOMEM;
     for (;;) {
-        PROF(0);
         if (!exact) sample_thresholds(a, g, n, stride, ks, two, sbuf, sbuf + 2 * m, t);
         else t[0] = t[1] = all;
-        PROF(1);
         p->n = q->n = 0;
         /* expected candidates per block below ~1/2: most blocks are skipped whole */
         int prefilter = exact ? 0 : frac * BLOCK < 0.5;
@@ -458,15 +453,10 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
     i64 *out1 = (i64 *)grow(&TLS.out[1], (size_t)k * sizeof(i64));
     if (!tmp || !vals || !x || !out0 || !out1) return SBC_NOMEM;
     if (mode == 0) {
-        PROF(2);
         counts[0] = keep_topk(p, k, tmp, out0, vals);
-        PROF(3);
         sums[0] = tree_sum(vals, counts[0], x);
-        PROF(4);
         counts[1] = keep_topk(q, k, tmp, out1, vals);
-        PROF(5);
         sums[1] = tree_sum(vals, counts[1], x);
-        PROF(6);
     } else {
         i64 c = keep_topk(p, k, tmp, out0, NULL);
         if (mode == 2) {
