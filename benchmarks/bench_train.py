@@ -1007,7 +1007,14 @@ def task_jobs(task: str, quick: bool) -> List[dict]:
              "runs": [_s("sbc", 0.001, 8), _s("sbc", 0.001, 16), _s("sbc", 0.001, 32),
                       _s("sbc", 0.01, 16)]},
             {"workers": 4, "partition": "iid", "seeds": [0, 1, 2],
-             "runs": [_s("sbc", 0.01, 32), _s("sbc", 0.01, 64), _s("sbc", 0.003, 32)]}]
+             "runs": [_s("sbc", 0.01, 32), _s("sbc", 0.01, 64), _s("sbc", 0.003, 32)]},
+            {"workers": 4, "partition": "by_class", "seeds": [0, 1, 2],
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
+                      _s("sbc", 0.01, 1, local_residual=False),
+                      _s("sbc", 0.01, 4, local_residual=False)]},
+            {"workers": 2, "partition": "iid", "seeds": [0, 1, 2],
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
+                      _s("sbc", 0.01, 1, api="stock")]}]
     runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
             _s("sbc", 0.01, 4, local_residual=False)]
     return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS]
