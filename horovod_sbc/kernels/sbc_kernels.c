@@ -737,9 +737,8 @@ static int decode_one(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i6
  * at offset sum(count[0..j)) (kept until the next call: sbc_scatter_add_groups adds them,
  * sbc_positions copies them out). Returns SBC_BADARG (nothing trusted) if any range lies
  * outside the buffer, SBC_NOMEM if the scratch cannot grow. */
-int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
-                     const i64 *rstart, const i64 *rlen, const i64 *count, const i64 *rb,
-                     const i64 *numel, i64 *stats) {
+static int check_ranges(i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
+                        const i64 *rstart, const i64 *rlen, const i64 *count, i64 *total_out) {
     u128 total = 0;
     for (i64 j = 0; j < m; j++) {
         if (ustart[j] < 0 || ulen[j] < 0 || ustart[j] > buflen - ulen[j] || rstart[j] < 0 ||
@@ -749,9 +748,18 @@ int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, c
         total += (u64)count[j];
     }
     if (total > ((u64)1 << 40)) return SBC_BADARG;
-    u32 *pos = (u32 *)grow(&TLS.dpos, (size_t)total * sizeof(u32));
-    if (!pos) return SBC_NOMEM;
-    TLS.dcount = (i64)total;
+    *total_out = (i64)total;
+    return SBC_OK;
+}
+
+/* sbc_decode_batch's work with the positions written to the caller's pos[0..sum(count)) instead
+ * of the thread's scratch (the TensorFlow op's output tensor). */
+int sbc_decode_batch_into(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart,
+                          const i64 *ulen, const i64 *rstart, const i64 *rlen, const i64 *count,
+                          const i64 *rb, const i64 *numel, i64 *stats, uint32_t *pos) {
+    i64 total;
+    int rc = check_ranges(buflen, m, ustart, ulen, rstart, rlen, count, &total);
+    if (rc != SBC_OK) return rc;
     i64 off = 0;
     for (i64 j = 0; j < m; j++) {
         int rc = decode_one(buf + ustart[j], ulen[j], buf + rstart[j], rlen[j], count[j], rb[j],
@@ -762,6 +770,19 @@ int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, c
     return SBC_OK;
 }
 
+int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
+                     const i64 *rstart, const i64 *rlen, const i64 *count, const i64 *rb,
+                     const i64 *numel, i64 *stats) {
+    i64 total;
+    int rc = check_ranges(buflen, m, ustart, ulen, rstart, rlen, count, &total);
+    if (rc != SBC_OK) return rc;
+    u32 *pos = (u32 *)grow(&TLS.dpos, (size_t)total * sizeof(u32));
+    if (!pos) return SBC_NOMEM;
+    TLS.dcount = total;
+    return sbc_decode_batch_into(buf, buflen, m, ustart, ulen, rstart, rlen, count, rb, numel,
+                                 stats, pos);
+}
+
 /* Copy count decoded positions from offset off of the position scratch into dst. */
 int sbc_positions(i64 off, i64 count, i64 *dst) {
     if (off < 0 || count < 0 || off > TLS.dcount - count) return SBC_BADARG;
@@ -769,6 +790,10 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
     for (i64 i = 0; i < count; i++) dst[i] = src[i];
     return SBC_OK;
 }
+
+int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
+                                const i64 *outs, const i64 *numel, const i64 *pos_off,
+                                const i64 *count, const float *value, int zero);
 
 #define CHUNK 16384 /* output elements (64 KiB of float32) kept hot while every rank adds */
 
@@ -783,13 +808,21 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
  * validated (< numel) by the protocol before this is called; they are checked again. */
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
                            const i64 *pos_off, const i64 *count, const float *value, int zero) {
-    const u32 *pos = (const u32 *)TLS.dpos.p;
+    return sbc_scatter_add_groups_from((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs,
+                                       numel, pos_off, count, value, zero);
+}
+
+/* sbc_scatter_add_groups with the positions read from the caller's pos[0..npos) (as written by
+ * sbc_decode_batch_into) instead of the thread's scratch. */
+int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
+                                const i64 *outs, const i64 *numel, const i64 *pos_off,
+                                const i64 *count, const float *value, int zero) {
     i64 stack_cur[64];
     for (i64 g = 0; g < ng; g++) {
         i64 a = gstart[g], nm = gstart[g + 1] - a, n = numel[g];
         float *o = (float *)(intptr_t)outs[g];
         for (i64 j = a; j < a + nm; j++)
-            if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > TLS.dcount - count[j] ||
+            if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > npos - count[j] ||
                 (count[j] && pos[pos_off[j] + count[j] - 1] >= n))
                 return SBC_BADARG; /* ascending: first and last bound them all */
         i64 *cur = nm <= 64 ? stack_cur : (i64 *)calloc((size_t)nm, sizeof(i64));
