@@ -29,7 +29,10 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   parser found (and checks them against the buffer once more);
 * ``sbc_scatter_add_groups`` — ``out[pos] += value`` for every tensor's messages, each element
   receiving its ranks' values in rank order (float32 adds, the reference's order), walking the
-  output once in cache-sized chunks rather than once per rank.
+  output once in cache-sized chunks rather than once per rank;
+* ``sbc_decode_batch_into`` / ``sbc_scatter_add_groups_from`` — the same two with the positions
+  in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
+  and scatter may run on different threads).
 
 Build: ``cc -O3 -fPIC -shared -ffp-contract=off`` (never ``-ffast-math``: every float operation
 must be the IEEE one of the reference), into ``$HOROVOD_SBC_KERNELS_DIR`` or

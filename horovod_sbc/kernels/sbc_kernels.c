@@ -729,14 +729,8 @@ static int decode_one(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i6
     return SBC_OK;
 }
 
-/* Batched decoding of m binary messages of one gathered buffer buf[0..buflen): message j has
- * unary bytes [ustart[j], ustart[j] + ulen[j]), remainder bytes [rstart[j], ...+rlen[j]),
- * count[j] positions with Rice parameter rb[j] in a tensor of numel[j] <= 2^32 elements; its
- * statistics go to stats[6 j .. 6 j + 6) and its positions (uint32: at most 32 bytes of
- * scratch per message byte, as a position takes at least one bit) to this thread's scratch
- * at offset sum(count[0..j)) (kept until the next call: sbc_scatter_add_groups adds them,
- * sbc_positions copies them out). Returns SBC_BADARG (nothing trusted) if any range lies
- * outside the buffer, SBC_NOMEM if the scratch cannot grow. */
+/* The byte ranges of m messages lie inside buf[0..buflen) and each count needs no more unary
+ * bits than there are; *total_out = sum(count) (<= 2^40). SBC_BADARG otherwise. */
 static int check_ranges(i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
                         const i64 *rstart, const i64 *rlen, const i64 *count, i64 *total_out) {
     u128 total = 0;
@@ -770,6 +764,14 @@ int sbc_decode_batch_into(const uint8_t *buf, i64 buflen, i64 m, const i64 *usta
     return SBC_OK;
 }
 
+/* Batched decoding of m binary messages of one gathered buffer buf[0..buflen): message j has
+ * unary bytes [ustart[j], ustart[j] + ulen[j]), remainder bytes [rstart[j], ...+rlen[j]),
+ * count[j] positions with Rice parameter rb[j] in a tensor of numel[j] <= 2^32 elements; its
+ * statistics go to stats[6 j .. 6 j + 6) and its positions (uint32: at most 32 bytes of
+ * scratch per message byte, as a position takes at least one bit) to this thread's scratch
+ * at offset sum(count[0..j)) (kept until the next call: sbc_scatter_add_groups adds them,
+ * sbc_positions copies them out). Returns SBC_BADARG (nothing trusted) if any range lies
+ * outside the buffer, SBC_NOMEM if the scratch cannot grow. */
 int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
                      const i64 *rstart, const i64 *rlen, const i64 *count, const i64 *rb,
                      const i64 *numel, i64 *stats) {
