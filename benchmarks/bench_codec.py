@@ -113,12 +113,13 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
     grads = _gradients(layout, 0)
     residuals = [torch.zeros_like(g) for g in grads]
     names = [n for n, _ in layout]
+    buffers = [codec.PositionBuffer() for _ in layout]  # per tensor, as the hook and sync keep
 
     def compress_step():
         msgs, commits = [], []
-        for name, g, r in zip(names, grads, residuals):  # r += g, then encode (as the hook)
+        for name, g, r, buf in zip(names, grads, residuals, buffers):  # r += g, then encode
             m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection,
-                                               addend=g)
+                                               addend=g, positions=buf)
             msgs.append(m)
             commits.append((r, pos, sent))
         step = exchange.frame(msgs, fp, grads[0].device)

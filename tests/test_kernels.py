@@ -50,6 +50,38 @@ def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
                 assert got[0].numpy().tobytes() == msg, what
 
 
+def test_close_means_choose_the_reference_side():
+    """The paper rule writes only the winning side when the two means are far apart and both
+    sides when they are close: around that boundary (means equal, one float32 ulp apart, ...,
+    1e-5 apart, either side ahead) the message is the reference's, and both branches run."""
+    rng = np.random.default_rng(5)
+    branches = set()
+    for n in (1000, 120_000):
+        base = np.abs(rng.standard_normal(n // 2)).astype(np.float32) + 0.5
+        for eps in (0.0, 2.0 ** -24, -2.0 ** -24, 1e-7, -1e-7, 5e-7, 1e-6, -1e-6, 3e-6, 1e-5,
+                    -1e-5):
+            a = np.concatenate([base, -(base * np.float32(1 + eps))]).astype(np.float32)
+            a = a[rng.permutation(n)]
+            for density in (0.01, 0.3):
+                k = core.keep_count(n, density)
+                sel = codec._select_c(kernels.lib(), torch.from_numpy(a.copy()), k, 0, "t",
+                                      dst=torch.empty(k, dtype=torch.int64))
+                branches.add(sel.in_dst is not None)
+                got, _, _ = codec.encode_update(torch.from_numpy(a.copy()), density, "sbc")
+                want, _ = core.compress_np(a.copy(), None, density)
+                assert got.numpy().tobytes() == want, (n, eps, density)
+    assert branches == {True, False}
+
+
+def test_float32_rounding_of_host_means_matches_torch():
+    rng = np.random.default_rng(6)
+    xs = [1e39, -1e39, 3.4028235677973366e38, 3.4028235e38, 1e-45, 7e-46, -7e-46, 0.0, -0.0]
+    xs += list(np.exp(rng.uniform(-110, 88, 20_000)) * rng.choice([-1, 1], 20_000))
+    for x in xs:
+        want = float(torch.tensor(float(x), dtype=torch.float64).to(torch.float32))
+        assert np.float64(codec._f32(float(x))).tobytes() == np.float64(want).tobytes(), x
+
+
 def test_fused_addend_is_r_plus_dw_even_when_rejected():
     rng = np.random.default_rng(2)
     r = rng.standard_normal(100_000).astype(np.float32)

@@ -18,7 +18,10 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   tree sums of both sides (:func:`horovod_sbc.core.tree_sum_np`, same additions in the same
   order, so the means are bit-identical). The positions stay in per-thread scratch (kept
   between calls, so a step does not page-fault fresh buffers per tensor; ``sbc_release`` frees
-  it) until ``sbc_take`` copies the side that is sent;
+  it) until ``sbc_take`` copies the side that is sent. Given a destination, the paper rule
+  writes only the side whose mean is larger beyond any rounding doubt straight into it (the
+  other side's sum is then a plain float64 sum, close enough that the side chosen from the two
+  means cannot change); both sides otherwise;
 * ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the drop-in optimizer's window update);
   ``sbc_zero_where_nonzero`` — the stock hook's momentum masking without a mask tensor;
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
@@ -191,7 +194,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
 def _bind(lib) -> None:
-    lib.sbc_select.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P]
+    lib.sbc_select.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P]
     lib.sbc_select.restype = ctypes.c_int
     lib.sbc_take.argtypes = [ctypes.c_int, _P]
     lib.sbc_take.restype = ctypes.c_int

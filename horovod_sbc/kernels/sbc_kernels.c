@@ -195,19 +195,35 @@ static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties) {
     return prefix;
 }
 
-/* Keep the k largest keys among the candidates (ascending positions), ties at the k-th value
- * to the lower position: kept positions (ascending) to out, their scores (as floats) to vals
- * (may be NULL); returns how many. tmp holds >= c keys. */
-static i64 keep_topk(const cands *cd, i64 k, u32 *tmp, i64 *out, float *vals) {
+/* The k-th largest key of the candidates and how many keys equal to it are kept (c > k). */
+typedef struct {
+    u32 kth;
+    i64 ties;
+    int all; /* c <= k: every candidate is kept */
+} cut;
+
+static cut find_cut(const cands *cd, i64 k, u32 *tmp) {
+    cut t = {0, 0, 1};
+    if (cd->n > k) {
+        t.all = 0;
+        t.kth = kth_largest_key(cd->key, cd->n, k, tmp, &t.ties);
+    }
+    return t;
+}
+
+/* Keep the candidates above the cut (ascending positions), ties at the k-th value to the lower
+ * position: kept positions (ascending) to out, their scores (as floats) to vals (may be NULL);
+ * returns how many (min(c, k)). */
+static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     i64 c = cd->n;
-    if (c <= k) {
+    if (t.all) {
         memcpy(out, cd->pos, (size_t)c * sizeof(i64));
         if (vals)
             for (i64 i = 0; i < c; i++) vals[i] = bitsf(cd->key[i]);
         return c;
     }
-    i64 ties;
-    u32 kth = kth_largest_key(cd->key, c, k, tmp, &ties);
+    u32 kth = t.kth;
+    i64 ties = t.ties;
     /* exactly k are kept: stop there (outputs hold k); branch-free, as keeping is a coin flip */
     i64 m = 0;
     const u32 *key = cd->key;
@@ -229,6 +245,31 @@ static i64 keep_topk(const cands *cd, i64 k, u32 *tmp, i64 *out, float *vals) {
         }
     }
     return m;
+}
+
+static i64 keep_topk(const cands *cd, i64 k, u32 *tmp, i64 *out, float *vals) {
+    return keep_cut(cd, k, find_cut(cd, k, tmp), out, vals);
+}
+
+/* The sum of the kept scores (signed sides: all > 0) in plain sequential float64 order, and
+ * how many are kept. Within 2 (count - 1) 2^-53 of the sum, relatively, as is the tree sum: used
+ * only where the two sides' means are too far apart for that difference to matter. */
+static double cut_sum(const cands *cd, cut t, i64 *count) {
+    double s = 0.0;
+    i64 c = cd->n, m = 0;
+    for (i64 i = 0; i < c; i++) {
+        u32 x = cd->key[i];
+        if (t.all || x > t.kth) {
+            s += (double)bitsf(x);
+            m++;
+        }
+    }
+    if (!t.all) {
+        s += (double)t.ties * (double)bitsf(t.kth);
+        m += t.ties;
+    }
+    *count = m;
+    return s;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -294,7 +335,10 @@ static void add_into(float *a, const float *g, i64 s, i64 e) {
     for (i64 i = s; i < e; i++) a[i] = a[i] + g[i];
 }
 
-static int scan(float *a, const float *g, i64 n, float tp, float tn, int two, int prefilter,
+/* noinline: inlined into sbc_select, the candidate arrays' addresses were recomputed through
+ * __tls_get_addr for every block with candidates */
+__attribute__((noinline)) static int scan(float *a, const float *g, i64 n, float tp, float tn,
+                                          int two, int prefilter,
                 cands *p, cands *q, int *oom) {
     float tmin = two && tn < tp ? tn : tp, ntn = -tn;
     i64 full = n - n % BLOCK;
@@ -386,6 +430,26 @@ static double tree_sum(const float *v, i64 c, double *x) {
     return x[0];
 }
 
+/* Which side's mean is larger beyond any doubt (0 or 1; -1: too close, or a mean outside the
+ * normal float range, or both sides empty): s0/n0 and s1/n1 are sequential float64 sums of
+ * positive values, each within 2 (n - 1) 2^-53 of the exact (and of the tree) sum relatively;
+ * a relative gap above twice that plus 2^-20 (float32's spacing is at most 2^-23 relatively
+ * for normal values, and the division rounds once) keeps float32(sum / n) in the same strict
+ * order for every rounding of the sums. An empty side has mean 0: the other side wins. */
+static int decisive(double s0, i64 n0, double s1, i64 n1) {
+    if (!n0 && !n1) return -1;
+    double m0 = n0 ? s0 / (double)n0 : 0.0, m1 = n1 ? s1 / (double)n1 : 0.0;
+    const double lo = 1.1754943508222875e-38 * 4.0, hi = 3.4028234663852886e38 / 4.0;
+    if ((n0 && (m0 < lo || m0 > hi)) || (n1 && (m1 < lo || m1 > hi))) return -1;
+    if (!n1) return 0;
+    if (!n0) return 1;
+    i64 c = n0 > n1 ? n0 : n1;
+    double tol = 4.0 * (double)c * 1.1102230246251565e-16 + 9.5367431640625e-07;
+    if (m0 > m1 * (1.0 + tol)) return 0;
+    if (m1 > m0 * (1.0 + tol)) return 1;
+    return -1;
+}
+
 /* With g (may be NULL), first a += g over the whole tensor, in the selection's pass: the
  * residual-corrected update A = R + dW (a is then A whatever the return code, except
  * SBC_BADARG). mode: 0 paper (side 0 = P, the min(k, #positive) largest positive entries; side 1 = N, the
@@ -393,9 +457,19 @@ static double tree_sum(const float *v, i64 c, double *x) {
  * side 1 the negative ones), 2 magnitude (side 0 = the k largest |a|, zeros included). Ties at
  * the k-th score go to the lower position. counts[2]: the sides' sizes; sums[2] (modes 0, 1):
  * tree sums of a[P] and of -a[N]. The positions (ascending) stay in this thread's scratch until
- * the next call: sbc_take copies a side out. Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or
- * SBC_BADARG. */
-int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums) {
+ * the next call: sbc_take copies a side out.
+ *
+ * dst (may be NULL; mode 0 only; room for k positions): when the sides' means are so far apart
+ * that their order cannot depend on how each sum is rounded (relative gap above 4 c 2^-53 +
+ * 2^-20, both means normal floats), only the side with the larger mean is materialised: its
+ * positions go straight to dst, *in_dst = that side, its sum is the exact tree sum and the other
+ * side's sum is a plain sequential float64 sum (so float32(sum / count) orders the two means
+ * exactly as the tree sums would, and horovod_sbc's choose_side picks the side in dst). Else
+ * *in_dst = -1 and both sides are in scratch as without dst.
+ * Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or SBC_BADARG. */
+int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
+               i64 *dst, int *in_dst) {
+    if (in_dst) *in_dst = -1;
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
     sums[0] = sums[1] = 0.0;
     if (n < 0 || k < 0 || k > n || mode < 0 || mode > 2) return SBC_BADARG;
@@ -452,7 +526,26 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
     i64 *out0 = (i64 *)grow(&TLS.out[0], (size_t)k * sizeof(i64));
     i64 *out1 = (i64 *)grow(&TLS.out[1], (size_t)k * sizeof(i64));
     if (!tmp || !vals || !x || !out0 || !out1) return SBC_NOMEM;
-    if (mode == 0) {
+    if (mode == 0 && dst && in_dst) {
+        cut c0 = find_cut(p, k, tmp), c1 = find_cut(q, k, tmp);
+        i64 n0, n1;
+        double s0 = cut_sum(p, c0, &n0), s1 = cut_sum(q, c1, &n1);
+        int win = decisive(s0, n0, s1, n1);
+        if (win >= 0) {
+            const cands *w = win ? q : p;
+            cut cw = win ? c1 : c0;
+            counts[win] = keep_cut(w, k, cw, dst, vals);
+            sums[win] = tree_sum(vals, counts[win], x);
+            counts[1 - win] = 1 - win ? n1 : n0;
+            sums[1 - win] = 1 - win ? s1 : s0;
+            *in_dst = win;
+            return SBC_OK; /* nothing in scratch: sbc_take has nothing to copy */
+        }
+        counts[0] = keep_cut(p, k, c0, out0, vals);
+        sums[0] = tree_sum(vals, counts[0], x);
+        counts[1] = keep_cut(q, k, c1, out1, vals);
+        sums[1] = tree_sum(vals, counts[1], x);
+    } else if (mode == 0) {
         counts[0] = keep_topk(p, k, tmp, out0, vals);
         sums[0] = tree_sum(vals, counts[0], x);
         counts[1] = keep_topk(q, k, tmp, out1, vals);

@@ -11,6 +11,8 @@ exactly the k largest (ties to the lower index), so the estimate costs speed, ne
 """
 from __future__ import annotations
 
+import ctypes
+
 import math
 import struct
 from dataclasses import dataclass
@@ -205,13 +207,36 @@ class _CSelection:
     lib: object
     counts: Tuple[int, int]
     sums: Tuple[float, float]
+    in_dst: Optional[int] = None  # the side the kernel wrote to ``dst`` (then only that one)
 
-    def take(self, side: int) -> torch.Tensor:
-        """Side 0 or 1's ascending positions (int64), copied out of the kernel's scratch: call
-        before the next selection on this thread."""
-        out = torch.empty(self.counts[side], dtype=torch.int64)
+    def take(self, side: int, buffer: Optional["PositionBuffer"] = None) -> torch.Tensor:
+        """Side 0 or 1's ascending positions (int64), copied out of the kernel's scratch (into
+        ``buffer`` if given): call before the next selection on this thread."""
+        if self.in_dst is not None:
+            raise AssertionError("horovod_sbc: the selection wrote only one side, to dst")
+        out = buffer.get(self.counts[side]) if buffer is not None else \
+            torch.empty(self.counts[side], dtype=torch.int64)
         self.lib.sbc_take(side, out.data_ptr())
         return out
+
+
+class PositionBuffer:
+    """Reusable storage for the positions one tensor's encode returns (CPU kernel path).
+
+    A fresh tensor of the sent positions per tensor per step page-faults its memory in every
+    time (at density 0.05 that cost about a fifth of the selection); the hook and the fused sync
+    keep one buffer per parameter instead. The positions :func:`encode_update` returns are then
+    a view of it, valid until the next encode given the same buffer (both callers commit the
+    error feedback before that)."""
+
+    def __init__(self):
+        self._t: Optional[torch.Tensor] = None
+
+    def get(self, count: int) -> torch.Tensor:
+        """An int64 CPU view of ``count`` elements (grown, never shrunk)."""
+        if self._t is None or self._t.numel() < count:
+            self._t = torch.empty(count, dtype=torch.int64)
+        return self._t[:count]
 
 
 def _check_rc(rc: int, name: str, what: str) -> None:
@@ -224,16 +249,24 @@ def _check_rc(rc: int, name: str, what: str) -> None:
 
 
 def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
-              addend: Optional[torch.Tensor] = None) -> _CSelection:
-    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first)."""
+              addend: Optional[torch.Tensor] = None,
+              dst: Optional[torch.Tensor] = None) -> _CSelection:
+    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first). With ``dst``
+    (int64, k elements; paper rule only) the kernel may write only the winning side into it:
+    see :attr:`_CSelection.in_dst`."""
     import ctypes
     counts = kernels.Int64s(2)
     sums = (ctypes.c_double * 2)()
+    in_dst = ctypes.c_int(-1)
     rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), a.numel(),
-                        k, mode, counts.ptr, ctypes.addressof(sums))
+                        k, mode, counts.ptr, ctypes.addressof(sums),
+                        None if dst is None else dst.data_ptr(),
+                        None if dst is None else ctypes.addressof(in_dst))
     _check_rc(rc, name, "the selection")
     c0, c1 = counts.list()
-    return _CSelection(lib, (c0, c1), (sums[0], sums[1]))
+    side = in_dst.value
+    return _CSelection(lib, (c0, c1), (sums[0], sums[1]),
+                       None if dst is None or side < 0 else side)
 
 
 def _rice_choice_c(lib, pos: torch.Tensor, numel: int) -> Tuple[int, int]:
@@ -249,15 +282,24 @@ def _rice_choice_c(lib, pos: torch.Tensor, numel: int) -> Tuple[int, int]:
 
 
 def _binarize_c(lib, a: torch.Tensor, k: int, selection: str, name: str,
-                addend: Optional[torch.Tensor] = None) -> "_Binarized":
+                addend: Optional[torch.Tensor] = None,
+                buffer: Optional[PositionBuffer] = None) -> "_Binarized":
     """:func:`binarize_sides` of :func:`select_sides` in two kernel calls."""
-    sel = _select_c(lib, a, k, _C_PAPER if selection == "paper" else _C_MAGNITUDE_SPLIT, name,
-                    addend)
+    paper = selection == "paper"
+    dst = (buffer.get(k) if buffer is not None else torch.empty(k, dtype=torch.int64)) \
+        if paper else None
+    sel = _select_c(lib, a, k, _C_PAPER if paper else _C_MAGNITUDE_SPLIT, name, addend, dst)
     (np_, nn_), (s_pos, s_neg) = sel.counts, sel.sums
     side, mu = choose_side(_f32(s_pos / np_) if np_ else 0.0, _f32(s_neg / nn_) if nn_ else 0.0)
     if side == 0:
         return _Binarized(torch.zeros(0, dtype=torch.int64), 0.0, False, 0, 0)
-    pos = sel.take(0 if side > 0 else 1)
+    chosen = 0 if side > 0 else 1
+    if sel.in_dst is not None:  # only the winner was written (its mean is larger beyond doubt)
+        if sel.in_dst != chosen:
+            raise AssertionError(f"horovod_sbc: the kernel's side for {name!r} is not the chosen one")
+        pos = dst[:sel.counts[chosen]]
+    else:
+        pos = sel.take(chosen, buffer)
     b, sum_q = _rice_choice_c(lib, pos, a.numel())
     return _Binarized(pos, mu, side < 0, b, sum_q)
 
@@ -286,8 +328,11 @@ def tree_sums(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _f32(x: float) -> float:
-    """Round a Python float to float32 (overflow gives inf, as on the device)."""
-    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+    """Round a Python float to float32 (round to nearest even; overflow gives inf, as on the
+    device): C's double-to-float conversion through ctypes, ~50x cheaper than a 0-d tensor's
+    ``.to(torch.float32)`` (it ran twice per tensor per step; tests/test_kernels.py pins them
+    equal)."""
+    return ctypes.c_float(x).value
 
 
 def select_sides(a: torch.Tensor, k: int, selection: str = "paper", name: str = "tensor"
@@ -554,7 +599,8 @@ MODES = ("sbc", "values", "sign", "terngrad")
 
 def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
                   generator: Optional[torch.Generator] = None, selection: str = "paper",
-                  addend: Optional[torch.Tensor] = None
+                  addend: Optional[torch.Tensor] = None,
+                  positions: Optional[PositionBuffer] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``).
 
@@ -569,6 +615,8 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     ``max|A| * sign(A)`` with probability ``|A| / max|A|`` (``generator`` draws; unbiased).
     Returns (tensor message uint8, positions sent, values sent) without touching ``a``; the
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.
+    ``positions``: a :class:`PositionBuffer` the returned positions may live in (CPU kernel
+    path; then valid until the next encode with that buffer).
     """
     mode = "sbc" if mode is True else "values" if mode is False else mode
     if selection not in ("paper", "magnitude"):
@@ -607,13 +655,13 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
         raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
     k = keep_count(n, density)
     if mode == "values":
-        idx = _select_c(lib, a, k, _C_MAGNITUDE, name, addend).take(0) if lib is not None \
-            else select_topk(a, k, name)
+        idx = _select_c(lib, a, k, _C_MAGNITUDE, name, addend).take(0, positions) \
+            if lib is not None else select_topk(a, k, name)
         vals = a[idx].to(torch.float32)
         return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
                 vals.to(a.dtype))
     if lib is not None:
-        bz = _binarize_c(lib, a, k, selection, name, addend)
+        bz = _binarize_c(lib, a, k, selection, name, addend, positions)
     else:
         bz = binarize_sides(a, *select_sides(a, k, selection, name))
     # one value for every position: a stride-0 view (subtract_sent_ recognises it)

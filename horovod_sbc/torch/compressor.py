@@ -21,7 +21,7 @@ import torch
 
 from ..config import SBCConfig
 from ..residual import ResidualManager
-from . import exchange, sync
+from . import codec, exchange, sync
 from .hook import StockHook
 
 
@@ -118,6 +118,7 @@ class SBC(StockHook):
         self.transport = exchange.HorovodTransport()
         self._gen: Optional[torch.Generator] = None
         self._saved_gen = None
+        self._positions: Dict[str, codec.PositionBuffer] = {}  # reused per tensor (CPU)
         self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
         self._max_calls = 0
         if not isinstance(momentum_masking, bool):
@@ -177,6 +178,14 @@ class SBC(StockHook):
         return self.manager.residual(
             name, lambda: torch.zeros(like.numel(), dtype=_residual_dtype(like.dtype),
                                       device=like.device))
+
+    def position_buffer(self, name: str) -> "codec.PositionBuffer":
+        """Where ``name``'s sent positions live between its encode and its error-feedback
+        commit (reused every step: no fresh page-faulted tensor per tensor per step)."""
+        buf = self._positions.get(name)
+        if buf is None:
+            buf = self._positions[name] = codec.PositionBuffer()
+        return buf
 
     def world(self) -> Tuple[int, int]:
         """(size, rank) of the transport's job, recorded for checkpoint checks."""

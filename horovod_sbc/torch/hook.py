@@ -133,7 +133,7 @@ class StockHook:
         try:  # A = R + g, in place (in the selection's pass); error feedback in decompress()
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, name,
                                            self.generator(res.device), cfg.selection,
-                                           addend=upd)
+                                           addend=upd, positions=self.position_buffer(name))
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
             restore(res, upd)

@@ -143,7 +143,7 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
         try:  # A = R + dW, in place (in the selection's pass); error feedback committed below
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, u.name,
                                            state.generator(res.device), cfg.selection,
-                                           addend=upd)
+                                           addend=upd, positions=state.position_buffer(u.name))
         except NonFiniteError as e:
             restore(res, upd)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
