@@ -30,7 +30,7 @@
 extern "C" {
 // declarations of sbc_kernels.c (documented there and in horovod_sbc/kernels/__init__.py)
 int sbc_select(float *a, const float *g, int64_t n, int64_t k, int mode, int64_t *counts,
-               double *sums);
+               double *sums, int64_t *dst, int *in_dst);
 int sbc_take(int side, int64_t *dst);
 void sbc_gap_shift_sums(const int64_t *pos, int64_t c, const int64_t *bs, int64_t nb,
                         int64_t *out);
@@ -159,8 +159,9 @@ class SbcEncodeOp : public OpKernel {
     int64_t counts[2] = {0, 0};
     double sums[2] = {0.0, 0.0};
     // A = R + dW in the selection's pass
+    // no dst: both sides' exact tree sums, the positions in this thread's scratch for sbc_take
     int rc = sbc_select(a, add ? update.flat<float>().data() : nullptr, n, k_, magnitude_ ? 1 : 0,
-                        counts, sums);
+                        counts, sums, nullptr, nullptr);
     OP_REQUIRES(ctx, rc != kNoMem, ResourceExhausted("SbcEncode: out of memory"));
     OP_REQUIRES(ctx, rc == kOk || rc == kNonFinite,
                 Internal("SbcEncode: the selection rejected its arguments (", rc, ")"));
