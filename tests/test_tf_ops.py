@@ -271,3 +271,48 @@ def test_tf_decoder_memory_is_bounded_by_the_message_size():
     per_byte = (got["extra"] - got["output"]) / got["bytes"]
     print(f"TF decoder: {per_byte:.1f} bytes per message byte beyond the output")
     assert per_byte <= 40, got
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_decode_into_outputs_matches_the_stock_path(graph):
+    """Accumulating into given outputs (the drop-in optimizer's reference weights), three ranks,
+    two tensors, one rank sending nothing for one of them: the ops add in rank order onto the
+    bases exactly as the stock path does, and leave the inputs untouched."""
+    rng = np.random.default_rng(11)
+    layout = [("a", (300, 7)), ("b", (5000,))]
+    msgs = []
+    for r in range(3):
+        ms = []
+        for name, shape in layout:
+            n = int(np.prod(shape))
+            u = rng.standard_normal(n).astype(np.float32)
+            if r == 1 and name == "a":
+                u = np.zeros(n, np.float32)  # nothing to send
+            ms.append(core.compress_np(u, None, 0.05)[0])
+        msgs.append(ms)
+    buf = tf.constant(np.frombuffer(_step(msgs, layout), np.uint8))
+    bases = [rng.standard_normal(s).astype(np.float32) for _, s in layout]
+    got = {}
+    for path, ctx in _paths():
+        with ctx():
+            outs = [tf.constant(b) for b in bases]
+            fn = lambda g, o0, o1: tfx.decode_gathered(g, layout, 3, 1 / 3, [o0, o1])  # noqa
+            res = (tf.function(fn) if graph else fn)(buf, *outs)
+            got[path] = [x.numpy().tobytes() for x in res]
+            assert [o.numpy().tobytes() for o in outs] == [b.tobytes() for b in bases]
+    assert got["ops"] == got["stock"]
+    ref = [b.copy().reshape(-1) for b in bases]
+    wire.accumulate_np(wire.decode_step_np(buf.numpy().tobytes(), layout, 3), ref, 1 / 3)
+    assert got["ops"] == [x.tobytes() for x in ref]
+
+
+@pytest.mark.parametrize("density", [0.9, 1.0])
+def test_stock_path_paper_rule_at_high_density_on_large_tensors(density):
+    """Regression (found by the property test above): the stock path's sampled band selected
+    the wrong P/N for the paper rule once k exceeded half of a large tensor."""
+    u = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
+    u[:8] = 0
+    want, want_res = core.compress_np(u, None, density)
+    with kernels.disabled():
+        msg, res = codec.compress(tf.constant(u), tf.zeros(20_000), density)
+    assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()
