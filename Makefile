@@ -17,6 +17,7 @@ test: install
 
 bench: install
 	$(PY) -m benchmarks.bench all --json benchmarks/results/bench.json
+	$(PY) -m benchmarks.bench tasks --tasks mnist1d_long --json benchmarks/results/tasks_long.json
 	$(PY) -m benchmarks.bench downlink --json benchmarks/results/downlink.json
 	$(PY) -m benchmarks.bench_tf_codec --json benchmarks/results/tf_codec.json
 	$(PY) -m benchmarks.bench_ddp --json benchmarks/results/ddp.json

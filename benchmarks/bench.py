@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -550,9 +551,10 @@ def main(argv=None) -> int:
     elif args.cmd == "tasks":
         res = cmd_tasks(args)
         out.update(res)
-        if plots:
-            bt.plot_tasks(res, f"{plots}/tasks_score_vs_bits.png")
-        md = [("Training tasks (mnist1d, text)", bt.markdown_tasks(res))]
+        if plots:  # tasks.json -> tasks_score_vs_bits.png, tasks_long.json -> tasks_long_...
+            stem = os.path.splitext(os.path.basename(args.json or "tasks"))[0]
+            bt.plot_tasks(res, f"{plots}/{stem}_score_vs_bits.png")
+        md = [(f"Training tasks ({', '.join(args.tasks.split(','))})", bt.markdown_tasks(res))]
     elif args.cmd == "steptime":
         from . import bench_net as bn
         res = bn.run_steptime(workers=args.workers, progress=not args.no_progress)

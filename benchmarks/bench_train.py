@@ -281,6 +281,7 @@ def _train_once(cfg: dict, seed: int, data, emit) -> dict:
     import torch
     import horovod.torch as hvd
     import horovod_sbc.torch as sbc
+    from examples.common import stock_horovod_optimizer
 
     xtr, ytr, xte, yte = data
     method = cfg["method"]
@@ -290,11 +291,8 @@ def _train_once(cfg: dict, seed: int, data, emit) -> dict:
     numel = sum(p.numel() for p in model.parameters())
     comp = None
     if method in STOCK:
-        c = hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=c)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt = stock_horovod_optimizer(base, model, hvd.Compression.fp16 if method == "fp16"
+                                      else hvd.Compression.none)
     elif method == "local":
         opt = base
     else:
@@ -769,6 +767,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     import torch
     import horovod.torch as hvd
     import horovod_sbc.torch as sbc
+    from examples.common import stock_horovod_optimizer
 
     rank, size = hvd.rank(), hvd.size()
     method, api = spec["method"], spec.get("api", "dropin")
@@ -779,20 +778,14 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     steps = spec.get("steps", task.recipe.steps)
     comp = None
     if method in STOCK:
-        c = hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=c)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt = stock_horovod_optimizer(base, model, hvd.Compression.fp16 if method == "fp16"
+                                      else hvd.Compression.none)
     elif method == "local":
         opt = base
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elif api == "stock":
         comp = _task_compressor(spec, seed)
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=comp)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt = stock_horovod_optimizer(base, model, comp)
     else:
         comp = _task_compressor(spec, seed)
         kw = {k: spec[k] for k in ("local_residual",) if k in spec}
@@ -1003,6 +996,18 @@ def task_jobs(task: str, quick: bool) -> List[dict]:
             {"workers": 2, "partition": "by_class", "seeds": one,
              "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1),
                       _s("sbc", 0.01, 1, local_residual=False)]}]
+    if task == "mnist1d_long":  # issue 11's own setting: 3 seeds of every run
+        return [
+            {"workers": 4, "partition": "iid", "seeds": [0, 1, 2],
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
+                      _s("sbc", 0.1, 1, api="stock"), _s("topk", 0.01, 1, api="stock"),
+                      _s("sbc", 0.01, 1), _s("sbc", 0.1, 1), _s("sbc", 0.01, 4),
+                      _s("sbc", 0.001, 1), _s("sbc", 0.001, 4)]},
+            {"workers": 4, "partition": "iid", "seeds": [0, 1, 2],
+             "runs": [_s("sbc", 0.001, 8), _s("sbc", 0.001, 16), _s("sbc", 0.001, 32),
+                      _s("sbc", 0.01, 16)]},
+            {"workers": 4, "partition": "iid", "seeds": [0, 1, 2],
+             "runs": [_s("sbc", 0.01, 32), _s("sbc", 0.01, 64), _s("sbc", 0.003, 32)]}]
     runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
             _s("sbc", 0.01, 4, local_residual=False)]
     return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS]

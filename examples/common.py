@@ -39,3 +39,16 @@ def print_runs(results: List[Dict], json_path: Optional[str] = None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"runs": results}, f, indent=1)
+
+
+def stock_horovod_optimizer(optimizer, model, compression=None):
+    """Stock Horovod set up as its documentation does: ``hvd.DistributedOptimizer`` over the
+    model's named parameters (with ``compression``, e.g. ``horovod_sbc.torch.SBC(...)`` for the
+    one-line change, or ``hvd.Compression.none``), then rank 0's parameters and optimizer state
+    broadcast to every rank. Shared by the benchmarks and the test workers."""
+    import horovod.torch as hvd
+    opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                   compression=compression or hvd.Compression.none)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return opt

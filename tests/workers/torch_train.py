@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 import horovod_sbc.torch as sbc  # noqa: E402
 from common import write_result  # noqa: E402
-from examples.common import digits_split  # noqa: E402
+from examples.common import digits_split, stock_horovod_optimizer  # noqa: E402
 
 
 def make_net(width=16, pool=True):
@@ -90,10 +90,7 @@ def run(cfg, data):
         sbc.broadcast_state(model, opt, root_rank=0)
     elif api in ("stock", "dense"):
         comp = make_comp(cfg) if api == "stock" else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=comp)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt = stock_horovod_optimizer(base, model, comp)
         if api == "dense":
             comp = None
     elif api == "local":
