@@ -1,4 +1,4 @@
-"""TensorFlow codec speed: kernel ops, stock TF ops and the numpy bridge, as multiples of ``tf.add``.
+"""TensorFlow codec speed: kernel ops, stock TF ops, numpy bridge, as multiples of ``tf.add``.
 
     python -m benchmarks.bench_tf_codec [--n 25000000] [--densities 1e-4,1e-3,1e-2,5e-2]
                                         [--repeats 3] [--json out.json] [--no-bridge]

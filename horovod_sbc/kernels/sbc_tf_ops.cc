@@ -121,7 +121,8 @@ REGISTER_OP("SbcEncode")
       return tensorflow::OkStatus();
     })
     .Doc(R"doc(
-SBC-encode A = residual + update (flat float32, same size; an empty update: A = residual): the exact selection of
+SBC-encode A = residual + update (flat float32, same size; an empty update: A = residual): the
+exact selection of
 horovod_sbc.core (paper, or magnitude split with magnitude=true) of k per side, the side with the
 larger mean (fixed-order float64 tree sums, mean rounded to float32), its Rice parameter
 (b*(count) = rice_b1 - #{rice_steps <= count}, then the best of b*-1, b*, b*+1) and streams.
@@ -347,7 +348,8 @@ REGISTER_OP("SbcScatterAdd")
       return tensorflow::OkStatus();
     })
     .Doc(R"doc(
-outs[t] (flat, numels[t] elements) = bases[t] (or zeros: then bases may be empty) + for each rank in rank order float32(float64(value) * scale) at
+outs[t] (flat, numels[t] elements) = bases[t] (or zeros: then bases may be empty) + for each
+rank in rank order float32(float64(value) * scale) at
 that rank's positions of tensor t (float32 adds in rank order at every element: the reference's
 arithmetic, IEEE subnormals kept). The table rows are the messages in (rank, tensor) order, the
 positions those of SbcDecodeBinary after the protocol accepted the step.
