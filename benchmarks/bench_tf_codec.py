@@ -1,7 +1,8 @@
-"""TensorFlow codec speed: native TF ops vs the numpy bridge, as multiples of ``tf.add``.
+"""TensorFlow codec speed: kernel ops, stock TF ops, numpy bridge, as multiples of ``tf.add``.
 
     python -m benchmarks.bench_tf_codec [--n 25000000] [--densities 1e-4,1e-3,1e-2,5e-2]
                                         [--repeats 3] [--json out.json] [--no-bridge]
+                                        [--no-stock]
 
 Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n`` elements:
 
@@ -12,6 +13,11 @@ Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n``
                 in a sync (same work as the torch codec's ``compress_step`` in ``bench codec``);
 * ``decode``    8 ranks' step messages (one 25M tensor each) decoded and averaged into a dense
                 result inside a ``tf.function`` (``decoder.decode_gathered``);
+* ``native_*`` is the codec as it runs by default: on the CPU the float32 binary SBC path is the
+  C kernels as TensorFlow custom ops (:mod:`horovod_sbc.tensorflow.native`); the ``path`` field
+  says whether they were available;
+* ``stock_*``   the same two with the kernel ops disabled (``horovod_sbc.kernels.disabled()``:
+                stock TensorFlow ops only, the path GPU tensors take), unless ``--no-stock``;
 * the same two for the numpy bridge (``codec="numpy"``, ``tf.numpy_function``).
 
 Times are the minimum over ``repeats`` runs after a warm-up (the shared CI machine is noisy; the
@@ -41,7 +47,8 @@ def _min_time(fn: Callable[[], object], repeats: int, sync: Callable[[object], N
 
 
 def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-2),
-        repeats: int = 3, n_ranks: int = 8, bridge: bool = True) -> Dict[str, object]:
+        repeats: int = 3, n_ranks: int = 8, bridge: bool = True,
+        stock: bool = True) -> Dict[str, object]:
     """Measure; returns ``{"n", "add_s", "rows": [{density, native_*, bridge_*, ...}]}``."""
     import tensorflow as tf
     try:
@@ -49,8 +56,9 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
         tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # already initialised by the caller: keep its setting
         pass
-    from horovod_sbc import wire
+    from horovod_sbc import kernels, wire
     from horovod_sbc.tensorflow import bridge as tfbridge, codec, decoder
+    path = "kernel ops" if kernels.tf_ops() is not None else "stock TF ops"
 
     def sync(out):
         # reading one element forces completion (asynchronous kernels on a device)
@@ -87,6 +95,20 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
         row.update(add_s=t_add, native_compress_s=t_comp, native_decode_s=t_dec,
                    native_compress_over_add=t_comp / t_add, native_decode_over_add=t_dec / t_add,
                    message_bytes=len(msgs[0]))
+        if stock:
+            with kernels.disabled():  # traced and run without the kernel ops
+                scomp = tf.function(lambda u, r, d=d: codec.compress(u, r, d))
+                sdec = tf.function(lambda g: decoder.decode_gathered(g, layout, n_ranks, None,
+                                                                     1.0 / n_ranks)[1][0])
+                t_sc = _min_time(lambda: scomp(grad, resid), repeats, sync)
+                t_sd = _min_time(lambda: sdec(gathered), repeats, sync)
+                # the same bytes and the same decoded average as the default path
+                same = (scomp(grad, resid)[0].numpy().tobytes()
+                        == comp(grad, resid)[0].numpy().tobytes()
+                        and sdec(gathered).numpy().tobytes() == dec(gathered).numpy().tobytes())
+            row.update(stock_compress_s=t_sc, stock_decode_s=t_sd,
+                       stock_compress_over_add=t_sc / t_add, stock_decode_over_add=t_sd / t_add,
+                       stock_identical=same)
         if bridge:
             bcomp = tf.function(lambda u, r, d=d: tfbridge.compress(u, r, d))
             t_bc = _min_time(lambda: bcomp(grad, resid), max(1, repeats // 3), sync)
@@ -103,21 +125,25 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
             row.update(bridge_compress_s=t_bc, bridge_decode_s=t_bd,
                        bridge_compress_over_add=t_bc / t_add, bridge_decode_over_add=t_bd / t_add)
         rows.append(row)
-    return {"n": n, "threads": 1, "add_s": min(add_times), "rows": rows,
+    return {"n": n, "threads": 1, "add_s": min(add_times), "rows": rows, "path": path,
             "targets": {"compress_over_add": TARGET_COMPRESS, "decode_over_add": TARGET_DECODE}}
 
 
 def print_table(res: Dict[str, object]) -> None:
     print(f"TensorFlow codec, {res['n']:,} fp32 elements, 1 thread; time / tf.add "
-          f"(add {1000 * res['add_s']:.1f} ms); decode = 8 ranks' messages averaged")
-    print(f"{'density':>8} {'native comp':>12} {'native dec':>11} {'bridge comp':>12} "
-          f"{'bridge dec':>11} {'msg bytes':>10}")
+          f"(add {1000 * res['add_s']:.1f} ms); decode = 8 ranks' messages averaged; "
+          f"native = {res.get('path', '?')}")
+    print(f"{'density':>8} {'native comp':>12} {'native dec':>11} {'stock comp':>11} "
+          f"{'stock dec':>10} {'bridge comp':>12} {'bridge dec':>11} {'msg bytes':>10}")
     for r in res["rows"]:
         def f(key):
             return f"{r[key]:.2f}x" if key in r else "-"
+        same = "" if "stock_identical" not in r else \
+            ("  (same bytes)" if r["stock_identical"] else "  (DIFFERENT bytes!)")
         print(f"{r['density']:>8g} {f('native_compress_over_add'):>12} "
-              f"{f('native_decode_over_add'):>11} {f('bridge_compress_over_add'):>12} "
-              f"{f('bridge_decode_over_add'):>11} {r['message_bytes']:>10,}")
+              f"{f('native_decode_over_add'):>11} {f('stock_compress_over_add'):>11} "
+              f"{f('stock_decode_over_add'):>10} {f('bridge_compress_over_add'):>12} "
+              f"{f('bridge_decode_over_add'):>11} {r['message_bytes']:>10,}{same}")
     print(f"targets: native compress <= {TARGET_COMPRESS:g}x, decode <= {TARGET_DECODE:g}x")
 
 
@@ -128,9 +154,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--no-bridge", action="store_true", help="skip the numpy bridge (slow)")
+    p.add_argument("--no-stock", action="store_true",
+                   help="skip the stock-TF-op path (kernel ops disabled)")
     args = p.parse_args(argv)
     res = run(args.n, [float(x) for x in args.densities.split(",")], args.repeats,
-              bridge=not args.no_bridge)
+              bridge=not args.no_bridge, stock=not args.no_stock)
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -247,9 +247,13 @@ class TFDecoders:
     def _decode(self, layout, n_ranks, scale, gathered):
         return self.tfx.decode_gathered(gathered, layout, n_ranks, scale)
 
-    def run(self, layout, n_ranks, data, scale, graph: bool):
+    def run(self, layout, n_ranks, data, scale, graph: bool, stock: bool = False):
+        """``stock``: the stock-TF-op decoder (kernel ops disabled, traced without them)."""
+        if stock:
+            with kernels.disabled():
+                return self.run(layout, n_ranks, data, scale, graph)
         tf = self.tf
-        key = (id(layout), n_ranks, scale)
+        key = (id(layout), n_ranks, scale, kernels.tf_ops() is None)
         if graph and key not in self.graphs:
             self.graphs[key] = tf.function(
                 lambda g: self._decode(layout, n_ranks, scale, g),
@@ -274,7 +278,7 @@ def tf_decoders():
     return TFDecoders()
 
 
-def _check(seed, tf_dec=None, binary_only=False):
+def _check(seed, tf_dec=None, binary_only=False, tf_stock_only=False):
     layout, n_ranks, data, cls = make_case(seed, binary_only)
     scale = 1.0 / n_ranks
     ref = decode_numpy(layout, n_ranks, data, scale)
@@ -283,8 +287,12 @@ def _check(seed, tf_dec=None, binary_only=False):
         with kernels.disabled():
             got["torch (tensor ops)"] = decode_torch(layout, n_ranks, data, scale)
     if tf_dec is not None:
-        got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, graph=False)
-        got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, graph=True)
+        # the kernel ops (binary messages on the CPU) and, every OPS_EVERY-th case, stock TF ops
+        stock_too = tf_stock_only or (seed // TF_EVERY) % 2 == 0
+        for stock in ([True] if tf_stock_only else [False, True] if stock_too else [False]):
+            sfx = " (stock ops)" if stock else ""
+            got["tf eager" + sfx] = tf_dec.run(layout, n_ranks, data, scale, False, stock)
+            got["tf.function" + sfx] = tf_dec.run(layout, n_ranks, data, scale, True, stock)
     for name, out in got.items():
         assert out == ref, (f"case {seed} ({cls}, {n_ranks} ranks): {name} disagrees with numpy:\n"
                             f"  numpy: {str(ref)[:300]}\n  {name}: {str(out)[:300]}\n"
@@ -325,6 +333,29 @@ def _takes_fast_path(layout, n_ranks, data) -> bool:
             and bool(binary.runtime_ok(tf.constant(buf), tf.constant(table))))
 
 
+def test_differential_tensorflow_kernel_ops(tf_decoders):
+    """Valid and mutated steps of binary SBC messages only: the TF decoder's kernel ops
+    (horovod_sbc.tensorflow.native) must reach numpy's verdicts and bits."""
+    from horovod_sbc.tensorflow import decoder, native
+    assert kernels.tf_ops() is not None, "the TF kernel ops must build here"
+    n = max(60, CASES // (20 * TF_EVERY))
+    seen = {}
+    for seed in range(n):
+        cls, verdict, (layout, n_ranks, data) = _check(2 * 10 ** 7 + seed, tf_decoders,
+                                                      binary_only=True)
+        try:
+            _, table = decoder.parse_host(np.frombuffer(data, np.uint8), layout, n_ranks, False,
+                                          False, True)
+        except ValueError:
+            continue  # rejected by the host parse, before any stream is decoded
+        cols = (decoder.C_COUNT, decoder.C_KIND, decoder.C_B, decoder.K_BINARY,
+                decoder.K_ALL_SIGNS)
+        if bool(native.decoder_runtime_ok(tf_decoders.tf.constant(table), cols)):
+            seen[(cls, verdict)] = seen.get((cls, verdict), 0) + 1
+    assert seen.get(("valid", "ok"), 0) >= n // 10, seen
+    assert sum(v for (c, k), v in seen.items() if k == "invalid") >= n // 20, seen
+
+
 @pytest.mark.parametrize("masks", ["sorted", "dense"])
 def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatch):
     """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF decoder's fast
@@ -335,7 +366,8 @@ def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatc
     n = max(60, CASES // (20 * TF_EVERY))
     fast = {}
     for seed in range(n):
-        cls, verdict, case = _check(10 ** 7 + seed, tf_decoders, binary_only=True)
+        cls, verdict, case = _check(10 ** 7 + seed, tf_decoders, binary_only=True,
+                                    tf_stock_only=True)
         if _takes_fast_path(*case):
             fast[(cls, verdict)] = fast.get((cls, verdict), 0) + 1
     # the fast path saw valid steps and mutated ones it had to reject from its statistics

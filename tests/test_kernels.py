@@ -255,13 +255,17 @@ def test_kernels_can_be_switched_off_by_environment():
 
 def test_build_ahead_of_time_command(tmp_path):
     """``python -m horovod_sbc.kernels`` (what scripts/install.sh runs) builds and prints the
-    library's path."""
+    library's path, and, when TensorFlow is importable, the TensorFlow op library's."""
+    import importlib.util
     res = subprocess.run([sys.executable, "-m", "horovod_sbc.kernels"], capture_output=True,
-                         text=True, timeout=120,
+                         text=True, timeout=300,
                          env={**os.environ, "HOROVOD_SBC_KERNELS_DIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr[-2000:]
-    path = res.stdout.strip()
-    assert path.startswith(str(tmp_path)) and os.path.exists(path)
+    paths = res.stdout.split()
+    want = ["sbc_kernels-"] + (["sbc_tf_ops-"] if importlib.util.find_spec("tensorflow") else [])
+    assert len(paths) == len(want), paths
+    for path, stem in zip(paths, want):
+        assert path.startswith(str(tmp_path / stem)) and os.path.exists(path), path
 
 
 def test_momentum_masking_kernel_matches_masked_fill():

@@ -1,6 +1,7 @@
 """The native TensorFlow codec (horovod_sbc/tensorflow/codec.py, decoder.py): byte-identical to
 the numpy reference on the golden vectors and on random tensors, eagerly and inside tf.function;
 exact bit-level helpers; subnormal values survive graph mode; the bridge stays equivalent."""
+import contextlib
 import json
 import math
 import os
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 tf = pytest.importorskip("tensorflow")
 
-from horovod_sbc import core, wire  # noqa: E402
+from horovod_sbc import core, kernels, wire  # noqa: E402
 from horovod_sbc.tensorflow import bridge, codec, decoder  # noqa: E402
 from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
 
@@ -26,24 +27,29 @@ NP_DT = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
 _GRAPH = {}
 
 
-def _compress(u, r, density, mode, selection, graph):
-    if not graph:
-        return codec.compress(tf.constant(u), tf.constant(r), density, mode, selection)
-    key = (density, str(mode), selection, u.dtype.str, r.dtype.str, u.shape)
-    fn = _GRAPH.get(key)
-    if fn is None:
-        fn = _GRAPH[key] = tf.function(
-            lambda a, b: codec.compress(a, b, density, mode, selection))
-    return fn(tf.constant(u), tf.constant(r))
+def _compress(u, r, density, mode, selection, graph, stock=False):
+    """codec.compress; ``stock``: with the kernel ops disabled (the stock-TF-op path)."""
+    with (kernels.disabled() if stock else contextlib.nullcontext()):
+        if not graph:
+            return codec.compress(tf.constant(u), tf.constant(r), density, mode, selection)
+        key = (density, str(mode), selection, u.dtype.str, r.dtype.str, u.shape, stock)
+        fn = _GRAPH.get(key)
+        if fn is None:
+            fn = _GRAPH[key] = tf.function(
+                lambda a, b: codec.compress(a, b, density, mode, selection))
+        return fn(tf.constant(u), tf.constant(r))
 
 
+@pytest.mark.parametrize("stock", [False, True], ids=["ops", "stock"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("case", GOLDEN, ids=[c["name"] for c in GOLDEN])
-def test_golden_vectors_native(case, graph):
+def test_golden_vectors_native(case, graph, stock):
+    """Both TF paths: the kernel op (float32 binary SBC on the CPU) and the stock TF ops."""
     u, r = make_golden.make_inputs(case["index"], case["numel"], NP_DT[case["dtype"]],
                                    case["kind"])
     binarize, mode = make_golden.mode_args(case["binarize"])
-    msg, res = _compress(u, r, case["density"], mode or binarize, case["selection"], graph)
+    msg, res = _compress(u, r, case["density"], mode or binarize, case["selection"], graph,
+                         stock)
     want = bytes.fromhex(case["message_hex"])
     assert msg.numpy().tobytes() == want
     assert make_golden.digest(res.numpy()) == case["new_residual_sha256"]
@@ -310,6 +316,9 @@ def test_residual_update_ways_agree(dtype):
     got = codec.apply_sent(tf.constant(a), tf.range(5000, dtype=tf.int64), tf.constant(full),
                            codec.ResidualUpdate.ALL)
     assert got.numpy().tobytes() == (a - full).tobytes()
-    assert codec.encode_update(tf.constant(a), 0.01).update is codec.ResidualUpdate.DENSE
-    assert codec.encode_update(tf.constant(a), 1e-3).update is codec.ResidualUpdate.SCATTER
+    # the stock-TF-op path's choice (the kernel op commits the residual itself)
+    assert codec.encode_update(tf.constant(a), 0.01, native_ok=False).update \
+        is codec.ResidualUpdate.DENSE
+    assert codec.encode_update(tf.constant(a), 1e-3, native_ok=False).update \
+        is codec.ResidualUpdate.SCATTER
     assert codec.encode_update(tf.constant(a), 1.0, "sign").update is codec.ResidualUpdate.ALL

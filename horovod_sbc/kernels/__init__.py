@@ -32,7 +32,10 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   parser found (and checks them against the buffer once more);
 * ``sbc_scatter_add_groups`` — ``out[pos] += value`` for every tensor's messages, each element
   receiving its ranks' values in rank order (float32 adds, the reference's order), walking the
-  output once in cache-sized chunks rather than once per rank.
+  output once in cache-sized chunks rather than once per rank;
+* ``sbc_decode_batch_into`` / ``sbc_scatter_add_groups_from`` — the same two with the positions
+  in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
+  and scatter may run on different threads).
 
 Build: ``cc -O3 -fPIC -shared -ffp-contract=off`` (never ``-ffast-math``: every float operation
 must be the IEEE one of the reference), into ``$HOROVOD_SBC_KERNELS_DIR`` or
@@ -41,6 +44,14 @@ platform; concurrent ranks building at once each write a private file and rename
 ``python -m horovod_sbc.kernels`` builds ahead of time (``scripts/install.sh`` does).
 ``HOROVOD_SBC_KERNELS=0`` disables them (the tensor-op codec is used); so does
 :func:`disabled` for a block of code (tests).
+
+TensorFlow: ``sbc_tf_ops.cc`` wraps the same kernels as three TensorFlow custom ops (CPU only;
+``SbcEncode``, ``SbcDecodeBinary``, ``SbcScatterAdd``; the file documents why the op boundaries
+lie where they do). :func:`tf_ops` builds it on first use like the C library — ``sbc_kernels.c``
+compiled by ``cc`` as a C object, linked with the ``.cc`` by ``g++`` (``$CXX``) with
+``tf.sysconfig``'s compile and link flags, cached under a hash of both sources, the commands and
+the TensorFlow version — and loads it with ``tf.load_op_library``;
+:mod:`horovod_sbc.tensorflow.native` drives it. The same switches disable it.
 """
 from __future__ import annotations
 
@@ -58,7 +69,11 @@ from pathlib import Path
 from typing import Optional
 
 SOURCE = Path(__file__).with_name("sbc_kernels.c")
+TF_SOURCE = Path(__file__).with_name("sbc_tf_ops.cc")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+# the C object linked into the TF op library: FLAGS without -shared
+C_OBJECT_FLAGS = [f for f in FLAGS if f != "-shared"] + ["-c"]
+TF_FLAGS = ["-O2", "-fPIC", "-shared", "-w", "-ffp-contract=off", "-fno-fast-math"]
 
 OK, NONFINITE, NOMEM, BADARG = 0, 1, -1, -2
 
@@ -85,24 +100,94 @@ def library_path() -> Path:
     return cache_dir() / f"sbc_kernels-{h.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compile ``sbc_kernels.c`` if needed; returns the library's path (raises on failure)."""
-    out = library_path()
+def _run(cmd) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
+
+
+def _build_into(out: Path, make) -> Path:
+    """Build ``out`` unless it exists: ``make(tmp)`` writes a private temporary file in the cache
+    directory, which is then renamed into place (concurrent ranks building at once each write
+    their own file; the last rename wins, and every file is complete)."""
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".so.tmp", dir=out.parent)
     os.close(fd)
     try:
-        cmd = _compiler() + FLAGS + ["-o", tmp, str(SOURCE), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
+        make(tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def build() -> Path:
+    """Compile ``sbc_kernels.c`` if needed; returns the library's path (raises on failure)."""
+    return _build_into(library_path(), lambda tmp: _run(_compiler() + FLAGS +
+                                                         ["-o", tmp, str(SOURCE), "-lm"]))
+
+
+def _cxx() -> list:
+    return shlex.split(os.environ.get("CXX", "g++"))
+
+
+def _tf_flags():
+    import tensorflow as tf
+    return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+def tf_library_path() -> Path:
+    """Where the TensorFlow op library for these sources, compilers, flags and TF version lives."""
+    version, cflags, lflags = _tf_flags()
+    h = hashlib.sha256()
+    for src in (SOURCE, TF_SOURCE):
+        h.update(src.read_bytes())
+    h.update(" ".join(_compiler() + C_OBJECT_FLAGS + ["|"] + _cxx() + TF_FLAGS + cflags
+                      + ["|"] + lflags).encode())
+    h.update(f"tf-{version}-{platform.machine()}-{platform.system()}-{sys.byteorder}".encode())
+    return cache_dir() / f"sbc_tf_ops-{h.hexdigest()[:16]}.so"
+
+
+def build_tf() -> Path:
+    """Compile the TensorFlow op library if needed (``sbc_kernels.c`` as a C object with ``cc``,
+    linked with ``sbc_tf_ops.cc`` by ``g++``); returns its path (raises on failure)."""
+    _, cflags, lflags = _tf_flags()
+
+    def make(tmp):
+        obj = tmp + ".o"
+        try:
+            _run(_compiler() + C_OBJECT_FLAGS + ["-o", obj, str(SOURCE)])
+            _run(_cxx() + TF_FLAGS + cflags + ["-o", tmp, str(TF_SOURCE), obj] + lflags
+                 + ["-lm"])
+        finally:
+            if os.path.exists(obj):
+                os.unlink(obj)
+
+    return _build_into(tf_library_path(), make)
+
+
+_tf_ops = None
+_tf_tried = False
+
+
+def tf_ops():
+    """The loaded TensorFlow op module (``tf.load_op_library``), or None (disabled, or it could
+    not be built or loaded: warned once)."""
+    global _tf_ops, _tf_tried
+    if _disabled or os.environ.get("HOROVOD_SBC_KERNELS", "1") == "0":
+        return None
+    if not _tf_tried:
+        _tf_tried = True
+        try:
+            import tensorflow as tf
+            _tf_ops = tf.load_op_library(str(build_tf()))
+        except Exception as e:  # no compiler, no TF headers, read-only cache, ...
+            warnings.warn(f"horovod_sbc: TensorFlow kernel ops unavailable ({e}); the TF codec "
+                          "uses stock TensorFlow ops instead (same bytes, slower on the CPU)")
+    return _tf_ops
 
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p

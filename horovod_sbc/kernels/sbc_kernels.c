@@ -822,6 +822,41 @@ static int decode_one(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i6
     return SBC_OK;
 }
 
+/* The byte ranges of m messages lie inside buf[0..buflen) and each count needs no more unary
+ * bits than there are; *total_out = sum(count) (<= 2^40). SBC_BADARG otherwise. */
+static int check_ranges(i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
+                        const i64 *rstart, const i64 *rlen, const i64 *count, i64 *total_out) {
+    u128 total = 0;
+    for (i64 j = 0; j < m; j++) {
+        if (ustart[j] < 0 || ulen[j] < 0 || ustart[j] > buflen - ulen[j] || rstart[j] < 0 ||
+            rlen[j] < 0 || rstart[j] > buflen - rlen[j] || count[j] < 0 ||
+            count[j] > 8 * ulen[j]) /* a position needs a unary bit */
+            return SBC_BADARG;
+        total += (u64)count[j];
+    }
+    if (total > ((u64)1 << 40)) return SBC_BADARG;
+    *total_out = (i64)total;
+    return SBC_OK;
+}
+
+/* sbc_decode_batch's work with the positions written to the caller's pos[0..sum(count)) instead
+ * of the thread's scratch (the TensorFlow op's output tensor). */
+int sbc_decode_batch_into(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart,
+                          const i64 *ulen, const i64 *rstart, const i64 *rlen, const i64 *count,
+                          const i64 *rb, const i64 *numel, i64 *stats, uint32_t *pos) {
+    i64 total;
+    int rc = check_ranges(buflen, m, ustart, ulen, rstart, rlen, count, &total);
+    if (rc != SBC_OK) return rc;
+    i64 off = 0;
+    for (i64 j = 0; j < m; j++) {
+        int rc = decode_one(buf + ustart[j], ulen[j], buf + rstart[j], rlen[j], count[j], rb[j],
+                            numel[j], pos + off, stats + 6 * j);
+        if (rc != SBC_OK) return rc;
+        off += count[j];
+    }
+    return SBC_OK;
+}
+
 /* Batched decoding of m binary messages of one gathered buffer buf[0..buflen): message j has
  * unary bytes [ustart[j], ustart[j] + ulen[j]), remainder bytes [rstart[j], ...+rlen[j]),
  * count[j] positions with Rice parameter rb[j] in a tensor of numel[j] <= 2^32 elements; its
@@ -833,26 +868,14 @@ static int decode_one(const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i6
 int sbc_decode_batch(const uint8_t *buf, i64 buflen, i64 m, const i64 *ustart, const i64 *ulen,
                      const i64 *rstart, const i64 *rlen, const i64 *count, const i64 *rb,
                      const i64 *numel, i64 *stats) {
-    u128 total = 0;
-    for (i64 j = 0; j < m; j++) {
-        if (ustart[j] < 0 || ulen[j] < 0 || ustart[j] > buflen - ulen[j] || rstart[j] < 0 ||
-            rlen[j] < 0 || rstart[j] > buflen - rlen[j] || count[j] < 0 ||
-            count[j] > 8 * ulen[j]) /* a position needs a unary bit */
-            return SBC_BADARG;
-        total += (u64)count[j];
-    }
-    if (total > ((u64)1 << 40)) return SBC_BADARG;
+    i64 total;
+    int rc = check_ranges(buflen, m, ustart, ulen, rstart, rlen, count, &total);
+    if (rc != SBC_OK) return rc;
     u32 *pos = (u32 *)grow(&TLS.dpos, (size_t)total * sizeof(u32));
     if (!pos) return SBC_NOMEM;
-    TLS.dcount = (i64)total;
-    i64 off = 0;
-    for (i64 j = 0; j < m; j++) {
-        int rc = decode_one(buf + ustart[j], ulen[j], buf + rstart[j], rlen[j], count[j], rb[j],
-                            numel[j], pos + off, stats + 6 * j);
-        if (rc != SBC_OK) return rc;
-        off += count[j];
-    }
-    return SBC_OK;
+    TLS.dcount = total;
+    return sbc_decode_batch_into(buf, buflen, m, ustart, ulen, rstart, rlen, count, rb, numel,
+                                 stats, pos);
 }
 
 /* Copy count decoded positions from offset off of the position scratch into dst. */
@@ -862,6 +885,10 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
     for (i64 i = 0; i < count; i++) dst[i] = src[i];
     return SBC_OK;
 }
+
+int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
+                                const i64 *outs, const i64 *numel, const i64 *pos_off,
+                                const i64 *count, const float *value, int zero);
 
 #define CHUNK 16384 /* output elements (64 KiB of float32) kept hot while every rank adds */
 
@@ -876,13 +903,21 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
  * validated (< numel) by the protocol before this is called; they are checked again. */
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
                            const i64 *pos_off, const i64 *count, const float *value, int zero) {
-    const u32 *pos = (const u32 *)TLS.dpos.p;
+    return sbc_scatter_add_groups_from((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs,
+                                       numel, pos_off, count, value, zero);
+}
+
+/* sbc_scatter_add_groups with the positions read from the caller's pos[0..npos) (as written by
+ * sbc_decode_batch_into) instead of the thread's scratch. */
+int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
+                                const i64 *outs, const i64 *numel, const i64 *pos_off,
+                                const i64 *count, const float *value, int zero) {
     i64 stack_cur[64];
     for (i64 g = 0; g < ng; g++) {
         i64 a = gstart[g], nm = gstart[g + 1] - a, n = numel[g];
         float *o = (float *)(intptr_t)outs[g];
         for (i64 j = a; j < a + nm; j++)
-            if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > TLS.dcount - count[j] ||
+            if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > npos - count[j] ||
                 (count[j] && pos[pos_off[j] + count[j] - 1] >= n))
                 return SBC_BADARG; /* ascending: first and last bound them all */
         i64 *cur = nm <= 64 ? stack_cur : (i64 *)calloc((size_t)nm, sizeof(i64));

@@ -90,6 +90,8 @@ class Encoded:
                sent and nothing may be committed)
     numel:     the tensor's element count (static)
     update:    how the error feedback is best applied (:class:`ResidualUpdate`, static)
+    new_residual: flat ``A - sent`` when the encoder computed it already (the kernel op of
+               :mod:`horovod_sbc.tensorflow.native`), else None (:meth:`residual` computes it)
     """
     header: tf.Tensor
     body: tf.Tensor
@@ -98,9 +100,12 @@ class Encoded:
     finite: tf.Tensor
     numel: int
     update: ResidualUpdate = ResidualUpdate.SCATTER
+    new_residual: Optional[tf.Tensor] = None
 
     def residual(self, a: tf.Tensor) -> tf.Tensor:
         """``a`` (the encoded update, any shape) with what was sent subtracted."""
+        if self.new_residual is not None:
+            return tf.reshape(self.new_residual, tf.shape(a))
         return apply_sent(a, self.positions, self.sent, self.update)
 
     @property
@@ -303,7 +308,10 @@ def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool
     n = int(a.shape[0])
     if k >= n and not positive_only:
         return [tf.range(n, dtype=tf.int64) for _ in sides]
-    if n <= _EXACT_BELOW:
+    if n <= _EXACT_BELOW or (positive_only and 2 * k > n):
+        # (k above half the tensor with positive_only: the sampled band gave wrong P/N for the
+        # paper rule at density >= 0.9 on large tensors, found by tests/test_tf_ops.py's
+        # property test; the whole-tensor rule is exact, and such densities are rare)
         return [_exact_side(a, k, s, positive_only) for s in sides]
     prep = prep or _prepare(a, k, len(sides))
     # a large sample keeps the band between the thresholds narrow (~8 / sqrt(k m / n) of k)
@@ -558,9 +566,39 @@ def _normalize_mode(mode) -> str:
     return mode
 
 
+def _encode_native(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int,
+                   selection: str) -> Encoded:
+    """:class:`Encoded` from the ``SbcEncode`` kernel op (binary SBC of float32 on the CPU)."""
+    new_res, header, body, pos, value, finite = native.encode(mod, update, residual, k,
+                                                               selection)
+    return Encoded(header, body, pos, tf.fill(tf.shape(pos), value), finite,
+                   int(new_res.shape[0]), ResidualUpdate.SCATTER, new_res)
+
+
+@_no_autograph
+def encode_sum(update: Optional[tf.Tensor], residual: tf.Tensor, density: float, mode="sbc",
+               selection: str = "paper", name: str = "tensor") -> Encoded:
+    """:func:`encode_update` of ``A = update + residual`` (flat, same dtype; ``update`` None:
+    ``A = residual``), with :attr:`Encoded.new_residual` (``A - sent``) set. Binary SBC of a
+    float32 tensor on the CPU runs in one kernel op (:mod:`horovod_sbc.tensorflow.native`: the
+    sum is formed in the selection's pass); everything else in TF ops."""
+    mode = _normalize_mode(mode)
+    residual = tf.reshape(residual, [-1])
+    n = int(residual.shape[0])
+    mod = native.encoder_for(residual, mode) if n else None
+    if mod is not None and (update is None or update.dtype == tf.float32):
+        core.validate_selection(selection)
+        k = core.keep_count(n, core.validate_density(density))
+        return _encode_native(mod, update, residual, k, selection)
+    a = residual if update is None else tf.reshape(update, [-1]) + residual
+    enc = encode_update(a, density, mode, selection, name, native_ok=False)
+    enc.new_residual = enc.residual(a)
+    return enc
+
+
 @_no_autograph
 def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "paper",
-                  name: str = "tensor") -> Encoded:
+                  name: str = "tensor", native_ok: bool = True) -> Encoded:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``, float32 or float64).
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with the
@@ -568,6 +606,8 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     ``selection``: SBC's candidate sets, ``"paper"`` or ``"magnitude"`` (see
     :mod:`horovod_sbc.core`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
     error feedback with ``a - sent`` at ``positions``, see :func:`apply_sent`).
+    ``native_ok``: binary SBC of float32 on the CPU may run in the kernel op (see
+    :func:`encode_sum`); False forces the stock-TF-op path (tests, benchmarks).
     """
     mode = _normalize_mode(mode)
     core.validate_selection(selection)
@@ -582,6 +622,9 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
         return Encoded(*encode_parts(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
                        tf.constant(True), 0)
     k = core.keep_count(n, density)
+    mod = native.encoder_for(a, mode) if native_ok else None
+    if mod is not None:
+        return _encode_native(mod, None, a, k, selection)
     if mode == "sign" or n <= _EXACT_BELOW or k >= n:
         prep = _Prep(None, None, _finite(a))
     else:
@@ -664,8 +707,8 @@ def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=Tr
     mode name (``"sign"``). Raises on NaN/Inf (``InvalidArgumentError`` from the TF assert;
     ``ValueError`` eagerly)."""
     rdt = tf.float64 if update.dtype == tf.float64 else tf.float32
-    a = tf.reshape(tf.cast(update, rdt), [-1]) + tf.reshape(tf.cast(residual, rdt), [-1])
-    enc = encode_update(a, density, binarize, selection, name)
+    enc = encode_sum(tf.cast(update, rdt), tf.cast(residual, rdt), density, binarize, selection,
+                     name)
     if tf.executing_eagerly():
         if not bool(enc.finite):
             raise ValueError(f"update contains NaN or Inf ({name!r})")
@@ -673,8 +716,7 @@ def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=Tr
     else:
         check = [tf.debugging.Assert(enc.finite, [f"update contains NaN or Inf ({name!r})"])]
     with tf.control_dependencies(check):
-        new_res = tf.cast(tf.reshape(enc.residual(a),
-                                     tf.shape(residual)), residual.dtype)
+        new_res = tf.cast(tf.reshape(enc.new_residual, tf.shape(residual)), residual.dtype)
         return tf.identity(enc.message), new_res
 
 
@@ -691,3 +733,4 @@ def decompress(message: tf.Tensor, shape, dtype=tf.float32) -> tf.Tensor:
 
 
 from .decoder import decode_messages  # noqa: E402  (the decoder imports .bits, not this module)
+from . import native  # noqa: E402

@@ -20,7 +20,12 @@ A decode is four pieces, the same eagerly and inside ``tf.function``:
    TensorFlow float arithmetic in the output dtype, done in rank order at every position (the
    same order as :func:`horovod_sbc.tensorflow.exchange.decode_into`, so all ranks agree).
 
-Two ways through steps 2-4, chosen by a ``tf.cond`` on the parsed headers:
+Three ways through steps 2-4, chosen by a ``tf.cond`` on the parsed headers:
+
+* the **kernel ops** (:mod:`horovod_sbc.tensorflow.native`) when every message is binary SBC
+  (or empty), the outputs are float32 and the buffer is on the CPU: one op decodes the streams'
+  statistics and positions (C), the host verdict as below, one op adds every rank's values in
+  rank order (C; IEEE subnormals kept);
 
 * the **binary fast path** (:mod:`horovod_sbc.tensorflow.binary`) when every message is binary
   SBC (or empty), the outputs are fresh float32 zeros and there are at most 8 ranks: the one
@@ -477,6 +482,23 @@ def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[in
         return _decode_general(gathered, table, check, layout, numels, n_ranks, outs, scale,
                                out_dtypes, single)
 
+    mod = native.decoder_static_ok(gathered, numels, outs, out_dtypes, single)
+    if mod is not None:  # the kernel ops (binary messages, CPU, float32)
+        def kernel():
+            return native.decode(mod, gathered, table, check, numels, outs, scale,
+                                 (C_USTART, C_UBYTES, C_RSTART, C_RBYTES, C_COUNT, C_B, C_NUMEL),
+                                 (C_TENSOR, C_COUNT, C_VBITS, C_NEG))
+
+        if binary.static_ok(numels, n_ranks, outs, out_dtypes, single):
+            def other():
+                return tf.cond(binary.runtime_ok(gathered, table),
+                               lambda: binary.decode(gathered, table, layout, numels, n_ranks,
+                                                     scale, check), general)
+        else:
+            other = general
+        results = tf.cond(native.decoder_runtime_ok(table, (C_COUNT, C_KIND, C_B, K_BINARY,
+                                                            K_ALL_SIGNS)), kernel, other)
+        return code, list(results) if isinstance(results, (list, tuple)) else [results]
     if binary.static_ok(numels, n_ranks, outs, out_dtypes, single):
         def fast():
             return binary.decode(gathered, table, layout, numels, n_ranks, scale, check)
@@ -555,4 +577,4 @@ def decode_messages(gathered, layout, n_ranks, outs=None, scale=1.0, out_dtypes=
     return decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes, False, single)[1]
 
 
-from . import binary  # noqa: E402  (the fast path imports this module's helpers)
+from . import binary, native  # noqa: E402  (the fast path imports this module's helpers)

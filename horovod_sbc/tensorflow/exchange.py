@@ -4,8 +4,10 @@ One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.
 With the native codec (``SBC(codec="native")``, the default):
 
 1. **encode (TF ops, on the tensors' device)** — per tensor ``A = R + dW`` and
-   :func:`horovod_sbc.tensorflow.codec.encode_update` (selection, binarization, streams and
-   tensor header as TF ops); the new residuals ``A - sent`` are computed but not committed.
+   :func:`horovod_sbc.tensorflow.codec.encode_sum` (selection, binarization, streams and
+   tensor header as TF ops, or one kernel op for float32 binary SBC on the CPU:
+   :mod:`horovod_sbc.tensorflow.native`); the new residuals ``A - sent`` are computed but not
+   committed.
 2. **frame (host, O(compressed bytes))** — one small ``tf.numpy_function`` gets the tensor
    messages (kilobytes) and a finiteness flag per tensor and returns the step message: the
    24-byte step header needs the CRC-32 of the body (:func:`horovod_sbc.wire.step_message_bytes`).
@@ -197,12 +199,12 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
     numels = [wire.layout_numel(s) for s in shapes]
     heads, bodies, finite, new_res = [], [], [], []
     for name, u, r in zip(names, updates, residuals):
-        a = tf.reshape(u, [-1]) + tf.reshape(r, [-1])
-        enc = tfcodec.encode_update(a, density, binarize, selection, name)
+        # A = dW + R, encoded (by the kernel op for float32 binary SBC on the CPU)
+        enc = tfcodec.encode_sum(u, r, density, binarize, selection, name)
         heads.append(enc.header)
         bodies.append(enc.body)
         finite.append(enc.finite)
-        new_res.append(tf.reshape(enc.residual(a), tf.shape(r)))
+        new_res.append(tf.reshape(enc.new_residual, tf.shape(r)))
     if not names:
         heads, finite = [tf.zeros([5], tf.int64)], [tf.constant(True)]
     all_finite = tf.reduce_all(tf.stack(finite))

@@ -1,0 +1,435 @@
+// TensorFlow custom ops (CPU) around SBC's C kernels (sbc_kernels.c, linked in as a C object).
+//
+// Built on first use by horovod_sbc/kernels/__init__.py (build_tf_ops) and loaded with
+// tf.load_op_library; horovod_sbc/tensorflow/native.py drives the ops. The bytes and numbers are
+// those of the C kernels, hence of the numpy reference (tests/golden, tests/test_differential.py).
+//
+// Why three ops, each doing a whole sequence in one Compute(): the C kernels keep positions in
+// per-thread scratch between sbc_select and sbc_take, and TensorFlow may run two ops on two
+// threads. So SbcEncode does selection + binarization mean + take + Rice parameter + streams +
+// the error feedback's commit at once; SbcDecodeBinary writes positions into its own output
+// tensor (sbc_decode_batch_into) and SbcScatterAdd reads them from there
+// (sbc_scatter_add_groups_from): between the two the host judges the streams' statistics
+// (horovod_sbc.protocol), so nothing is added before the verdict.
+//
+// Subnormals: TensorFlow runs CPU kernels with flush-to-zero and denormals-are-zero set; the
+// protocol needs IEEE arithmetic (a subnormal value, mean or residual must survive), so every
+// Compute() clears FTZ/DAZ for its duration and restores the caller's MXCSR (DenormalGuard).
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+extern "C" {
+// declarations of sbc_kernels.c (documented there and in horovod_sbc/kernels/__init__.py)
+int sbc_select(float *a, const float *g, int64_t n, int64_t k, int mode, int64_t *counts,
+               double *sums, int64_t *dst, int *in_dst);
+int sbc_take(int side, int64_t *dst);
+void sbc_gap_shift_sums(const int64_t *pos, int64_t c, const int64_t *bs, int64_t nb,
+                        int64_t *out);
+void sbc_add_at(float *a, const int64_t *pos, int64_t count, float v);
+int sbc_rice_encode(const int64_t *pos, int64_t c, int64_t b, uint8_t *unary, int64_t ubytes,
+                    uint8_t *rem, int64_t rbytes);
+int sbc_decode_batch_into(const uint8_t *buf, int64_t buflen, int64_t m, const int64_t *ustart,
+                          const int64_t *ulen, const int64_t *rstart, const int64_t *rlen,
+                          const int64_t *count, const int64_t *rb, const int64_t *numel,
+                          int64_t *stats, uint32_t *pos);
+int sbc_scatter_add_groups_from(const uint32_t *pos, int64_t npos, int64_t ng,
+                                const int64_t *gstart, const int64_t *outs,
+                                const int64_t *numel, const int64_t *pos_off,
+                                const int64_t *count, const float *value, int zero);
+}
+
+namespace {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+using tensorflow::errors::ResourceExhausted;
+using tensorflow::errors::Internal;
+
+constexpr int kOk = 0, kNonFinite = 1, kNoMem = -1;
+constexpr int kMaxRiceB = 62;
+
+// Clears flush-to-zero (bit 15) and denormals-are-zero (bit 6) of MXCSR for its lifetime.
+class DenormalGuard {
+ public:
+  DenormalGuard() {
+#if defined(__SSE__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~((1u << 15) | (1u << 6)));
+#endif
+  }
+  ~DenormalGuard() {
+#if defined(__SSE__)
+    _mm_setcsr(saved_);
+#endif
+  }
+
+ private:
+  unsigned saved_ = 0;
+};
+
+inline uint32_t f32_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+inline float bits_f32(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// ------------------------------------------------------------------------------------------
+// SbcEncode
+// ------------------------------------------------------------------------------------------
+REGISTER_OP("SbcEncode")
+    .Input("update: float")  // numel elements, or none: A = residual
+    .Input("residual: float")
+    .Output("new_residual: float")
+    .Output("header: int64")
+    .Output("body: uint8")
+    .Output("positions: int64")
+    .Output("value: float")
+    .Output("finite: bool")
+    .Attr("k: int >= 0")
+    .Attr("magnitude: bool = false")
+    .Attr("rice_b1: int >= 0")
+    .Attr("rice_steps: list(int) = []")
+    .Attr("negative_flag: int")
+    .SetIsStateful()  // never constant-folded or merged: it allocates in per-thread scratch
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext *c) {
+      c->set_output(0, c->input(1));
+      c->set_output(1, c->Vector(5));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Scalar());
+      c->set_output(5, c->Scalar());
+      return tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+SBC-encode A = residual + update (flat float32, same size; an empty update: A = residual): the
+exact selection of
+horovod_sbc.core (paper, or magnitude split with magnitude=true) of k per side, the side with the
+larger mean (fixed-order float64 tree sums, mean rounded to float32), its Rice parameter
+(b*(count) = rice_b1 - #{rice_steps <= count}, then the best of b*-1, b*, b*+1) and streams.
+new_residual: A with the sent value subtracted at the sent positions (not committed: the caller
+assigns it after the verdict). header: [flags, rice_b, count, unary_nbytes, value_bits]; body:
+unary + remainder streams; positions: the sent ones; value: the signed float32 sent; finite:
+false if A holds NaN or Inf (then header/body/positions are empty and new_residual is A).
+)doc");
+
+class SbcEncodeOp : public OpKernel {
+ public:
+  explicit SbcEncodeOp(OpKernelConstruction *ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("magnitude", &magnitude_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rice_b1", &rice_b1_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rice_steps", &rice_steps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("negative_flag", &negative_flag_));
+  }
+
+  void Compute(OpKernelContext *ctx) override {
+    DenormalGuard guard;
+    const Tensor &update = ctx->input(0);
+    const Tensor &residual = ctx->input(1);
+    const int64_t n = residual.NumElements();
+    const bool add = update.NumElements() != 0;
+    OP_REQUIRES(ctx, !add || update.NumElements() == n,
+                InvalidArgument("SbcEncode: update has ", update.NumElements(),
+                                " elements, residual ", n));
+    OP_REQUIRES(ctx, k_ <= n, InvalidArgument("SbcEncode: k = ", k_, " > numel = ", n));
+    Tensor *a_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1}, 0, residual.shape(), &a_t));
+    float *a = a_t->flat<float>().data();
+    const float *r = residual.flat<float>().data();
+    if (a != r && n) std::memcpy(a, r, static_cast<size_t>(n) * sizeof(float));
+    int64_t counts[2] = {0, 0};
+    double sums[2] = {0.0, 0.0};
+    // A = R + dW in the selection's pass
+    // no dst: both sides' exact tree sums, the positions in this thread's scratch for sbc_take
+    int rc = sbc_select(a, add ? update.flat<float>().data() : nullptr, n, k_, magnitude_ ? 1 : 0,
+                        counts, sums, nullptr, nullptr);
+    OP_REQUIRES(ctx, rc != kNoMem, ResourceExhausted("SbcEncode: out of memory"));
+    OP_REQUIRES(ctx, rc == kOk || rc == kNonFinite,
+                Internal("SbcEncode: the selection rejected its arguments (", rc, ")"));
+    if (rc == kNonFinite) {
+      Empty(ctx, false);
+      return;
+    }
+    // core.mean_f32 and core.choose_side: float64 division, one rounding to float32
+    float mu_p = counts[0] ? static_cast<float>(sums[0] / static_cast<double>(counts[0])) : 0.0f;
+    float mu_n = counts[1] ? static_cast<float>(sums[1] / static_cast<double>(counts[1])) : 0.0f;
+    int side;
+    float mu;
+    if (mu_p >= mu_n && mu_p > 0.0f) {
+      side = 0;
+      mu = mu_p;
+    } else if (mu_n > 0.0f) {
+      side = 1;
+      mu = mu_n;
+    } else {
+      Empty(ctx, true);
+      return;
+    }
+    const int64_t count = counts[side];
+    Tensor *pos_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({count}), &pos_t));
+    int64_t *pos = pos_t->flat<int64_t>().data();
+    sbc_take(side, pos);
+    // wire.choose_rice_b: b* from the table, then the shortest of b*-1, b*, b*+1 (ties: smaller)
+    int64_t b0 = rice_b1_;
+    for (int64_t t : rice_steps_) b0 -= t <= count;
+    int64_t bs[3], sq[3], nb = 0;
+    for (int64_t b = b0 - 1; b <= b0 + 1; b++)
+      if (b >= 0 && b <= kMaxRiceB) bs[nb++] = b;
+    sbc_gap_shift_sums(pos, count, bs, nb, sq);
+    int best = 0;
+    int64_t best_len = -1;
+    for (int j = 0; j < nb; j++) {
+      int64_t len = (sq[j] + count + 7) / 8 + (count * bs[j] + 7) / 8;
+      if (best_len < 0 || len < best_len) {
+        best = j;
+        best_len = len;
+      }
+    }
+    const int64_t b = bs[best], ubytes = (sq[best] + count + 7) / 8, rbytes = (count * b + 7) / 8;
+    Tensor *body_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({ubytes + rbytes}), &body_t));
+    uint8_t *body = body_t->flat<uint8_t>().data();
+    rc = sbc_rice_encode(pos, count, b, body, ubytes, body + ubytes, rbytes);
+    OP_REQUIRES(ctx, rc == kOk, Internal("SbcEncode: the Rice encoder rejected its sizes"));
+    const float value = side ? -mu : mu;
+    sbc_add_at(a, pos, count, -value);  // the error feedback: A - sent at the sent positions
+    Tensor *h_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({5}), &h_t));
+    auto h = h_t->flat<int64_t>();
+    h(0) = side ? negative_flag_ : 0;
+    h(1) = b;
+    h(2) = count;
+    h(3) = ubytes;
+    h(4) = static_cast<int64_t>(f32_bits(mu));
+    Scalars(ctx, value, true);
+  }
+
+ private:
+  // nothing is sent (no side, or A not finite): empty message parts, new_residual = A
+  void Empty(OpKernelContext *ctx, bool finite) {
+    Tensor *t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({5}), &t));
+    t->flat<int64_t>().setZero();
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({0}), &t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({0}), &t));
+    Scalars(ctx, 0.0f, finite);
+  }
+
+  void Scalars(OpKernelContext *ctx, float value, bool finite) {
+    Tensor *t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({}), &t));
+    t->scalar<float>()() = value;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({}), &t));
+    t->scalar<bool>()() = finite;
+  }
+
+  int64_t k_ = 0, rice_b1_ = 0, negative_flag_ = 1;
+  bool magnitude_ = false;
+  std::vector<int64_t> rice_steps_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SbcEncode").Device(DEVICE_CPU), SbcEncodeOp);
+
+// ------------------------------------------------------------------------------------------
+// SbcDecodeBinary
+// ------------------------------------------------------------------------------------------
+// columns of the per-message table (horovod_sbc/tensorflow/decoder.py C_*), passed as attrs
+REGISTER_OP("SbcDecodeBinary")
+    .Input("buf: uint8")
+    .Input("table: int64")
+    .Output("stats: int64")
+    .Output("positions: uint32")
+    .Attr("columns: list(int)")  // [ustart, ubytes, rstart, rbytes, count, b, numel]
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext *c) {
+      c->set_output(0, c->Matrix(c->Dim(c->input(1), 0), 8));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+Decode every (binary SBC) message of a gathered step: stats [m, 8] are the rows of
+horovod_sbc.protocol.StreamStats (ones, unary_last_zero, max_q, max_r, rem_pad_nonzero, pos_max,
+0, 0) and positions (uint32) hold message j's count positions at sum(count[0..j)) when its
+statistics are valid (else they are unspecified: the protocol rejects the step). Reads only
+inside the byte ranges of the table, which the host parser checked.
+)doc");
+
+class SbcDecodeBinaryOp : public OpKernel {
+ public:
+  explicit SbcDecodeBinaryOp(OpKernelConstruction *ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("columns", &cols_));
+    OP_REQUIRES(ctx, cols_.size() == 7, InvalidArgument("SbcDecodeBinary: 7 columns"));
+  }
+
+  void Compute(OpKernelContext *ctx) override {
+    DenormalGuard guard;
+    const Tensor &buf = ctx->input(0);
+    const Tensor &table = ctx->input(1);
+    OP_REQUIRES(ctx, table.dims() == 2, InvalidArgument("SbcDecodeBinary: table must be 2-D"));
+    const int64_t m = table.dim_size(0), w = table.dim_size(1);
+    for (int64_t c : cols_)
+      OP_REQUIRES(ctx, c >= 0 && c < w, InvalidArgument("SbcDecodeBinary: bad column"));
+    auto tab = table.matrix<int64_t>();
+    std::vector<int64_t> col(7 * m);
+    int64_t total = 0;
+    for (int i = 0; i < 7; i++)
+      for (int64_t j = 0; j < m; j++) col[i * m + j] = tab(j, cols_[i]);
+    for (int64_t j = 0; j < m; j++) {
+      int64_t c = col[4 * m + j];
+      OP_REQUIRES(ctx, c >= 0 && total <= (int64_t(1) << 40) - c,
+                  InvalidArgument("SbcDecodeBinary: bad count"));
+      total += c;
+    }
+    std::vector<int64_t> raw(6 * m);
+    Tensor *pos_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total}), &pos_t));
+    int rc = m ? sbc_decode_batch_into(buf.flat<uint8_t>().data(), buf.NumElements(), m,
+                                       &col[0], &col[m], &col[2 * m], &col[3 * m], &col[4 * m],
+                                       &col[5 * m], &col[6 * m], raw.data(),
+                                       pos_t->flat<uint32_t>().data())
+               : kOk;
+    OP_REQUIRES(ctx, rc == kOk,
+                Internal("SbcDecodeBinary: the decoder rejected the parsed ranges (", rc, ")"));
+    Tensor *st_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, 8}), &st_t));
+    auto st = st_t->matrix<int64_t>();
+    for (int64_t j = 0; j < m; j++) {
+      for (int i = 0; i < 6; i++) st(j, i) = raw[6 * j + i];
+      st(j, 6) = st(j, 7) = 0;
+    }
+  }
+
+ private:
+  std::vector<int64_t> cols_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SbcDecodeBinary").Device(DEVICE_CPU), SbcDecodeBinaryOp);
+
+// ------------------------------------------------------------------------------------------
+// SbcScatterAdd
+// ------------------------------------------------------------------------------------------
+REGISTER_OP("SbcScatterAdd")
+    .Input("positions: uint32")
+    .Input("table: int64")
+    .Input("scale: double")      // the protocol's float64(value) * scale, rounded to float32
+    .Input("bases: N * float")
+    .Output("outs: N * float")
+    .Attr("N: int >= 1")
+    .Attr("numels: list(int)")
+    .Attr("columns: list(int)")  // [tensor, count, value_bits, negative]
+    .Attr("zero: bool")          // outs start from zeros (bases are ignored)
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext *c) {
+      std::vector<int64_t> numels;
+      TF_RETURN_IF_ERROR(c->GetAttr("numels", &numels));
+      for (int i = 0; i < c->num_outputs(); i++)
+        c->set_output(i, c->Vector(i < static_cast<int>(numels.size()) ? numels[i] : -1));
+      return tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+outs[t] (flat, numels[t] elements) = bases[t] (or zeros: then bases may be empty) + for each
+rank in rank order float32(float64(value) * scale) at
+that rank's positions of tensor t (float32 adds in rank order at every element: the reference's
+arithmetic, IEEE subnormals kept). The table rows are the messages in (rank, tensor) order, the
+positions those of SbcDecodeBinary after the protocol accepted the step.
+)doc");
+
+class SbcScatterAddOp : public OpKernel {
+ public:
+  explicit SbcScatterAddOp(OpKernelConstruction *ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("numels", &numels_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("columns", &cols_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("zero", &zero_));
+    OP_REQUIRES(ctx, cols_.size() == 4, InvalidArgument("SbcScatterAdd: 4 columns"));
+  }
+
+  void Compute(OpKernelContext *ctx) override {
+    DenormalGuard guard;
+    const Tensor &pos = ctx->input(0);
+    const Tensor &table = ctx->input(1);
+    const int64_t nt = static_cast<int64_t>(numels_.size());
+    const double scale = ctx->input(2).scalar<double>()();
+    OP_REQUIRES(ctx, ctx->num_inputs() == 3 + nt,
+                InvalidArgument("SbcScatterAdd: one base per numel"));
+    OP_REQUIRES(ctx, table.dims() == 2, InvalidArgument("SbcScatterAdd: table must be 2-D"));
+    const int64_t m = table.dim_size(0);
+    for (int64_t c : cols_)
+      OP_REQUIRES(ctx, c >= 0 && c < table.dim_size(1),
+                  InvalidArgument("SbcScatterAdd: bad column"));
+    auto tab = table.matrix<int64_t>();
+    std::vector<int64_t> outs(nt);
+    for (int64_t t = 0; t < nt; t++) {
+      Tensor *o = nullptr;
+      if (zero_) {  // sbc_scatter_add_groups_from zeroes them chunk by chunk
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(t, TensorShape({numels_[t]}), &o));
+      } else {
+        const Tensor &base = ctx->input(3 + t);
+        OP_REQUIRES(ctx, base.NumElements() == numels_[t],
+                    InvalidArgument("SbcScatterAdd: base ", t, " has the wrong size"));
+        OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
+                                {static_cast<int>(3 + t)}, t, TensorShape({numels_[t]}), &o));
+        const float *src = base.flat<float>().data();
+        if (o->flat<float>().data() != src && numels_[t])
+          std::memcpy(o->flat<float>().data(), src,
+                      static_cast<size_t>(numels_[t]) * sizeof(float));
+      }
+      outs[t] = reinterpret_cast<int64_t>(o->flat<float>().data());
+    }
+    // per tensor, its messages in rank order (rows are rank-major), positions at pos_off
+    std::vector<int64_t> off(m + 1, 0);
+    for (int64_t j = 0; j < m; j++) off[j + 1] = off[j] + tab(j, cols_[1]);
+    OP_REQUIRES(ctx, off[m] == pos.NumElements(),
+                InvalidArgument("SbcScatterAdd: positions do not match the table's counts"));
+    std::vector<int64_t> gstart(1, 0), g_out, g_numel, p_off, cnt;
+    std::vector<float> val;
+    for (int64_t t = 0; t < nt; t++) {
+      for (int64_t j = 0; j < m; j++) {
+        if (tab(j, cols_[0]) != t) continue;
+        const uint32_t vb = static_cast<uint32_t>(tab(j, cols_[2]));
+        double v = static_cast<double>(bits_f32(vb));  // wire.TensorMessage.signed_value
+        if (tab(j, cols_[3])) v = -v;
+        p_off.push_back(off[j]);
+        cnt.push_back(tab(j, cols_[1]));
+        val.push_back(static_cast<float>(v * scale));
+      }
+      gstart.push_back(static_cast<int64_t>(p_off.size()));
+      g_out.push_back(outs[t]);
+      g_numel.push_back(numels_[t]);
+    }
+    int rc = sbc_scatter_add_groups_from(pos.flat<uint32_t>().data(), pos.NumElements(), nt,
+                                         gstart.data(), g_out.data(), g_numel.data(),
+                                         p_off.data(), cnt.data(), val.data(), zero_ ? 1 : 0);
+    OP_REQUIRES(ctx, rc != kNoMem, ResourceExhausted("SbcScatterAdd: out of memory"));
+    OP_REQUIRES(ctx, rc == kOk,
+                Internal("SbcScatterAdd: the scatter rejected its arguments (", rc, ")"));
+  }
+
+ private:
+  std::vector<int64_t> numels_, cols_;
+  bool zero_ = true;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SbcScatterAdd").Device(DEVICE_CPU), SbcScatterAddOp);
+
+}  // namespace

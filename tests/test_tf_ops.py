@@ -1,0 +1,318 @@
+"""The TF codec's kernel ops (horovod_sbc/kernels/sbc_tf_ops.cc, horovod_sbc/tensorflow/native.py):
+they build and are used for float32 binary SBC on the CPU, eagerly and inside tf.function; they
+give the bytes, residuals and decoded sums of the stock-TF-op path and of numpy (golden vectors:
+tests/test_tf_codec.py runs them through both paths); subnormals survive TensorFlow's
+flush-to-zero; the stock path takes over when they are disabled or cannot be built; NaN/Inf is
+rejected naming the tensor; the decoder's memory stays within 40 bytes per message byte."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+tf = pytest.importorskip("tensorflow")
+
+from horovod_sbc import core, kernels, wire  # noqa: E402
+from horovod_sbc.tensorflow import codec, decoder  # noqa: E402
+from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
+
+SBC_OPS = {"SbcEncode", "SbcDecodeBinary", "SbcScatterAdd"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops_built():
+    assert kernels.tf_ops() is not None, "the TF kernel ops must build here"
+
+
+def _op_types(fn, *args):
+    """The op types in the graph of tf.function ``fn`` traced for ``args`` (branches included)."""
+    graph = fn.get_concrete_function(*args).graph
+    types = {op.type for op in graph.get_operations()}
+    for f in graph.as_graph_def().library.function:  # tf.cond branches
+        types |= {n.op for n in f.node_def}
+    return types
+
+
+def _step(msgs, layout):
+    fp = wire.layout_fingerprint(layout)
+    return b"".join(wire.step_message_bytes(b"".join(m), fp, len(m)) for m in msgs)
+
+
+def _paths():
+    return [("ops", contextlib.nullcontext), ("stock", kernels.disabled)]
+
+
+def test_ops_are_used_in_graphs_and_not_when_disabled():
+    u = tf.constant(np.random.default_rng(0).standard_normal(50_000).astype(np.float32))
+    r = tf.zeros([50_000])
+    layout = [("w", (50_000,))]
+    g = tf.constant(np.frombuffer(_step([[wire.encode_tensor_np([1, 7], 50_000, 0.5)]], layout),
+                                  np.uint8))
+    got = {}
+    for path, ctx in _paths():
+        with ctx():
+            comp = tf.function(lambda a, b: codec.compress(a, b, 0.01))
+            dec = tf.function(lambda x: tfx.decode_gathered(x, layout, 1, 0.5))
+            used = _op_types(comp, u, r) | _op_types(dec, g)
+            got[path] = (comp(u, r)[0].numpy().tobytes(), comp(u, r)[1].numpy().tobytes(),
+                         dec(g)[0].numpy().tobytes())
+        assert (SBC_OPS <= used) if path == "ops" else not (SBC_OPS & used), (path, used)
+    assert got["ops"] == got["stock"]
+
+
+def test_ops_follow_the_environment_switch():
+    code = ("from horovod_sbc import kernels; import tensorflow; "
+            "print(kernels.tf_ops() is None)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HOROVOD_SBC_KERNELS": "0"})
+    assert res.stdout.strip() == "True", res.stderr[-2000:]
+
+
+def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
+    code = textwrap.dedent("""
+        import warnings
+        import numpy as np, tensorflow as tf
+        from horovod_sbc import core, kernels
+        from horovod_sbc.tensorflow import codec
+        u = np.random.default_rng(1).standard_normal(30000).astype(np.float32)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                msg, res = codec.compress(tf.constant(u), tf.zeros(30000), 0.01)
+        assert kernels.tf_ops() is None
+        warned = [x for x in w if "TensorFlow kernel ops unavailable" in str(x.message)]
+        assert len(warned) == 1, [str(x.message) for x in w]
+        want, want_res = core.compress_np(u, np.zeros(30000, np.float32), 0.01)
+        assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()
+        print("ok")
+    """)
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-cxx"),
+           "HOROVOD_SBC_KERNELS_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_subnormals_survive_the_ops(graph):
+    """TensorFlow flushes subnormals on the CPU; the ops clear FTZ/DAZ: a subnormal mean, a
+    subnormal residual R + dW and a subnormal decoded average come out as numpy's."""
+    n = 40_000  # above the exact-path size: the sampled selection too
+    rng = np.random.default_rng(3)
+    u = np.zeros(n, np.float32)
+    idx = rng.choice(n, 60, replace=False)
+    u[idx] = (rng.random(60) * 1e-39).astype(np.float32)  # subnormal positives
+    u[idx[:10]] = -u[idx[:10]]
+    r = np.zeros(n, np.float32)
+    r[::97] = np.float32(3e-41)  # R + dW subnormal where dW is 0 (and also where it is not)
+    want, want_res = core.compress_np(u, r, 0.001)
+    assert 0 < wire.parse_tensor_header(want, 0).value < 1.2e-38
+    fn = (tf.function(lambda a, b: codec.compress(a, b, 0.001)) if graph
+          else (lambda a, b: codec.compress(a, b, 0.001)))
+    msg, res = fn(tf.constant(u), tf.constant(r))
+    assert msg.numpy().tobytes() == want
+    assert res.numpy().tobytes() == want_res.tobytes()
+    assert np.count_nonzero(res.numpy()) > 300
+    # decode two ranks' subnormal messages, scale 0.5 (the average is subnormal too)
+    layout = [("w", (n,))]
+    buf = _step([[want], [want]], layout)
+    ref = np.zeros(n, np.float32)
+    wire.accumulate_np(wire.decode_step_np(buf, layout, 2), [ref], 0.5)
+    dec = (tf.function(lambda x: tfx.decode_gathered(x, layout, 2, 0.5)) if graph
+           else (lambda x: tfx.decode_gathered(x, layout, 2, 0.5)))
+    got = dec(tf.constant(np.frombuffer(buf, np.uint8)))[0].numpy()
+    assert got.tobytes() == ref.tobytes() and np.count_nonzero(got) > 0
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_nonfinite_update_is_rejected_naming_the_tensor(graph):
+    u = np.ones(30_000, np.float32)
+    u[1234] = np.inf
+    name = "dense_3/kernel:0"
+    fn = (tf.function(lambda a, b: codec.compress(a, b, 0.01, name=name)) if graph
+          else (lambda a, b: codec.compress(a, b, 0.01, name=name)))
+    err = tf.errors.InvalidArgumentError if graph else ValueError
+    with pytest.raises(err, match=r"NaN or Inf \(\\?'dense_3/kernel:0\\?'\)"):
+        fn(tf.constant(u), tf.zeros(30_000))
+    enc = codec.encode_sum(tf.constant(u), tf.zeros(30_000), 0.01, name=name)
+    assert enc.new_residual is not None and not bool(enc.finite)
+    # the exchange's step message names it (what the other ranks are told)
+    step = tfx.frame_host([name], [30_000], 0, 0, False, np.array([bool(enc.finite)]),
+                          np.stack([enc.header.numpy()]), enc.body.numpy())
+    with pytest.raises(wire.PeerError, match="dense_3/kernel:0"):
+        wire.decode_step_np(step.tobytes(), [(name, (30_000,))], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# property test: the op path and the stock path agree (bytes, residuals, decoded sums)
+# ---------------------------------------------------------------------------------------------
+# inputs are 0 or of magnitude >= 1e-30 (TensorFlow's own arithmetic on the stock path flushes
+# subnormal results; the ops keep them: see test_subnormals_survive_the_ops)
+_MAG = st.floats(1e-30, 1e30, allow_nan=False, allow_infinity=False)
+_VAL = st.one_of(st.just(0.0), _MAG, _MAG.map(lambda x: -x),
+                 st.sampled_from([1.0, -1.0, 0.5, -2.0, 3.0]))
+_FNS = {}
+
+
+def _fns(path, density, selection, layout, n_ranks, scale):
+    key = (path, density, selection, tuple(layout), n_ranks, scale)
+    if key not in _FNS:
+        with dict(_paths())[path]():
+            _FNS[key] = (
+                tf.function(lambda a, b: codec.compress(a, b, density, True, selection)),
+                tf.function(lambda g: tfx.decode_gathered(g, layout, n_ranks, scale)))
+    return _FNS[key]
+
+
+@st.composite
+def _case(draw):
+    n = draw(st.sampled_from([1, 17, 500, 3000, 20_000]))
+    n_ranks = draw(st.integers(1, 3))
+    us = []
+    for _ in range(n_ranks):
+        if n > 3000:  # large: random normal data with a few drawn values (sampled paths)
+            u = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1))).standard_normal(
+                n).astype(np.float32)
+            u[:8] = draw(st.lists(_VAL, min_size=8, max_size=8))
+        else:
+            u = np.array(draw(st.lists(_VAL, min_size=n, max_size=n)), np.float32)
+        us.append(u)
+    r = np.array(draw(st.lists(_VAL, min_size=min(n, 64), max_size=min(n, 64))), np.float32)
+    r = np.resize(r, n) if n else r
+    if not all(np.all(np.isfinite(u + r)) for u in us):
+        r = np.zeros(n, np.float32)
+    return us, r, draw(st.sampled_from([1e-3, 0.01, 0.05, 0.3, 1.0])), \
+        draw(st.sampled_from(["paper", "magnitude"]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.data_too_large])
+@given(_case(), st.booleans())
+def test_ops_and_stock_ops_agree(case, graph):
+    us, r, density, selection = case
+    n, n_ranks = r.size, len(us)
+    layout = [("w", (n,))]
+    scale = 1.0 / n_ranks
+    got = {}
+    for path, ctx in _paths():
+        with ctx():
+            if graph:
+                comp, dec = _fns(path, density, selection, layout, n_ranks, scale)
+            else:
+                comp = lambda a, b: codec.compress(a, b, density, True, selection)  # noqa: E731
+                dec = lambda g: tfx.decode_gathered(g, layout, n_ranks, scale)  # noqa: E731
+            out = [comp(tf.constant(u), tf.constant(r)) for u in us]
+            msgs = [m.numpy().tobytes() for m, _ in out]
+            buf = _step([[m] for m in msgs], layout)
+            dense = dec(tf.constant(np.frombuffer(buf, np.uint8)))[0].numpy()
+            got[path] = (msgs, [x.numpy().tobytes() for _, x in out], dense.tobytes())
+    assert got["ops"] == got["stock"]
+    want = [core.compress_np(u, r, density, selection=selection)[0] for u in us]
+    assert got["ops"][0] == want
+
+
+# ---------------------------------------------------------------------------------------------
+# decoder memory (issue 12: <= 40 bytes per message byte)
+# ---------------------------------------------------------------------------------------------
+_MEMORY_PROBE = textwrap.dedent("""
+    import json
+    import numpy as np, tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from horovod_sbc import kernels, wire
+    from horovod_sbc.tensorflow import exchange as tfx
+    assert kernels.tf_ops() is not None
+    rng = np.random.default_rng(5)
+    pos = np.cumsum(rng.geometric(0.05, size=2_000_000)) - 1
+    numel = int(pos[-1]) + 1
+    layout = [("w", (numel,))]
+    buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
+                                  wire.layout_fingerprint(layout), 1)
+    gathered = tf.constant(np.frombuffer(buf, np.uint8))
+    small = [("s", (1000,))]
+    sbuf = wire.step_message_bytes(wire.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
+                                   wire.layout_fingerprint(small), 1)
+    tfx.decode_gathered(tf.constant(np.frombuffer(sbuf, np.uint8)), small, 1)  # warm-up
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size
+    before = status("VmRSS:")
+    out = tfx.decode_gathered(gathered, layout, 1)[0]
+    peak = status("VmHWM:")
+    ok = np.array_equal(np.flatnonzero(out.numpy()), pos)
+    print(json.dumps({"bytes": len(buf), "extra": peak - before, "output": 4 * numel,
+                      "ok": bool(ok)}))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+def test_tf_decoder_memory_is_bounded_by_the_message_size():
+    """A valid ~1.5 MiB message (2M positions at density 0.05) decoded by the kernel ops: the
+    peak extra memory beyond the float32 result tensor itself (TensorFlow outputs are fresh
+    tensors; torch's probe decodes into a preallocated one) is <= 40 bytes per message byte
+    (positions: 4 bytes each; the host parse's copies of the message: a few bytes per byte)."""
+    res = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["ok"]
+    assert got["bytes"] > 1 << 20
+    per_byte = (got["extra"] - got["output"]) / got["bytes"]
+    print(f"TF decoder: {per_byte:.1f} bytes per message byte beyond the output")
+    assert per_byte <= 40, got
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_decode_into_outputs_matches_the_stock_path(graph):
+    """Accumulating into given outputs (the drop-in optimizer's reference weights), three ranks,
+    two tensors, one rank sending nothing for one of them: the ops add in rank order onto the
+    bases exactly as the stock path does, and leave the inputs untouched."""
+    rng = np.random.default_rng(11)
+    layout = [("a", (300, 7)), ("b", (5000,))]
+    msgs = []
+    for r in range(3):
+        ms = []
+        for name, shape in layout:
+            n = int(np.prod(shape))
+            u = rng.standard_normal(n).astype(np.float32)
+            if r == 1 and name == "a":
+                u = np.zeros(n, np.float32)  # nothing to send
+            ms.append(core.compress_np(u, None, 0.05)[0])
+        msgs.append(ms)
+    buf = tf.constant(np.frombuffer(_step(msgs, layout), np.uint8))
+    bases = [rng.standard_normal(s).astype(np.float32) for _, s in layout]
+    got = {}
+    for path, ctx in _paths():
+        with ctx():
+            outs = [tf.constant(b) for b in bases]
+            fn = lambda g, o0, o1: tfx.decode_gathered(g, layout, 3, 1 / 3, [o0, o1])  # noqa
+            res = (tf.function(fn) if graph else fn)(buf, *outs)
+            got[path] = [x.numpy().tobytes() for x in res]
+            assert [o.numpy().tobytes() for o in outs] == [b.tobytes() for b in bases]
+    assert got["ops"] == got["stock"]
+    ref = [b.copy().reshape(-1) for b in bases]
+    wire.accumulate_np(wire.decode_step_np(buf.numpy().tobytes(), layout, 3), ref, 1 / 3)
+    assert got["ops"] == [x.tobytes() for x in ref]
+
+
+@pytest.mark.parametrize("density", [0.9, 1.0])
+def test_stock_path_paper_rule_at_high_density_on_large_tensors(density):
+    """Regression (found by the property test above): the stock path's sampled band selected
+    the wrong P/N for the paper rule once k exceeded half of a large tensor."""
+    u = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
+    u[:8] = 0
+    want, want_res = core.compress_np(u, None, density)
+    with kernels.disabled():
+        msg, res = codec.compress(tf.constant(u), tf.zeros(20_000), density)
+    assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()
