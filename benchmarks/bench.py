@@ -39,7 +39,10 @@ codec
     peers                           DGC sampled threshold, torch.topk, PowerSGD rank 1/2/4 on
                                     the same tensors: encode/decode over add, bits per step,
                                     one-step relative error
-    numpy / tensorflow              the same figures for the numpy reference and the TF bridge
+    numpy                           the same figures for the numpy reference (p = --density)
+    tensorflow                      the TF codec at every density, kernel ops and stock TF ops
+                                    side by side (benchmarks/bench_tf_codec.py: rows of
+                                    native_/stock_ compress_over_add and decode_over_add)
 """
 from __future__ import annotations
 
@@ -158,24 +161,6 @@ def bench_numpy(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
             "compress_over_add": t_comp / t_add, "decode_over_add": t_dec / t_add}
 
 
-def bench_tensorflow(n: int, density: float, reps: int) -> Dict[str, float]:
-    import tensorflow as tf
-    from horovod_sbc.tensorflow import codec as tfcodec
-    a = tf.random.normal([n], seed=1)
-    b = tf.random.normal([n], seed=2)
-    t_add = _median_time(lambda: tf.add(a, b).numpy(), reps)
-    g = tf.random.normal([n], seed=3)
-    r = tf.Variable(tf.zeros([n]))
-
-    def compress_step():
-        _, new_r = tfcodec.compress(g, r, density)
-        r.assign(new_r)
-
-    t_comp = _median_time(compress_step, max(1, reps // 3))
-    return {"add_s": t_add, "compress_s": t_comp, "compress_over_add": t_comp / t_add,
-            "note": "numpy bridge (tf.numpy_function); add includes .numpy() of the result"}
-
-
 def run_codec(args) -> Dict[str, object]:
     import torch
     torch.set_num_threads(args.threads)
@@ -199,9 +184,11 @@ def run_codec(args) -> Dict[str, object]:
         [pc["worst"]] + [r["bits_per_position_over_entropy"] for r in sweep["densities"]])
     if not args.skip_numpy:
         res["numpy"] = bench_numpy(args.n, args.density, args.reps)
-    if not args.skip_tf:
+    if not args.skip_tf:  # the TF codec at every density (benchmarks/bench_tf_codec.py)
         try:
-            res["tensorflow"] = bench_tensorflow(args.n, args.density, args.reps)
+            from . import bench_tf_codec
+            res["tensorflow"] = bench_tf_codec.run(args.n, args.densities, max(2, args.reps),
+                                                   bridge=False)
         except ImportError as e:
             res["tensorflow"] = {"skipped": str(e)}
     return res
@@ -217,7 +204,7 @@ def print_codec(res: Dict[str, object]) -> None:
     print(f"worst bits/entropy: {res['bits_per_position_over_entropy']:.4f} (target <= 1.02)\n")
     print(f"{res['n']:,} fp32 elements, density {res['density']:g}; time / torch.add(out=)")
     print(f"{'impl':<11}{'add ms':>8}{'compress':>10}{'decode x8':>11}{'topk':>8}")
-    for impl in ("torch", "numpy", "tensorflow"):
+    for impl in ("torch", "numpy"):
         t = res.get(impl)
         if not t or "skipped" in t:
             continue
@@ -230,6 +217,11 @@ def print_codec(res: Dict[str, object]) -> None:
         bench_codec.print_table(res)
         print(f"worst over all densities and workloads: compress {res['compress_over_add']:.2f}x, "
               f"decode {res['decode_over_add']:.2f}x (targets <= 3x, <= 2x)")
+    tf_res = res.get("tensorflow")
+    if tf_res and "rows" in tf_res:
+        from . import bench_tf_codec
+        print()
+        bench_tf_codec.print_table(tf_res)
 
 
 def _machine() -> Dict[str, object]:
