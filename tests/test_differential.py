@@ -356,6 +356,23 @@ def test_differential_tensorflow_kernel_ops(tf_decoders):
     assert sum(v for (c, k), v in seen.items() if k == "invalid") >= n // 20, seen
 
 
+def test_signed_zero_sums_survive_tf_function(tf_decoders):
+    """+0 + (-0) is +0. Inside tf.function Grappler folded the stock decoder's "zeros + v" to v,
+    so a message whose value decodes to -0.0 gave -0.0 where numpy gives +0.0 (found by a
+    DIFF_CASES=2e7 run of the kernel-ops differential, case 20003083: a mutated value field)."""
+    tf = tf_decoders.tf
+    from horovod_sbc.tensorflow import decoder
+    pairs = np.array([[0, 0], [0, -2 ** 31], [-2 ** 31, 0], [-2 ** 31, -2 ** 31]], np.int32)
+    want = [0, 0, 0, -2 ** 31]
+    zeros = tf.zeros([4], tf.int32)  # a constant zero operand: what Grappler folds
+    fn = tf.function(lambda y: (decoder.add_f32_bits(zeros, y),
+                                decoder.add_f32_bits(tf.constant(pairs[:, 0]), y)))
+    folded, plain = fn(tf.constant(pairs[:, 1]))
+    assert list(plain.numpy()) == want
+    assert list(folded.numpy()) == [0, 0, 0, 0]  # +0 + y for y = +0, -0, +0, -0
+    _check(20003083, tf_decoders, binary_only=True)
+
+
 @pytest.mark.parametrize("masks", ["sorted", "dense"])
 def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatch):
     """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF decoder's fast

@@ -343,6 +343,9 @@ def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     # TF's add is exact unless an operand is subnormal or the result is (then it shows as a zero
     # that two non-zero operands did not cancel to; real cancellations are redone harmlessly)
     both_zero = tf.logical_and(_zero(x), _zero(y))
+    # zero + zero is -0 only when both are -0 (IEEE, round to nearest). Set from the bits: inside
+    # tf.function Grappler folds "zeros + y" to y, which turned +0 + (-0) into -0
+    s = tf.where(both_zero, tf.bitwise.bitwise_and(x, y), s)
     redo = tf.logical_or(tf.logical_or(_subnormal(x), _subnormal(y)),
                          tf.logical_and(_tiny(s), tf.logical_not(both_zero)))
     redo = tf.reshape(tf.where(redo), [-1])
