@@ -173,20 +173,35 @@ _tf_ops = None
 _tf_tried = False
 
 
+def _enabled() -> bool:
+    return not _disabled and os.environ.get("HOROVOD_SBC_KERNELS", "1") != "0"
+
+
+def _load_once(load, what: str, fallback: str):
+    """``load()`` (build and load), or None with one warning naming ``what`` and ``fallback``
+    (no compiler, no headers, read-only cache, ...)."""
+    try:
+        return load()
+    except Exception as e:
+        warnings.warn(f"horovod_sbc: {what} unavailable ({e}); {fallback} (same bytes, slower "
+                      "on the CPU)")
+        return None
+
+
 def tf_ops():
     """The loaded TensorFlow op module (``tf.load_op_library``), or None (disabled, or it could
     not be built or loaded: warned once)."""
     global _tf_ops, _tf_tried
-    if _disabled or os.environ.get("HOROVOD_SBC_KERNELS", "1") == "0":
+    if not _enabled():
         return None
     if not _tf_tried:
         _tf_tried = True
-        try:
+
+        def load():
             import tensorflow as tf
-            _tf_ops = tf.load_op_library(str(build_tf()))
-        except Exception as e:  # no compiler, no TF headers, read-only cache, ...
-            warnings.warn(f"horovod_sbc: TensorFlow kernel ops unavailable ({e}); the TF codec "
-                          "uses stock TensorFlow ops instead (same bytes, slower on the CPU)")
+            return tf.load_op_library(str(build_tf()))
+        _tf_ops = _load_once(load, "TensorFlow kernel ops",
+                             "the TF codec uses stock TensorFlow ops instead")
     return _tf_ops
 
 
@@ -221,17 +236,16 @@ def _bind(lib) -> None:
 def lib():
     """The loaded library, or None (disabled, or it could not be built: warned once)."""
     global _lib, _tried
-    if _disabled or os.environ.get("HOROVOD_SBC_KERNELS", "1") == "0":
+    if not _enabled():
         return None
     if not _tried:
         _tried = True
-        try:
+
+        def load():
             handle = ctypes.CDLL(str(build()))
             _bind(handle)
-            _lib = handle
-        except Exception as e:  # no compiler, read-only cache, ...
-            warnings.warn(f"horovod_sbc: C kernels unavailable ({e}); the tensor-op codec is "
-                          "used instead (same bytes, slower on the CPU)")
+            return handle
+        _lib = _load_once(load, "C kernels", "the tensor-op codec is used instead")
     return _lib
 
 
