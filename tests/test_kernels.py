@@ -50,6 +50,42 @@ def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
                 assert got[0].numpy().tobytes() == msg, what
 
 
+_SELECTION_DIGEST = textwrap.dedent("""
+    import hashlib, numpy as np, torch
+    from horovod_sbc.torch import codec
+    rng = np.random.default_rng(3)
+    h = hashlib.sha256()
+    for n in (1, 63, 64, 65, 4095, 4097, 16385, 200_003):
+        xs = [rng.standard_normal(n), rng.integers(-2, 3, n), rng.standard_cauchy(n)]
+        bad = rng.standard_normal(n)
+        bad[rng.integers(0, n)] = float(rng.choice([np.nan, np.inf, -np.inf]))
+        for x in xs + [bad]:
+            for p in (1e-4, 1e-2, 0.05, 0.3):
+                for mode, sel in (("sbc", "paper"), ("sbc", "magnitude"), ("values", "paper")):
+                    try:
+                        m, pos, _ = codec.encode_update(torch.tensor(x, dtype=torch.float32),
+                                                        p, mode, selection=sel)
+                        h.update(m.numpy().tobytes() + pos.numpy().tobytes())
+                    except codec.NonFiniteError:
+                        h.update(b"nonfinite")
+    print(h.hexdigest())
+""")
+
+
+def test_portable_candidate_masks_match_the_sse2_ones():
+    """The candidate pass computes its bit masks with SSE2 where the CPU has it; the portable C
+    variant (``HOROVOD_SBC_SIMD=c``, used elsewhere) must select exactly the same elements:
+    messages, positions and NaN/Inf verdicts, across block and chunk boundaries."""
+    digests = []
+    for simd in ("c", "default"):
+        env = {**os.environ, "HOROVOD_SBC_SIMD": simd}
+        res = subprocess.run([sys.executable, "-c", _SELECTION_DIGEST], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        digests.append(res.stdout.strip())
+    assert digests[0] == digests[1] and len(digests[0]) == 64
+
+
 def test_close_means_choose_the_reference_side():
     """The paper rule writes only the winning side when the two means are far apart and both
     sides when they are close: around that boundary (means equal, one float32 ulp apart, ...,

@@ -4,7 +4,8 @@ The torch codec does its O(numel) and O(k) work in tensor ops so that it runs un
 device. On the CPU, a handful of tensor ops per stage still means several passes over the tensor
 and over the positions, and int64 temporaries for every bit; these kernels do each stage in one
 pass of plain C instead (issue 12: compress and decode within a few ``torch.add`` of the same
-size). They are used for contiguous float32 CPU tensors and CPU step buffers; everything else
+size). They are used for contiguous float32 CPU tensors of at most ``MAX_NUMEL`` (2**32 - 1)
+elements (positions are 32-bit inside) and CPU step buffers; everything else
 (CUDA tensors, other dtypes, SIGNS/VALUES/ALL messages) takes the tensor-op path, and so does
 everything when the kernels are unavailable or disabled. Both paths produce the same bytes and
 the same verdicts: the golden vectors and the differential test run through each.
@@ -20,7 +21,7 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   between calls, so a step does not page-fault fresh buffers per tensor; ``sbc_release`` frees
   it) until ``sbc_take`` copies the side that is sent. Given a destination, the paper rule
   writes only the side whose mean is larger beyond any rounding doubt straight into it (the
-  other side's sum is then a plain float64 sum, close enough that the side chosen from the two
+  other side's sum is then a float64 sum in another fixed order, close enough that the side chosen from the two
   means cannot change); both sides otherwise;
 * ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the drop-in optimizer's window update);
   ``sbc_zero_where_nonzero`` — the stock hook's momentum masking without a mask tensor;
@@ -171,6 +172,8 @@ def build_tf() -> Path:
 
 _tf_ops = None
 _tf_tried = False
+
+MAX_NUMEL = (1 << 32) - 1  # the kernels' limit per tensor (32-bit positions); larger: tensor ops
 
 
 def _enabled() -> bool:

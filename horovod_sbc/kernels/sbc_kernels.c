@@ -36,7 +36,7 @@ typedef unsigned __int128 u128;
  * integer, orders exactly like the value, so candidates carry their score as that u32 key and
  * the exact k-th largest is found by a radix select on the keys. */
 typedef struct {
-    i64 *pos;
+    u32 *pos; /* positions fit in 32 bits: sbc_select takes tensors of fewer than 2^32 elements */
     u32 *key;
     i64 n, cap;
 } cands;
@@ -45,7 +45,7 @@ static int cands_reserve(cands *a, i64 extra) {
     if (a->n + extra <= a->cap) return 1;
     i64 cap = a->cap ? a->cap : 4096;
     while (cap < a->n + extra) cap *= 2;
-    i64 *p = (i64 *)realloc(a->pos, (size_t)cap * sizeof(i64));
+    u32 *p = (u32 *)realloc(a->pos, (size_t)cap * sizeof(u32));
     if (!p) return 0;
     a->pos = p;
     u32 *k = (u32 *)realloc(a->key, (size_t)cap * sizeof(u32));
@@ -143,56 +143,67 @@ static u32 nth_key(u32 *v, i64 n, i64 t) {
 
 #define SMALL_SELECT 4096 /* below this a quickselect beats the radix histograms' fixed cost */
 
-/* The k-th largest of keys[0..c) (1 <= k <= c); *ties gets how many keys equal to it are among
- * the k largest. tmp holds >= c keys. */
-static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties) {
-    if (c <= SMALL_SELECT) {
-        memcpy(tmp, keys, (size_t)c * sizeof(u32));
-        u32 kth = nth_key(tmp, c, c - k);
-        i64 gt = 0;
-        for (i64 i = 0; i < c; i++) gt += keys[i] > kth;
-        *ties = k - gt;
-        return kth;
-    }
-    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
-    i64 hist[2048], h4[4][2048];
-    u32 prefix = 0;
-    i64 need = k;
+/* The k-th largest of keys[0..c) (1 <= k <= c), every key in [lo, hi]; *ties gets how many
+ * keys equal to it are among the k largest. tmp holds >= c keys. Radix select on the keys'
+ * range: each level spreads [lo, hi] over at most 2048 buckets ((key - lo) >> shift), finds the
+ * bucket holding the k-th largest and keeps only its keys (compacted into tmp, in place from the
+ * second level on; the bucket's bounds are the next level's range), until few enough remain for
+ * a quickselect. The top 11 bits of the key would do too, but the candidates of one side share
+ * an exponent or two: a handful of crowded buckets and three levels, where the candidates' own
+ * range (threshold to largest) leaves about 0.2 % of the keys after one. */
+static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties, u32 lo, u32 hi) {
     const u32 *src = keys;
-    i64 n = c;
-    for (int lv = 0; lv < 3; lv++) {
-        int sh = shift[lv], nb = 1 << width[lv];
-        u32 bm = (u32)(nb - 1);
+    i64 n = c, need = k; /* the k-th largest of all is the need-th largest of src[0..n) */
+    for (;;) {
+        if (n <= SMALL_SELECT) {
+            if (src != tmp) memcpy(tmp, src, (size_t)n * sizeof(u32));
+            u32 kth = nth_key(tmp, n, n - need);
+            i64 gt = 0;
+            for (i64 i = 0; i < n; i++) gt += tmp[i] > kth;
+            *ties = need - gt;
+            return kth;
+        }
+        if (lo == hi) { /* all equal: need of them are among the k largest */
+            *ties = need;
+            return lo;
+        }
+        int sh = 0;
+        while (((hi - lo) >> sh) >= 2048) sh++;
+        i64 nb = (i64)((hi - lo) >> sh) + 1, hist[2048];
         /* four interleaved histograms: keys near the threshold share a few buckets, and one
-         * counter incremented back to back would serialise on its store */
+         * counter incremented back to back would serialise on its store. 32-bit counters (all
+         * four fit in L1): n < 2^32 */
+        u32 h4[4][2048];
         memset(h4, 0, sizeof(h4));
         i64 i = 0;
         for (; i + 4 <= n; i += 4) {
-            h4[0][(src[i] >> sh) & bm]++;
-            h4[1][(src[i + 1] >> sh) & bm]++;
-            h4[2][(src[i + 2] >> sh) & bm]++;
-            h4[3][(src[i + 3] >> sh) & bm]++;
+            h4[0][(src[i] - lo) >> sh]++;
+            h4[1][(src[i + 1] - lo) >> sh]++;
+            h4[2][(src[i + 2] - lo) >> sh]++;
+            h4[3][(src[i + 3] - lo) >> sh]++;
         }
-        for (; i < n; i++) h4[0][(src[i] >> sh) & bm]++;
-        for (int j = 0; j < nb; j++) hist[j] = h4[0][j] + h4[1][j] + h4[2][j] + h4[3][j];
-        int bucket = nb - 1;
+        for (; i < n; i++) h4[0][(src[i] - lo) >> sh]++;
+        for (i64 j = 0; j < nb; j++)
+            hist[j] = (i64)h4[0][j] + (i64)h4[1][j] + (i64)h4[2][j] + (i64)h4[3][j];
+        i64 bucket = nb - 1;
         for (; bucket > 0; bucket--) {
             if (need <= hist[bucket]) break;
             need -= hist[bucket];
         }
-        prefix |= (u32)bucket << sh;
-        if (lv < 2) { /* keep only the keys of that bucket for the next level */
-            i64 m = 0;
-            for (i64 i = 0; i < n; i++) {
-                tmp[m] = src[i];
-                m += ((src[i] >> sh) & bm) == (u32)bucket;
-            }
-            src = tmp;
-            n = m;
+        /* keep that bucket's keys; writing tmp[m] with m <= i never overtakes the reads when
+         * src is tmp. The range shrinks by 2^11 per level (or to one value) */
+        i64 m = 0;
+        for (i = 0; i < n; i++) {
+            u32 x = src[i];
+            tmp[m] = x;
+            m += (i64)((x - lo) >> sh) == bucket;
         }
+        src = tmp;
+        n = m;
+        u32 blo = lo + ((u32)bucket << sh), bhi = blo + ((1u << sh) - 1u);
+        lo = blo;
+        hi = bhi < blo || bhi > hi ? hi : bhi;
     }
-    *ties = need;
-    return prefix;
 }
 
 /* The k-th largest key of the candidates and how many keys equal to it are kept (c > k). */
@@ -202,11 +213,28 @@ typedef struct {
     int all; /* c <= k: every candidate is kept */
 } cut;
 
-static cut find_cut(const cands *cd, i64 k, u32 *tmp) {
+/* The largest of n >= 1 keys that are finite non-negative floats' bit patterns (candidates:
+ * the candidate pass rejected NaN and Inf), as a float max (SSE2: 4 per instruction) */
+static u32 max_key(const u32 *key, i64 n) {
+    u32 m = key[0];
+    i64 i = 0;
+#if defined(__SSE2__)
+    __m128 vm = _mm_castsi128_ps(_mm_set1_epi32((int)m));
+    for (; i + 4 <= n; i += 4) vm = _mm_max_ps(vm, _mm_loadu_ps((const float *)(key + i)));
+    float f[4];
+    _mm_storeu_ps(f, vm);
+    for (int j = 0; j < 4; j++) m = fbits(f[j]) > m ? fbits(f[j]) : m;
+#endif
+    for (; i < n; i++) m = key[i] > m ? key[i] : m;
+    return m;
+}
+
+/* lo: a lower bound of the keys (the side's candidate threshold) */
+static cut find_cut(const cands *cd, i64 k, u32 *tmp, u32 lo) {
     cut t = {0, 0, 1};
     if (cd->n > k) {
         t.all = 0;
-        t.kth = kth_largest_key(cd->key, cd->n, k, tmp, &t.ties);
+        t.kth = kth_largest_key(cd->key, cd->n, k, tmp, &t.ties, lo, max_key(cd->key, cd->n));
     }
     return t;
 }
@@ -217,7 +245,7 @@ static cut find_cut(const cands *cd, i64 k, u32 *tmp) {
 static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     i64 c = cd->n;
     if (t.all) {
-        memcpy(out, cd->pos, (size_t)c * sizeof(i64));
+        for (i64 i = 0; i < c; i++) out[i] = cd->pos[i];
         if (vals)
             for (i64 i = 0; i < c; i++) vals[i] = bitsf(cd->key[i]);
         return c;
@@ -227,7 +255,7 @@ static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     /* exactly k are kept: stop there (outputs hold k); branch-free, as keeping is a coin flip */
     i64 m = 0;
     const u32 *key = cd->key;
-    const i64 *pos = cd->pos;
+    const u32 *pos = cd->pos;
     if (vals) {
         for (i64 i = 0; i < c && m < k; i++) {
             u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
@@ -247,29 +275,39 @@ static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     return m;
 }
 
-static i64 keep_topk(const cands *cd, i64 k, u32 *tmp, i64 *out, float *vals) {
-    return keep_cut(cd, k, find_cut(cd, k, tmp), out, vals);
+static i64 keep_topk(const cands *cd, i64 k, u32 *tmp, u32 lo, i64 *out, float *vals) {
+    return keep_cut(cd, k, find_cut(cd, k, tmp, lo), out, vals);
 }
 
-/* The sum of the kept scores (signed sides: all > 0) in plain sequential float64 order, and
- * how many are kept. Within 2 (count - 1) 2^-53 of the sum, relatively, as is the tree sum: used
- * only where the two sides' means are too far apart for that difference to matter. */
+/* The sum of the kept scores (signed sides: all > 0) in float64, and how many are kept: eight
+ * interleaved partial sums (a sequential chain of dependent adds was latency-bound), so the
+ * order is fixed but not the tree's. Any order of adding n positive values is within
+ * (n - 1) 2^-53 of the exact sum, relatively, as is the tree sum: used only where the two
+ * sides' means are too far apart for that difference to matter. */
 static double cut_sum(const cands *cd, cut t, i64 *count) {
-    double s = 0.0;
-    i64 c = cd->n, m = 0;
-    for (i64 i = 0; i < c; i++) {
-        u32 x = cd->key[i];
-        if (t.all || x > t.kth) {
-            s += (double)bitsf(x);
-            m++;
+    double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    i64 c = cd->n, m = 0, i = 0;
+    const u32 *key = cd->key;
+    u32 kth = t.all ? 0u : t.kth; /* keys are > 0 here: "> 0" keeps every candidate */
+    /* branch-free: a key not kept becomes +0.0, which adds nothing */
+    for (; i + 8 <= c; i += 8)
+        for (int j = 0; j < 8; j++) {
+            u32 x = key[i + j], keep = x > kth;
+            s[j] += (double)bitsf(x & (0u - keep));
+            m += keep;
         }
+    for (; i < c; i++) {
+        u32 x = key[i], keep = x > kth;
+        s[0] += (double)bitsf(x & (0u - keep));
+        m += keep;
     }
+    double sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
     if (!t.all) {
-        s += (double)t.ties * (double)bitsf(t.kth);
+        sum += (double)t.ties * (double)bitsf(t.kth);
         m += t.ties;
     }
     *count = m;
-    return s;
+    return sum;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -302,10 +340,13 @@ static void sample_thresholds(const float *a, const float *g, i64 n, i64 stride,
     }
     i64 ties;
     float all = two ? TRUE_MIN : 0.0f;
-    t[0] = np >= ks && ks > 0 ? bitsf(kth_largest_key(pk, np, ks, tmp, &ties)) : all;
+    /* every key < 2^31 (sign bit clear; NaN too) */
+    t[0] = np >= ks && ks > 0 ? bitsf(kth_largest_key(pk, np, ks, tmp, &ties, 0, 0x7FFFFFFFu))
+                              : all;
     if (t[0] < all) t[0] = all;
     if (two) {
-        t[1] = nn >= ks && ks > 0 ? bitsf(kth_largest_key(nk, nn, ks, tmp, &ties)) : all;
+        t[1] = nn >= ks && ks > 0 ? bitsf(kth_largest_key(nk, nn, ks, tmp, &ties, 0, 0x7FFFFFFFu))
+                                  : all;
         if (t[1] < all) t[1] = all;
     }
 }
@@ -316,7 +357,7 @@ static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c
     while (mask) {
         int j = __builtin_ctzll(mask);
         mask &= mask - 1;
-        c->pos[n] = s + j;
+        c->pos[n] = (u32)(s + j);
         c->key[n] = fbits(a[s + j]) ^ flip;
         n++;
     }
@@ -324,88 +365,149 @@ static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c
 }
 
 /* One pass: candidates of the positive (x >= tp) and negative (x <= -tn) sides, or of the
- * magnitude side (|x| >= tp) when two == 0, by blocks of BLOCK elements (with g, each block
- * first becomes a += g: the residual-corrected update, computed in the same pass): per-side bit masks
- * (SSE2 compares + movemask where available) whose set bits are pushed, and the NaN/Inf check.
- * With prefilter (low densities: most blocks hold no candidate) a block is first tested with
- * one cheap compare (|x| below both thresholds; NaN and Inf fail it too) and skipped whole.
- * Returns 1 if a non-finite value was seen. */
+ * magnitude side (|x| >= tp) when two == 0, by blocks of BLOCK elements (with g, each chunk of
+ * SCAN_CHUNK elements first becomes a += g: the residual-corrected update, computed in the same pass,
+ * then hot in cache): per-block, per-side bit masks whose set bits are pushed, and the NaN/Inf
+ * check. The masks of a chunk's whole blocks come from masks_sse2 or masks_c (exact compares:
+ * both find the same candidates; an AVX2 variant measured no faster, the pass being bound by
+ * memory). With prefilter (low densities: most blocks hold no candidate) a
+ * block is first tested with one cheap compare (|x| below both thresholds; NaN and Inf fail it
+ * too) and skipped whole (its masks 0). Returns 1 if a non-finite value was seen. */
 #define BLOCK 64
+#define SCAN_CHUNK 4096
 static void add_into(float *a, const float *g, i64 s, i64 e) {
     for (i64 i = s; i < e; i++) a[i] = a[i] + g[i];
 }
 
-/* noinline: inlined into sbc_select, the candidate arrays' addresses were recomputed through
- * __tls_get_addr for every block with candidates */
-__attribute__((noinline)) static int scan(float *a, const float *g, i64 n, float tp, float tn,
-                                          int two, int prefilter,
-                cands *p, cands *q, int *oom) {
-    float tmin = two && tn < tp ? tn : tp, ntn = -tn;
-    i64 full = n - n % BLOCK;
+typedef struct {
+    float tp, ntn, tmin; /* thresholds: x >= tp, x <= ntn (= -tn), prefilter |x| >= tmin */
+    int two, prefilter;
+} scan_cfg;
+
+/* masks of nb whole blocks at x (pm, nm: one u64 per block); returns non-zero if a value of a
+ * block that was not skipped is NaN or +-Inf */
+typedef u32 (*masks_fn)(const float *x, i64 nb, const scan_cfg *c, u64 *pm, u64 *nm);
+
+/* portable, one block of len (<= BLOCK) elements: the reference for the vector variants */
+static u32 block_masks_c(const float *x, int len, const scan_cfg *c, u64 *pm, u64 *nm) {
     u32 bad = 0;
+    u64 p = 0, n = 0;
+    *pm = *nm = 0;
+    if (c->prefilter) {
+        u32 any = 0;
+        for (int j = 0; j < len; j++) any |= !(fabsf(x[j]) < c->tmin);
+        if (!any) return 0;
+    }
+    for (int j = 0; j < len; j++) {
+        float v = x[j];
+        bad |= !(fabsf(v) <= 3.4028234663852886e38f);
+        if (c->two) {
+            p |= (u64)(v >= c->tp) << j;
+            n |= (u64)(v <= c->ntn) << j;
+        } else {
+            p |= (u64)(fabsf(v) >= c->tp) << j;
+        }
+    }
+    *pm = p;
+    *nm = n;
+    return bad;
+}
+
+static u32 masks_c(const float *x, i64 nb, const scan_cfg *c, u64 *pm, u64 *nm) {
+    u32 bad = 0;
+    for (i64 b = 0; b < nb; b++) bad |= block_masks_c(x + b * BLOCK, BLOCK, c, pm + b, nm + b);
+    return bad;
+}
+
 #if defined(__SSE2__)
-    const __m128 vt = _mm_set1_ps(tmin), vtp = _mm_set1_ps(tp), vntn = _mm_set1_ps(ntn);
+static u32 masks_sse2(const float *x, i64 nb, const scan_cfg *c, u64 *pm, u64 *nm) {
+    const __m128 vt = _mm_set1_ps(c->tmin), vtp = _mm_set1_ps(c->tp), vntn = _mm_set1_ps(c->ntn);
     const __m128 vmax = _mm_set1_ps(3.4028234663852886e38f);
     const __m128 vabs = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
+    __m128 bad = _mm_setzero_ps();
+    for (i64 b = 0; b < nb; b++, x += BLOCK) {
+        if (c->prefilter) {
+            __m128 acc = _mm_setzero_ps();
+            for (int j = 0; j < BLOCK; j += 4)
+                acc = _mm_or_ps(acc, _mm_cmpnlt_ps(_mm_and_ps(_mm_loadu_ps(x + j), vabs), vt));
+            if (!_mm_movemask_ps(acc)) {
+                pm[b] = nm[b] = 0;
+                continue;
+            }
+        }
+        u64 p = 0, n = 0;
+        for (int j = 0; j < BLOCK; j += 4) {
+            __m128 v = _mm_loadu_ps(x + j), av = _mm_and_ps(v, vabs);
+            bad = _mm_or_ps(bad, _mm_cmpnle_ps(av, vmax));
+            if (c->two) {
+                p |= (u64)_mm_movemask_ps(_mm_cmpge_ps(v, vtp)) << j;
+                n |= (u64)_mm_movemask_ps(_mm_cmple_ps(v, vntn)) << j;
+            } else {
+                p |= (u64)_mm_movemask_ps(_mm_cmpge_ps(av, vtp)) << j;
+            }
+        }
+        pm[b] = p;
+        nm[b] = n;
+    }
+    return (u32)_mm_movemask_ps(bad);
+}
 #endif
-    for (i64 s = 0; s < n; s += BLOCK) {
-        i64 e = s < full ? s + BLOCK : n;
-        u64 pm = 0, nm = 0;
-        u32 badb = 0;
-        if (g) add_into(a, g, s, e); /* A = R + dW, block by block (then hot in L1) */
+
+/* the SSE2 variant where the CPU has it; HOROVOD_SBC_SIMD=c picks the portable one (tests
+ * compare the two) */
+static masks_fn pick_masks(void) {
+    static masks_fn chosen = NULL;
+    if (chosen) return chosen;
+    const char *want = getenv("HOROVOD_SBC_SIMD");
+    masks_fn f = masks_c;
 #if defined(__SSE2__)
-        if (e - s == BLOCK) {
-            if (prefilter) {
-                __m128 acc = _mm_setzero_ps();
-                for (int j = 0; j < BLOCK; j += 4)
-                    acc = _mm_or_ps(acc, _mm_cmpnlt_ps(_mm_and_ps(_mm_loadu_ps(a + s + j), vabs),
-                                                       vt));
-                if (!_mm_movemask_ps(acc)) continue;
-            }
-            for (int j = 0; j < BLOCK; j += 4) {
-                __m128 x = _mm_loadu_ps(a + s + j);
-                __m128 ax = _mm_and_ps(x, vabs);
-                badb |= (u32)_mm_movemask_ps(_mm_cmpnle_ps(ax, vmax));
-                if (two) {
-                    pm |= (u64)_mm_movemask_ps(_mm_cmpge_ps(x, vtp)) << j;
-                    nm |= (u64)_mm_movemask_ps(_mm_cmple_ps(x, vntn)) << j;
-                } else {
-                    pm |= (u64)_mm_movemask_ps(_mm_cmpge_ps(ax, vtp)) << j;
-                }
-            }
-        } else
+    if (!(want && !strcmp(want, "c"))) f = masks_sse2;
 #endif
-        {
-            if (prefilter) {
-                u32 any = 0;
-                for (i64 i = s; i < e; i++) any |= !(fabsf(a[i]) < tmin);
-                if (!any) continue;
-            }
-            for (i64 i = s; i < e; i++) {
-                float x = a[i];
-                badb |= !(fabsf(x) <= 3.4028234663852886e38f);
-                if (two) {
-                    pm |= (u64)(x >= tp) << (i - s);
-                    nm |= (u64)(x <= ntn) << (i - s);
-                } else {
-                    pm |= (u64)(fabsf(x) >= tp) << (i - s);
-                }
-            }
+    chosen = f;
+    return f;
+}
+
+/* noipa: inlined into sbc_select, or with p = &TLS.p propagated into it (a clone, or the
+ * parameter dropped), the candidate arrays' addresses were recomputed through __tls_get_addr
+ * for every block with candidates (about 4 % of the selection) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_IPA __attribute__((noipa))
+#else
+#define NO_IPA __attribute__((noinline))
+#endif
+NO_IPA static int scan(float *a, const float *g, i64 n, float tp, float tn, int two,
+                       int prefilter, cands *p, cands *q, int *oom) {
+    scan_cfg cfg = {tp, -tn, two && tn < tp ? tn : tp, two, prefilter};
+    masks_fn masks = pick_masks();
+    u64 pm[SCAN_CHUNK / BLOCK], nm[SCAN_CHUNK / BLOCK];
+    i64 full = n - n % BLOCK;
+    u32 bad = 0;
+    for (i64 s = 0; s < n; s += SCAN_CHUNK) {
+        i64 e = s + SCAN_CHUNK < n ? s + SCAN_CHUNK : n, ew = e < full ? e : full;
+        if (g) add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
+        i64 nb = ew > s ? (ew - s) / BLOCK : 0;
+        bad |= masks(a + s, nb, &cfg, pm, nm);
+        if (ew < e) { /* the tensor's last, partial block */
+            bad |= block_masks_c(a + ew, (int)(e - ew), &cfg, &pm[nb], &nm[nb]);
+            nb++;
         }
-        bad |= badb;
-        if (!(pm | nm)) continue;
-        if (!cands_reserve(p, BLOCK) || (two && !cands_reserve(q, BLOCK))) {
-            *oom = 1;
-            if (g) add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
-            return 0;
-        }
-        if (two) {
-            push_mask(a, s, pm, 0u, p);
-            push_mask(a, s, nm, 0x80000000u, q);
-        } else { /* magnitude keys: the sign bit cleared */
-            i64 c = p->n;
-            push_mask(a, s, pm, 0u, p);
-            for (i64 i = c; i < p->n; i++) p->key[i] &= 0x7FFFFFFFu;
+        for (i64 b = 0; b < nb; b++) {
+            u64 pb = pm[b], nbm = nm[b];
+            if (!(pb | nbm)) continue;
+            if (!cands_reserve(p, BLOCK) || (two && !cands_reserve(q, BLOCK))) {
+                *oom = 1;
+                if (g) add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
+                return 0;
+            }
+            i64 bs = s + b * BLOCK;
+            if (two) {
+                push_mask(a, bs, pb, 0u, p);
+                push_mask(a, bs, nbm, 0x80000000u, q);
+            } else { /* magnitude keys: the sign bit cleared */
+                i64 c0 = p->n;
+                push_mask(a, bs, pb, 0u, p);
+                for (i64 i = c0; i < p->n; i++) p->key[i] &= 0x7FFFFFFFu;
+            }
         }
     }
     return bad != 0;
@@ -431,7 +533,7 @@ static double tree_sum(const float *v, i64 c, double *x) {
 }
 
 /* Which side's mean is larger beyond any doubt (0 or 1; -1: too close, or a mean outside the
- * normal float range, or both sides empty): s0/n0 and s1/n1 are sequential float64 sums of
+ * normal float range, or both sides empty): s0/n0 and s1/n1 are float64 sums (cut_sum) of
  * positive values, each within 2 (n - 1) 2^-53 of the exact (and of the tree) sum relatively;
  * a relative gap above twice that plus 2^-20 (float32's spacing is at most 2^-23 relatively
  * for normal values, and the division rounds once) keeps float32(sum / n) in the same strict
@@ -463,7 +565,7 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
  * that their order cannot depend on how each sum is rounded (relative gap above 4 c 2^-53 +
  * 2^-20, both means normal floats), only the side with the larger mean is materialised: its
  * positions go straight to dst, *in_dst = that side, its sum is the exact tree sum and the other
- * side's sum is a plain sequential float64 sum (so float32(sum / count) orders the two means
+ * side's sum is cut_sum's float64 sum (so float32(sum / count) orders the two means
  * exactly as the tree sums would, and horovod_sbc's choose_side picks the side in dst). Else
  * *in_dst = -1 and both sides are in scratch as without dst.
  * Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or SBC_BADARG. */
@@ -472,7 +574,7 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
     if (in_dst) *in_dst = -1;
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
     sums[0] = sums[1] = 0.0;
-    if (n < 0 || k < 0 || k > n || mode < 0 || mode > 2) return SBC_BADARG;
+    if (n < 0 || n >= ((i64)1 << 32) || k < 0 || k > n || mode < 0 || mode > 2) return SBC_BADARG;
     if (n == 0 || k == 0) {
         if (g) add_into(a, g, 0, n);
         for (i64 i = 0; i < n; i++)
@@ -527,7 +629,7 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
     i64 *out1 = (i64 *)grow(&TLS.out[1], (size_t)k * sizeof(i64));
     if (!tmp || !vals || !x || !out0 || !out1) return SBC_NOMEM;
     if (mode == 0 && dst && in_dst) {
-        cut c0 = find_cut(p, k, tmp), c1 = find_cut(q, k, tmp);
+        cut c0 = find_cut(p, k, tmp, fbits(t[0])), c1 = find_cut(q, k, tmp, fbits(t[1]));
         i64 n0, n1;
         double s0 = cut_sum(p, c0, &n0), s1 = cut_sum(q, c1, &n1);
         int win = decisive(s0, n0, s1, n1);
@@ -546,12 +648,12 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
         counts[1] = keep_cut(q, k, c1, out1, vals);
         sums[1] = tree_sum(vals, counts[1], x);
     } else if (mode == 0) {
-        counts[0] = keep_topk(p, k, tmp, out0, vals);
+        counts[0] = keep_topk(p, k, tmp, fbits(t[0]), out0, vals);
         sums[0] = tree_sum(vals, counts[0], x);
-        counts[1] = keep_topk(q, k, tmp, out1, vals);
+        counts[1] = keep_topk(q, k, tmp, fbits(t[1]), out1, vals);
         sums[1] = tree_sum(vals, counts[1], x);
     } else {
-        i64 c = keep_topk(p, k, tmp, out0, NULL);
+        i64 c = keep_topk(p, k, tmp, fbits(t[0]), out0, NULL);
         if (mode == 2) {
             counts[0] = c;
         } else { /* split by sign: positives in place, their values and the negatives' */

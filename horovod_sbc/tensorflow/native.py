@@ -49,7 +49,9 @@ def on_cpu(t: tf.Tensor) -> bool:
 def encoder_for(t: tf.Tensor, mode: str):
     """The op module when binary SBC of ``t`` can run in the kernel: float32, on the CPU,
     ``mode == "sbc"`` and the ops available; else None (the stock-TF-op path)."""
-    if mode != "sbc" or t.dtype != tf.float32 or not on_cpu(t):
+    n = t.shape.num_elements()
+    if mode != "sbc" or t.dtype != tf.float32 or not on_cpu(t) or n is None or \
+            n > kernels.MAX_NUMEL:
         return None
     return ops()
 
@@ -70,10 +72,10 @@ def encode(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int, select
 def decoder_static_ok(gathered: tf.Tensor, numels: Sequence[int], outs, out_dtypes,
                       single: bool):
     """The op module when a gathered step may be decoded by the kernels (decided while tracing:
-    float32 outputs, tensors of at most 2**32 elements, the buffer on the CPU), else None."""
+    float32 outputs, tensors of at most ``kernels.MAX_NUMEL`` elements, the buffer on the CPU), else None."""
     if single or not numels or any(dt != tf.float32 for dt in out_dtypes):
         return None
-    if any(n > (1 << 32) for n in numels) or not on_cpu(gathered):
+    if any(n > kernels.MAX_NUMEL for n in numels) or not on_cpu(gathered):
         return None
     if outs is not None and any(o.dtype != tf.float32 or not on_cpu(o) for o in outs):
         return None

@@ -193,9 +193,11 @@ _C_PAPER, _C_MAGNITUDE_SPLIT, _C_MAGNITUDE = 0, 1, 2
 
 
 def _kernels_for(a: torch.Tensor):
-    """The kernel library when ``a`` is a contiguous float32 CPU tensor and the kernels are
-    available, else None (the tensor-op path)."""
-    if a.device.type != "cpu" or a.dtype != torch.float32 or not a.is_contiguous():
+    """The kernel library when ``a`` is a contiguous float32 CPU tensor of at most
+    ``kernels.MAX_NUMEL`` elements and the kernels are available, else None (the tensor-op
+    path)."""
+    if a.device.type != "cpu" or a.dtype != torch.float32 or not a.is_contiguous() or \
+            a.numel() > kernels.MAX_NUMEL:
         return None
     return kernels.lib()
 

@@ -115,10 +115,10 @@ def _add_message(t: torch.Tensor, pos: torch.Tensor, vals: Optional[torch.Tensor
 
 
 def _kernel_message(msg: wire.TensorMessage) -> bool:
-    """Binary messages (positions + one value) of tensors up to 2**32 elements: the C kernels
+    """Binary messages (positions + one value) of tensors of at most ``kernels.MAX_NUMEL`` elements: the C kernels
     decode them (uint32 positions); the others take the tensor-op path."""
     return bool(msg.count) and not (msg.all_positions or msg.has_values or msg.has_signs) \
-        and msg.numel <= 1 << 32
+        and msg.numel <= kernels.MAX_NUMEL
 
 
 def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
