@@ -304,22 +304,44 @@ def test_build_ahead_of_time_command(tmp_path):
         assert path.startswith(str(tmp_path / stem)) and os.path.exists(path), path
 
 
-def test_momentum_masking_kernel_matches_masked_fill():
-    from horovod_sbc.torch.hook import Owner, mask_momentum
-    g = torch.Generator().manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(1000, generator=g))
-    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    avg = torch.zeros(1000)
-    avg[::7] = torch.randn(143, generator=g)
-    avg[3], avg[14] = float("nan"), -0.0  # NaN is masked, -0.0 is not (as avg != 0 says)
+def test_momentum_masking_at_decoded_positions_matches_masked_fill():
+    """The stock hook's momentum masking: the decoder zeroes the buffer wherever the decoded
+    average is non-zero. The kernel visits only the decoded positions; it must agree with a
+    dense masked_fill, also where two ranks' values cancel to exactly 0 (not masked) and with
+    one tensor taking the tensor-op path (values mode) beside kernel-path ones."""
+    rng = np.random.default_rng(4)
+    layout = [("a", (5000,)), ("b", (300,)), ("c", (2000,))]
+    fp = wire.layout_fingerprint(layout)
+    steps = []
+    for rank in range(3):
+        msgs = []
+        for name, (n,) in layout:
+            x = rng.standard_normal(n).astype(np.float32)
+            if rank < 2 and name == "a":  # ranks 0 and 1: opposite values, same positions
+                x = np.zeros(n, np.float32)
+                x[::50] = 1.0 if rank == 0 else -1.0
+            mode = "values" if name == "b" else "sbc"
+            m, _ = codec.compress_(torch.from_numpy(x), 0.02, mode, name)
+            msgs.append(m)
+        steps.append(exchange.frame(msgs, fp, torch.device("cpu")))
+    gathered = torch.cat(steps)
     got = []
-    for off in (False, True):
-        opt.state[p]["momentum_buffer"] = torch.arange(1000.0)
-        if off:
-            with kernels.disabled():
-                mask_momentum(Owner("w", opt, p), avg)
+    for use_kernels in (True, False):
+        outs = [torch.full((n,), 7.0) for _, (n,) in layout]
+        bufs = [torch.arange(float(n)) + 1 for _, (n,) in layout]
+        if use_kernels:
+            exchange.decode_gathered(gathered, layout, 3, outs, 1 / 3, zero_out=True,
+                                     zero_where_nonzero=bufs)
         else:
-            mask_momentum(Owner("w", opt, p), avg)
-        got.append(opt.state[p]["momentum_buffer"].clone())
-    assert torch.equal(got[0], got[1])
-    assert got[0][3] == 0 and got[0][14] == 14 and got[0][7] == (0 if avg[7] != 0 else 7)
+            with kernels.disabled():
+                exchange.decode_gathered(gathered, layout, 3, outs, 1 / 3, zero_out=True,
+                                         zero_where_nonzero=bufs)
+        for o, bf in zip(outs, bufs):
+            want = (torch.arange(float(o.numel())) + 1).masked_fill(o != 0, 0)
+            assert torch.equal(bf, want)
+        got.append(bufs)
+    assert all(torch.equal(x, y) for x, y in zip(*got))
+    assert (got[0][0] == 0).any() and (got[0][0] != 0).any()
+    with pytest.raises(ValueError, match="zero_out"):
+        exchange.decode_gathered(gathered, layout, 3, [torch.zeros(n) for _, (n,) in layout],
+                                 zero_where_nonzero=[None, None, None])

@@ -24,7 +24,8 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   other side's sum is then a float64 sum in another fixed order, close enough that the side chosen from the two
   means cannot change); both sides otherwise;
 * ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the drop-in optimizer's window update);
-  ``sbc_zero_where_nonzero`` — the stock hook's momentum masking without a mask tensor;
+  ``sbc_zero_where_nonzero_groups`` — after the scatter below, ``buf = 0`` wherever the decoded
+  output is non-zero, visiting only the decoded positions (the stock hook's momentum masking);
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
   parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
 * ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
@@ -220,8 +221,8 @@ def _bind(lib) -> None:
     lib.sbc_release.restype = None
     lib.sbc_gap_shift_sums.argtypes = [_P, _I64, _P, _I64, _P]
     lib.sbc_gap_shift_sums.restype = None
-    lib.sbc_zero_where_nonzero.argtypes = [_P, _P, _I64]
-    lib.sbc_zero_where_nonzero.restype = None
+    lib.sbc_zero_where_nonzero_groups.argtypes = [_I64] + [_P] * 6
+    lib.sbc_zero_where_nonzero_groups.restype = ctypes.c_int
     lib.sbc_sub_sum.argtypes = [_P, _P, _P, _P, _I64]
     lib.sbc_sub_sum.restype = None
     lib.sbc_add_at.argtypes = [_P, _P, _I64, ctypes.c_float]

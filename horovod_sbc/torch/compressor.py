@@ -88,7 +88,7 @@ class SBC(StockHook):
             :func:`TopK`, whose exact values need their momentum): DGC's momentum factor masking
             (Lin et al., ICLR 2018) on the global buffer — where the averaged update is
             non-zero, the owner optimizer's SGD ``momentum_buffer`` is zeroed just before its
-            step (:func:`horovod_sbc.torch.hook.mask_momentum`). It helps (mnist1d, 4 workers,
+            step (:func:`horovod_sbc.torch.hook.momentum_buffer`). It helps (mnist1d, 4 workers,
             SGD momentum 0.9, p = 0.1, 500 steps: 41.2 % -> 56.3 %; dense 84.7 %) but the stock
             path with momentum stays behind the drop-in optimizer: after 1,500 steps 90.7 %
             (p = 0.01) and 86.9 % (p = 0.1) against 94.5 % dense and 86.1 % for no

@@ -39,7 +39,9 @@ def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int) -
 
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
                     n_ranks: int, out: Optional[List[torch.Tensor]] = None, scale: float = 1.0,
-                    out_dtype=torch.float32, zero_out: bool = False) -> List[torch.Tensor]:
+                    out_dtype=torch.float32, zero_out: bool = False,
+                    zero_where_nonzero: Optional[Sequence[Optional[torch.Tensor]]] = None
+                    ) -> List[torch.Tensor]:
     """Accumulate ``scale`` x every rank's decoded tensor, in rank order, into ``out``.
 
     ``out`` are flat tensors in ``layout`` order (e.g. the reference weights, or a gradient
@@ -49,19 +51,27 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     ``out`` is left untouched either way. With ``scale = 1/size`` this is
     the average. Every rank adds the same values in the same order, so results are bit-identical.
 
+    ``zero_where_nonzero`` (needs ``zero_out``): per output, a tensor of as many elements (or
+    None) set to 0 wherever the decoded output is non-zero, once the step is accepted (DGC's
+    momentum factor masking in the stock hook); on the CPU kernels visit only the decoded
+    positions instead of the whole tensor.
+
     The verdict is the protocol layer's (:mod:`horovod_sbc.protocol`): headers are parsed on the
     host (the compressed bytes only), the streams are decoded on ``gathered``'s device and their
     statistics checked by :func:`horovod_sbc.protocol.check_streams`. Raises
     :class:`horovod_sbc.wire.PeerError` for a rank's ERROR/SKIP and ``ValueError`` for anything
     malformed; nothing is added to ``out`` unless every message is valid.
     """
+    if zero_where_nonzero is not None and not (zero_out or out is None):
+        raise ValueError("zero_where_nonzero needs zero_out=True (the decoded sum alone)")
     host = _host_bytes(gathered)
     step = protocol.parse_gathered(host, layout, n_ranks)
     flat = step.flat()
     dev = gathered.device
     lib = kernels.lib() if dev.type == "cpu" and gathered.is_contiguous() else None
     if lib is not None:
-        return _decode_c(lib, gathered, step, layout, out, scale, out_dtype, zero_out)
+        return _decode_c(lib, gathered, step, layout, out, scale, out_dtype, zero_out,
+                         zero_where_nonzero)
     # binary messages: all at once, in (tensor, rank) order; the rest one by one
     # (a tensor goes to the batch only if every rank's message for it does, so that each
     # tensor's sum is accumulated in rank order by one path)
@@ -90,7 +100,14 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
         if not msg.count:
             continue
         _add_message(out[i], pos, vals, msg, scale)
+    for t, buf in zip(out, zero_where_nonzero or []):
+        if buf is not None:
+            _zero_where_nonzero(buf, t)
     return out
+
+
+def _zero_where_nonzero(buf: torch.Tensor, t: torch.Tensor) -> None:
+    buf.view(-1).masked_fill_(t.view(-1) != 0, 0)
 
 
 def _remaining_stats(gathered: torch.Tensor, flat, stats: list) -> dict:
@@ -122,7 +139,7 @@ def _kernel_message(msg: wire.TensorMessage) -> bool:
 
 
 def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
-              zero_out: bool) -> List[torch.Tensor]:
+              zero_out: bool, zero_where_nonzero=None) -> List[torch.Tensor]:
     """:func:`decode_gathered` on the CPU with the C kernels (:mod:`horovod_sbc.kernels`): one
     call decodes every binary message's statistics and positions, the protocol judges, one call
     adds them to the float32 outputs, each tensor's ranks in rank order. A tensor with another
@@ -160,16 +177,21 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
     for k, (_, i, msg, _) in enumerate(flat):  # flat is rank-major: rank order per tensor
         if msg.count:
             per_tensor.setdefault(i, []).append(k)
-    groups, kmsgs = [0], []
+    masks = list(zero_where_nonzero or [])
+    masks += [None] * (len(out) - len(masks))
+    groups, kmsgs, kouts, mask_dense = [0], [], [], []
     for i, t in enumerate(out):
         ks = per_tensor.get(i, [])
         if ks and all(k in slot for k in ks) and t.dtype == torch.float32 and \
                 t.is_contiguous() and t.device.type == "cpu":
             kmsgs += [(t.data_ptr(), t.numel(), k) for k in ks]
             groups.append(len(kmsgs))
+            kouts.append(i)
             continue
         if zero_out:
             t.zero_()
+        if ks:
+            mask_dense.append(i)
         for k in ks:  # the tensor-op path, rank by rank
             msg = flat[k][2]
             if k in slot:
@@ -193,6 +215,26 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
                                         val.ctypes.data, int(zero_out))
         if rc != kernels.OK:
             raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
+        bufs = []  # masks the kernel zeroes at the decoded positions (0: none, or done below)
+        for i in kouts:
+            buf = masks[i]
+            ok = buf is not None and buf.numel() == out[i].numel() and \
+                buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
+            if buf is not None and not ok:
+                mask_dense.append(i)
+            bufs.append(buf.data_ptr() if ok else 0)
+        if any(bufs):
+            rc = lib.sbc_zero_where_nonzero_groups(len(first), g.ctypes.data,
+                                                   addr.ctypes.data,
+                                                   np.array(bufs, np.int64).ctypes.data,
+                                                   numel.ctypes.data, off.ctypes.data,
+                                                   cnt.ctypes.data)
+            if rc != kernels.OK:
+                raise AssertionError(f"horovod_sbc: the masking kernel rejected its arguments "
+                                     f"({rc})")
+    for i in mask_dense:
+        if masks[i] is not None:
+            _zero_where_nonzero(masks[i], out[i])
     return out
 
 

@@ -19,7 +19,7 @@ import torch
 from .. import wire
 from . import exchange
 from .codec import NonFiniteError, encode_update, subtract_sent_
-from .sync import kernels_for, restore
+from .sync import restore
 
 
 @dataclass
@@ -161,10 +161,12 @@ class StockHook:
         grad = ctx.grad
         out = grad if grad.is_contiguous() else torch.empty_like(grad)
         flat = out.view(-1)
+        # DGC's momentum factor masking, applied by the decoder once the step is accepted
+        mask = momentum_buffer(ctx.owner, flat.numel()) if self.momentum_masking else None
         try:
             exchange.decode_gathered(gathered, ctx.layout, ctx.size, [flat],
                                      1.0 if ctx.owner.op_sum else 1.0 / ctx.size,
-                                     zero_out=True)
+                                     zero_out=True, zero_where_nonzero=[mask])
         except wire.PeerError as e:
             if not e.skip:
                 raise ValueError(f"SBC: {e}") from None
@@ -174,28 +176,23 @@ class StockHook:
         subtract_sent_(ctx.residual, ctx.positions, ctx.sent)
         self.manager.add(positions_sent=ctx.positions.numel(),
                          elements_synced=ctx.residual.numel())
-        if self.momentum_masking:
-            mask_momentum(ctx.owner, flat)
         return out
 
 
-def mask_momentum(owner: Owner, avg: torch.Tensor) -> None:
-    """DGC's momentum factor masking (Lin et al., ICLR 2018) on the *global* buffer: zero
-    ``optimizer.state[p]["momentum_buffer"]`` where the averaged update ``avg`` (flat) is
-    non-zero, before the optimizer's step (see ``SBC(momentum_masking=...)``). The buffer is
-    the same on every rank, so ranks stay identical. On-device, no host transfer; optimizers
-    without that state (Adam, ...) are left alone."""
+def momentum_buffer(owner: Owner, numel: int) -> Optional[torch.Tensor]:
+    """For DGC's momentum factor masking (Lin et al., ICLR 2018) on the *global* buffer: the
+    flat ``optimizer.state[p]["momentum_buffer"]`` of the gradient's parameter, which the
+    decoder zeroes wherever the averaged update is non-zero, before the optimizer's step (see
+    ``SBC(momentum_masking=...)``); None for optimizers without that state (Adam, ...) and
+    before the first step. The buffer is the same on every rank, so ranks stay identical.
+    On-device, no host transfer."""
     state = getattr(owner.optimizer, "state", None)
     if state is None or owner.parameter is None:
-        return
+        return None
     buf = state.get(owner.parameter, {}).get("momentum_buffer")
-    if isinstance(buf, torch.Tensor) and buf.numel() == avg.numel():
-        flat = buf.view(-1)
-        lib = kernels_for(flat, avg)
-        if lib is not None:  # one pass, no tensor-sized mask
-            lib.sbc_zero_where_nonzero(flat.data_ptr(), avg.data_ptr(), flat.numel())
-        else:
-            flat.masked_fill_(avg != 0, 0)
+    if isinstance(buf, torch.Tensor) and buf.numel() == numel:
+        return buf.view(-1)
+    return None
 
 
 def warn_momentum(hook, owner: Owner) -> None:
