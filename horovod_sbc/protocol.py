@@ -44,7 +44,7 @@ import enum
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from . import wire
 
@@ -84,11 +84,15 @@ class GatheredStep:
     steps: List[StepHeader]
     messages: List[List[wire.TensorMessage]] = field(default_factory=list)
     names: List[List[str]] = field(default_factory=list)
+    _flat: Optional[list] = field(default=None, repr=False, compare=False)
 
     def flat(self) -> List[Tuple[int, int, wire.TensorMessage, str]]:
-        """(rank, tensor index, message, name) in canonical (rank, tensor) order."""
-        return [(r, i, m, self.names[r][i]) for r, per in enumerate(self.messages)
-                for i, m in enumerate(per)]
+        """(rank, tensor index, message, name) in canonical (rank, tensor) order (built once:
+        the decoders and the stream check all walk it)."""
+        if self._flat is None or len(self._flat) != sum(len(p) for p in self.messages):
+            self._flat = [(r, i, m, self.names[r][i]) for r, per in enumerate(self.messages)
+                          for i, m in enumerate(per)]
+        return self._flat
 
 
 def describe(name: str, rank: int) -> str:
@@ -197,8 +201,7 @@ def parse_gathered(buf, layout: Layout, n_ranks: int) -> GatheredStep:
 # ----------------------------------------------------------------------------------------------
 # f: streams
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StreamStats:
+class StreamStats(NamedTuple):
     """What a framework measures on one tensor message's streams (its own ops, any device).
 
     Every field is an exact integer (or bool) that cannot overflow int64 for any input whose
@@ -217,6 +220,7 @@ class StreamStats:
                       only; TensorFlow flushes subnormals inside ``tf.function``)
 
     Messages with ``count == 0`` or ALL use only the fields that apply (others 0/False).
+    A named tuple (immutable, and cheap to build: a decoder makes one per message).
     """
     ones: int = 0
     unary_last_zero: bool = False
@@ -226,9 +230,6 @@ class StreamStats:
     pos_max: int = -1
     sign_pad_nonzero: bool = False
     nonfinite: int = 0
-
-    FIELDS = ("ones", "unary_last_zero", "max_q", "max_r", "rem_pad_nonzero", "pos_max",
-              "sign_pad_nonzero", "nonfinite")
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> "StreamStats":

@@ -268,7 +268,7 @@ class PeerError(ValueError):
         super().__init__(f"rank {rank} could not encode this sync: {reason}")
 
 
-@dataclass
+@dataclass(slots=True)  # no per-message __dict__: a step of many tensors parses hundreds
 class TensorMessage:
     """A parsed tensor message (positions are decoded lazily by the framework codecs)."""
     numel: int
@@ -465,7 +465,7 @@ def stream_stats_np(buf: bytes, msg: TensorMessage):
         pos += 1
         np.cumsum(pos, out=pos)
         pos -= 1
-    return pos, StreamStats(**{**stats.__dict__, "pos_max": int(pos.max())})
+    return pos, stats._replace(pos_max=int(pos.max()))
 
 
 def sign_stream_np(signs: np.ndarray) -> bytes:

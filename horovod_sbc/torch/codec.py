@@ -575,7 +575,7 @@ def stream_stats(buf: torch.Tensor, msg: wire.TensorMessage):
     if ones.numel() != count or (stats.max_q << b) + stats.max_r >= msg.numel:
         return _EMPTY_POS(dev), vals, stats  # the protocol rejects it before looking at pos_max
     pos = torch.cumsum((q << b) + r + 1, 0) - 1
-    return pos, vals, protocol.StreamStats(**{**stats.__dict__, "pos_max": int(pos.max())})
+    return pos, vals, stats._replace(pos_max=int(pos.max()))
 
 
 def _EMPTY_POS(dev) -> torch.Tensor:

@@ -147,11 +147,9 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
     import numpy as np
     flat = step.flat()
     binary = [k for k, (_, _, msg, _) in enumerate(flat) if _kernel_message(msg)]
-    desc = np.zeros((7, len(binary)), np.int64)
-    for j, k in enumerate(binary):
-        msg = flat[k][2]
-        desc[:, j] = (msg.unary[0], msg.unary[1] - msg.unary[0], msg.remainder[0],
-                      msg.remainder[1] - msg.remainder[0], msg.count, msg.rice_b, msg.numel)
+    desc = np.array([(m.unary[0], m.unary[1] - m.unary[0], m.remainder[0],
+                      m.remainder[1] - m.remainder[0], m.count, m.rice_b, m.numel)
+                     for m in (flat[k][2] for k in binary)], np.int64).reshape(-1, 7).T.copy()
     offset = np.concatenate([[0], np.cumsum(desc[4])]).astype(np.int64)
     rows = np.zeros((len(binary), 6), np.int64)
     if binary:
@@ -163,10 +161,8 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             raise AssertionError(f"horovod_sbc: the decoding kernel rejected its arguments ({rc})")
     stats: List[Optional[protocol.StreamStats]] = [None] * len(flat)
     slot = {}
-    for j, k in enumerate(binary):
-        r = rows[j].tolist()
-        stats[k] = protocol.StreamStats(ones=r[0], unary_last_zero=bool(r[1]), max_q=r[2],
-                                        max_r=r[3], rem_pad_nonzero=bool(r[4]), pos_max=r[5])
+    for j, (k, r) in enumerate(zip(binary, rows.tolist())):
+        stats[k] = protocol.StreamStats(r[0], r[1] != 0, r[2], r[3], r[4] != 0, r[5])
         slot[k] = j
     single = _remaining_stats(gathered, flat, stats)
     protocol.check_streams(step, stats)
