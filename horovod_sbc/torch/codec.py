@@ -469,11 +469,9 @@ def _streams(pos: torch.Tensor, numel: int, b: Optional[int] = None, sum_q: Opti
     if lib is not None:
         if b is None:
             b, sum_q = _rice_choice_c(lib, pos, numel)
-        ubytes, rbytes = -(-(sum_q + count) // 8), -(-(count * b) // 8)
+        ubytes, rbytes = _stream_sizes(count, b, sum_q)
         buf = torch.empty(ubytes + rbytes, dtype=torch.uint8)
-        rc = lib.sbc_rice_encode(pos.data_ptr(), count, b, buf.data_ptr(), ubytes,
-                                 buf.data_ptr() + ubytes, rbytes)
-        _check_rc(rc, "positions", "the Rice encoder")
+        _rice_encode_c(lib, pos, b, buf.data_ptr(), ubytes, rbytes)
         return b, buf[:ubytes], buf[ubytes:]
     gaps = _gaps(pos)
     if b is None:
@@ -485,6 +483,18 @@ def _streams(pos: torch.Tensor, numel: int, b: Optional[int] = None, sum_q: Opti
     unary = _scatter_bits(-(-(sum_q + count) // 8), ones_at, dev)
     rem = _pack_fields(gaps & ((1 << b) - 1), b, dev) if b else unary[:0]
     return b, unary, rem
+
+
+def _stream_sizes(count: int, b: int, sum_q: int) -> Tuple[int, int]:
+    """Bytes of the unary and remainder streams of ``count`` positions, Rice parameter ``b``,
+    ``sum_q = sum(gaps >> b)``."""
+    return -(-(sum_q + count) // 8), -(-(count * b) // 8)
+
+
+def _rice_encode_c(lib, pos: torch.Tensor, b: int, at: int, ubytes: int, rbytes: int) -> None:
+    """The kernel's unary then remainder stream of ``pos`` at address ``at``."""
+    rc = lib.sbc_rice_encode(pos.data_ptr(), pos.numel(), b, at, ubytes, at + ubytes, rbytes)
+    _check_rc(rc, "positions", "the Rice encoder")
 
 
 def _kernels_for_positions(pos: torch.Tensor):
@@ -514,6 +524,15 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
     count = pos.numel()
     if count == 0:
         return _head(wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None), dev)
+    lib = _kernels_for_positions(pos) if values is None and signs is None else None
+    if lib is not None:  # binary on the CPU: header and streams written into one buffer
+        b, sum_q = (rice_b, sum_q) if rice_b is not None else _rice_choice_c(lib, pos, numel)
+        ubytes, rbytes = _stream_sizes(count, b, sum_q)
+        head = wire.tensor_header(numel, count, b, ubytes, value, negative)
+        msg = torch.empty(len(head) + ubytes + rbytes, dtype=torch.uint8)
+        ctypes.memmove(msg.data_ptr(), head, len(head))
+        _rice_encode_c(lib, pos, b, msg.data_ptr() + len(head), ubytes, rbytes)
+        return msg
     b, unary, rem = _streams(pos, numel, rice_b, sum_q)
     parts = [None, unary, rem]
     if values is not None:
@@ -679,10 +698,11 @@ def subtract_sent_(a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> No
     kernel on the CPU: ``a + (-v)`` is ``a - v`` exactly, as ``index_add_(alpha=-1)`` computes."""
     if not pos.numel():
         return
-    if sent.dim() == 1 and sent.stride(0) == 0 and _kernels_for(a) is not None \
-            and _kernels_for_positions(pos) is not None and a.dim() == 1:
-        kernels.lib().sbc_add_at(a.data_ptr(), pos.data_ptr(), pos.numel(),
-                                 -float(sent[0].to(torch.float32)))
+    if sent.dim() == 1 and sent.stride(0) == 0 and sent.dtype == torch.float32 and \
+            sent.device.type == "cpu" and _kernels_for(a) is not None and \
+            _kernels_for_positions(pos) is not None and a.dim() == 1:
+        v = ctypes.c_float.from_address(sent.data_ptr()).value  # the one value (no tensor op)
+        kernels.lib().sbc_add_at(a.data_ptr(), pos.data_ptr(), pos.numel(), -v)
         return
     a.index_add_(0, pos, sent, alpha=-1)
 
