@@ -23,7 +23,12 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   writes only the side whose mean is larger beyond any rounding doubt straight into it (the
   other side's sum is then a float64 sum in another fixed order, close enough that the side chosen from the two
   means cannot change); both sides otherwise;
-* ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the drop-in optimizer's window update);
+* ``sbc_select_window`` — ``sbc_select`` of ``A = R + (W - (W_ref + R))`` formed in the
+  selection's pass (the drop-in optimizer's residual plus its window update; same float32
+  operations as ``sbc_sub_sum`` then the addition, so the same bytes), and ``sbc_all_finite``,
+  the check of the weights that comes first (a NaN is then caught before any residual changes);
+* ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the window update where the fused
+  selection does not apply);
   ``sbc_zero_where_nonzero_groups`` — after the scatter below, ``buf = 0`` wherever the decoded
   output is non-zero, visiting only the decoded positions (the stock hook's momentum masking);
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
@@ -215,6 +220,10 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 def _bind(lib) -> None:
     lib.sbc_select.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P]
     lib.sbc_select.restype = ctypes.c_int
+    lib.sbc_select_window.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P]
+    lib.sbc_select_window.restype = ctypes.c_int
+    lib.sbc_all_finite.argtypes = [_P, _I64]
+    lib.sbc_all_finite.restype = ctypes.c_int
     lib.sbc_take.argtypes = [ctypes.c_int, _P]
     lib.sbc_take.restype = ctypes.c_int
     lib.sbc_release.argtypes = []

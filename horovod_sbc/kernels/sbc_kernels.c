@@ -322,15 +322,36 @@ static inline u32 side_key(float x, int side) {
     return side == SIDE_POS ? u : side == SIDE_NEG ? u ^ 0x80000000u : u & 0x7FFFFFFFu;
 }
 
+/* What the selection's pass adds to a first (A = R + dW, the residual-corrected update):
+ * nothing (all NULL), g (a + g), or the drop-in optimizer's window update a + (w - (wref + a))
+ * (w the weights, wref the shared reference, a the residual: float32 operations in the order
+ * sbc_sub_sum and then a + g would round them, so the bytes do not depend on the fusion). */
+typedef struct {
+    const float *g, *w, *wref;
+} addend;
+
+static inline float added(const addend *d, const float *a, i64 i) {
+    if (d->g) return a[i] + d->g[i];
+    if (d->w) return a[i] + (d->w[i] - (d->wref[i] + a[i]));
+    return a[i];
+}
+
+static void add_into(float *a, const addend *d, i64 s, i64 e) {
+    if (d->g)
+        for (i64 i = s; i < e; i++) a[i] = a[i] + d->g[i];
+    else if (d->w)
+        for (i64 i = s; i < e; i++) a[i] = a[i] + (d->w[i] - (d->wref[i] + a[i]));
+}
+
 /* Thresholds from the strided sample: per side the ks-th largest eligible score, or the "every
  * eligible element" threshold (TRUE_MIN for the signed sides, 0 for magnitudes) when the
  * sample has fewer. buf holds 2 m keys. */
-static void sample_thresholds(const float *a, const float *g, i64 n, i64 stride, i64 ks,
+static void sample_thresholds(const float *a, const addend *g, i64 n, i64 stride, i64 ks,
                               int two, u32 *buf, u32 *tmp, float *t) {
     i64 m = (n + stride - 1) / stride, np = 0, nn = 0;
     u32 *pk = buf, *nk = buf + m;
     for (i64 i = 0; i < n; i += stride) {
-        float x = g ? a[i] + g[i] : a[i];
+        float x = added(g, a, i);
         if (two) {
             if (x > 0.0f) pk[np++] = fbits(x);
             if (x < 0.0f) nk[nn++] = fbits(x) ^ 0x80000000u;
@@ -375,10 +396,6 @@ static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c
  * too) and skipped whole (its masks 0). Returns 1 if a non-finite value was seen. */
 #define BLOCK 64
 #define SCAN_CHUNK 4096
-static void add_into(float *a, const float *g, i64 s, i64 e) {
-    for (i64 i = s; i < e; i++) a[i] = a[i] + g[i];
-}
-
 typedef struct {
     float tp, ntn, tmin; /* thresholds: x >= tp, x <= ntn (= -tn), prefilter |x| >= tmin */
     int two, prefilter;
@@ -475,7 +492,7 @@ static masks_fn pick_masks(void) {
 #else
 #define NO_IPA __attribute__((noinline))
 #endif
-NO_IPA static int scan(float *a, const float *g, i64 n, float tp, float tn, int two,
+NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int two,
                        int prefilter, cands *p, cands *q, int *oom) {
     scan_cfg cfg = {tp, -tn, two && tn < tp ? tn : tp, two, prefilter};
     masks_fn masks = pick_masks();
@@ -484,7 +501,7 @@ NO_IPA static int scan(float *a, const float *g, i64 n, float tp, float tn, int 
     u32 bad = 0;
     for (i64 s = 0; s < n; s += SCAN_CHUNK) {
         i64 e = s + SCAN_CHUNK < n ? s + SCAN_CHUNK : n, ew = e < full ? e : full;
-        if (g) add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
+        add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
         i64 nb = ew > s ? (ew - s) / BLOCK : 0;
         bad |= masks(a + s, nb, &cfg, pm, nm);
         if (ew < e) { /* the tensor's last, partial block */
@@ -496,7 +513,7 @@ NO_IPA static int scan(float *a, const float *g, i64 n, float tp, float tn, int 
             if (!(pb | nbm)) continue;
             if (!cands_reserve(p, BLOCK) || (two && !cands_reserve(q, BLOCK))) {
                 *oom = 1;
-                if (g) add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
+                add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
                 return 0;
             }
             i64 bs = s + b * BLOCK;
@@ -552,9 +569,9 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
     return -1;
 }
 
-/* With g (may be NULL), first a += g over the whole tensor, in the selection's pass: the
- * residual-corrected update A = R + dW (a is then A whatever the return code, except
- * SBC_BADARG). mode: 0 paper (side 0 = P, the min(k, #positive) largest positive entries; side 1 = N, the
+/* With an addend (see addend; sbc_select: g, may be NULL), first a += it over the whole tensor,
+ * in the selection's pass: the residual-corrected update A = R + dW (a is then A whatever the
+ * return code, except SBC_BADARG). mode: 0 paper (side 0 = P, the min(k, #positive) largest positive entries; side 1 = N, the
  * most negative ones), 1 magnitude split (the k largest |a|: side 0 their positive entries,
  * side 1 the negative ones), 2 magnitude (side 0 = the k largest |a|, zeros included). Ties at
  * the k-th score go to the lower position. counts[2]: the sides' sizes; sums[2] (modes 0, 1):
@@ -569,14 +586,16 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
  * exactly as the tree sums would, and horovod_sbc's choose_side picks the side in dst). Else
  * *in_dst = -1 and both sides are in scratch as without dst.
  * Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or SBC_BADARG. */
-int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
-               i64 *dst, int *in_dst) {
+static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 *counts,
+                       double *sums, i64 *dst, int *in_dst) {
+    addend none = {NULL, NULL, NULL};
+    const addend *g = add;
     if (in_dst) *in_dst = -1;
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
     sums[0] = sums[1] = 0.0;
     if (n < 0 || n >= ((i64)1 << 32) || k < 0 || k > n || mode < 0 || mode > 2) return SBC_BADARG;
     if (n == 0 || k == 0) {
-        if (g) add_into(a, g, 0, n);
+        add_into(a, g, 0, n);
         for (i64 i = 0; i < n; i++)
             if (!isfinite(a[i])) return SBC_NONFINITE;
         return SBC_OK;
@@ -609,7 +628,7 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
         /* expected candidates per block below ~1/2: most blocks are skipped whole */
         int prefilter = exact ? 0 : frac * BLOCK < 0.5;
         int bad = scan(a, g, n, t[0], t[1], two, prefilter, p, q, &oom);
-        g = NULL; /* added: a rescan reads A */
+        g = &none; /* added: a rescan reads A */
         if (bad) return SBC_NONFINITE;
         if (oom) return SBC_NOMEM;
         /* enough candidates on each side, or every eligible element is a candidate already */
@@ -676,6 +695,30 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
     TLS.count[0] = counts[0];
     TLS.count[1] = counts[1];
     return SBC_OK;
+}
+
+int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
+               i64 *dst, int *in_dst) {
+    addend add = {g, NULL, NULL};
+    return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
+}
+
+/* sbc_select with a = A = a + (w - (wref + a)) formed in the selection's pass: the drop-in
+ * optimizer's residual plus its window update (weights w minus what they were set to at the
+ * last sync, wref + a), without the separate pass and buffer of sbc_sub_sum. The caller checks
+ * w with sbc_all_finite first: an overflow from finite inputs is then the only way to
+ * SBC_NONFINITE. */
+int sbc_select_window(float *a, const float *w, const float *wref, i64 n, i64 k, int mode,
+                      i64 *counts, double *sums, i64 *dst, int *in_dst) {
+    addend add = {NULL, w, wref};
+    return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
+}
+
+/* 1 if every x[i] is finite, else 0 (one read pass, no writes). */
+int sbc_all_finite(const float *x, i64 n) {
+    u32 bad = 0;
+    for (i64 i = 0; i < n; i++) bad |= (fbits(x[i]) & 0x7F800000u) == 0x7F800000u;
+    return !bad;
 }
 
 /* Copy side (0 or 1) of this thread's last sbc_select into dst (counts[side] positions). */

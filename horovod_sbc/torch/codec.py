@@ -251,19 +251,22 @@ def _check_rc(rc: int, name: str, what: str) -> None:
 
 
 def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
-              addend: Optional[torch.Tensor] = None,
-              dst: Optional[torch.Tensor] = None) -> _CSelection:
-    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first). With ``dst``
-    (int64, k elements; paper rule only) the kernel may write only the winning side into it:
-    see :attr:`_CSelection.in_dst`."""
-    import ctypes
+              addend=None, dst: Optional[torch.Tensor] = None) -> _CSelection:
+    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first; a pair
+    ``(w, wref)``: ``a += w - (wref + a)``, ``sbc_select_window``). With ``dst`` (int64, k
+    elements; paper rule only) the kernel may write only the winning side into it: see
+    :attr:`_CSelection.in_dst`."""
     counts = kernels.Int64s(2)
     sums = (ctypes.c_double * 2)()
     in_dst = ctypes.c_int(-1)
-    rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), a.numel(),
-                        k, mode, counts.ptr, ctypes.addressof(sums),
-                        None if dst is None else dst.data_ptr(),
-                        None if dst is None else ctypes.addressof(in_dst))
+    tail = (a.numel(), k, mode, counts.ptr, ctypes.addressof(sums),
+            None if dst is None else dst.data_ptr(),
+            None if dst is None else ctypes.addressof(in_dst))
+    if isinstance(addend, tuple):
+        rc = lib.sbc_select_window(a.data_ptr(), addend[0].data_ptr(), addend[1].data_ptr(),
+                                   *tail)
+    else:
+        rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), *tail)
     _check_rc(rc, name, "the selection")
     c0, c1 = counts.list()
     side = in_dst.value
@@ -620,14 +623,16 @@ MODES = ("sbc", "values", "sign", "terngrad")
 
 def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
                   generator: Optional[torch.Generator] = None, selection: str = "paper",
-                  addend: Optional[torch.Tensor] = None,
-                  positions: Optional[PositionBuffer] = None
+                  addend=None, positions: Optional[PositionBuffer] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``).
 
     ``addend`` (flat, like ``a``): first ``a += addend`` (``R += dW``), in the selection's own
     pass over the tensor when the C kernels run (saving a pass over memory), else with
-    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised.
+    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised. A pair
+    ``(w, wref)`` of flat tensors adds the drop-in optimizer's window update instead:
+    ``a += w - (wref + a)`` (the weights minus what they were set to at the last sync, float32
+    operations in that order), formed in the selection's pass by the kernels.
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
     float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
@@ -646,8 +651,11 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     dev = a.device
     lib = _kernels_for(a)
     if addend is not None:
-        if lib is None or mode not in ("sbc", "values") or _kernels_for(addend) is None or \
-                addend.numel() != n or a.dim() != 1 or addend.dim() != 1:
+        parts = addend if isinstance(addend, tuple) else (addend,)
+        if lib is None or mode not in ("sbc", "values") or a.dim() != 1 or \
+                any(_kernels_for(t) is None or t.numel() != n or t.dim() != 1 for t in parts):
+            if isinstance(addend, tuple):  # a + (w - (wref + a)), in that order
+                addend = torch.sub(addend[0], torch.add(addend[1], a))
             a.add_(addend)
             addend = None
     empty = torch.zeros(0, dtype=torch.int64, device=dev)

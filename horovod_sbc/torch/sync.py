@@ -94,6 +94,28 @@ class Update:
                 base = base + off
         return torch.sub(value.to(dtype), base.to(dtype), out=buf)
 
+    def window(self, residual: torch.Tensor):
+        """``(w, wref)`` flat, when this update is ``w - (wref + residual)`` (the drop-in
+        optimizer's local residual) and the C kernels can form ``residual + update`` in the
+        selection's pass (``sbc_select_window``: no update buffer, one pass fewer); else None."""
+        if self.base is None or self.base_offset is None or \
+                self.base_offset.data_ptr() != residual.data_ptr():
+            return None
+        w, wref = self.value.reshape(-1), self.base.reshape(-1)
+        if kernels_for(w, wref, residual) is None or residual.dim() != 1:
+            return None
+        return w, wref
+
+    def weights_finite(self) -> bool:
+        """Are the weights (``value``) free of NaN/Inf? Checked before any residual changes
+        when the update is taken relative to the residual itself (``base_offset``): ``R + dW``
+        overwrites ``R`` in place and cannot be undone exactly afterwards. One host read."""
+        v = self.value.reshape(-1)
+        lib = kernels_for(v)
+        if lib is not None:
+            return bool(lib.sbc_all_finite(v.data_ptr(), v.numel()))
+        return bool(torch.isfinite(v).all())
+
 
 @dataclass
 class Encoded:
@@ -111,6 +133,20 @@ def restore(res: torch.Tensor, upd: torch.Tensor) -> None:
     ``upd`` cannot be recovered and are reset to 0 (only on the failing rank)."""
     res.sub_(upd)
     torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _undo(res: torch.Tensor, u: Update, upd: Optional[torch.Tensor]) -> None:
+    """Take a failed sync's ``R += dW`` back (``upd``: the update as added, if at hand). An
+    update relative to the residual itself (``base_offset``) cannot be recomputed once ``R``
+    was overwritten; its weights were checked finite before, so only an overflow to +-Inf of
+    finite values gets here: those entries are reset to 0 and the rest of the window's update
+    stays in the residual."""
+    if upd is not None:
+        restore(res, upd)
+    elif u.base_offset is None:
+        restore(res, u.flat(res.dtype))
+    else:
+        torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
@@ -134,18 +170,27 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
     encoded: List[Encoded] = []
     step = None
     local_error = False
-    for u in updates:
+    # weights with NaN/Inf are reported before any residual changes (see Update.weights_finite)
+    bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
+               None)
+    if bad is not None:
+        step = exchange.error_frame(f"the update of {bad.name!r} contains NaN or Inf", fp,
+                                    cfg.nonfinite == "skip", dev, rank)
+        local_error = True
+    for u in updates if bad is None else []:
         res = state.residual(u.name, u.value)
         if res.numel() != u.value.numel():
             raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
                              f"has {res.numel()}; did the model change shape?")
-        upd = u.flat(res.dtype)
+        window = u.window(res)
+        upd = None if window is not None else u.flat(res.dtype)
         try:  # A = R + dW, in place (in the selection's pass); error feedback committed below
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, u.name,
                                            state.generator(res.device), cfg.selection,
-                                           addend=upd, positions=state.position_buffer(u.name))
+                                           addend=window if window is not None else upd,
+                                           positions=state.position_buffer(u.name))
         except NonFiniteError as e:
-            restore(res, upd)
+            _undo(res, u, upd)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
             local_error = True
             break
@@ -166,7 +211,7 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
             warnings.warn(f"horovod_sbc: skipping this sync: {e}")
             if local_error:  # the failing rank drops this window's update
                 for enc in encoded:
-                    restore(enc.residual, enc.update.flat(enc.residual.dtype))
+                    _undo(enc.residual, enc.update, None)
             # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
             return None
         raise ValueError(f"SBC: {e}") from None
