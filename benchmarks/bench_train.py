@@ -1017,7 +1017,25 @@ def task_jobs(task: str, quick: bool) -> List[dict]:
                       _s("sbc", 0.01, 1, api="stock")]},
             {"workers": 4, "partition": "iid", "seeds": [0, 1, 2],
              "runs": [_s("fp16"), _s("topk", 0.01, 1), _s("signsgd"), _s("terngrad"),
-                      _s("fedavg", 1.0, 4)]}]
+                      _s("fedavg", 1.0, 4)]},
+            # the rest of the grid: every method at 2 workers and on non-IID shards too
+            {"workers": 2, "partition": "iid", "seeds": [0, 1, 2],
+             "runs": [_s("sbc", 0.1, 1), _s("sbc", 0.001, 1), _s("sbc", 0.001, 4),
+                      _s("sbc", 0.01, 16), _s("sbc", 0.1, 1, api="stock"),
+                      _s("topk", 0.01, 1, api="stock")]},
+            {"workers": 2, "partition": "iid", "seeds": [0, 1, 2],
+             "runs": [_s("fp16"), _s("topk", 0.01, 1), _s("signsgd"), _s("terngrad"),
+                      _s("fedavg", 1.0, 4)]},
+            {"workers": 2, "partition": "by_class", "seeds": [0, 1, 2],
+             "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
+                      _s("sbc", 0.01, 1, local_residual=False),
+                      _s("sbc", 0.01, 4, local_residual=False)]},
+            {"workers": 2, "partition": "by_class", "seeds": [0, 1, 2],
+             "runs": [_s("topk", 0.01, 1), _s("fedavg", 1.0, 4), _s("fp16"),
+                      _s("sbc", 0.01, 1, api="stock")]},
+            {"workers": 4, "partition": "by_class", "seeds": [0, 1, 2],
+             "runs": [_s("fp16"), _s("topk", 0.01, 1), _s("signsgd"), _s("terngrad"),
+                      _s("fedavg", 1.0, 4), _s("sbc", 0.1, 1), _s("sbc", 0.01, 1, api="stock")]}]
     runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
             _s("sbc", 0.01, 4, local_residual=False)]
     return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS]
