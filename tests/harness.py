@@ -60,3 +60,57 @@ def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: floa
         f = Path(out) / f"rank{r}.json"
         results.append(json.loads(f.read_text()) if f.exists() else None)
     return results, output
+
+
+# the decoder memory probe: one valid ~1.5 MiB step message (2M positions at density 0.05)
+# decoded in a fresh process, its peak resident memory beyond what it had just before (Linux
+# /proc: clear_refs resets VmHWM). ``setup`` imports a framework and defines
+# ``make(buf: bytes, layout, numel)``: a zero-argument callable that decodes ``buf`` (any
+# allocation of the output it decodes into belongs in ``make``) and returns the decoded tensor
+# as something ``numpy.asarray`` takes.
+_DECODER_PROBE = """
+import json
+import numpy as np
+from horovod_sbc import wire
+{setup}
+rng = np.random.default_rng(5)
+pos = np.cumsum(rng.geometric(0.05, size=2_000_000)) - 1
+numel = int(pos[-1]) + 1
+layout = [("w", (numel,))]
+buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
+                              wire.layout_fingerprint(layout), 1)
+small = [("s", (1000,))]
+make(wire.step_message_bytes(wire.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
+                             wire.layout_fingerprint(small), 1), small, 1000)()  # warm-up
+run = make(buf, layout, numel)
+
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak resident set size
+before = status("VmRSS:")
+out = run()
+peak = status("VmHWM:")
+ok = np.array_equal(np.flatnonzero(np.asarray(out)), pos)
+print(json.dumps({{"bytes": len(buf), "extra": peak - before, "output": 4 * numel,
+                  "ok": bool(ok)}}))
+"""
+
+
+def decoder_peak_memory(setup: str, timeout: float = 300) -> dict:
+    """Run the decoder memory probe with ``setup`` (see above); returns ``{"bytes": message
+    bytes, "extra": peak bytes beyond the resident set before decoding, "output": bytes of a
+    float32 result, "ok": decoded positions correct}``."""
+    import os
+    import subprocess
+    import textwrap
+    code = _DECODER_PROBE.format(setup=textwrap.dedent(setup))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

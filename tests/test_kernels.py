@@ -213,50 +213,25 @@ def test_rejected_step_leaves_outputs_untouched():
     assert torch.equal(out, torch.full((50_000,), 7.0))
 
 
-_MEMORY_PROBE = textwrap.dedent("""
-    import json, sys
-    import numpy as np, torch
-    from horovod_sbc import kernels, wire
-    from horovod_sbc.torch import exchange
-    torch.set_num_threads(1)
-    assert kernels.lib() is not None
-    rng = np.random.default_rng(5)
-    pos = np.cumsum(rng.geometric(0.05, size=2_000_000)) - 1
-    numel = int(pos[-1]) + 1
-    layout = [("w", (numel,))]
-    buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
-                                  wire.layout_fingerprint(layout), 1)
-    gathered = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    out = torch.zeros(numel)
-    small = [("s", (1000,))]
-    sbuf = wire.step_message_bytes(wire.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
-                                   wire.layout_fingerprint(small), 1)
-    exchange.decode_gathered(torch.frombuffer(bytearray(sbuf), dtype=torch.uint8), small, 1)
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set size
-    before = status("VmRSS:")
-    exchange.decode_gathered(gathered, layout, 1, [out], 1.0, zero_out=True)
-    peak = status("VmHWM:")
-    ok = np.array_equal(np.flatnonzero(out.numpy()), pos)
-    print(json.dumps({"bytes": len(buf), "extra": peak - before, "ok": bool(ok)}))
-""")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
 def test_torch_decoder_memory_is_bounded_by_the_message_size():
     """A valid ~1.5 MiB message (2M positions at density 0.05), decoded into a preallocated
     output: the decoder's peak extra memory is <= 40 bytes per message byte (its position
     scratch is 4 bytes per position; the message's own host copy is one byte per byte)."""
-    res = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    import json
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    from harness import decoder_peak_memory
+    got = decoder_peak_memory("""
+        import torch
+        from horovod_sbc import kernels
+        from horovod_sbc.torch import exchange
+        torch.set_num_threads(1)
+        assert kernels.lib() is not None
+
+        def make(buf, layout, numel):
+            gathered = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+            out = torch.zeros(numel)
+            return lambda: exchange.decode_gathered(gathered, layout, 1, [out], 1.0,
+                                                    zero_out=True)[0].numpy()
+    """)
     assert got["ok"]
     assert got["bytes"] > 1 << 20
     assert got["extra"] <= 40 * got["bytes"], got["extra"] / got["bytes"]

@@ -221,51 +221,25 @@ def test_ops_and_stock_ops_agree(case, graph):
 # ---------------------------------------------------------------------------------------------
 # decoder memory (issue 12: <= 40 bytes per message byte)
 # ---------------------------------------------------------------------------------------------
-_MEMORY_PROBE = textwrap.dedent("""
-    import json
-    import numpy as np, tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    from horovod_sbc import kernels, wire
-    from horovod_sbc.tensorflow import exchange as tfx
-    assert kernels.tf_ops() is not None
-    rng = np.random.default_rng(5)
-    pos = np.cumsum(rng.geometric(0.05, size=2_000_000)) - 1
-    numel = int(pos[-1]) + 1
-    layout = [("w", (numel,))]
-    buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
-                                  wire.layout_fingerprint(layout), 1)
-    gathered = tf.constant(np.frombuffer(buf, np.uint8))
-    small = [("s", (1000,))]
-    sbuf = wire.step_message_bytes(wire.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
-                                   wire.layout_fingerprint(small), 1)
-    tfx.decode_gathered(tf.constant(np.frombuffer(sbuf, np.uint8)), small, 1)  # warm-up
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set size
-    before = status("VmRSS:")
-    out = tfx.decode_gathered(gathered, layout, 1)[0]
-    peak = status("VmHWM:")
-    ok = np.array_equal(np.flatnonzero(out.numpy()), pos)
-    print(json.dumps({"bytes": len(buf), "extra": peak - before, "output": 4 * numel,
-                      "ok": bool(ok)}))
-""")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
 def test_tf_decoder_memory_is_bounded_by_the_message_size():
     """A valid ~1.5 MiB message (2M positions at density 0.05) decoded by the kernel ops: the
     peak extra memory beyond the float32 result tensor itself (TensorFlow outputs are fresh
     tensors; torch's probe decodes into a preallocated one) is <= 40 bytes per message byte
     (positions: 4 bytes each; the host parse's copies of the message: a few bytes per byte)."""
-    res = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    from harness import decoder_peak_memory
+    got = decoder_peak_memory("""
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        from horovod_sbc import kernels
+        from horovod_sbc.tensorflow import exchange as tfx
+        assert kernels.tf_ops() is not None
+
+        def make(buf, layout, numel):
+            gathered = tf.constant(np.frombuffer(buf, np.uint8))
+            return lambda: tfx.decode_gathered(gathered, layout, 1)[0]
+    """)
     assert got["ok"]
     assert got["bytes"] > 1 << 20
     per_byte = (got["extra"] - got["output"]) / got["bytes"]
