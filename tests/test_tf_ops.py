@@ -218,6 +218,27 @@ def test_ops_and_stock_ops_agree(case, graph):
     assert got["ops"][0] == want
 
 
+def test_close_means_choose_the_reference_side():
+    """SbcEncode writes only the winning side when the two means are decisively apart and both
+    sides when they are close: around that boundary (means equal, one float32 ulp apart, ...,
+    1e-5 apart, either side ahead) the message is numpy's and the residual the stock path's."""
+    rng = np.random.default_rng(5)
+    for n in (1000, 120_000):
+        base = np.abs(rng.standard_normal(n // 2)).astype(np.float32) + 0.5
+        for eps in (0.0, 2.0 ** -24, -2.0 ** -24, 1e-7, -1e-6, 1e-5, -1e-5, 1e-2):
+            a = np.concatenate([base, -(base * np.float32(1 + eps))]).astype(np.float32)
+            a = a[rng.permutation(n)]
+            for density in (0.01, 0.3):
+                got = {}
+                for path, ctx in _paths():
+                    with ctx():
+                        msg, res = codec.compress(tf.zeros([n]), tf.constant(a), density, True,
+                                                  "paper")
+                    got[path] = (msg.numpy().tobytes(), res.numpy().tobytes())
+                want, _ = core.compress_np(a.copy(), None, density)
+                assert got["ops"] == got["stock"] and got["ops"][0] == want, (n, eps, density)
+
+
 # ---------------------------------------------------------------------------------------------
 # decoder memory (issue 12: <= 40 bytes per message byte)
 # ---------------------------------------------------------------------------------------------

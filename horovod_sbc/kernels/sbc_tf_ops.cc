@@ -159,10 +159,16 @@ class SbcEncodeOp : public OpKernel {
     if (a != r && n) std::memcpy(a, r, static_cast<size_t>(n) * sizeof(float));
     int64_t counts[2] = {0, 0};
     double sums[2] = {0.0, 0.0};
-    // A = R + dW in the selection's pass
-    // no dst: both sides' exact tree sums, the positions in this thread's scratch for sbc_take
+    // A = R + dW in the selection's pass. The paper rule gets a destination for k positions:
+    // when the two sides' means are decisively apart the kernel writes only the winner there
+    // (in_dst; its sum is the exact tree sum, the loser's a float64 sum that orders the means
+    // the same way); else both sides wait in this thread's scratch for sbc_take.
+    Tensor dst_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({magnitude_ ? 0 : k_}), &dst_t));
+    int in_dst = -1;
+    int64_t *dst = magnitude_ ? nullptr : dst_t.flat<int64_t>().data();
     int rc = sbc_select(a, add ? update.flat<float>().data() : nullptr, n, k_, magnitude_ ? 1 : 0,
-                        counts, sums, nullptr, nullptr);
+                        counts, sums, dst, dst ? &in_dst : nullptr);
     OP_REQUIRES(ctx, rc != kNoMem, ResourceExhausted("SbcEncode: out of memory"));
     OP_REQUIRES(ctx, rc == kOk || rc == kNonFinite,
                 Internal("SbcEncode: the selection rejected its arguments (", rc, ")"));
@@ -189,7 +195,13 @@ class SbcEncodeOp : public OpKernel {
     Tensor *pos_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({count}), &pos_t));
     int64_t *pos = pos_t->flat<int64_t>().data();
-    sbc_take(side, pos);
+    if (in_dst >= 0) {
+      OP_REQUIRES(ctx, in_dst == side,
+                  Internal("SbcEncode: the kernel's side is not the chosen one"));
+      if (count) std::memcpy(pos, dst, static_cast<size_t>(count) * sizeof(int64_t));
+    } else {
+      sbc_take(side, pos);
+    }
     // wire.choose_rice_b: b* from the table, then the shortest of b*-1, b*, b*+1 (ties: smaller)
     int64_t b0 = rice_b1_;
     for (int64_t t : rice_steps_) b0 -= t <= count;
