@@ -115,6 +115,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -268,7 +269,9 @@ class PeerError(ValueError):
         super().__init__(f"rank {rank} could not encode this sync: {reason}")
 
 
-@dataclass(slots=True)  # no per-message __dict__: a step of many tensors parses hundreds
+# no per-message __dict__ where Python has dataclass slots (3.10+; setup.py allows 3.9): a step of
+# many tensors parses hundreds of these
+@dataclass(**({"slots": True} if sys.version_info >= (3, 10) else {}))
 class TensorMessage:
     """A parsed tensor message (positions are decoded lazily by the framework codecs)."""
     numel: int
