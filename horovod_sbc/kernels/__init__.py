@@ -217,33 +217,29 @@ def tf_ops():
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
+_INT, _NONE = ctypes.c_int, None
+# (argument types, return type) of every exported kernel (sbc_kernels.c documents them)
+_SIGNATURES = {
+    "sbc_select": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
+    "sbc_select_window": ([_P, _P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
+    "sbc_all_finite": ([_P, _I64], _INT),
+    "sbc_take": ([_INT, _P], _INT),
+    "sbc_release": ([], _NONE),
+    "sbc_gap_shift_sums": ([_P, _I64, _P, _I64, _P], _NONE),
+    "sbc_zero_where_nonzero_groups": ([_I64] + [_P] * 6, _INT),
+    "sbc_sub_sum": ([_P, _P, _P, _P, _I64], _NONE),
+    "sbc_add_at": ([_P, _P, _I64, ctypes.c_float], _NONE),
+    "sbc_rice_encode": ([_P, _I64, _I64, _P, _I64, _P, _I64], _INT),
+    "sbc_decode_batch": ([_P, _I64, _I64] + [_P] * 8, _INT),
+    "sbc_positions": ([_I64, _I64, _P], _INT),
+    "sbc_scatter_add_groups": ([_I64] + [_P] * 6 + [_INT], _INT),
+}
+
+
 def _bind(lib) -> None:
-    lib.sbc_select.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P]
-    lib.sbc_select.restype = ctypes.c_int
-    lib.sbc_select_window.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P]
-    lib.sbc_select_window.restype = ctypes.c_int
-    lib.sbc_all_finite.argtypes = [_P, _I64]
-    lib.sbc_all_finite.restype = ctypes.c_int
-    lib.sbc_take.argtypes = [ctypes.c_int, _P]
-    lib.sbc_take.restype = ctypes.c_int
-    lib.sbc_release.argtypes = []
-    lib.sbc_release.restype = None
-    lib.sbc_gap_shift_sums.argtypes = [_P, _I64, _P, _I64, _P]
-    lib.sbc_gap_shift_sums.restype = None
-    lib.sbc_zero_where_nonzero_groups.argtypes = [_I64] + [_P] * 6
-    lib.sbc_zero_where_nonzero_groups.restype = ctypes.c_int
-    lib.sbc_sub_sum.argtypes = [_P, _P, _P, _P, _I64]
-    lib.sbc_sub_sum.restype = None
-    lib.sbc_add_at.argtypes = [_P, _P, _I64, ctypes.c_float]
-    lib.sbc_add_at.restype = None
-    lib.sbc_rice_encode.argtypes = [_P, _I64, _I64, _P, _I64, _P, _I64]
-    lib.sbc_rice_encode.restype = ctypes.c_int
-    lib.sbc_decode_batch.argtypes = [_P, _I64, _I64] + [_P] * 8
-    lib.sbc_decode_batch.restype = ctypes.c_int
-    lib.sbc_positions.argtypes = [_I64, _I64, _P]
-    lib.sbc_positions.restype = ctypes.c_int
-    lib.sbc_scatter_add_groups.argtypes = [_I64] + [_P] * 6 + [ctypes.c_int]
-    lib.sbc_scatter_add_groups.restype = ctypes.c_int
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
 
 
 def lib():
