@@ -140,7 +140,8 @@ def parse_step(buf, start: int, end: int, rank: int) -> StepHeader:
         raise ValueError(f"corrupt message: reserved step header bits set from {who}")
     if start + wire.STEP_HEADER_SIZE + body_len != end:
         raise ValueError(f"corrupt message: step body length mismatch from {who}")
-    if zlib.crc32(bytes(buf[start + wire.STEP_HEADER_SIZE:end])) & 0xFFFFFFFF != crc:
+    body = memoryview(buf)[start + wire.STEP_HEADER_SIZE:end]  # no copy (crc32 takes buffers)
+    if zlib.crc32(body) & 0xFFFFFFFF != crc:
         raise ValueError(f"corrupt message: checksum mismatch in step message from {who}")
     kind = (StepKind.ERROR if flags & wire.STEP_FLAG_ERROR else
             StepKind.SKIP if flags & wire.STEP_FLAG_SKIP else StepKind.TENSORS)

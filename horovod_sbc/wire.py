@@ -211,6 +211,27 @@ def read_uvarint(buf, off: int, what: str) -> Tuple[int, int]:
     raise ValueError(f"corrupt message: {what} varint longer than 9 bytes")
 
 
+def _field(buf, off: int, name: str, field: str) -> Tuple[int, int]:
+    """:func:`read_uvarint` of a header field without formatting its error text unless it
+    fails (the header parser runs once per tensor per rank per step): the same values, and
+    any input it does not accept is handed to :func:`read_uvarint`, which raises."""
+    n = shift = 0
+    for i in range(off, min(off + 9, len(buf))):
+        byte = buf[i]
+        n |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            if (byte == 0 and i > off) or n >= MAX_NUMEL:
+                break
+            return n, i + 1
+        shift += 7
+    return read_uvarint(buf, off, f"{name} {field}")
+
+
+_U32 = struct.Struct("<I")
+_F32 = struct.Struct("<f")
+_MAGIC0, _MAGIC1 = TENSOR_MAGIC
+
+
 def tensor_header(numel: int, count: int, b: int, unary_nbytes: int, value: float,
                   negative: bool, has_values: bool = False, has_signs: bool = False,
                   all_positions: bool = False) -> bytes:
@@ -306,7 +327,7 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
     n = len(buf)
     if off + 5 > n:
         raise ValueError(f"truncated message: header of {name} cut short")
-    if bytes(buf[off:off + 2]) != TENSOR_MAGIC:
+    if buf[off] != _MAGIC0 or buf[off + 1] != _MAGIC1:
         raise ValueError(f"corrupt message: bad tensor magic for {name}")
     version, flags, b = buf[off + 2], buf[off + 3], buf[off + 4]
     if version != VERSION:
@@ -316,9 +337,9 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
     if b > MAX_RICE_B:
         raise ValueError(f"corrupt message: Rice parameter {b} > {MAX_RICE_B} for {name}")
     p = off + 5
-    numel, p = read_uvarint(buf, p, f"{name} numel")
-    count, p = read_uvarint(buf, p, f"{name} count")
-    unary_nbytes, p = read_uvarint(buf, p, f"{name} unary length")
+    numel, p = _field(buf, p, name, "numel")
+    count, p = _field(buf, p, name, "count")
+    unary_nbytes, p = _field(buf, p, name, "unary length")
     if expected_numel is not None and numel != expected_numel:
         raise ValueError(f"message for {name} declares {numel} elements, expected {expected_numel} "
                          "(ranks disagree on tensor shapes?)")
@@ -328,8 +349,8 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
         raise ValueError(f"truncated message: value of {name} cut short")
     # checked on the bit pattern: inside tf.function this may run on a thread whose FPU treats
     # subnormals as zero (a float comparison would then accept a subnormal where 0 is required)
-    (vbits,) = struct.unpack_from("<I", bytes(buf[p:p + 4]))
-    (value,) = struct.unpack_from("<f", bytes(buf[p:p + 4]))
+    (vbits,) = _U32.unpack_from(buf, p)
+    (value,) = _F32.unpack_from(buf, p)
     p += 4
     if (vbits & 0x7F800000) == 0x7F800000 or vbits >> 31:
         raise ValueError(f"corrupt message: value of {name} (float32 bits {vbits:#010x}) is not "

@@ -49,7 +49,7 @@ must be the IEEE one of the reference), into ``$HOROVOD_SBC_KERNELS_DIR`` or
 ``~/.cache/horovod_sbc/kernels``, keyed by a hash of the source, the compiler command and the
 platform; concurrent ranks building at once each write a private file and rename it into place.
 ``python -m horovod_sbc.kernels`` builds ahead of time (``scripts/install.sh`` does).
-``HOROVOD_SBC_KERNELS=0`` disables them (the tensor-op codec is used); so does
+``HOROVOD_SBC_KERNELS=0`` (read at import) disables them (the tensor-op codec is used); so does
 :func:`disabled` for a block of code (tests).
 
 TensorFlow: ``sbc_tf_ops.cc`` wraps the same kernels as three TensorFlow custom ops (CPU only;
@@ -182,8 +182,12 @@ _tf_tried = False
 MAX_NUMEL = (1 << 32) - 1  # the kernels' limit per tensor (32-bit positions); larger: tensor ops
 
 
+# read once, at import (the codec asks for the library several times per tensor)
+_ENV_OFF = os.environ.get("HOROVOD_SBC_KERNELS", "1") == "0"
+
+
 def _enabled() -> bool:
-    return not _disabled and os.environ.get("HOROVOD_SBC_KERNELS", "1") != "0"
+    return not _disabled and not _ENV_OFF
 
 
 def _load_once(load, what: str, fallback: str):
