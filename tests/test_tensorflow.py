@@ -64,7 +64,7 @@ def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
 
 
 def test_three_ranks_and_pytorch_decodes_tensorflow_messages():
-    steps, runs = 4, ["stock-fn-1", "dropin-eager-1", "dropin-fn-2"]
+    steps, runs = 4, ["stock-fn-1", "dropin-fn-2"]  # eager == tf.function: the 2-rank test
     results, _ = run_ranks("tf_sbc.py", 3, ["train", f"steps={steps}", "runs=" + ",".join(runs),
                                             "interop=1"], timeout=600)
     for spec in runs:
