@@ -1,4 +1,5 @@
 """SBC core: selection, binarization, residual, Golomb-Rice streams, wire format, golden vectors."""
+import itertools
 import json
 import math
 import os
@@ -395,6 +396,28 @@ def test_non_canonical_varint_and_bad_value_rejected():
     nan = msg[:-5] + struct.pack("<f", float("nan")) + msg[-1:]
     with pytest.raises(ValueError, match="not a finite number"):
         wire.decode_tensor_np(nan, 0, 10)
+
+
+def test_header_field_fast_path_agrees_with_read_uvarint():
+    """The header parser's varint fast path (wire._field) returns what read_uvarint returns and
+    raises its exact error otherwise: every 1..3-byte string, random longer ones, at offsets."""
+    rng = np.random.default_rng(7)
+    cases = [bytes(t) for t in itertools.product(range(256), repeat=1)]
+    cases += [bytes(rng.integers(0, 256, size=int(rng.integers(1, 12)), dtype=np.uint8))
+              for _ in range(20000)]
+    cases += [bytes((b0, b1)) for b0 in range(0x7E, 0x100, 3) for b1 in range(256)]
+    cases += [b"\xff" * 8 + bytes((v,)) for v in (0, 1, 0x3F, 0x40, 0x7F, 0x80)]  # the 2**62 edge
+    for raw in cases:
+        for off in (0, 1):
+            buf = memoryview(b"\x05" * off + raw)
+            try:
+                want = wire.read_uvarint(buf, off, "t numel")
+            except ValueError as e:
+                with pytest.raises(ValueError) as got:
+                    wire._field(buf, off, "t", "numel")
+                assert str(got.value) == str(e), raw
+            else:
+                assert wire._field(buf, off, "t", "numel") == want, raw
 
 
 def test_layout_mismatch_and_peer_error_messages():
