@@ -1035,10 +1035,13 @@ def task_jobs(task: str, quick: bool) -> List[dict]:
                       _s("sbc", 0.01, 1, api="stock")]},
             {"workers": 4, "partition": "by_class", "seeds": [0, 1, 2],
              "runs": [_s("fp16"), _s("topk", 0.01, 1), _s("signsgd"), _s("terngrad"),
-                      _s("fedavg", 1.0, 4), _s("sbc", 0.1, 1), _s("sbc", 0.01, 1, api="stock")]}]
+                      _s("fedavg", 1.0, 4), _s("sbc", 0.1, 1), _s("sbc", 0.01, 1, api="stock")]},
+            {"workers": 2, "partition": "by_class", "seeds": [0, 1, 2],
+             "runs": [_s("signsgd"), _s("terngrad")]}]
     runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
             _s("sbc", 0.01, 4, local_residual=False)]
-    return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS]
+    return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS] + \
+        [{"workers": 4, "partition": "iid", "seeds": [1, 2], "runs": runs}]
 
 
 def job_key(task: str, job: dict, seeds: Sequence[int]) -> str:
