@@ -80,6 +80,8 @@ class GatheredStep:
 
     ``messages[r][i]`` is rank r's message for tensor i of the layout; its offsets index the
     gathered buffer. ``names[r][i]`` is how errors name it (``"'fc.weight' from rank 1"``).
+    :func:`parse_gathered` builds it complete; it is not changed afterwards (:meth:`flat`
+    caches).
     """
     steps: List[StepHeader]
     messages: List[List[wire.TensorMessage]] = field(default_factory=list)
@@ -89,7 +91,7 @@ class GatheredStep:
     def flat(self) -> List[Tuple[int, int, wire.TensorMessage, str]]:
         """(rank, tensor index, message, name) in canonical (rank, tensor) order (built once:
         the decoders and the stream check all walk it)."""
-        if self._flat is None or len(self._flat) != sum(len(p) for p in self.messages):
+        if self._flat is None:
             self._flat = [(r, i, m, self.names[r][i]) for r, per in enumerate(self.messages)
                           for i, m in enumerate(per)]
         return self._flat
@@ -178,7 +180,7 @@ def parse_gathered(buf, layout: Layout, n_ranks: int) -> GatheredStep:
         if st.n_tensors != len(layout):
             raise ValueError(f"rank {st.rank} sent {st.n_tensors} tensors, this rank expects "
                              f"{len(layout)}")
-    out = GatheredStep(steps)
+    messages, all_names = [], []
     numels = [wire.layout_numel(shape) for _, shape in layout]
     mv = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
     for st in steps:
@@ -194,9 +196,9 @@ def parse_gathered(buf, layout: Layout, n_ranks: int) -> GatheredStep:
         if off != st.end:
             raise ValueError(f"corrupt message: {st.end - off} stray bytes in step message of "
                              f"rank {st.rank}")
-        out.messages.append(per)
-        out.names.append(names)
-    return out
+        messages.append(per)
+        all_names.append(names)
+    return GatheredStep(steps, messages, all_names)
 
 
 # ----------------------------------------------------------------------------------------------
