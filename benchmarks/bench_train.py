@@ -1041,7 +1041,7 @@ def task_jobs(task: str, quick: bool) -> List[dict]:
     runs = [_s("none"), _s("local"), _s("sbc", 0.01, 4), _s("sbc", 0.001, 16),
             _s("sbc", 0.01, 4, local_residual=False)]
     return [{"workers": 4, "partition": p, "seeds": one, "runs": runs} for p in PARTITIONS] + \
-        [{"workers": 4, "partition": "iid", "seeds": [1, 2], "runs": runs}]
+        [{"workers": 4, "partition": p, "seeds": [1, 2], "runs": runs} for p in PARTITIONS]
 
 
 def job_key(task: str, job: dict, seeds: Sequence[int]) -> str:
