@@ -192,39 +192,30 @@ def uvarint(n: int) -> bytes:
             return bytes(out)
 
 
-def read_uvarint(buf, off: int, what: str) -> Tuple[int, int]:
-    """Parse a canonical uvarint from ``buf`` (bytes-like) at ``off``; returns (value, new_off)."""
-    n = 0
-    shift = 0
-    for i in range(9):
-        if off + i >= len(buf):
-            raise ValueError(f"truncated message: {what} varint runs past the end")
-        byte = buf[off + i]
-        n |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            if i > 0 and byte == 0:
-                raise ValueError(f"corrupt message: non-canonical varint for {what}")
-            if n >= MAX_NUMEL:
-                raise ValueError(f"corrupt message: {what} = {n} is out of range (>= 2**62)")
-            return n, off + i + 1
-        shift += 7
-    raise ValueError(f"corrupt message: {what} varint longer than 9 bytes")
+def read_uvarint(buf, off: int, what) -> Tuple[int, int]:
+    """Parse a canonical uvarint from ``buf`` (bytes-like) at ``off``; returns (value, new_off).
 
-
-def _field(buf, off: int, name: str, field: str) -> Tuple[int, int]:
-    """:func:`read_uvarint` of a header field without formatting its error text unless it
-    fails (the header parser runs once per tensor per rank per step): the same values, and
-    any input it does not accept is handed to :func:`read_uvarint`, which raises."""
+    ``what`` names the field in errors: a string, or ``(name, field)``, joined only if the
+    field is rejected (the header parser reads three fields per tensor per rank per step)."""
     n = shift = 0
     for i in range(off, min(off + 9, len(buf))):
         byte = buf[i]
         n |= (byte & 0x7F) << shift
         if byte < 0x80:
-            if (byte == 0 and i > off) or n >= MAX_NUMEL:
-                break
+            if byte == 0 and i > off:
+                raise ValueError(f"corrupt message: non-canonical varint for {_named(what)}")
+            if n >= MAX_NUMEL:
+                raise ValueError(f"corrupt message: {_named(what)} = {n} is out of range "
+                                 "(>= 2**62)")
             return n, i + 1
         shift += 7
-    return read_uvarint(buf, off, f"{name} {field}")
+    if off + 9 > len(buf):
+        raise ValueError(f"truncated message: {_named(what)} varint runs past the end")
+    raise ValueError(f"corrupt message: {_named(what)} varint longer than 9 bytes")
+
+
+def _named(what) -> str:
+    return what if isinstance(what, str) else " ".join(what)
 
 
 _U32 = struct.Struct("<I")
@@ -337,9 +328,9 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
     if b > MAX_RICE_B:
         raise ValueError(f"corrupt message: Rice parameter {b} > {MAX_RICE_B} for {name}")
     p = off + 5
-    numel, p = _field(buf, p, name, "numel")
-    count, p = _field(buf, p, name, "count")
-    unary_nbytes, p = _field(buf, p, name, "unary length")
+    numel, p = read_uvarint(buf, p, (name, "numel"))
+    count, p = read_uvarint(buf, p, (name, "count"))
+    unary_nbytes, p = read_uvarint(buf, p, (name, "unary length"))
     if expected_numel is not None and numel != expected_numel:
         raise ValueError(f"message for {name} declares {numel} elements, expected {expected_numel} "
                          "(ranks disagree on tensor shapes?)")
