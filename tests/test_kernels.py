@@ -68,22 +68,28 @@ _SELECTION_DIGEST = textwrap.dedent("""
                         h.update(m.numpy().tobytes() + pos.numpy().tobytes())
                     except codec.NonFiniteError:
                         h.update(b"nonfinite")
-    print(h.hexdigest())
+    from horovod_sbc import kernels
+    print(kernels.lib().sbc_simd_level(), h.hexdigest())
 """)
 
 
-def test_portable_candidate_masks_match_the_sse2_ones():
-    """The candidate pass computes its bit masks with SSE2 where the CPU has it; the portable C
-    variant (``HOROVOD_SBC_SIMD=c``, used elsewhere) must select exactly the same elements:
-    messages, positions and NaN/Inf verdicts, across block and chunk boundaries."""
-    digests = []
-    for simd in ("c", "default"):
+def test_candidate_pass_variants_select_the_same():
+    """The candidate pass has three variants: AVX-512 (masks and packed pushes in one loop),
+    SSE2 masks and portable C masks (``HOROVOD_SBC_SIMD=c`` / ``sse2``; the best the CPU has
+    by default). Each must select exactly the same elements: messages, positions and NaN/Inf
+    verdicts, across block and chunk boundaries. Every variant this CPU has runs (the level
+    each subprocess used is checked, so the fast one cannot silently fall back)."""
+    digests, levels = {}, {}
+    for simd in ("c", "sse2", "default"):
         env = {**os.environ, "HOROVOD_SBC_SIMD": simd}
         res = subprocess.run([sys.executable, "-c", _SELECTION_DIGEST], capture_output=True,
                              text=True, timeout=300, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
-        digests.append(res.stdout.strip())
-    assert digests[0] == digests[1] and len(digests[0]) == 64
+        level, digest = res.stdout.split()
+        digests[simd], levels[simd] = digest, int(level)
+    best = kernels.lib().sbc_simd_level()
+    assert levels == {"c": 0, "sse2": min(1, best), "default": best}
+    assert len(set(digests.values())) == 1 and len(digests["c"]) == 64, (digests, levels)
 
 
 def test_close_means_choose_the_reference_side():

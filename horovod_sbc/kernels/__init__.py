@@ -237,6 +237,7 @@ _SIGNATURES = {
     "sbc_decode_batch": ([_P, _I64, _I64] + [_P] * 8, _INT),
     "sbc_positions": ([_I64, _I64, _P], _INT),
     "sbc_scatter_add_groups": ([_I64] + [_P] * 6 + [_INT], _INT),
+    "sbc_simd_level": ([], _INT),
 }
 
 

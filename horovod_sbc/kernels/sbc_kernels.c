@@ -15,6 +15,10 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX512 1 /* compiled for any x86-64 (target attribute), used if the CPU has it */
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -389,9 +393,10 @@ static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c
  * magnitude side (|x| >= tp) when two == 0, by blocks of BLOCK elements (with g, each chunk of
  * SCAN_CHUNK elements first becomes a += g: the residual-corrected update, computed in the same pass,
  * then hot in cache): per-block, per-side bit masks whose set bits are pushed, and the NaN/Inf
- * check. The masks of a chunk's whole blocks come from masks_sse2 or masks_c (exact compares:
- * both find the same candidates; an AVX2 variant measured no faster, the pass being bound by
- * memory). With prefilter (low densities: most blocks hold no candidate) a
+ * check. A chunk's whole blocks go through chunk_avx512 (compares and packed pushes) where the
+ * CPU has AVX-512, else their masks come from masks_sse2 or masks_c (exact compares: all three
+ * find the same candidates; an AVX2 masks variant measured no faster, the pass being bound by
+ * memory; the per-candidate pushes were what AVX-512's packing saves). With prefilter (low densities: most blocks hold no candidate) a
  * block is first tested with one cheap compare (|x| below both thresholds; NaN and Inf fail it
  * too) and skipped whole (its masks 0). Returns 1 if a non-finite value was seen. */
 #define BLOCK 64
@@ -470,18 +475,91 @@ static u32 masks_sse2(const float *x, i64 nb, const scan_cfg *c, u64 *pm, u64 *n
 }
 #endif
 
-/* the SSE2 variant where the CPU has it; HOROVOD_SBC_SIMD=c picks the portable one (tests
- * compare the two) */
-static masks_fn pick_masks(void) {
-    static masks_fn chosen = NULL;
-    if (chosen) return chosen;
-    const char *want = getenv("HOROVOD_SBC_SIMD");
-    masks_fn f = masks_c;
-#if defined(__SSE2__)
-    if (!(want && !strcmp(want, "c"))) f = masks_sse2;
+#if defined(HAVE_AVX512)
+/* AVX-512 (F): the masks and the pushes of len (a multiple of 16) elements at x, position s
+ * onwards, in one loop: per 16 elements, compares into lane masks, then the candidates'
+ * positions and keys packed in order by vpcompressd (no per-candidate branch; the pushes were
+ * about a quarter of the pass at density 0.05). The same compares as block_masks_c, so the
+ * same candidates in the same order. p and q have room for len + 16 more entries (a full
+ * 16-lane store follows each pack). Returns non-zero if a value is NaN or +-Inf. */
+__attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s, i64 len,
+                                                           const scan_cfg *c, cands *p,
+                                                           cands *q) {
+    const __m512 vtp = _mm512_set1_ps(c->tp), vntn = _mm512_set1_ps(c->ntn);
+    const __m512 vmax = _mm512_set1_ps(3.4028234663852886e38f);
+    const __m512i vabs = _mm512_set1_epi32(0x7FFFFFFF), vsign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(u32)s),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15));
+    u32 *pp = p->pos + p->n, *pk = p->key + p->n;
+    u32 *qp = q ? q->pos + q->n : NULL, *qk = q ? q->key + q->n : NULL;
+    __mmask16 bad = 0;
+    for (i64 j = 0; j < len; j += 16, idx = _mm512_add_epi32(idx, step)) {
+        __m512i u = _mm512_loadu_si512((const void *)(x + j));
+        __m512i au = _mm512_and_si512(u, vabs);
+        __m512 v = _mm512_castsi512_ps(u), av = _mm512_castsi512_ps(au);
+        bad |= _mm512_cmp_ps_mask(av, vmax, _CMP_NLE_UQ);
+        if (c->two) {
+            __mmask16 mp = _mm512_cmp_ps_mask(v, vtp, _CMP_GE_OQ);
+            __mmask16 mn = _mm512_cmp_ps_mask(v, vntn, _CMP_LE_OQ);
+            if (!(mp | mn)) continue; /* low densities: nearly always taken */
+            _mm512_storeu_si512((void *)pp, _mm512_maskz_compress_epi32(mp, idx));
+            _mm512_storeu_si512((void *)pk, _mm512_maskz_compress_epi32(mp, u));
+            pp += __builtin_popcount(mp);
+            pk += __builtin_popcount(mp);
+            _mm512_storeu_si512((void *)qp, _mm512_maskz_compress_epi32(mn, idx));
+            _mm512_storeu_si512((void *)qk,
+                                _mm512_maskz_compress_epi32(mn, _mm512_xor_si512(u, vsign)));
+            qp += __builtin_popcount(mn);
+            qk += __builtin_popcount(mn);
+        } else {
+            __mmask16 mp = _mm512_cmp_ps_mask(av, vtp, _CMP_GE_OQ);
+            if (!mp) continue;
+            _mm512_storeu_si512((void *)pp, _mm512_maskz_compress_epi32(mp, idx));
+            _mm512_storeu_si512((void *)pk, _mm512_maskz_compress_epi32(mp, au));
+            pp += __builtin_popcount(mp);
+            pk += __builtin_popcount(mp);
+        }
+    }
+    p->n = pp - p->pos;
+    if (q) q->n = qp - q->pos;
+    return bad;
+}
 #endif
-    chosen = f;
-    return f;
+
+/* The candidate pass's variant: 2 AVX-512 (where the CPU has it), 1 SSE2 masks, 0 the
+ * portable masks; HOROVOD_SBC_SIMD=c, =sse2 or =avx512 asks for one (the best available below
+ * it is used; tests compare all three). */
+static int simd_level(void) {
+    static int chosen = -1;
+    if (chosen >= 0) return chosen;
+    const char *want = getenv("HOROVOD_SBC_SIMD");
+    int cap = 0, lvl;
+#if defined(__SSE2__)
+    cap = 1;
+#endif
+#if defined(HAVE_AVX512)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) cap = 2;
+#endif
+    lvl = cap;
+    if (want && !strcmp(want, "c")) lvl = 0;
+    if (want && !strcmp(want, "sse2") && cap > 1) lvl = 1;
+    chosen = lvl;
+    return lvl;
+}
+
+/* the level sbc_select uses (tests report it) */
+int sbc_simd_level(void) {
+    return simd_level();
+}
+
+static masks_fn pick_masks(void) {
+#if defined(__SSE2__)
+    if (simd_level() >= 1) return masks_sse2;
+#endif
+    return masks_c;
 }
 
 /* noipa: inlined into sbc_select, or with p = &TLS.p propagated into it (a clone, or the
@@ -499,10 +577,26 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
     u64 pm[SCAN_CHUNK / BLOCK], nm[SCAN_CHUNK / BLOCK];
     i64 full = n - n % BLOCK;
     u32 bad = 0;
+#if defined(HAVE_AVX512)
+    int wide = simd_level() == 2;
+#endif
     for (i64 s = 0; s < n; s += SCAN_CHUNK) {
         i64 e = s + SCAN_CHUNK < n ? s + SCAN_CHUNK : n, ew = e < full ? e : full;
         add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
         i64 nb = ew > s ? (ew - s) / BLOCK : 0;
+        i64 base = s; /* position of pm[0]'s block */
+#if defined(HAVE_AVX512)
+        if (wide && nb) { /* the whole blocks in one loop, the partial one below as before */
+            if (!cands_reserve(p, SCAN_CHUNK + 16) || (two && !cands_reserve(q, SCAN_CHUNK + 16))) {
+                *oom = 1;
+                add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
+                return 0;
+            }
+            bad |= chunk_avx512(a + s, s, nb * BLOCK, &cfg, p, two ? q : NULL);
+            base = ew;
+            nb = 0;
+        } else
+#endif
         bad |= masks(a + s, nb, &cfg, pm, nm);
         if (ew < e) { /* the tensor's last, partial block */
             bad |= block_masks_c(a + ew, (int)(e - ew), &cfg, &pm[nb], &nm[nb]);
@@ -516,7 +610,7 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
                 add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
                 return 0;
             }
-            i64 bs = s + b * BLOCK;
+            i64 bs = base + b * BLOCK;
             if (two) {
                 push_mask(a, bs, pb, 0u, p);
                 push_mask(a, bs, nbm, 0x80000000u, q);
