@@ -73,23 +73,122 @@ _SELECTION_DIGEST = textwrap.dedent("""
 """)
 
 
+def _digests_by_simd(script: str, settings):
+    """Run ``script`` (prints the SIMD level it used and a digest) once per
+    ``HOROVOD_SBC_SIMD`` setting, each in a fresh process: ({setting: digest}, {setting: level})."""
+    digests, levels = {}, {}
+    for simd in settings:
+        env = {**os.environ, "HOROVOD_SBC_SIMD": simd}
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        level, digest = res.stdout.split()
+        digests[simd], levels[simd] = digest, int(level)
+    return digests, levels
+
+
 def test_candidate_pass_variants_select_the_same():
     """The candidate pass has three variants: AVX-512 (masks and packed pushes in one loop),
     SSE2 masks and portable C masks (``HOROVOD_SBC_SIMD=c`` / ``sse2``; the best the CPU has
     by default). Each must select exactly the same elements: messages, positions and NaN/Inf
     verdicts, across block and chunk boundaries. Every variant this CPU has runs (the level
     each subprocess used is checked, so the fast one cannot silently fall back)."""
-    digests, levels = {}, {}
-    for simd in ("c", "sse2", "default"):
-        env = {**os.environ, "HOROVOD_SBC_SIMD": simd}
-        res = subprocess.run([sys.executable, "-c", _SELECTION_DIGEST], capture_output=True,
-                             text=True, timeout=300, env=env)
-        assert res.returncode == 0, res.stderr[-2000:]
-        level, digest = res.stdout.split()
-        digests[simd], levels[simd] = digest, int(level)
+    digests, levels = _digests_by_simd(_SELECTION_DIGEST, ("c", "sse2", "default"))
     best = kernels.lib().sbc_simd_level()
     assert levels == {"c": 0, "sse2": min(1, best), "default": best}
     assert len(set(digests.values())) == 1 and len(digests["c"]) == 64, (digests, levels)
+
+
+_DECODE_DIGEST = textwrap.dedent("""
+    # Rice streams built here (every b the fast decoder takes, 0..32; counts around its
+    # 16-wide groups and 2,048-entry chunks; long unary runs), valid and with flipped bits,
+    # decoded in one sbc_decode_batch call: prints the level used and a digest of every
+    # message's statistics and positions; valid messages are checked against numpy here.
+    import ctypes, hashlib, numpy as np
+    from horovod_sbc import kernels
+    lib = kernels.lib()
+    rng = np.random.default_rng(11)
+
+    def bits_of(vals, width):  # MSB first
+        if width == 0 or not len(vals):
+            return np.zeros(0, np.uint8)
+        sh = np.arange(width - 1, -1, -1, dtype=np.uint64)
+        return ((vals.astype(np.uint64)[:, None] >> sh) & 1).astype(np.uint8).ravel()
+
+    msgs, want = [], []
+    for b in range(33):
+        for count in (1, 15, 16, 17, 31, 100, 2047, 2048, 2049, 2065, 6000):
+            if count * (2 ** b) > 2 ** 33:
+                continue
+            q = rng.geometric(0.6, count).astype(np.int64) - 1
+            if count > 50:
+                q[rng.integers(0, count, 3)] = rng.integers(100, 20000, 3)  # long zero runs
+            r = rng.integers(0, 2 ** b, count, dtype=np.uint64) if b else np.zeros(count, np.uint64)
+            ones = np.cumsum(q + 1) - 1
+            ubits = np.zeros(int(ones[-1]) + 1, np.uint8)
+            ubits[ones] = 1
+            u = np.packbits(ubits)
+            rem = np.packbits(bits_of(r, b))
+            pos = np.cumsum((q.astype(np.uint64) << np.uint64(b)) + r + np.uint64(1)) - np.uint64(1)
+            last = int(pos[-1])
+            for numel in (last + 1 + int(rng.integers(0, 1000)), max(1, last // 2)):
+                numel = min(numel, 2 ** 32)
+                msgs.append((u, rem, count, b, numel))
+                want.append((q, r, pos, numel))
+                for _ in range(2):  # mutated: a flipped unary or remainder bit
+                    u2, rem2 = u.copy(), rem.copy()
+                    if rem2.size and rng.random() < 0.5:
+                        rem2[rng.integers(0, rem2.size)] ^= np.uint8(1 << int(rng.integers(0, 8)))
+                    else:
+                        u2[rng.integers(0, u2.size)] ^= np.uint8(1 << int(rng.integers(0, 8)))
+                    msgs.append((u2, rem2, count, b, numel))
+                    want.append(None)
+    parts, cols, at = [], [[] for _ in range(7)], 0
+    for u, rem, count, b, numel in msgs:
+        for col, v in zip(cols, (at, u.size, at + u.size, rem.size, count, b, numel)):
+            col.append(v)
+        parts += [u, rem]
+        at += u.size + rem.size
+    buf = np.concatenate(parts).astype(np.uint8)
+    arrs = [np.array(c, dtype=np.int64) for c in cols]
+    st = np.zeros(6 * len(msgs), dtype=np.int64)
+    rc = lib.sbc_decode_batch(buf.ctypes.data, buf.size, len(msgs),
+                              *[a.ctypes.data for a in arrs], st.ctypes.data)
+    assert rc == 0, rc
+    st = st.reshape(-1, 6)
+    h = hashlib.sha256(st.tobytes())
+    off, checked = 0, 0
+    for j, (m, w) in enumerate(zip(msgs, want)):
+        count = m[2]
+        out = np.zeros(count, dtype=np.int64)
+        if st[j, 0] == count and st[j, 5] >= 0:
+            assert lib.sbc_positions(off, count, out.ctypes.data) == 0
+            h.update(out.tobytes())
+        if w is not None:
+            q, r, pos, numel = w
+            assert st[j, 0] == count and st[j, 2] == q.max() and st[j, 3] == r.max(), (j, m[3])
+            assert st[j, 4] == 0
+            if (int(q.max()) << m[3]) + int(r.max()) < numel:
+                assert st[j, 5] == int(pos[-1]), (j, m[3], count)  # the protocol's pos_max
+            if int(pos[-1]) < numel:
+                assert np.array_equal(out, pos.astype(np.int64)), (j, m[3], count)
+                checked += 1
+        off += count
+    assert checked > 200, checked
+    print(lib.sbc_simd_level(), h.hexdigest())
+""")
+
+
+def test_decoder_variants_agree():
+    """The Rice decoder's second pass takes 16 positions at a time with AVX-512 (F, BW, VBMI)
+    where the CPU has them, else one at a time: on streams of every Rice parameter the fast
+    decoder takes, with counts around its group and chunk sizes, valid and with flipped bits,
+    both give the same statistics (the protocol's verdict) and positions, and valid streams
+    decode to what numpy computes."""
+    digests, levels = _digests_by_simd(_DECODE_DIGEST, ("sse2", "default"))
+    assert levels == {"sse2": min(1, kernels.lib().sbc_simd_level()),
+                      "default": kernels.lib().sbc_simd_level()}
+    assert digests["sse2"] == digests["default"], (digests, levels)
 
 
 def test_close_means_choose_the_reference_side():

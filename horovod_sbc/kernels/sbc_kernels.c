@@ -936,11 +936,86 @@ __attribute__((constructor)) static void init_tables(void) {
  * remainders read at fixed offsets and positions as a running sum. Positions past
  * numel are computed anyway (the protocol rejects such a message from st; nothing is added).
  * The body is inlined once per Rice parameter (decode_fast dispatches on b): constant shifts
- * leave the loop its registers (about a quarter faster at b = 4). */
+ * leave the loop its registers (about a quarter faster at b = 4). With AVX-512 (b <= 25) the
+ * second pass takes 16 offsets at a time (pass2_avx512; ResNet-18 at p = 0.05, 8 ranks: the
+ * whole decode 22.5 -> 17.7 ms), the scalar loop finishing each chunk. */
 typedef struct {
     u64 p, max_r;
     u32 max_q, prev;
 } fast_state;
+
+#if defined(HAVE_AVX512)
+/* The second pass for 16 one bits at a time (AVX-512 F, BW and VBMI), while at least 16 are
+ * left in the chunk loc[0..m) and the remainder stream has 64 bytes from the current field on
+ * (b <= 25): quotients as lane differences of the offsets (the previous offset shifted in),
+ * the 16 remainders cut out of one 64-byte load (vpermb gathers each field's four bytes,
+ * big-endian, into its lane; variable shifts align it: 16 fields of b bits advance 2 b bytes,
+ * so the lanes' byte and bit offsets stay fixed for the chunk), the gaps' in-register prefix
+ * sum plus the running position. The same statistics as the scalar loop (max_q and max_r as
+ * lane maxima; the 64-bit position from the telescoping sum of the quotients, so it does not
+ * wrap) and the same stored (u32) positions. Returns the entries consumed; *off (the field
+ * offset in bits) and fs advance. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) static i64 pass2_avx512(
+    const u32 *loc, i64 m, const uint8_t *r, i64 rlen, int b, u64 *off_io, u32 *pos,
+    fast_state *fs) {
+    u64 off = *off_io, p = fs->p;
+    u32 prev = fs->prev;
+    uint8_t idxb[64];
+    u32 sh[16];
+    for (int j = 0; j < 16; j++) {
+        u32 bit = (u32)(off & 7) + (u32)(j * b), base = bit >> 3;
+        for (int t = 0; t < 4; t++) idxb[4 * j + t] = (uint8_t)(base + 3 - t);
+        sh[j] = bit & 7;
+    }
+    const __m512i idx = _mm512_loadu_si512((const void *)idxb);
+    const __m512i shl = _mm512_loadu_si512((const void *)sh);
+    const __m512i shr = _mm512_set1_epi32(32 - b), one = _mm512_set1_epi32(1);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m128i bsh = _mm_cvtsi32_si128(b);
+    __m512i vmaxq = zero, vmaxr = zero;
+    i64 c = 0;
+    for (; c + 16 <= m; c += 16) {
+        __m512i rv = zero;
+        if (b) {
+            i64 at = (i64)(off >> 3);
+            if (at + 64 > rlen) break;
+            __m512i w = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)(r + at)));
+            rv = _mm512_srlv_epi32(_mm512_sllv_epi32(w, shl), shr);
+        }
+        __m512i L = _mm512_loadu_si512((const void *)(loc + c));
+        __m512i q = _mm512_sub_epi32(
+            _mm512_sub_epi32(L, _mm512_alignr_epi32(L, _mm512_set1_epi32((int)prev), 15)), one);
+        vmaxq = _mm512_max_epu32(vmaxq, q);
+        vmaxr = _mm512_max_epu32(vmaxr, rv);
+        __m512i x = _mm512_add_epi32(_mm512_add_epi32(_mm512_sll_epi32(q, bsh), rv), one);
+        x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, zero, 15));
+        x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, zero, 14));
+        x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, zero, 12));
+        x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, zero, 8));
+        _mm512_storeu_si512((void *)(pos + c), _mm512_add_epi32(x, _mm512_set1_epi32((int)(u32)p)));
+        u32 last = (u32)_mm512_cvtsi512_si32(_mm512_alignr_epi32(L, L, 15));
+        p += ((u64)(u32)(last - prev - 16u) << b) + (u64)(u32)_mm512_reduce_add_epi32(rv) + 16u;
+        prev = last;
+        off += 16u * (u64)b;
+    }
+    u32 mq = (u32)_mm512_reduce_max_epu32(vmaxq), mr = (u32)_mm512_reduce_max_epu32(vmaxr);
+    fs->max_q = mq > fs->max_q ? mq : fs->max_q;
+    fs->max_r = mr > fs->max_r ? mr : fs->max_r;
+    fs->p = p;
+    fs->prev = prev;
+    *off_io = off;
+    return c;
+}
+
+/* 1 if the decoder's second pass may use pass2_avx512 (HOROVOD_SBC_SIMD as for the selection) */
+static int decode_wide(void) {
+    static int chosen = -1;
+    if (chosen < 0)
+        chosen = simd_level() == 2 && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vbmi");
+    return chosen;
+}
+#endif
 
 static inline __attribute__((always_inline)) void decode_fast_b(
     const uint8_t *u, i64 ulen, const uint8_t *r, i64 rlen, i64 count, const int b, u32 *pos,
@@ -964,7 +1039,16 @@ static inline __attribute__((always_inline)) void decode_fast_b(
             for (int k = 0; k < 8; k++) loc[m + k] = base + t[k];
             m += ONES[u[j]];
         }
-        for (i64 c = 0; c < m; c++, i++) {
+        i64 c = 0;
+#if defined(HAVE_AVX512)
+        if (b <= 25 && m >= 16 && decode_wide()) {
+            fast_state v = {p, max_r, max_q, prev};
+            c = pass2_avx512(loc, m, r, rlen, b, &off, pos + i, &v);
+            p = v.p, max_r = v.max_r, max_q = v.max_q, prev = v.prev;
+            i += c;
+        }
+#endif
+        for (; c < m; c++, i++) {
             u32 bit = loc[c], qv = bit - prev - 1;
             prev = bit;
             max_q = qv > max_q ? qv : max_q;
