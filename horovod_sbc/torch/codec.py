@@ -12,9 +12,9 @@ exactly the k largest (ties to the lower index), so the estimate costs speed, ne
 from __future__ import annotations
 
 import ctypes
-
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -196,7 +196,7 @@ def _kernels_for(a: torch.Tensor):
     """The kernel library when ``a`` is a contiguous float32 CPU tensor of at most
     ``kernels.MAX_NUMEL`` elements and the kernels are available, else None (the tensor-op
     path)."""
-    if a.device.type != "cpu" or a.dtype != torch.float32 or not a.is_contiguous() or \
+    if not a.is_cpu or a.dtype is not torch.float32 or not a.is_contiguous() or \
             a.numel() > kernels.MAX_NUMEL:
         return None
     return kernels.lib()
@@ -250,38 +250,55 @@ def _check_rc(rc: int, name: str, what: str) -> None:
         raise AssertionError(f"horovod_sbc: {what} of {name!r} rejected its arguments ({rc})")
 
 
+class _KernelOut(threading.local):
+    """The kernel calls' small output arrays, allocated once per thread (a fresh set of ctypes
+    objects per tensor per step was a measurable part of the codec's per-tensor cost)."""
+
+    def __init__(self):
+        self.counts = (ctypes.c_int64 * 2)()
+        self.sums = (ctypes.c_double * 2)()
+        self.in_dst = ctypes.c_int(-1)
+        self.bs = (ctypes.c_int64 * 3)()
+        self.shift_sums = (ctypes.c_int64 * 3)()
+        self.addr = tuple(ctypes.addressof(x) for x in
+                          (self.counts, self.sums, self.in_dst, self.bs, self.shift_sums))
+
+
+_OUT = _KernelOut()
+
+
 def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
               addend=None, dst: Optional[torch.Tensor] = None) -> _CSelection:
     """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first; a pair
     ``(w, wref)``: ``a += w - (wref + a)``, ``sbc_select_window``). With ``dst`` (int64, k
     elements; paper rule only) the kernel may write only the winning side into it: see
     :attr:`_CSelection.in_dst`."""
-    counts = kernels.Int64s(2)
-    sums = (ctypes.c_double * 2)()
-    in_dst = ctypes.c_int(-1)
-    tail = (a.numel(), k, mode, counts.ptr, ctypes.addressof(sums),
-            None if dst is None else dst.data_ptr(),
-            None if dst is None else ctypes.addressof(in_dst))
+    out = _OUT
+    counts, sums, in_dst = out.counts, out.sums, out.in_dst
+    c_addr, s_addr, d_addr = out.addr[:3]
+    if dst is None:
+        tail = (a.numel(), k, mode, c_addr, s_addr, None, None)
+    else:
+        tail = (a.numel(), k, mode, c_addr, s_addr, dst.data_ptr(), d_addr)
     if isinstance(addend, tuple):
         rc = lib.sbc_select_window(a.data_ptr(), addend[0].data_ptr(), addend[1].data_ptr(),
                                    *tail)
     else:
         rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), *tail)
     _check_rc(rc, name, "the selection")
-    c0, c1 = counts.list()
-    side = in_dst.value
-    return _CSelection(lib, (c0, c1), (sums[0], sums[1]),
-                       None if dst is None or side < 0 else side)
+    side = in_dst.value if dst is not None else -1
+    return _CSelection(lib, (counts[0], counts[1]), (sums[0], sums[1]),
+                       None if side < 0 else side)
 
 
 def _rice_choice_c(lib, pos: torch.Tensor, numel: int) -> Tuple[int, int]:
     """(b, sum(gaps >> b)) by :func:`horovod_sbc.wire.choose_rice_b`, the sums from the kernel."""
     count = pos.numel()
     bs = _rice_candidates(count, numel)
-    b_arr, out = kernels.Int64s(len(bs)), kernels.Int64s(len(bs))
-    b_arr.buf[:] = bs
-    lib.sbc_gap_shift_sums(pos.data_ptr(), count, b_arr.ptr, len(bs), out.ptr)
-    table = dict(zip(bs, out.list()))
+    out = _OUT
+    out.bs[:len(bs)] = bs
+    lib.sbc_gap_shift_sums(pos.data_ptr(), count, out.addr[3], len(bs), out.addr[4])
+    table = dict(zip(bs, out.shift_sums[:len(bs)]))
     b = wire.choose_rice_b(count, numel, table.__getitem__)
     return b, table[b]
 
@@ -500,8 +517,21 @@ def _rice_encode_c(lib, pos: torch.Tensor, b: int, at: int, ubytes: int, rbytes:
     _check_rc(rc, "positions", "the Rice encoder")
 
 
+def _encode_binary_c(lib, pos: torch.Tensor, numel: int, value: float, negative: bool,
+                     rice_b: Optional[int], sum_q: Optional[int]) -> torch.Tensor:
+    """A binary message of ``pos`` (int64, contiguous, on the CPU; count > 0): header and
+    streams written into one buffer by the kernel."""
+    b, sum_q = (rice_b, sum_q) if rice_b is not None else _rice_choice_c(lib, pos, numel)
+    ubytes, rbytes = _stream_sizes(pos.numel(), b, sum_q)
+    head = wire.tensor_header(numel, pos.numel(), b, ubytes, value, negative)
+    msg = torch.empty(len(head) + ubytes + rbytes, dtype=torch.uint8)
+    ctypes.memmove(msg.data_ptr(), head, len(head))
+    _rice_encode_c(lib, pos, b, msg.data_ptr() + len(head), ubytes, rbytes)
+    return msg
+
+
 def _kernels_for_positions(pos: torch.Tensor):
-    if pos.device.type != "cpu" or pos.dtype != torch.int64 or not pos.is_contiguous():
+    if not pos.is_cpu or pos.dtype is not torch.int64 or not pos.is_contiguous():
         return None
     return kernels.lib()
 
@@ -528,14 +558,8 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
     if count == 0:
         return _head(wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None), dev)
     lib = _kernels_for_positions(pos) if values is None and signs is None else None
-    if lib is not None:  # binary on the CPU: header and streams written into one buffer
-        b, sum_q = (rice_b, sum_q) if rice_b is not None else _rice_choice_c(lib, pos, numel)
-        ubytes, rbytes = _stream_sizes(count, b, sum_q)
-        head = wire.tensor_header(numel, count, b, ubytes, value, negative)
-        msg = torch.empty(len(head) + ubytes + rbytes, dtype=torch.uint8)
-        ctypes.memmove(msg.data_ptr(), head, len(head))
-        _rice_encode_c(lib, pos, b, msg.data_ptr() + len(head), ubytes, rbytes)
-        return msg
+    if lib is not None:
+        return _encode_binary_c(lib, pos, numel, value, negative, rice_b, sum_q)
     b, unary, rem = _streams(pos, numel, rice_b, sum_q)
     parts = [None, unary, rem]
     if values is not None:
@@ -658,10 +682,11 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
                 addend = torch.sub(addend[0], torch.add(addend[1], a))
             a.add_(addend)
             addend = None
-    empty = torch.zeros(0, dtype=torch.int64, device=dev)
     if n == 0:
+        empty = _EMPTY_POS(dev)
         return encode_positions(empty, 0), empty, a.new_zeros(0)
     if mode in ("sign", "terngrad"):
+        empty = _EMPTY_POS(dev)
         a_abs = torch.abs(a, out=_scratch(n, a.dtype, dev))
         stat = (tree_sum(a_abs) if mode == "sign" else a_abs.max()).item()
         if not math.isfinite(stat):
@@ -691,12 +716,14 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
                 vals.to(a.dtype))
     if lib is not None:
         bz = _binarize_c(lib, a, k, selection, name, addend, positions)
+        msg = _encode_binary_c(lib, bz.pos, n, bz.mu, bz.negative, bz.rice_b, bz.sum_q) \
+            if bz.pos.numel() else encode_positions(bz.pos, n)
     else:
         bz = binarize_sides(a, *select_sides(a, k, selection, name))
+        msg = encode_positions(bz.pos, n, bz.mu, bz.negative, rice_b=bz.rice_b, sum_q=bz.sum_q)
     # one value for every position: a stride-0 view (subtract_sent_ recognises it)
     sent = torch.full((1,), -bz.mu if bz.negative else bz.mu, dtype=a.dtype,
                       device=dev).expand(bz.pos.numel())
-    msg = encode_positions(bz.pos, n, bz.mu, bz.negative, rice_b=bz.rice_b, sum_q=bz.sum_q)
     return msg, bz.pos, sent
 
 
