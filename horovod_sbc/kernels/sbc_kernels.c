@@ -695,8 +695,14 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
         return SBC_OK;
     }
     int two = mode == 0;
-    i64 m_target = 16 * (n / k);
-    if (m_target < 16384) m_target = 16384;
+    /* Sample size: at least 16 expected sample elements above the k-th value (16 n / k), and
+     * cbrt(k n) at higher densities: each sample element costs a cache miss in each input
+     * (~6 ns), while a sample m gives about 4 sqrt(k n / m) surplus candidates (a push, a radix
+     * pass and a filter read each); their sum is least near m ~ cbrt(k n). (A fixed floor of
+     * 16384 measured 6-8 % slower on ResNet-18 at p = 0.01 and 0.05.) */
+    i64 m_target = 16 * (n / k), m_bal = (i64)cbrt((double)k * (double)n);
+    if (m_target < m_bal) m_target = m_bal;
+    if (m_target < 1024) m_target = 1024;
     if (m_target > SAMPLE_MAX) m_target = SAMPLE_MAX;
     if (m_target > n / 16) m_target = n / 16; /* at most one sample per cache line */
     double frac = (two ? 2.6 : 1.3) * (double)k / (double)n;
