@@ -88,10 +88,11 @@ def _digests_by_simd(script: str, settings):
 
 
 def test_candidate_pass_variants_select_the_same():
-    """The candidate pass has three variants: AVX-512 (masks and packed pushes in one loop),
-    SSE2 masks and portable C masks (``HOROVOD_SBC_SIMD=c`` / ``sse2``; the best the CPU has
-    by default). Each must select exactly the same elements: messages, positions and NaN/Inf
-    verdicts, across block and chunk boundaries. Every variant this CPU has runs (the level
+    """The selection has three variants: AVX-512 (the candidate pass's compares and packed
+    pushes in one loop; the kept candidates packed 16 at a time), SSE2 masks and portable C
+    masks (``HOROVOD_SBC_SIMD=c`` / ``sse2``; the best the CPU has by default). Each must
+    select exactly the same elements: messages, positions and NaN/Inf verdicts, across block
+    and chunk boundaries, with ties at the cut (integer inputs). Every variant this CPU has runs (the level
     each subprocess used is checked, so the fast one cannot silently fall back)."""
     digests, levels = _digests_by_simd(_SELECTION_DIGEST, ("c", "sse2", "default"))
     best = kernels.lib().sbc_simd_level()

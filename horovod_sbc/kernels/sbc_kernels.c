@@ -243,9 +243,42 @@ static cut find_cut(const cands *cd, i64 k, u32 *tmp, u32 lo) {
     return t;
 }
 
+#if defined(HAVE_AVX512)
+static int simd_level(void);
+
+/* keep_cut's loop for 16 candidates at a time while no key of the 16 equals the cut (those
+ * need the tie count: the scalar loop takes them): the keys above it packed in order by
+ * vpcompressd, their positions widened to int64; masked stores (out and vals hold exactly the
+ * k kept). Returns the candidates consumed; *m advances by those kept. */
+__attribute__((target("avx512f"), noinline)) static i64 keep_above_avx512(
+    const u32 *key, const u32 *pos, i64 c, u32 kth, i64 *out, float *vals, i64 *m_io) {
+    const __m512i vk = _mm512_set1_epi32((int)kth);
+    i64 i = 0, m = *m_io;
+    for (; i + 16 <= c; i += 16) {
+        __m512i kv = _mm512_loadu_si512((const void *)(key + i));
+        if (_mm512_cmpeq_epu32_mask(kv, vk)) break;
+        __mmask16 keep = _mm512_cmpgt_epu32_mask(kv, vk);
+        int n = __builtin_popcount(keep);
+        __m512i pv = _mm512_maskz_compress_epi32(keep, _mm512_loadu_si512((const void *)(pos + i)));
+        __mmask8 lo = (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1u);
+        __mmask8 hi = (__mmask8)(n <= 8 ? 0 : (1u << (n - 8)) - 1u);
+        _mm512_mask_storeu_epi64(out + m, lo, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(pv)));
+        _mm512_mask_storeu_epi64(out + m + 8, hi,
+                                 _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(pv, 1)));
+        if (vals)
+            _mm512_mask_storeu_epi32(vals + m, (__mmask16)((1u << n) - 1u),
+                                     _mm512_maskz_compress_epi32(keep, kv));
+        m += n;
+    }
+    *m_io = m;
+    return i;
+}
+#endif
+
 /* Keep the candidates above the cut (ascending positions), ties at the k-th value to the lower
  * position: kept positions (ascending) to out, their scores (as floats) to vals (may be NULL);
- * returns how many (min(c, k)). */
+ * returns how many (min(c, k)). With AVX-512, runs of 16 without a key equal to the cut are
+ * packed 16 at a time (keep_above_avx512), the rest one at a time as below. */
 static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     i64 c = cd->n;
     if (t.all) {
@@ -257,24 +290,36 @@ static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     u32 kth = t.kth;
     i64 ties = t.ties;
     /* exactly k are kept: stop there (outputs hold k); branch-free, as keeping is a coin flip */
-    i64 m = 0;
+    i64 m = 0, i = 0;
     const u32 *key = cd->key;
     const u32 *pos = cd->pos;
-    if (vals) {
-        for (i64 i = 0; i < c && m < k; i++) {
-            u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
-            ties -= eq & keep;
-            out[m] = pos[i];
-            vals[m] = bitsf(key[i]);
-            m += keep;
+    for (;;) {
+#if defined(HAVE_AVX512)
+        if (simd_level() == 2) i += keep_above_avx512(key + i, pos + i, c - i, kth, out, vals, &m);
+#endif
+        /* one at a time up to the next 16-aligned run (all of it without AVX-512); the stores
+         * at out[m] are overwritten unless kept, so m < k bounds them */
+        i64 stop = c;
+#if defined(HAVE_AVX512)
+        if (simd_level() == 2 && i + 16 < c) stop = i + 16;
+#endif
+        if (vals) {
+            for (; i < stop && m < k; i++) {
+                u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
+                ties -= eq & keep;
+                out[m] = pos[i];
+                vals[m] = bitsf(key[i]);
+                m += keep;
+            }
+        } else {
+            for (; i < stop && m < k; i++) {
+                u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
+                ties -= eq & keep;
+                out[m] = pos[i];
+                m += keep;
+            }
         }
-    } else {
-        for (i64 i = 0; i < c && m < k; i++) {
-            u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
-            ties -= eq & keep;
-            out[m] = pos[i];
-            m += keep;
-        }
+        if (i >= c || m >= k) break;
     }
     return m;
 }
