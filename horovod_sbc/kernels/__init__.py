@@ -44,6 +44,12 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
   and scatter may run on different threads).
 
+SIMD: the candidate pass, the packing of the kept candidates and the Rice decoder's second pass
+use AVX-512 where the CPU reports it at run time (compiled for any x86-64 through ``target``
+attributes), else SSE2 or portable C; ``HOROVOD_SBC_SIMD=sse2`` or ``=c`` (read once per process)
+asks for an older variant. Every variant gives the same bytes and verdicts
+(``tests/test_kernels.py`` runs each).
+
 Build: ``cc -O3 -fPIC -shared -ffp-contract=off`` (never ``-ffast-math``: every float operation
 must be the IEEE one of the reference), into ``$HOROVOD_SBC_KERNELS_DIR`` or
 ``~/.cache/horovod_sbc/kernels``, keyed by a hash of the source, the compiler command and the
