@@ -293,16 +293,18 @@ static i64 keep_cut(const cands *cd, i64 k, cut t, i64 *out, float *vals) {
     i64 m = 0, i = 0;
     const u32 *key = cd->key;
     const u32 *pos = cd->pos;
+#if defined(HAVE_AVX512)
+    const int wide = simd_level() == 2;
+#endif
     for (;;) {
+        i64 stop = c; /* without AVX-512: all of it one at a time, below */
 #if defined(HAVE_AVX512)
-        if (simd_level() == 2) i += keep_above_avx512(key + i, pos + i, c - i, kth, out, vals, &m);
+        if (wide) { /* the packed runs, then the 16 that stopped them one at a time */
+            i += keep_above_avx512(key + i, pos + i, c - i, kth, out, vals, &m);
+            if (i + 16 < c) stop = i + 16;
+        }
 #endif
-        /* one at a time up to the next 16-aligned run (all of it without AVX-512); the stores
-         * at out[m] are overwritten unless kept, so m < k bounds them */
-        i64 stop = c;
-#if defined(HAVE_AVX512)
-        if (simd_level() == 2 && i + 16 < c) stop = i + 16;
-#endif
+        /* the stores at out[m] are overwritten unless kept, so m < k bounds them */
         if (vals) {
             for (; i < stop && m < k; i++) {
                 u32 eq = key[i] == kth, keep = (key[i] > kth) | (eq & (ties > 0));
@@ -527,6 +529,16 @@ static u32 masks_sse2(const float *x, i64 nb, const scan_cfg *c, u64 *pm, u64 *n
  * about a quarter of the pass at density 0.05). The same compares as block_masks_c, so the
  * same candidates in the same order. p and q have room for len + 16 more entries (a full
  * 16-lane store follows each pack). Returns non-zero if a value is NaN or +-Inf. */
+/* Append the lanes of idx (positions) and keys selected by m, in lane order, at *pos and *key
+ * (room for 16 more entries: the stores are full vectors), advancing both. */
+__attribute__((target("avx512f"), always_inline)) static inline void pack16(
+    __mmask16 m, __m512i idx, __m512i keys, u32 **pos, u32 **key) {
+    _mm512_storeu_si512((void *)*pos, _mm512_maskz_compress_epi32(m, idx));
+    _mm512_storeu_si512((void *)*key, _mm512_maskz_compress_epi32(m, keys));
+    *pos += __builtin_popcount(m);
+    *key += __builtin_popcount(m);
+}
+
 __attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s, i64 len,
                                                            const scan_cfg *c, cands *p,
                                                            cands *q) {
@@ -549,22 +561,11 @@ __attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s
             __mmask16 mp = _mm512_cmp_ps_mask(v, vtp, _CMP_GE_OQ);
             __mmask16 mn = _mm512_cmp_ps_mask(v, vntn, _CMP_LE_OQ);
             if (!(mp | mn)) continue; /* low densities: nearly always taken */
-            _mm512_storeu_si512((void *)pp, _mm512_maskz_compress_epi32(mp, idx));
-            _mm512_storeu_si512((void *)pk, _mm512_maskz_compress_epi32(mp, u));
-            pp += __builtin_popcount(mp);
-            pk += __builtin_popcount(mp);
-            _mm512_storeu_si512((void *)qp, _mm512_maskz_compress_epi32(mn, idx));
-            _mm512_storeu_si512((void *)qk,
-                                _mm512_maskz_compress_epi32(mn, _mm512_xor_si512(u, vsign)));
-            qp += __builtin_popcount(mn);
-            qk += __builtin_popcount(mn);
+            pack16(mp, idx, u, &pp, &pk);
+            pack16(mn, idx, _mm512_xor_si512(u, vsign), &qp, &qk);
         } else {
             __mmask16 mp = _mm512_cmp_ps_mask(av, vtp, _CMP_GE_OQ);
-            if (!mp) continue;
-            _mm512_storeu_si512((void *)pp, _mm512_maskz_compress_epi32(mp, idx));
-            _mm512_storeu_si512((void *)pk, _mm512_maskz_compress_epi32(mp, au));
-            pp += __builtin_popcount(mp);
-            pk += __builtin_popcount(mp);
+            if (mp) pack16(mp, idx, au, &pp, &pk);
         }
     }
     p->n = pp - p->pos;
@@ -573,9 +574,9 @@ __attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s
 }
 #endif
 
-/* The candidate pass's variant: 2 AVX-512 (where the CPU has it), 1 SSE2 masks, 0 the
- * portable masks; HOROVOD_SBC_SIMD=c, =sse2 or =avx512 asks for one (the best available below
- * it is used; tests compare all three). */
+/* The SIMD variant: 2 AVX-512 (where the CPU has it), 1 SSE2 masks, 0 portable C;
+ * HOROVOD_SBC_SIMD=c or =sse2 asks for an older one (otherwise the best available; tests
+ * compare all three). */
 static int simd_level(void) {
     static int chosen = -1;
     if (chosen >= 0) return chosen;
