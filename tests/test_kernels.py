@@ -50,6 +50,34 @@ def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
                 assert got[0].numpy().tobytes() == msg, what
 
 
+@pytest.mark.parametrize("mode,selection", [("sbc", "paper"), ("sbc", "magnitude"),
+                                            ("values", "paper")])
+def test_difference_encoder_matches_the_materialised_update(mode, selection):
+    """``addend=Difference(w, wref)`` (the drop-in's update when its residual lives in the
+    weights): the kernels select on ``w - wref`` in their pass without storing it. The message,
+    positions and values equal those of the materialised float32 ``w - wref``; ``w`` and
+    ``wref`` are not written; a NaN/Inf anywhere is reported with nothing changed."""
+    rng = np.random.default_rng(17)
+    for n, kind, a in _inputs():
+        wref = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        w = wref + torch.from_numpy(a)
+        w0, wref0 = w.clone(), wref.clone()
+        for density in (1e-3, 1e-2, 5e-2, 1.0):
+            want = codec.encode_update(w - wref, density, mode, selection=selection)
+            got = codec.encode_update(torch.empty(n), density, mode, selection=selection,
+                                      addend=codec.Difference(w, wref))
+            what = f"{mode}/{selection} n={n} {kind} p={density}"
+            for g, x in zip(got, want):
+                assert torch.equal(g, x), what
+            assert torch.equal(w, w0) and torch.equal(wref, wref0), what
+        if n > 3:
+            w[n // 2] = float("nan") if kind != "ties" else float("inf")
+            with pytest.raises(codec.NonFiniteError, match="'t' contains NaN or Inf"):
+                codec.encode_update(torch.empty(n), 0.01, mode, name="t", selection=selection,
+                                    addend=codec.Difference(w, wref))
+            assert torch.equal(wref, wref0)
+
+
 _SELECTION_DIGEST = textwrap.dedent("""
     import hashlib, numpy as np, torch
     from horovod_sbc.torch import codec
@@ -65,6 +93,17 @@ _SELECTION_DIGEST = textwrap.dedent("""
                     try:
                         m, pos, _ = codec.encode_update(torch.tensor(x, dtype=torch.float32),
                                                         p, mode, selection=sel)
+                        h.update(m.numpy().tobytes() + pos.numpy().tobytes())
+                    except codec.NonFiniteError:
+                        h.update(b"nonfinite")
+                for sel in ("paper", "magnitude"):  # A = w - wref formed in the pass
+                    w = torch.tensor(x, dtype=torch.float32)
+                    wref = torch.tensor(rng.standard_normal(n), dtype=torch.float32)
+                    w += wref
+                    try:
+                        m, pos, _ = codec.encode_update(torch.empty(n), 0.01,
+                                                        addend=codec.Difference(w, wref),
+                                                        selection=sel)
                         h.update(m.numpy().tobytes() + pos.numpy().tobytes())
                     except codec.NonFiniteError:
                         h.update(b"nonfinite")
@@ -448,6 +487,87 @@ def test_window_update_fused_into_the_selection_matches_the_separate_pass():
             assert torch.equal(got, want) and torch.equal(got, ops), what
             assert torch.equal(m1, m2) and torch.equal(m1, m3), what
             assert torch.equal(p1, p2) and torch.equal(p1, p3) and torch.equal(s1, s2), what
+
+
+class _TwoRanks:
+    """Rank 0 of a 2-rank job without Horovod: the other rank's step message is fixed."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def world(self):
+        return 2, 0
+
+    def allgather(self, t, name):
+        return torch.cat([t, self.other])
+
+
+def _in_weights_sync(seed=0, nan_in=None):
+    """One sync of three tensors whose residual lives in the weights (``Update.in_weights``),
+    rank 0 of two; returns (weights, references, result, rank 1's step message, inputs)."""
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.sync import Update, synchronize
+    g = torch.Generator().manual_seed(seed)
+    names, sizes = ["a", "b", "c"], [100_000, 4097, 33]
+    layout = [(n, (k,)) for n, k in zip(names, sizes)]
+    other = exchange.frame([codec.encode_update(torch.randn(k, generator=g), 0.01)[0]
+                            for k in sizes], wire.layout_fingerprint(layout), torch.device("cpu"))
+    refs = {n: torch.randn(k, generator=g) for n, k in zip(names, sizes)}
+    ws = {n: refs[n] + 0.01 * torch.randn(k, generator=g) for n, k in zip(names, sizes)}
+    if nan_in is not None:
+        ws[nan_in][7] = float("nan")
+    inputs = ({n: w.clone() for n, w in ws.items()}, {n: r.clone() for n, r in refs.items()})
+    comp = SBC(density=0.01, nonfinite="skip")
+    comp.transport = _TwoRanks(other)
+    out = synchronize(comp, [Update(n, ws[n], (k,), base=refs[n], in_weights=True)
+                             for n, k in zip(names, sizes)], out=[refs[n] for n in names])
+    return ws, refs, out, other, inputs, layout
+
+
+def test_residual_in_the_weights_sync():
+    """``Update.in_weights`` (the drop-in's default): the update is ``W - W_ref``, sent as the
+    message of that materialised difference; afterwards ``W_ref`` holds ``W_ref + avg`` and ``W``
+    holds ``W + avg - sent`` (the decoded average added in rank order to both, then the sent
+    part subtracted from ``W``): the kernels' path and the tensor-op path give the same bits."""
+    ws, refs, out, other, (w0, r0), layout = _in_weights_sync()
+    assert out is not None
+    mine = []
+    want_w, want_r = {}, {}
+    for n, _ in layout:
+        msg, pos, sent = codec.encode_update(w0[n] - r0[n], 0.01)
+        mine.append(msg)
+        want_w[n], want_r[n] = w0[n].clone(), r0[n].clone()
+    fp = wire.layout_fingerprint(layout)
+    gathered = torch.cat([exchange.frame(mine, fp, torch.device("cpu")), other])
+    names = [n for n, _ in layout]
+    exchange.decode_gathered(gathered, layout, 2, [want_r[n] for n in names], 0.5)
+    exchange.decode_gathered(gathered, layout, 2, [want_w[n] for n in names], 0.5)
+    for n in names:
+        _, pos, sent = codec.encode_update(w0[n] - r0[n], 0.01)
+        want_w[n].index_add_(0, pos, sent, alpha=-1)
+        assert torch.equal(refs[n], want_r[n]), n
+        assert torch.equal(ws[n], want_w[n]), n
+        assert not torch.equal(refs[n], r0[n]) and not torch.equal(ws[n], w0[n]), n
+    with kernels.disabled():
+        ws2, refs2, _, _, _, _ = _in_weights_sync()
+    for n in names:
+        assert torch.equal(ws2[n], ws[n]) and torch.equal(refs2[n], refs[n]), n
+
+
+def test_residual_in_the_weights_failed_sync_changes_nothing_but_nan():
+    """A NaN in one tensor's weights (not the first), ``nonfinite="skip"``: the sync is skipped,
+    no reference moves, the other tensors' weights are untouched and the failing tensor's
+    non-finite entries restart from the shared weights (its finite ones stay)."""
+    with pytest.warns(UserWarning, match="'b' contains NaN or Inf"):
+        ws, refs, out, _, (w0, r0), layout = _in_weights_sync(nan_in="b")
+    assert out is None
+    for n, _ in layout:
+        assert torch.equal(refs[n], r0[n]), n
+        if n != "b":
+            assert torch.equal(ws[n], w0[n]), n
+    fixed = w0["b"].clone()
+    fixed[7] = r0["b"][7]
+    assert torch.equal(ws["b"], fixed)
 
 
 def test_nonfinite_weights_are_reported_before_any_residual_changes():

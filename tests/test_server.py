@@ -36,14 +36,17 @@ def test_server_topology_identical_parameters_and_accounting(np_, downlink, dela
         assert 32 * 0.1 * TRAINABLE < per_sync < 0.5 * 32 * TRAINABLE
 
 
-def test_server_topology_checkpoint_resumes_bit_identically():
+@pytest.mark.parametrize("local_residual", [0, 1])
+def test_server_topology_checkpoint_resumes_bit_identically(local_residual):
+    """local_residual=1: the residual lives in the weights, which move with the downlink."""
     ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
-    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", "topology=server"],
-                         timeout=120)
-    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", "topology=server"],
-                          timeout=120)
+    args = ["topology=server", f"local_residual={local_residual}"]
+    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", *args], timeout=120)
+    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", *args], timeout=120)
     for r in range(2):
         assert loaded[r]["digests"] == saved[r]["digests"]
+    if local_residual:  # the ranks' weights differ by their residuals
+        assert saved[0]["digests"] != saved[1]["digests"]
 
 
 def test_server_topology_needs_mpi_and_says_so():

@@ -49,13 +49,16 @@ def test_density_one_without_binarization_equals_dense_averaging(api):
     assert results[0]["digest"] == results[1]["digest"]
 
 
-@pytest.mark.parametrize("method", ["sbc", "terngrad"])
-def test_checkpoint_mid_delay_resumes_bit_identically(method):
+@pytest.mark.parametrize("method,local_residual", [("sbc", 0), ("terngrad", 0), ("sbc", 1)])
+def test_checkpoint_mid_delay_resumes_bit_identically(method, local_residual):
+    """local_residual=1 (the default): the residual lives in the weights, the checkpoint is the
+    model's weights plus the optimizer's reference weights."""
     ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
-    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", f"method={method}"],
+    lr = f"local_residual={local_residual}"
+    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", f"method={method}", lr],
                          timeout=120)
     assert sorted(os.listdir(ckpt)) == ["ckpt_rank0.pt", "ckpt_rank1.pt"]
-    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", f"method={method}"],
+    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", f"method={method}", lr],
                           timeout=120)
     for r in range(2):
         assert loaded[r]["digests"] == saved[r]["digests"]  # next 20 steps bit-identical
@@ -63,8 +66,10 @@ def test_checkpoint_mid_delay_resumes_bit_identically(method):
     assert saved[0]["stats_at_checkpoint"]["steps"] == 7  # saved between syncs (delay 3)
 
 
-def test_errors_are_clear_and_raised_on_every_rank():
-    results, _ = run_ranks("torch_sbc.py", 2, ["errors"], timeout=120)
+@pytest.mark.parametrize("local_residual", [0, 1])
+def test_errors_are_clear_and_raised_on_every_rank(local_residual):
+    results, _ = run_ranks("torch_sbc.py", 2, ["errors", f"local_residual={local_residual}"],
+                           timeout=120)
     for r in results:
         assert "use horovod_sbc.torch.DistributedOptimizer" in r["delay_stock"]
         assert "op=hvd.Adasum" in r["adasum"]
@@ -75,8 +80,16 @@ def test_errors_are_clear_and_raised_on_every_rank():
             assert r[key].startswith("ValueError: SBC: rank 1 could not encode")
             assert "contains NaN or Inf" in r[key] and "'fc" in r[key]
         assert "skipping this sync" in r["skip_warning"]
-        assert r["skip_unchanged"] and r["skip_finite"]
-    assert results[0]["skip_after"] == results[1]["skip_after"]
+        # the shared weights did not move; every rank's weights are finite again
+        assert r["skip_shared_unchanged"] and r["skip_finite_now"] and r["skip_finite"]
+    if local_residual:
+        # the healthy rank keeps its local step (in its weights, sent next time); the failing
+        # rank's NaN weights restarted from the shared weights
+        assert not results[0]["skip_unchanged"] and results[1]["skip_unchanged"]
+        assert results[0]["skip_after_shared"] == results[1]["skip_after_shared"]
+    else:  # the weights are the shared ones
+        assert results[0]["skip_unchanged"] and results[1]["skip_unchanged"]
+        assert results[0]["skip_after"] == results[1]["skip_after"]
 
 
 @pytest.mark.slow

@@ -97,8 +97,9 @@ def test_momentum_masking_and_local_residual_beat_the_old_behaviour():
 @pytest.mark.slow
 def test_local_residual_mechanics():
     """local_residual=True: after every sync the shared weights are bit-identical on all ranks
-    while each rank's weights are exactly shared + its own residual (so they differ); finish()
-    gives every rank the same weights. local_residual=False: the weights are the shared ones."""
+    while each rank's weights differ from them by its own residual (W - W_ref, which the
+    checkpoint holds); finish() gives every rank the same weights. local_residual=False: the
+    weights are the shared ones."""
     configs = [dict(SGD, api="dropin", density=0.01, delay=d, record_shared=True,
                     local_residual=lr) for d, lr in ((1, True), (3, True), (1, False))]
     for cfg, runs in _job(configs):

@@ -27,6 +27,9 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   selection's pass (the drop-in optimizer's residual plus its window update; same float32
   operations as ``sbc_sub_sum`` then the addition, so the same bytes), and ``sbc_all_finite``,
   the check of the weights that comes first (a NaN is then caught before any residual changes);
+* ``sbc_select_diff`` — ``sbc_select`` of ``A = W - W_ref`` formed in the selection's pass and
+  never stored (the drop-in optimizer's update when its residual lives in the weights): reads
+  the two tensors, writes neither;
 * ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the window update where the fused
   selection does not apply);
   ``sbc_zero_where_nonzero_groups`` — after the scatter below, ``buf = 0`` wherever the decoded
@@ -232,6 +235,7 @@ _INT, _NONE = ctypes.c_int, None
 _SIGNATURES = {
     "sbc_select": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
     "sbc_select_window": ([_P, _P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
+    "sbc_select_diff": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
     "sbc_all_finite": ([_P, _I64], _INT),
     "sbc_take": ([_INT, _P], _INT),
     "sbc_release": ([], _NONE),

@@ -376,18 +376,24 @@ static inline u32 side_key(float x, int side) {
 /* What the selection's pass adds to a first (A = R + dW, the residual-corrected update):
  * nothing (all NULL), g (a + g), or the drop-in optimizer's window update a + (w - (wref + a))
  * (w the weights, wref the shared reference, a the residual: float32 operations in the order
- * sbc_sub_sum and then a + g would round them, so the bytes do not depend on the fusion). */
+ * sbc_sub_sum and then a + g would round them, so the bytes do not depend on the fusion). With
+ * diff, A is w - wref itself (the residual kept in the weights) and a is NULL: the pass reads
+ * w and wref and writes nothing. */
 typedef struct {
     const float *g, *w, *wref;
+    int diff;
 } addend;
 
 static inline float added(const addend *d, const float *a, i64 i) {
+    if (d->diff) return d->w[i] - d->wref[i];
     if (d->g) return a[i] + d->g[i];
     if (d->w) return a[i] + (d->w[i] - (d->wref[i] + a[i]));
     return a[i];
 }
 
 static void add_into(float *a, const addend *d, i64 s, i64 e) {
+    if (d->diff)
+        return;
     if (d->g)
         for (i64 i = s; i < e; i++) a[i] = a[i] + d->g[i];
     else if (d->w)
@@ -423,14 +429,15 @@ static void sample_thresholds(const float *a, const addend *g, i64 n, i64 stride
     }
 }
 
-/* Push the elements of block [s, s + 64) whose bits are set in mask (bit j: element s + j). */
-static inline void push_mask(const float *a, i64 s, u64 mask, u32 flip, cands *c) {
+/* Push the elements of a block whose bits are set in mask (bit j: element s + j, its value
+ * x[j]). */
+static inline void push_mask(const float *x, i64 s, u64 mask, u32 flip, cands *c) {
     i64 n = c->n;
     while (mask) {
         int j = __builtin_ctzll(mask);
         mask &= mask - 1;
         c->pos[n] = (u32)(s + j);
-        c->key[n] = fbits(a[s + j]) ^ flip;
+        c->key[n] = fbits(x[j]) ^ flip;
         n++;
     }
     c->n = n;
@@ -539,9 +546,10 @@ __attribute__((target("avx512f"), always_inline)) static inline void pack16(
     *key += __builtin_popcount(m);
 }
 
-__attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s, i64 len,
-                                                           const scan_cfg *c, cands *p,
-                                                           cands *q) {
+/* diff: the elements are x[j] - y[j] (float32, as the C loop rounds them), formed in registers */
+__attribute__((target("avx512f"), always_inline)) static inline u32 chunk_avx512_impl(
+    const float *x, const float *y, int diff, i64 s, i64 len, const scan_cfg *c, cands *p,
+    cands *q) {
     const __m512 vtp = _mm512_set1_ps(c->tp), vntn = _mm512_set1_ps(c->ntn);
     const __m512 vmax = _mm512_set1_ps(3.4028234663852886e38f);
     const __m512i vabs = _mm512_set1_epi32(0x7FFFFFFF), vsign = _mm512_set1_epi32((int)0x80000000u);
@@ -553,7 +561,9 @@ __attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s
     u32 *qp = q ? q->pos + q->n : NULL, *qk = q ? q->key + q->n : NULL;
     __mmask16 bad = 0;
     for (i64 j = 0; j < len; j += 16, idx = _mm512_add_epi32(idx, step)) {
-        __m512i u = _mm512_loadu_si512((const void *)(x + j));
+        __m512i u = diff ? _mm512_castps_si512(_mm512_sub_ps(_mm512_loadu_ps(x + j),
+                                                             _mm512_loadu_ps(y + j)))
+                         : _mm512_loadu_si512((const void *)(x + j));
         __m512i au = _mm512_and_si512(u, vabs);
         __m512 v = _mm512_castsi512_ps(u), av = _mm512_castsi512_ps(au);
         bad |= _mm512_cmp_ps_mask(av, vmax, _CMP_NLE_UQ);
@@ -571,6 +581,20 @@ __attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s
     p->n = pp - p->pos;
     if (q) q->n = qp - q->pos;
     return bad;
+}
+
+__attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s, i64 len,
+                                                           const scan_cfg *c, cands *p,
+                                                           cands *q) {
+    return chunk_avx512_impl(x, NULL, 0, s, len, c, p, q);
+}
+
+/* chunk_avx512 of w[j] - wref[j] (sbc_select_diff): A is never stored */
+__attribute__((target("avx512f"))) static u32 chunk_avx512_diff(const float *w, const float *wref,
+                                                                i64 s, i64 len,
+                                                                const scan_cfg *c, cands *p,
+                                                                cands *q) {
+    return chunk_avx512_impl(w, wref, 1, s, len, c, p, q);
 }
 #endif
 
@@ -621,6 +645,7 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
     scan_cfg cfg = {tp, -tn, two && tn < tp ? tn : tp, two, prefilter};
     masks_fn masks = pick_masks();
     u64 pm[SCAN_CHUNK / BLOCK], nm[SCAN_CHUNK / BLOCK];
+    float xb[g->diff ? SCAN_CHUNK : 1]; /* diff: the chunk's A = w - wref, never stored */
     i64 full = n - n % BLOCK;
     u32 bad = 0;
 #if defined(HAVE_AVX512)
@@ -628,9 +653,20 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
 #endif
     for (i64 s = 0; s < n; s += SCAN_CHUNK) {
         i64 e = s + SCAN_CHUNK < n ? s + SCAN_CHUNK : n, ew = e < full ? e : full;
-        add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
         i64 nb = ew > s ? (ew - s) / BLOCK : 0;
-        i64 base = s; /* position of pm[0]'s block */
+        i64 base = 0; /* offset of pm[0]'s block in the chunk */
+        const float *x; /* the chunk's A: x[i - s] */
+        if (g->diff) { /* formed into xb (AVX-512: the partial block only, the rest in registers) */
+            i64 from = s;
+#if defined(HAVE_AVX512)
+            if (wide && nb) from = ew;
+#endif
+            for (i64 i = from; i < e; i++) xb[i - s] = g->w[i] - g->wref[i];
+            x = xb;
+        } else {
+            add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
+            x = a + s;
+        }
 #if defined(HAVE_AVX512)
         if (wide && nb) { /* the whole blocks in one loop, the partial one below as before */
             if (!cands_reserve(p, SCAN_CHUNK + 16) || (two && !cands_reserve(q, SCAN_CHUNK + 16))) {
@@ -638,14 +674,16 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
                 add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
                 return 0;
             }
-            bad |= chunk_avx512(a + s, s, nb * BLOCK, &cfg, p, two ? q : NULL);
-            base = ew;
+            bad |= g->diff ? chunk_avx512_diff(g->w + s, g->wref + s, s, nb * BLOCK, &cfg, p,
+                                               two ? q : NULL)
+                           : chunk_avx512(x, s, nb * BLOCK, &cfg, p, two ? q : NULL);
+            base = ew - s;
             nb = 0;
         } else
 #endif
-        bad |= masks(a + s, nb, &cfg, pm, nm);
+        bad |= masks(x, nb, &cfg, pm, nm);
         if (ew < e) { /* the tensor's last, partial block */
-            bad |= block_masks_c(a + ew, (int)(e - ew), &cfg, &pm[nb], &nm[nb]);
+            bad |= block_masks_c(x + (ew - s), (int)(e - ew), &cfg, &pm[nb], &nm[nb]);
             nb++;
         }
         for (i64 b = 0; b < nb; b++) {
@@ -656,13 +694,13 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
                 add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
                 return 0;
             }
-            i64 bs = base + b * BLOCK;
+            i64 rel = base + b * BLOCK;
             if (two) {
-                push_mask(a, bs, pb, 0u, p);
-                push_mask(a, bs, nbm, 0x80000000u, q);
+                push_mask(x + rel, s + rel, pb, 0u, p);
+                push_mask(x + rel, s + rel, nbm, 0x80000000u, q);
             } else { /* magnitude keys: the sign bit cleared */
                 i64 c0 = p->n;
-                push_mask(a, bs, pb, 0u, p);
+                push_mask(x + rel, s + rel, pb, 0u, p);
                 for (i64 i = c0; i < p->n; i++) p->key[i] &= 0x7FFFFFFFu;
             }
         }
@@ -728,7 +766,7 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
  * Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or SBC_BADARG. */
 static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 *counts,
                        double *sums, i64 *dst, int *in_dst) {
-    addend none = {NULL, NULL, NULL};
+    addend none = {NULL, NULL, NULL, 0};
     const addend *g = add;
     if (in_dst) *in_dst = -1;
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
@@ -737,7 +775,7 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
     if (n == 0 || k == 0) {
         add_into(a, g, 0, n);
         for (i64 i = 0; i < n; i++)
-            if (!isfinite(a[i])) return SBC_NONFINITE;
+            if (!isfinite(added(g->diff ? g : &none, a, i))) return SBC_NONFINITE;
         return SBC_OK;
     }
     int two = mode == 0;
@@ -774,7 +812,7 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
         /* expected candidates per block below ~1/2: most blocks are skipped whole */
         int prefilter = exact ? 0 : frac * BLOCK < 0.5;
         int bad = scan(a, g, n, t[0], t[1], two, prefilter, p, q, &oom);
-        g = &none; /* added: a rescan reads A */
+        if (!g->diff) g = &none; /* added: a rescan reads A (diff: forms it again) */
         if (bad) return SBC_NONFINITE;
         if (oom) return SBC_NOMEM;
         /* enough candidates on each side, or every eligible element is a candidate already */
@@ -825,16 +863,17 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
             i64 np = 0, nn = 0;
             for (i64 i = 0; i < c; i++) {
                 i64 j = out0[i];
-                if (a[j] > 0.0f)
+                float v = added(g, a, j);
+                if (v > 0.0f)
                     out0[np++] = j;
-                else if (a[j] < 0.0f)
+                else if (v < 0.0f)
                     out1[nn++] = j;
             }
             counts[0] = np;
             counts[1] = nn;
-            for (i64 i = 0; i < np; i++) vals[i] = a[out0[i]];
+            for (i64 i = 0; i < np; i++) vals[i] = added(g, a, out0[i]);
             sums[0] = tree_sum(vals, np, x);
-            for (i64 i = 0; i < nn; i++) vals[i] = -a[out1[i]];
+            for (i64 i = 0; i < nn; i++) vals[i] = -added(g, a, out1[i]);
             sums[1] = tree_sum(vals, nn, x);
         }
     }
@@ -845,7 +884,7 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
 
 int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
                i64 *dst, int *in_dst) {
-    addend add = {g, NULL, NULL};
+    addend add = {g, NULL, NULL, 0};
     return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
 }
 
@@ -856,8 +895,18 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
  * SBC_NONFINITE. */
 int sbc_select_window(float *a, const float *w, const float *wref, i64 n, i64 k, int mode,
                       i64 *counts, double *sums, i64 *dst, int *in_dst) {
-    addend add = {NULL, w, wref};
+    addend add = {NULL, w, wref, 0};
     return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
+}
+
+/* sbc_select of A = w - wref (float32), formed in the selection's pass and never stored: the
+ * drop-in optimizer's update when its residual lives in the weights (the weights w minus the
+ * shared reference wref). Reads w and wref only, writes nothing of them: a NaN/Inf
+ * (SBC_NONFINITE) leaves nothing to undo. */
+int sbc_select_diff(const float *w, const float *wref, i64 n, i64 k, int mode, i64 *counts,
+                    double *sums, i64 *dst, int *in_dst) {
+    addend add = {NULL, w, wref, 1};
+    return select_impl(NULL, &add, n, k, mode, counts, sums, dst, in_dst);
 }
 
 /* 1 if every x[i] is finite, else 0 (one read pass, no writes). */

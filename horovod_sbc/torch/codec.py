@@ -222,6 +222,16 @@ class _CSelection:
         return out
 
 
+@dataclass
+class Difference:
+    """An update that is ``w - wref`` (flat tensors of one size and dtype), for
+    :func:`encode_update`'s ``addend``: the drop-in optimizer's update when its residual lives in
+    the weights (weights minus the shared reference). The C kernels select on it in their pass
+    over ``w`` and ``wref`` without storing it; elsewhere it is formed into ``a`` first."""
+    w: torch.Tensor
+    wref: torch.Tensor
+
+
 class PositionBuffer:
     """Reusable storage for the positions one tensor's encode returns (CPU kernel path).
 
@@ -270,8 +280,9 @@ _OUT = _KernelOut()
 def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
               addend=None, dst: Optional[torch.Tensor] = None) -> _CSelection:
     """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first; a pair
-    ``(w, wref)``: ``a += w - (wref + a)``, ``sbc_select_window``). With ``dst`` (int64, k
-    elements; paper rule only) the kernel may write only the winning side into it: see
+    ``(w, wref)``: ``a += w - (wref + a)``, ``sbc_select_window``; a :class:`Difference`: the
+    selection of ``w - wref`` itself, ``a`` untouched, ``sbc_select_diff``). With ``dst`` (int64,
+    k elements; paper rule only) the kernel may write only the winning side into it: see
     :attr:`_CSelection.in_dst`."""
     out = _OUT
     counts, sums, in_dst = out.counts, out.sums, out.in_dst
@@ -280,7 +291,9 @@ def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
         tail = (a.numel(), k, mode, c_addr, s_addr, None, None)
     else:
         tail = (a.numel(), k, mode, c_addr, s_addr, dst.data_ptr(), d_addr)
-    if isinstance(addend, tuple):
+    if isinstance(addend, Difference):
+        rc = lib.sbc_select_diff(addend.w.data_ptr(), addend.wref.data_ptr(), *tail)
+    elif isinstance(addend, tuple):
         rc = lib.sbc_select_window(a.data_ptr(), addend[0].data_ptr(), addend[1].data_ptr(),
                                    *tail)
     else:
@@ -656,7 +669,10 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised. A pair
     ``(w, wref)`` of flat tensors adds the drop-in optimizer's window update instead:
     ``a += w - (wref + a)`` (the weights minus what they were set to at the last sync, float32
-    operations in that order), formed in the selection's pass by the kernels.
+    operations in that order), formed in the selection's pass by the kernels. A
+    :class:`Difference` ``(w, wref)`` makes the update ``w - wref`` itself: the kernels (SBC
+    mode) select on it without storing it, reading ``w`` and ``wref`` only, and ``a`` is not
+    touched; elsewhere it is computed into ``a`` (a scratch buffer then) first.
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
     float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
@@ -674,7 +690,13 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     n = a.numel()
     dev = a.device
     lib = _kernels_for(a)
-    if addend is not None:
+    if isinstance(addend, Difference):
+        if lib is None or mode != "sbc" or a.dim() != 1 or any(
+                _kernels_for(t) is None or t.numel() != n or t.dim() != 1
+                for t in (addend.w, addend.wref)):
+            torch.sub(addend.w, addend.wref, out=a)
+            addend = None
+    elif addend is not None:
         parts = addend if isinstance(addend, tuple) else (addend,)
         if lib is None or mode not in ("sbc", "values") or a.dim() != 1 or \
                 any(_kernels_for(t) is None or t.numel() != n or t.dim() != 1 for t in parts):

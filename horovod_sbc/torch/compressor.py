@@ -69,8 +69,10 @@ class SBC(StockHook):
             values (plain top-k, as in the paper).
         nonfinite: what to do when an update holds NaN/Inf. ``"raise"``: every rank raises
             ``ValueError`` naming the rank and parameter. ``"skip"``: every rank skips the sync
-            (a warning names the parameter); the weights stay at the last shared state, healthy
-            ranks keep their update in the residual, the failing rank drops its non-finite one.
+            (a warning names the parameter); the shared weights stay as they were, healthy
+            ranks keep their update in the residual, the failing rank drops its non-finite one
+            (the drop-in with ``local_residual=True``, where the residual lives in the weights:
+            its non-finite weights restart from the shared weights, the rest stays).
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; these names are looked up first, then the name Horovod's optimizer
             that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).

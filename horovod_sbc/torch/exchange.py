@@ -40,7 +40,8 @@ def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int) -
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
                     n_ranks: int, out: Optional[List[torch.Tensor]] = None, scale: float = 1.0,
                     out_dtype=torch.float32, zero_out: bool = False,
-                    zero_where_nonzero: Optional[Sequence[Optional[torch.Tensor]]] = None
+                    zero_where_nonzero: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                    also: Optional[Sequence[Optional[torch.Tensor]]] = None
                     ) -> List[torch.Tensor]:
     """Accumulate ``scale`` x every rank's decoded tensor, in rank order, into ``out``.
 
@@ -56,6 +57,11 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     momentum factor masking in the stock hook); on the CPU kernels visit only the decoded
     positions instead of the whole tensor.
 
+    ``also`` (needs ``out`` and not ``zero_out``): per output, a second flat tensor of as many
+    elements and the same dtype (or None) that receives the same additions, in the same order
+    (the drop-in optimizer's weights when its residual lives in them: ``W`` moves with
+    ``W_ref``).
+
     The verdict is the protocol layer's (:mod:`horovod_sbc.protocol`): headers are parsed on the
     host (the compressed bytes only), the streams are decoded on ``gathered``'s device and their
     statistics checked by :func:`horovod_sbc.protocol.check_streams`. Raises
@@ -64,6 +70,8 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     """
     if zero_where_nonzero is not None and not (zero_out or out is None):
         raise ValueError("zero_where_nonzero needs zero_out=True (the decoded sum alone)")
+    if also is not None and (out is None or zero_out):
+        raise ValueError("also needs given outputs that are added to (zero_out=False)")
     host = _host_bytes(gathered)
     step = protocol.parse_gathered(host, layout, n_ranks)
     flat = step.flat()
@@ -71,7 +79,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     lib = kernels.lib() if dev.type == "cpu" and gathered.is_contiguous() else None
     if lib is not None:
         return _decode_c(lib, gathered, step, layout, out, scale, out_dtype, zero_out,
-                         zero_where_nonzero)
+                         zero_where_nonzero, also)
     # binary messages: all at once, in (tensor, rank) order; the rest one by one
     # (a tensor goes to the batch only if every rank's message for it does, so that each
     # tensor's sum is accumulated in rank order by one path)
@@ -93,13 +101,13 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     elif zero_out:
         for t in out:
             t.zero_()
-    if order:
-        _add_batch(out, flat, order, batch, scale, dev)
-    for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
-        msg, i = flat[k][2], flat[k][1]
-        if not msg.count:
-            continue
-        _add_message(out[i], pos, vals, msg, scale)
+    for targets in (out, also) if also is not None else (out,):
+        if order:
+            _add_batch(targets, flat, order, batch, scale, dev)
+        for k, (pos, vals) in single.items():  # (rank, tensor) order: rank order per tensor
+            msg, i = flat[k][2], flat[k][1]
+            if msg.count and targets[i] is not None:
+                _add_message(targets[i], pos, vals, msg, scale)
     for t, buf in zip(out, zero_where_nonzero or []):
         if buf is not None:
             _zero_where_nonzero(buf, t)
@@ -139,7 +147,7 @@ def _kernel_message(msg: wire.TensorMessage) -> bool:
 
 
 def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
-              zero_out: bool, zero_where_nonzero=None) -> List[torch.Tensor]:
+              zero_out: bool, zero_where_nonzero=None, also=None) -> List[torch.Tensor]:
     """:func:`decode_gathered` on the CPU with the C kernels (:mod:`horovod_sbc.kernels`): one
     call decodes every binary message's statistics and positions, the protocol judges, one call
     adds them to the float32 outputs, each tensor's ranks in rank order. A tensor with another
@@ -175,14 +183,21 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             per_tensor.setdefault(i, []).append(k)
     masks = list(zero_where_nonzero or [])
     masks += [None] * (len(out) - len(masks))
-    groups, kmsgs, kouts, mask_dense = [0], [], [], []
+    seconds = list(also or [])
+    seconds += [None] * (len(out) - len(seconds))
+    groups, kmsgs, kouts, mask_dense, kseconds = [0], [], [], [], []
+
+    def kernel_out(t):
+        return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
     for i, t in enumerate(out):
         ks = per_tensor.get(i, [])
-        if ks and all(k in slot for k in ks) and t.dtype == torch.float32 and \
-                t.is_contiguous() and t.device.type == "cpu":
+        t2 = seconds[i]
+        if ks and all(k in slot for k in ks) and kernel_out(t) and (t2 is None or kernel_out(t2)):
             kmsgs += [(t.data_ptr(), t.numel(), k) for k in ks]
             groups.append(len(kmsgs))
             kouts.append(i)
+            if t2 is not None:
+                kseconds.append((t2, ks))
             continue
         if zero_out:
             t.zero_()
@@ -193,9 +208,15 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             if k in slot:
                 p = torch.empty(msg.count, dtype=torch.int64)
                 lib.sbc_positions(int(offset[slot[k]]), msg.count, p.data_ptr())
-                _add_message(t, p.to(t.device), None, msg, scale)
+                pv = (p.to(t.device), None)
             else:
-                _add_message(t, *single[k], msg, scale)
+                pv = single[k]
+            for target in (t, t2):
+                if target is not None:
+                    _add_message(target, *pv, msg, scale)
+    for t2, ks in kseconds:
+        kmsgs += [(t2.data_ptr(), t2.numel(), k) for k in ks]
+        groups.append(len(kmsgs))
     if kmsgs:
         g = np.array(groups, np.int64)
         first = g[:-1]
@@ -219,6 +240,7 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             if buf is not None and not ok:
                 mask_dense.append(i)
             bufs.append(buf.data_ptr() if ok else 0)
+        bufs += [0] * (len(first) - len(kouts))  # the groups of `also` (after out's) have none
         if any(bufs):
             rc = lib.sbc_zero_where_nonzero_groups(len(first), g.ctypes.data,
                                                    addr.ctypes.data,
@@ -245,6 +267,8 @@ def _add_batch(out, flat, order, batch, scale: float, dev) -> None:
     seg = None
     for i, slots in per_tensor.items():
         t = out[i]
+        if t is None:  # no second output for this tensor (decode_gathered's `also`)
+            continue
         lo, hi = int(batch.seg_start[slots[0]]), int(batch.seg_start[slots[-1] + 1])
         if dev.type == "cpu":  # index_add_ is sequential on CPU: rank order is kept
             v = torch.tensor([vals_host[s] for s in slots], dtype=t.dtype, device=dev)

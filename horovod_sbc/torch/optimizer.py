@@ -35,6 +35,16 @@ at every sync 58.4 %, ``local_residual=True`` 93.5 % (with masking too: 93.3 %, 
 offered). Keeping the residual in the local weights closes the loop: the velocity sees the effect
 of its own steps at once, exactly as in dense training, and only the *exchange* is sparse.
 
+Where the residual lives: with ``local_residual=True`` and float32/float64 weights, nowhere but
+in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
+kernels select on their difference in the same pass, without storing it), adds the decoded
+average to both and subtracts what this rank sent from its weights — no residual tensor, no
+write-back: one pass over ``W`` and ``W_ref`` where there were three (a NaN check of the
+weights, the update and selection over ``W``, ``W_ref`` and ``R``, then ``W = W_ref + R``;
+docs/benchmarks.md §4b). ``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``.
+fp16/bf16 weights keep a float32 residual beside them (small updates would vanish in 16 bits)
+and are set to ``W_ref + R`` after each sync.
+
 The price: between syncs (and after one) ranks' live weights differ by their residuals; the
 shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of training to give
 every rank the same weights (``W_ref`` + the average of all ranks' residuals, one dense
@@ -195,6 +205,14 @@ class _SBCOptimizer:
         """Whether each rank keeps its unsent update in its weights (see the module docstring)."""
         return self._sbc_local_residual
 
+    def _in_weights(self, name: str, p: torch.Tensor) -> bool:
+        """Does ``p`` hold its own residual (``local_residual=True`` with float32/float64
+        contiguous weights)? Then ``R = W - W_ref`` is not stored anywhere else."""
+        ref = self._sbc.manager.reference.get(name)
+        return self._sbc_local_residual and p.dtype in (torch.float32, torch.float64) and \
+            p.is_contiguous() and ref is not None and ref.dtype == p.dtype and \
+            ref.device == p.device and ref.is_contiguous()
+
     @torch.no_grad()
     def synchronize(self) -> None:
         """Exchange the accumulated update now (normally called by ``step()``)."""
@@ -202,14 +220,21 @@ class _SBCOptimizer:
         self._capture_reference()
         res = self._sbc.manager.residuals
         local = self._sbc_local_residual
-        # the weights hold W_ref + R (rounded to the parameter's dtype): the update of this
-        # window is W_local - (W_ref + R), added to the exact residual kept by the compressor;
-        # the average of all ranks' decoded updates is added straight into W_ref
-        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name],
+        # local_residual=True: float32/float64 weights hold W_ref + R themselves, so the update
+        # is W - W_ref, read once in the selection's pass; the decoded average moves W with
+        # W_ref and the sent part leaves W (sync.Update.in_weights). Other dtypes keep R beside
+        # the weights (fp32 for fp16/bf16): the update is W - (W_ref + R), added to R, and the
+        # weights are set to W_ref + R afterwards.
+        kept = {name for name, p in self._sbc_params if self._in_weights(name, p)}
+        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name], in_weights=True)
+                 if name in kept else
+                 Update(name, p.detach(), tuple(p.shape), base=ref[name],
                         base_offset=res[name] if local and name in res else None)
                  for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
+            if name in kept:
+                continue
             if local and name in res:
                 # W_ref + R; after a skipped sync healthy ranks keep R + dW (weights unchanged)
                 # and the failing rank has R again (its non-finite window is dropped)
@@ -221,6 +246,18 @@ class _SBCOptimizer:
             else:
                 p.copy_(ref[name])
         self._sbc_local_steps = 0
+
+    def residuals(self):
+        """``{name: flat residual}`` of this rank: the update not sent yet. Weights that hold
+        their residual give ``W - W_ref`` (a new tensor); the others their stored residual."""
+        ref, res = self._sbc.manager.reference, self._sbc.manager.residuals
+        out = {}
+        for name, p in self._sbc_params:
+            if name in ref and self._in_weights(name, p):
+                out[name] = (p.detach() - ref[name]).view(-1)
+            elif name in res:
+                out[name] = res[name]
+        return out
 
     @torch.no_grad()
     def finish(self, average_residuals: bool = True) -> None:
@@ -237,16 +274,17 @@ class _SBCOptimizer:
             self.synchronize()
         ref = self._sbc.manager.reference
         res = self._sbc.manager.residuals
+        current = self.residuals()
         for name, p in self._sbc_params:
-            r = res.get(name)
+            r = current.get(name)
             if average_residuals and r is not None:
                 avg = hvd.allreduce(r.view_as(p).to(p.dtype), op=hvd.Average,
                                     name=f"sbc.finish.{name}")
                 p.copy_(ref[name] + avg)
             else:
                 p.copy_(ref[name])
-            if r is not None:
-                r.zero_()
+            if name in res:
+                res[name].zero_()
             ref[name].copy_(p)
         if average_residuals:
             _broadcast_tensors(self._sbc_params, 0)
@@ -275,6 +313,7 @@ class _SBCOptimizer:
     def state_dict(self):
         sd = super(self.__class__, self).state_dict()
         st = self._sbc.state_dict()
+        st["residuals"] = dict(st["residuals"], **self.residuals())  # W - W_ref where kept
         st["local_steps"] = self._sbc_local_steps
         sd[_STATE_KEY] = st
         return sd
@@ -290,6 +329,8 @@ class _SBCOptimizer:
             for name, p in self._sbc_params:
                 if name in ref:
                     ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
+                if self._in_weights(name, p):  # the residual is W - W_ref of the loaded weights
+                    self._sbc.manager.residuals.pop(name, None)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,

@@ -22,7 +22,8 @@ import torch
 from .. import kernels, wire
 from . import exchange
 from ..core import keep_count
-from .codec import NonFiniteError, _scratch, encode_positions, encode_update, subtract_sent_
+from .codec import (Difference, NonFiniteError, _scratch, encode_positions, encode_update,
+                    subtract_sent_)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .compressor import SBC
@@ -61,12 +62,20 @@ class Update:
     weights); with ``base_offset`` too, ``value - (base + base_offset)``, the sum rounded to
     ``base``'s dtype (the reference weights plus this rank's residual: what the weights were
     set to at the last sync). ``name`` keys the residual and labels the tensor message;
-    ``shape`` is the tensor's shape in the layout every rank must agree on."""
+    ``shape`` is the tensor's shape in the layout every rank must agree on.
+
+    ``in_weights`` (with ``base``; ``value`` contiguous, of ``base``'s dtype and device, float32
+    or float64): this rank's residual lives in ``value`` itself, the update ``value - base`` is
+    the residual-corrected update and nothing is stored beside it (the drop-in optimizer's
+    ``local_residual=True``: weights minus the shared weights). The sync then reads ``value``
+    and ``base`` once, adds the decoded average to ``value`` as to ``base`` (``out``) and
+    subtracts the sent part from ``value``; a failed sync leaves both untouched."""
     name: str
     value: torch.Tensor
     shape: Tuple[int, ...]
     base: Optional[torch.Tensor] = None
     base_offset: Optional[torch.Tensor] = None
+    in_weights: bool = False
 
     @classmethod
     def of(cls, item) -> "Update":
@@ -105,6 +114,15 @@ class Update:
         if kernels_for(w, wref, residual) is None or residual.dim() != 1:
             return None
         return w, wref
+
+    def weights_flat(self) -> torch.Tensor:
+        """``value`` flat, as a view (``in_weights``: the sync writes through it)."""
+        v = self.value.view(-1)
+        if self.base is None or self.base.dtype != v.dtype or self.base.device != v.device or \
+                self.base.numel() != v.numel() or v.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"SBC: {self.name!r}: an update kept in the weights needs a "
+                             "reference of the same dtype, device and size (float32/float64)")
+        return v
 
     def weights_finite(self) -> bool:
         """Are the weights (``value``) free of NaN/Inf? Checked before any residual changes
@@ -178,6 +196,20 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
                                     cfg.nonfinite == "skip", dev, rank)
         local_error = True
     for u in updates if bad is None else []:
+        if u.in_weights:  # A = W - W_ref, selected without being stored
+            w = u.weights_flat()
+            try:
+                msg, pos, sent = encode_update(
+                    _scratch(w.numel(), w.dtype, w.device, slot=1), cfg.density, cfg.mode,
+                    u.name, state.generator(w.device), cfg.selection,
+                    addend=Difference(w, u.base.reshape(-1)),
+                    positions=state.position_buffer(u.name))
+            except NonFiniteError as e:
+                step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
+                local_error = True
+                break
+            encoded.append(Encoded(u, w, pos, sent, msg))  # the commit subtracts from W
+            continue
         res = state.residual(u.name, u.value)
         if res.numel() != u.value.numel():
             raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
@@ -198,20 +230,31 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
     if step is None:
         step = exchange.frame([e.message for e in encoded], fp, dev)
     acc = sum_dtype(updates)
+    # the weights that hold their residual move with the shared weights
+    also = [u.weights_flat() if u.in_weights else None for u in updates] \
+        if any(u.in_weights for u in updates) else None
+    if also is not None and out is None:
+        raise ValueError("SBC: updates kept in the weights need out= (the shared weights)")
     try:
         if cfg.topology == "server":
-            out = server_exchange(state, step, layout, size, rank, out, acc)
+            out = server_exchange(state, step, layout, size, rank, out, acc, also)
         else:
             gathered = state.transport.allgather(step, tag)
             state.manager.add(upstream_bits=8 * step.numel(),
                               downstream_bits=8 * (gathered.numel() - step.numel()))
-            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc)
+            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
+                                           also=also)
     except wire.PeerError as e:
         if e.skip:
             warnings.warn(f"horovod_sbc: skipping this sync: {e}")
             if local_error:  # the failing rank drops this window's update
                 for enc in encoded:
-                    _undo(enc.residual, enc.update, None)
+                    if not enc.update.in_weights:
+                        _undo(enc.residual, enc.update, None)
+                for u in updates:  # kept in the weights: its non-finite entries restart from
+                    if u.in_weights:  # the shared weights (the rest of its update stays)
+                        w, base = u.weights_flat(), u.base.reshape(-1)
+                        torch.where(torch.isfinite(w), w, base, out=w)
             # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
             return None
         raise ValueError(f"SBC: {e}") from None
@@ -227,12 +270,13 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
 # topology "server"
 # ----------------------------------------------------------------------------------------------
 def server_exchange(state: "SBC", step: torch.Tensor, layout, size: int, rank: int, out,
-                    acc_dtype) -> List[torch.Tensor]:
+                    acc_dtype, also=None) -> List[torch.Tensor]:
     """Server topology (Zou, De Sterck, Liu, "Downlink Compression Improves TopK
     Sparsification", arXiv 2209.15203): rank 0 gathers every rank's step message (a real MPI
     gather: nothing goes to the other workers), decodes and averages them, adds its own server
     residual, compresses the average at ``downlink_density`` and broadcasts that one message;
-    every rank, rank 0 included, applies the same decoded downlink."""
+    every rank, rank 0 included, applies the same decoded downlink (to ``out`` and ``also``, see
+    :func:`horovod_sbc.torch.exchange.decode_gathered`)."""
     from . import server
     root = 0
     gathered = server.gather(step, root)
@@ -246,7 +290,7 @@ def server_exchange(state: "SBC", step: torch.Tensor, layout, size: int, rank: i
         state.manager.add(server_out_bits=8 * down.numel() * (size - 1))
     else:
         state.manager.add(downstream_bits=8 * down.numel())
-    return exchange.decode_gathered(down, layout, 1, out, 1.0, acc_dtype)
+    return exchange.decode_gathered(down, layout, 1, out, 1.0, acc_dtype, also=also)
 
 
 def server_step(state: "SBC", gathered, layout, size, acc_dtype, dev) -> torch.Tensor:

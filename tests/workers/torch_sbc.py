@@ -247,8 +247,14 @@ def run_errors():
         train_step(model, opt, 0, nan=(RANK == 1))
     out["skip_warning"] = str(w[0].message) if w else None
     out["skip_unchanged"] = digest(model) == before
+    with opt.shared_weights():
+        out["skip_shared_unchanged"] = digest(model) == before
+    # local_residual=1: the failing rank's non-finite weights restart from the shared ones
+    out["skip_finite_now"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     train_step(model, opt, 1)
     out["skip_after"] = digest(model)
+    with opt.shared_weights():
+        out["skip_after_shared"] = digest(model)
     out["skip_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return out
 

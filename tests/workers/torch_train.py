@@ -63,14 +63,19 @@ def digest(tensors):
 
 def shared_state(opt):
     """Right after a sync: the digest of the shared weights W_ref and whether every parameter
-    holds exactly W_ref + its residual (local_residual=True) or W_ref (False)."""
-    ref, res = opt.compression.manager.reference, opt.compression.manager.residuals
+    holds exactly W_ref (local_residual=False) or, with True (the residual lives in the
+    weights), whether the checkpoint's residuals are exactly W - W_ref."""
+    ref = opt.compression.manager.reference
+    res = opt.residuals()
     params = opt._sbc_params
     with opt.shared_weights():
         d = digest([p for _, p in params])
-    exact = all(torch.equal(p, ref[n] + res[n].view_as(p) if opt.local_residual else ref[n])
-                for n, p in params)
-    moved = any(bool(res[n].abs().sum() > 0) for n, _ in params)
+    if opt.local_residual:
+        saved = opt.state_dict()["horovod_sbc"]["residuals"]
+        exact = all(torch.equal(saved[n], (p - ref[n]).view(-1)) for n, p in params)
+    else:
+        exact = all(torch.equal(p, ref[n]) for n, p in params)
+    moved = any(bool(res[n].abs().sum() > 0) for n, _ in params if n in res)
     return {"digest": d, "exact": exact, "residual_nonzero": moved,
             "local_digest": digest([p for _, p in params])}
 
