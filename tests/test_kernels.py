@@ -428,9 +428,10 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
     """The stock hook's momentum masking: the decoder zeroes the buffer wherever the decoded
     average is non-zero. The kernel visits only the decoded positions; it must agree with a
     dense masked_fill, also where two ranks' values cancel to exactly 0 (not masked) and with
-    one tensor taking the tensor-op path (values mode) beside kernel-path ones."""
+    one tensor taking the tensor-op path (values mode) beside kernel-path ones, and one of
+    several of the scatter's 16,384-element chunks (masked chunk by chunk)."""
     rng = np.random.default_rng(4)
-    layout = [("a", (5000,)), ("b", (300,)), ("c", (2000,))]
+    layout = [("a", (5000,)), ("b", (300,)), ("c", (2000,)), ("d", (40_003,))]
     fp = wire.layout_fingerprint(layout)
     steps = []
     for rank in range(3):
@@ -464,7 +465,7 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
     assert (got[0][0] == 0).any() and (got[0][0] != 0).any()
     with pytest.raises(ValueError, match="zero_out"):
         exchange.decode_gathered(gathered, layout, 3, [torch.zeros(n) for _, (n,) in layout],
-                                 zero_where_nonzero=[None, None, None])
+                                 zero_where_nonzero=[None] * len(layout))
 
 
 def test_window_update_fused_into_the_selection_matches_the_separate_pass():

@@ -32,8 +32,6 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   the two tensors, writes neither;
 * ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the window update where the fused
   selection does not apply);
-  ``sbc_zero_where_nonzero_groups`` — after the scatter below, ``buf = 0`` wherever the decoded
-  output is non-zero, visiting only the decoded positions (the stock hook's momentum masking);
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
   parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
 * ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
@@ -42,7 +40,9 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   parser found (and checks them against the buffer once more);
 * ``sbc_scatter_add_groups`` — ``out[pos] += value`` for every tensor's messages, each element
   receiving its ranks' values in rank order (float32 adds, the reference's order), walking the
-  output once in cache-sized chunks rather than once per rank;
+  output once in cache-sized chunks rather than once per rank; ``sbc_scatter_add_mask_groups``
+  also sets ``buf = 0`` wherever the decoded sum is non-zero, visiting only the decoded
+  positions of each chunk while it is hot (the stock hook's momentum masking);
 * ``sbc_decode_batch_into`` / ``sbc_scatter_add_groups_from`` — the same two with the positions
   in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
   and scatter may run on different threads).
@@ -240,7 +240,7 @@ _SIGNATURES = {
     "sbc_take": ([_INT, _P], _INT),
     "sbc_release": ([], _NONE),
     "sbc_gap_shift_sums": ([_P, _I64, _P, _I64, _P], _NONE),
-    "sbc_zero_where_nonzero_groups": ([_I64] + [_P] * 6, _INT),
+    "sbc_scatter_add_mask_groups": ([_I64] + [_P] * 7, _INT),
     "sbc_sub_sum": ([_P, _P, _P, _P, _I64], _NONE),
     "sbc_add_at": ([_P, _P, _I64, ctypes.c_float], _NONE),
     "sbc_rice_encode": ([_P, _I64, _I64, _P, _I64, _P, _I64], _INT),

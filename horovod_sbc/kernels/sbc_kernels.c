@@ -1339,6 +1339,9 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
 int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero);
+static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
+                          const i64 *outs, const i64 *bufs, const i64 *numel, const i64 *pos_off,
+                          const i64 *count, const float *value, int zero);
 
 #define CHUNK 16384 /* output elements (64 KiB of float32) kept hot while every rank adds */
 
@@ -1353,33 +1356,21 @@ int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64
  * validated (< numel) by the protocol before this is called; they are checked again. */
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
                            const i64 *pos_off, const i64 *count, const float *value, int zero) {
-    return sbc_scatter_add_groups_from((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs,
-                                       numel, pos_off, count, value, zero);
+    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, numel,
+                          pos_off, count, value, zero);
 }
 
-/* After sbc_scatter_add_groups zeroed and filled the outputs: for every group g with
- * bufs[g] != 0, bufs[g][p] = 0 at each position p of the group's messages where outs[g][p] != 0
- * (-0.0 counts as 0). Every non-zero of such an output lies at one of those positions, so this
- * is "buf = 0 wherever out != 0" (DGC's momentum factor masking) in O(positions), not
+/* sbc_scatter_add_groups with zero set, and for every group g with bufs[g] != 0 (bufs[g] a
+ * float32 tensor of numel[g] elements) bufs[g][p] = 0 at each position p of the group's
+ * messages where the output is non-zero (-0.0 counts as 0), chunk by chunk while the chunk is
+ * hot. Every non-zero of such an output lies at one of those positions, so this is "buf = 0
+ * wherever out != 0" (DGC's momentum factor masking, the stock hook) in O(positions), not
  * O(numel). */
-int sbc_zero_where_nonzero_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *bufs,
-                                  const i64 *numel, const i64 *pos_off, const i64 *count) {
-    const u32 *pos = (const u32 *)TLS.dpos.p;
-    i64 npos = TLS.dcount;
-    for (i64 g = 0; g < ng; g++) {
-        float *buf = (float *)(intptr_t)bufs[g];
-        const float *o = (const float *)(intptr_t)outs[g];
-        if (!buf) continue;
-        for (i64 j = gstart[g]; j < gstart[g + 1]; j++) {
-            if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > npos - count[j] ||
-                (count[j] && pos[pos_off[j] + count[j] - 1] >= numel[g]))
-                return SBC_BADARG;
-            const u32 *pj = pos + pos_off[j];
-            for (i64 c = 0; c < count[j]; c++)
-                if (o[pj[c]] != 0.0f) buf[pj[c]] = 0.0f;
-        }
-    }
-    return SBC_OK;
+int sbc_scatter_add_mask_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *bufs,
+                                const i64 *numel, const i64 *pos_off, const i64 *count,
+                                const float *value) {
+    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, bufs, numel,
+                          pos_off, count, value, 1);
 }
 
 /* sbc_scatter_add_groups with the positions read from the caller's pos[0..npos) (as written by
@@ -1387,15 +1378,24 @@ int sbc_zero_where_nonzero_groups(i64 ng, const i64 *gstart, const i64 *outs, co
 int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero) {
-    i64 stack_cur[64];
+    return scatter_groups(pos, npos, ng, gstart, outs, NULL, numel, pos_off, count, value, zero);
+}
+
+static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
+                          const i64 *outs, const i64 *bufs, const i64 *numel, const i64 *pos_off,
+                          const i64 *count, const float *value, int zero) {
+    i64 stack_cur[128];
+    if (bufs && !zero) return SBC_BADARG; /* the mask needs outputs that hold just the sum */
     for (i64 g = 0; g < ng; g++) {
         i64 a = gstart[g], nm = gstart[g + 1] - a, n = numel[g];
         float *o = (float *)(intptr_t)outs[g];
+        float *buf = bufs ? (float *)(intptr_t)bufs[g] : NULL;
         for (i64 j = a; j < a + nm; j++)
             if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > npos - count[j] ||
                 (count[j] && pos[pos_off[j] + count[j] - 1] >= n))
                 return SBC_BADARG; /* ascending: first and last bound them all */
-        i64 *cur = nm <= 64 ? stack_cur : (i64 *)calloc((size_t)nm, sizeof(i64));
+        /* cur[j]: message j's next position; cur[nm + j]: where it was when the chunk began */
+        i64 *cur = nm <= 64 ? stack_cur : (i64 *)calloc((size_t)(2 * nm), sizeof(i64));
         if (!cur) return SBC_NOMEM;
         for (i64 j = 0; j < nm; j++) cur[j] = 0;
         for (i64 lo = 0; lo < n; lo += CHUNK) {
@@ -1405,9 +1405,16 @@ int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64
                 const u32 *pj = pos + pos_off[a + j];
                 i64 c = cur[j], cnt = count[a + j];
                 float v = value[a + j];
+                cur[nm + j] = c;
                 while (c < cnt && pj[c] < hi) o[pj[c++]] += v;
                 cur[j] = c;
             }
+            if (buf) /* the chunk's sums are final: mask where they are non-zero */
+                for (i64 j = 0; j < nm; j++) {
+                    const u32 *pj = pos + pos_off[a + j];
+                    for (i64 c = cur[nm + j]; c < cur[j]; c++)
+                        if (o[pj[c]] != 0.0f) buf[pj[c]] = 0.0f;
+                }
         }
         if (cur != stack_cur) free(cur);
     }

@@ -227,11 +227,6 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
         cnt = desc[4, js].astype(np.int64)
         # the value each position gets: the Python float product rounded once to float32
         val = np.array([flat[k][2].signed_value * scale for _, _, k in kmsgs], np.float32)
-        rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
-                                        numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
-                                        val.ctypes.data, int(zero_out))
-        if rc != kernels.OK:
-            raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
         bufs = []  # masks the kernel zeroes at the decoded positions (0: none, or done below)
         for i in kouts:
             buf = masks[i]
@@ -242,14 +237,16 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             bufs.append(buf.data_ptr() if ok else 0)
         bufs += [0] * (len(first) - len(kouts))  # the groups of `also` (after out's) have none
         if any(bufs):
-            rc = lib.sbc_zero_where_nonzero_groups(len(first), g.ctypes.data,
-                                                   addr.ctypes.data,
-                                                   np.array(bufs, np.int64).ctypes.data,
-                                                   numel.ctypes.data, off.ctypes.data,
-                                                   cnt.ctypes.data)
-            if rc != kernels.OK:
-                raise AssertionError(f"horovod_sbc: the masking kernel rejected its arguments "
-                                     f"({rc})")
+            rc = lib.sbc_scatter_add_mask_groups(len(first), g.ctypes.data, addr.ctypes.data,
+                                                 np.array(bufs, np.int64).ctypes.data,
+                                                 numel.ctypes.data, off.ctypes.data,
+                                                 cnt.ctypes.data, val.ctypes.data)
+        else:
+            rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
+                                            numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
+                                            val.ctypes.data, int(zero_out))
+        if rc != kernels.OK:
+            raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
     for i in mask_dense:
         if masks[i] is not None:
             _zero_where_nonzero(masks[i], out[i])
