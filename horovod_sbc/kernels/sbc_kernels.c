@@ -384,6 +384,18 @@ typedef struct {
     int diff;
 } addend;
 
+/* Software prefetch this many elements ahead of the AVX-512 candidate pass (a hint: a prefetch
+ * never faults, also past an array's end). With the candidates' branch in the loop the
+ * hardware prefetchers alone left the pass over w and wref at ~60 % of the bandwidth of two
+ * plain reads (10.5M elements: 13.2 ms vs 8.1); 4 KiB ahead it took 7-8 ms (2 KiB or 8 KiB
+ * measured the same) */
+#define PREFETCH_AHEAD 1024
+#if defined(__GNUC__)
+#define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
+
 static inline float added(const addend *d, const float *a, i64 i) {
     if (d->diff) return d->w[i] - d->wref[i];
     if (d->g) return a[i] + d->g[i];
@@ -561,6 +573,8 @@ __attribute__((target("avx512f"), always_inline)) static inline u32 chunk_avx512
     u32 *qp = q ? q->pos + q->n : NULL, *qk = q ? q->key + q->n : NULL;
     __mmask16 bad = 0;
     for (i64 j = 0; j < len; j += 16, idx = _mm512_add_epi32(idx, step)) {
+        PREFETCH(x + j + PREFETCH_AHEAD);
+        if (diff) PREFETCH(y + j + PREFETCH_AHEAD);
         __m512i u = diff ? _mm512_castps_si512(_mm512_sub_ps(_mm512_loadu_ps(x + j),
                                                              _mm512_loadu_ps(y + j)))
                          : _mm512_loadu_si512((const void *)(x + j));
