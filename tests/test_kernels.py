@@ -468,28 +468,6 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
                                  zero_where_nonzero=[None] * len(layout))
 
 
-def test_window_update_fused_into_the_selection_matches_the_separate_pass():
-    """The drop-in optimizer's residual plus window update, A = R + (W - (W_ref + R)), formed in
-    the selection's pass (sbc_select_window) gives the message, positions and residual of the
-    update computed first (sbc_sub_sum's float32 order) and added, and of the tensor-op path."""
-    rng = np.random.default_rng(9)
-    for n in (1, 100, 16385, 300_000):
-        w = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
-        wref = w + torch.from_numpy((rng.standard_normal(n) * 1e-3).astype(np.float32))
-        r0 = torch.from_numpy((rng.standard_normal(n) * 1e-3).astype(np.float32))
-        for mode, density in (("sbc", 0.01), ("sbc", 0.3), ("values", 0.01)):
-            got, want, ops = r0.clone(), r0.clone(), r0.clone()
-            m1, p1, s1 = codec.encode_update(got, density, mode, addend=(w, wref))
-            upd = torch.sub(w, torch.add(wref, want))
-            m2, p2, s2 = codec.encode_update(want, density, mode, addend=upd)
-            with kernels.disabled():
-                m3, p3, _ = codec.encode_update(ops, density, mode, addend=(w, wref))
-            what = f"n={n} {mode} p={density}"
-            assert torch.equal(got, want) and torch.equal(got, ops), what
-            assert torch.equal(m1, m2) and torch.equal(m1, m3), what
-            assert torch.equal(p1, p2) and torch.equal(p1, p3) and torch.equal(s1, s2), what
-
-
 class _TwoRanks:
     """Rank 0 of a 2-rank job without Horovod: the other rank's step message is fixed."""
 

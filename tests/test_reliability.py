@@ -9,12 +9,20 @@ from harness import run_ranks
 pytestmark = pytest.mark.multirank
 
 
-def test_odd_parameters_train_and_stay_identical():
-    """0-d, empty, 1-element, fp16/bf16/fp64, sparse-gradient embedding, frozen, integer buffer."""
-    results, _ = run_ranks("torch_sbc.py", 2, ["odd"], timeout=120)
+@pytest.mark.parametrize("local_residual", [0, 1])
+def test_odd_parameters_train_and_stay_identical(local_residual):
+    """0-d, empty, 1-element, fp16/bf16/fp64, sparse-gradient embedding, frozen, integer buffer.
+    local_residual=1: float32/float64 weights hold their residual, fp16/bf16 ones keep a
+    float32 residual beside them; the shared weights are identical after every sync."""
+    results, _ = run_ranks("torch_sbc.py", 2, ["odd", f"local_residual={local_residual}"],
+                           timeout=120)
     a, b = results
     for s in (1, 3, 5):  # delay 2: after every sync
-        assert a["digests"][s] == b["digests"][s]
+        assert a["shared_digests"][s] == b["shared_digests"][s]
+        if not local_residual:
+            assert a["digests"][s] == b["digests"][s]
+    if local_residual:  # the ranks' weights differ by their residuals
+        assert a["digests"][5] != b["digests"][5]
     assert a["dtypes"]["p16"] == "torch.float16" and a["dtypes"]["pbf"] == "torch.bfloat16"
     assert a["dtypes"]["p64"] == "torch.float64"
     assert a["finite"] and b["finite"]

@@ -23,15 +23,9 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   writes only the side whose mean is larger beyond any rounding doubt straight into it (the
   other side's sum is then a float64 sum in another fixed order, close enough that the side chosen from the two
   means cannot change); both sides otherwise;
-* ``sbc_select_window`` — ``sbc_select`` of ``A = R + (W - (W_ref + R))`` formed in the
-  selection's pass (the drop-in optimizer's residual plus its window update; same float32
-  operations as ``sbc_sub_sum`` then the addition, so the same bytes), and ``sbc_all_finite``,
-  the check of the weights that comes first (a NaN is then caught before any residual changes);
 * ``sbc_select_diff`` — ``sbc_select`` of ``A = W - W_ref`` formed in the selection's pass and
   never stored (the drop-in optimizer's update when its residual lives in the weights): reads
   the two tensors, writes neither;
-* ``sbc_sub_sum`` — ``v - (base + off)`` in one pass (the window update where the fused
-  selection does not apply);
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
   parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
 * ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
@@ -234,14 +228,11 @@ _INT, _NONE = ctypes.c_int, None
 # (argument types, return type) of every exported kernel (sbc_kernels.c documents them)
 _SIGNATURES = {
     "sbc_select": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
-    "sbc_select_window": ([_P, _P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
     "sbc_select_diff": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
-    "sbc_all_finite": ([_P, _I64], _INT),
     "sbc_take": ([_INT, _P], _INT),
     "sbc_release": ([], _NONE),
     "sbc_gap_shift_sums": ([_P, _I64, _P, _I64, _P], _NONE),
     "sbc_scatter_add_mask_groups": ([_I64] + [_P] * 7, _INT),
-    "sbc_sub_sum": ([_P, _P, _P, _P, _I64], _NONE),
     "sbc_add_at": ([_P, _P, _I64, ctypes.c_float], _NONE),
     "sbc_rice_encode": ([_P, _I64, _I64, _P, _I64, _P, _I64], _INT),
     "sbc_decode_batch": ([_P, _I64, _I64] + [_P] * 8, _INT),

@@ -374,14 +374,11 @@ static inline u32 side_key(float x, int side) {
 }
 
 /* What the selection's pass adds to a first (A = R + dW, the residual-corrected update):
- * nothing (all NULL), g (a + g), or the drop-in optimizer's window update a + (w - (wref + a))
- * (w the weights, wref the shared reference, a the residual: float32 operations in the order
- * sbc_sub_sum and then a + g would round them, so the bytes do not depend on the fusion). With
- * diff, A is w - wref itself (the residual kept in the weights) and a is NULL: the pass reads
- * w and wref and writes nothing. */
+ * nothing (all NULL) or g (a + g); or, with w and wref, A is w - wref itself (the drop-in
+ * optimizer's residual kept in its weights: weights minus the shared reference) and a is NULL:
+ * the pass reads w and wref and writes nothing. */
 typedef struct {
     const float *g, *w, *wref;
-    int diff;
 } addend;
 
 /* Software prefetch this many elements ahead of the AVX-512 candidate pass (a hint: a prefetch
@@ -397,19 +394,14 @@ typedef struct {
 #endif
 
 static inline float added(const addend *d, const float *a, i64 i) {
-    if (d->diff) return d->w[i] - d->wref[i];
+    if (d->w) return d->w[i] - d->wref[i];
     if (d->g) return a[i] + d->g[i];
-    if (d->w) return a[i] + (d->w[i] - (d->wref[i] + a[i]));
     return a[i];
 }
 
 static void add_into(float *a, const addend *d, i64 s, i64 e) {
-    if (d->diff)
-        return;
     if (d->g)
         for (i64 i = s; i < e; i++) a[i] = a[i] + d->g[i];
-    else if (d->w)
-        for (i64 i = s; i < e; i++) a[i] = a[i] + (d->w[i] - (d->wref[i] + a[i]));
 }
 
 /* Thresholds from the strided sample: per side the ks-th largest eligible score, or the "every
@@ -659,7 +651,7 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
     scan_cfg cfg = {tp, -tn, two && tn < tp ? tn : tp, two, prefilter};
     masks_fn masks = pick_masks();
     u64 pm[SCAN_CHUNK / BLOCK], nm[SCAN_CHUNK / BLOCK];
-    float xb[g->diff ? SCAN_CHUNK : 1]; /* diff: the chunk's A = w - wref, never stored */
+    float xb[g->w ? SCAN_CHUNK : 1]; /* w - wref: the chunk's A, never stored */
     i64 full = n - n % BLOCK;
     u32 bad = 0;
 #if defined(HAVE_AVX512)
@@ -670,7 +662,7 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
         i64 nb = ew > s ? (ew - s) / BLOCK : 0;
         i64 base = 0; /* offset of pm[0]'s block in the chunk */
         const float *x; /* the chunk's A: x[i - s] */
-        if (g->diff) { /* formed into xb (AVX-512: the partial block only, the rest in registers) */
+        if (g->w) { /* formed into xb (AVX-512: the partial block only, the rest in registers) */
             i64 from = s;
 #if defined(HAVE_AVX512)
             if (wide && nb) from = ew;
@@ -688,9 +680,9 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
                 add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
                 return 0;
             }
-            bad |= g->diff ? chunk_avx512_diff(g->w + s, g->wref + s, s, nb * BLOCK, &cfg, p,
-                                               two ? q : NULL)
-                           : chunk_avx512(x, s, nb * BLOCK, &cfg, p, two ? q : NULL);
+            bad |= g->w ? chunk_avx512_diff(g->w + s, g->wref + s, s, nb * BLOCK, &cfg, p,
+                                            two ? q : NULL)
+                        : chunk_avx512(x, s, nb * BLOCK, &cfg, p, two ? q : NULL);
             base = ew - s;
             nb = 0;
         } else
@@ -780,7 +772,7 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
  * Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or SBC_BADARG. */
 static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 *counts,
                        double *sums, i64 *dst, int *in_dst) {
-    addend none = {NULL, NULL, NULL, 0};
+    addend none = {NULL, NULL, NULL};
     const addend *g = add;
     if (in_dst) *in_dst = -1;
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
@@ -789,7 +781,7 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
     if (n == 0 || k == 0) {
         add_into(a, g, 0, n);
         for (i64 i = 0; i < n; i++)
-            if (!isfinite(added(g->diff ? g : &none, a, i))) return SBC_NONFINITE;
+            if (!isfinite(added(g->w ? g : &none, a, i))) return SBC_NONFINITE;
         return SBC_OK;
     }
     int two = mode == 0;
@@ -826,7 +818,7 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
         /* expected candidates per block below ~1/2: most blocks are skipped whole */
         int prefilter = exact ? 0 : frac * BLOCK < 0.5;
         int bad = scan(a, g, n, t[0], t[1], two, prefilter, p, q, &oom);
-        if (!g->diff) g = &none; /* added: a rescan reads A (diff: forms it again) */
+        if (!g->w) g = &none; /* added: a rescan reads A (w - wref: forms it again) */
         if (bad) return SBC_NONFINITE;
         if (oom) return SBC_NOMEM;
         /* enough candidates on each side, or every eligible element is a candidate already */
@@ -898,18 +890,7 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
 
 int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
                i64 *dst, int *in_dst) {
-    addend add = {g, NULL, NULL, 0};
-    return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
-}
-
-/* sbc_select with a = A = a + (w - (wref + a)) formed in the selection's pass: the drop-in
- * optimizer's residual plus its window update (weights w minus what they were set to at the
- * last sync, wref + a), without the separate pass and buffer of sbc_sub_sum. The caller checks
- * w with sbc_all_finite first: an overflow from finite inputs is then the only way to
- * SBC_NONFINITE. */
-int sbc_select_window(float *a, const float *w, const float *wref, i64 n, i64 k, int mode,
-                      i64 *counts, double *sums, i64 *dst, int *in_dst) {
-    addend add = {NULL, w, wref, 0};
+    addend add = {g, NULL, NULL};
     return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
 }
 
@@ -919,15 +900,8 @@ int sbc_select_window(float *a, const float *w, const float *wref, i64 n, i64 k,
  * (SBC_NONFINITE) leaves nothing to undo. */
 int sbc_select_diff(const float *w, const float *wref, i64 n, i64 k, int mode, i64 *counts,
                     double *sums, i64 *dst, int *in_dst) {
-    addend add = {NULL, w, wref, 1};
+    addend add = {NULL, w, wref};
     return select_impl(NULL, &add, n, k, mode, counts, sums, dst, in_dst);
-}
-
-/* 1 if every x[i] is finite, else 0 (one read pass, no writes). */
-int sbc_all_finite(const float *x, i64 n) {
-    u32 bad = 0;
-    for (i64 i = 0; i < n; i++) bad |= (fbits(x[i]) & 0x7F800000u) == 0x7F800000u;
-    return !bad;
 }
 
 /* Copy side (0 or 1) of this thread's last sbc_select into dst (counts[side] positions). */
@@ -948,13 +922,6 @@ void sbc_gap_shift_sums(const i64 *pos, i64 c, const i64 *bs, i64 nb, i64 *out) 
         for (i64 i = 1; i < c; i++) sum += (u64)(pos[i] - pos[i - 1] - 1) >> b;
         out[j] = (i64)sum;
     }
-}
-
-/* out = v - (base + off), elementwise in float32 (two IEEE operations per element, as
- * torch.add then torch.sub compute them): a window's update in weight space when the weights
- * were set to base + off at the last sync (the drop-in optimizer's local residual). */
-void sbc_sub_sum(float *out, const float *v, const float *base, const float *off, i64 n) {
-    for (i64 i = 0; i < n; i++) out[i] = v[i] - (base[i] + off[i]);
 }
 
 /* a[pos[i]] += v for the count (distinct) positions: the error feedback's commit (v = -mu). */

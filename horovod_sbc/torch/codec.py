@@ -279,11 +279,10 @@ _OUT = _KernelOut()
 
 def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
               addend=None, dst: Optional[torch.Tensor] = None) -> _CSelection:
-    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first; a pair
-    ``(w, wref)``: ``a += w - (wref + a)``, ``sbc_select_window``; a :class:`Difference`: the
-    selection of ``w - wref`` itself, ``a`` untouched, ``sbc_select_diff``). With ``dst`` (int64,
-    k elements; paper rule only) the kernel may write only the winning side into it: see
-    :attr:`_CSelection.in_dst`."""
+    """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first; a
+    :class:`Difference`: the selection of ``w - wref`` itself, ``a`` untouched,
+    ``sbc_select_diff``). With ``dst`` (int64, k elements; paper rule only) the kernel may write
+    only the winning side into it: see :attr:`_CSelection.in_dst`."""
     out = _OUT
     counts, sums, in_dst = out.counts, out.sums, out.in_dst
     c_addr, s_addr, d_addr = out.addr[:3]
@@ -293,9 +292,6 @@ def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
         tail = (a.numel(), k, mode, c_addr, s_addr, dst.data_ptr(), d_addr)
     if isinstance(addend, Difference):
         rc = lib.sbc_select_diff(addend.w.data_ptr(), addend.wref.data_ptr(), *tail)
-    elif isinstance(addend, tuple):
-        rc = lib.sbc_select_window(a.data_ptr(), addend[0].data_ptr(), addend[1].data_ptr(),
-                                   *tail)
     else:
         rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), *tail)
     _check_rc(rc, name, "the selection")
@@ -666,10 +662,7 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
 
     ``addend`` (flat, like ``a``): first ``a += addend`` (``R += dW``), in the selection's own
     pass over the tensor when the C kernels run (saving a pass over memory), else with
-    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised. A pair
-    ``(w, wref)`` of flat tensors adds the drop-in optimizer's window update instead:
-    ``a += w - (wref + a)`` (the weights minus what they were set to at the last sync, float32
-    operations in that order), formed in the selection's pass by the kernels. A
+    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised. A
     :class:`Difference` ``(w, wref)`` makes the update ``w - wref`` itself: the kernels (SBC
     mode) select on it without storing it, reading ``w`` and ``wref`` only, and ``a`` is not
     touched; elsewhere it is computed into ``a`` (a scratch buffer then) first.
@@ -697,11 +690,8 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
             torch.sub(addend.w, addend.wref, out=a)
             addend = None
     elif addend is not None:
-        parts = addend if isinstance(addend, tuple) else (addend,)
         if lib is None or mode not in ("sbc", "values") or a.dim() != 1 or \
-                any(_kernels_for(t) is None or t.numel() != n or t.dim() != 1 for t in parts):
-            if isinstance(addend, tuple):  # a + (w - (wref + a)), in that order
-                addend = torch.sub(addend[0], torch.add(addend[1], a))
+                _kernels_for(addend) is None or addend.numel() != n or addend.dim() != 1:
             a.add_(addend)
             addend = None
     if n == 0:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import kernels, wire
+from .. import wire
 from . import exchange
 from ..core import keep_count
 from .codec import (Difference, NonFiniteError, _scratch, encode_positions, encode_update,
@@ -46,22 +46,13 @@ def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
     return named
 
 
-def kernels_for(*ts: torch.Tensor):
-    """The C kernels when every tensor is a contiguous float32 CPU tensor of one size, else
-    None."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() or
-           t.numel() != ts[0].numel() for t in ts):
-        return None
-    return kernels.lib()
-
-
 @dataclass
 class Update:
     """One tensor of a sync: the update is ``value`` (any shape, read flat) or, with ``base``,
     ``value - base`` (computed into a reused buffer, e.g. the weights minus the reference
     weights); with ``base_offset`` too, ``value - (base + base_offset)``, the sum rounded to
-    ``base``'s dtype (the reference weights plus this rank's residual: what the weights were
-    set to at the last sync). ``name`` keys the residual and labels the tensor message;
+    ``base``'s dtype (the reference weights plus this rank's residual: what fp16/bf16 weights
+    were set to at the last sync, ``local_residual=True``). ``name`` keys the residual and labels the tensor message;
     ``shape`` is the tensor's shape in the layout every rank must agree on.
 
     ``in_weights`` (with ``base``; ``value`` contiguous, of ``base``'s dtype and device, float32
@@ -90,30 +81,12 @@ class Update:
         buf = _scratch(value.numel(), dtype, value.device, slot=1)
         base = self.base.reshape(-1)
         if self.base_offset is not None:
-            off = self.base_offset.reshape(-1)
-            lib = kernels_for(value, base, off, buf)
-            if lib is not None:  # one pass instead of two
-                lib.sbc_sub_sum(buf.data_ptr(), value.data_ptr(), base.data_ptr(),
-                                off.data_ptr(), buf.numel())
-                return buf
             off = self.base_offset.reshape(-1).to(base.dtype)
             if base.dtype == dtype:  # base + offset into the buffer: no allocation
                 base = torch.add(base, off, out=buf)
             else:
                 base = base + off
         return torch.sub(value.to(dtype), base.to(dtype), out=buf)
-
-    def window(self, residual: torch.Tensor):
-        """``(w, wref)`` flat, when this update is ``w - (wref + residual)`` (the drop-in
-        optimizer's local residual) and the C kernels can form ``residual + update`` in the
-        selection's pass (``sbc_select_window``: no update buffer, one pass fewer); else None."""
-        if self.base is None or self.base_offset is None or \
-                self.base_offset.data_ptr() != residual.data_ptr():
-            return None
-        w, wref = self.value.reshape(-1), self.base.reshape(-1)
-        if kernels_for(w, wref, residual) is None or residual.dim() != 1:
-            return None
-        return w, wref
 
     def weights_flat(self) -> torch.Tensor:
         """``value`` flat, as a view (``in_weights``: the sync writes through it)."""
@@ -128,11 +101,7 @@ class Update:
         """Are the weights (``value``) free of NaN/Inf? Checked before any residual changes
         when the update is taken relative to the residual itself (``base_offset``): ``R + dW``
         overwrites ``R`` in place and cannot be undone exactly afterwards. One host read."""
-        v = self.value.reshape(-1)
-        lib = kernels_for(v)
-        if lib is not None:
-            return bool(lib.sbc_all_finite(v.data_ptr(), v.numel()))
-        return bool(torch.isfinite(v).all())
+        return bool(torch.isfinite(self.value).all())
 
 
 @dataclass
@@ -214,13 +183,11 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
         if res.numel() != u.value.numel():
             raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
                              f"has {res.numel()}; did the model change shape?")
-        window = u.window(res)
-        upd = None if window is not None else u.flat(res.dtype)
+        upd = u.flat(res.dtype)
         try:  # A = R + dW, in place (in the selection's pass); error feedback committed below
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, u.name,
                                            state.generator(res.device), cfg.selection,
-                                           addend=window if window is not None else upd,
-                                           positions=state.position_buffer(u.name))
+                                           addend=upd, positions=state.position_buffer(u.name))
         except NonFiniteError as e:
             _undo(res, u, upd)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)

@@ -325,7 +325,7 @@ def run_odd():
                                    compression=sbc.SBC(density=0.3, delay=2),
                                    local_residual=LOCAL_RESIDUAL)
     sbc.broadcast_state(model, opt)
-    digests = []
+    digests, shared = [], []
     for s in range(6):
         g = torch.Generator().manual_seed(100 * s + RANK)
         idx = torch.randint(0, 50, (5,), generator=g)
@@ -333,7 +333,9 @@ def run_odd():
         (model(idx).tanh() - 0.5).pow(2).mean().backward()
         opt.step()
         digests.append(digest(model))
-    out["digests"] = digests
+        with opt.shared_weights():
+            shared.append(digest(model))
+    out["digests"], out["shared_digests"] = digests, shared
     out["dtypes"] = {n: str(p.dtype) for n, p in model.named_parameters()}
     out["finite"] = all(bool(torch.isfinite(p.float()).all()) for p in model.parameters())
     torch.manual_seed(0)
