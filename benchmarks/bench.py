@@ -488,6 +488,9 @@ def main(argv=None) -> int:
                                           "loopback (10.5M-parameter MLP, 2 ranks)")
     st.add_argument("--json", help="write the results to this file")
     st.add_argument("--workers", type=int, default=2)
+    st.add_argument("--rounds", type=int, default=8, help="turns of every method (default 8)")
+    st.add_argument("--block", type=int, default=4, help="steps per method per turn (default 4)")
+    st.add_argument("--sizes", help="MLP layer sizes, comma-separated (default the 10.5M MLP)")
     st.add_argument("--no-progress", action="store_true")
     a = sub.add_parser("all", help="every benchmark: codec, train, grid, net (make bench)")
     _add_common(a, "quick mode of every benchmark")
@@ -549,7 +552,9 @@ def main(argv=None) -> int:
         md = [(f"Training tasks ({', '.join(args.tasks.split(','))})", bt.markdown_tasks(res))]
     elif args.cmd == "steptime":
         from . import bench_net as bn
-        res = bn.run_steptime(workers=args.workers, progress=not args.no_progress)
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else None
+        res = bn.run_steptime(workers=args.workers, sizes=sizes, rounds=args.rounds,
+                              block=args.block, progress=not args.no_progress)
         bn.print_steptime(res)
         out.update(res)
         md = []

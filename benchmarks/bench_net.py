@@ -331,91 +331,143 @@ class Testbed:
 # ------------------------------------------------------------------------------------------------
 # the worker (runs on every rank)
 # ------------------------------------------------------------------------------------------------
-def _bench_method(m: dict, cfg: dict, emit) -> dict:
-    import numpy as np
-    import torch
+class _MethodRun:
+    """One method's model, optimizer and data on this rank, stepped by :func:`_bench_method` (all
+    its steps in one block) or by :func:`_bench_interleaved` (blocks of steps in turn with the
+    other methods)."""
+
+    def __init__(self, m: dict, cfg: dict):
+        import torch
+        import horovod.torch as hvd
+        import horovod_sbc.torch as sbc
+        from .bench_train import make_compressor
+
+        self.m, self.cfg = m, cfg
+        rank = hvd.rank()
+        self.method, self.delay = m["method"], int(m.get("delay", 1))
+        self.density = float(m.get("density", 1.0))
+        torch.manual_seed(0)  # identical initial weights on every rank: no 40 MB broadcast
+        self.model = make_mlp(cfg["sizes"])
+        self.numel = sum(p.numel() for p in self.model.parameters())
+        gen = torch.Generator().manual_seed(1 + rank)
+        bs = cfg["batch_size"]
+        self.xs = torch.randn(4, bs, cfg["sizes"][0], generator=gen)
+        self.ys = torch.randint(0, cfg["sizes"][-1], (4, bs), generator=gen)
+        base = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.comp = None
+        named = self.model.named_parameters()
+        if self.method in ("none", "fp16"):
+            c = hvd.Compression.fp16 if self.method == "fp16" else hvd.Compression.none
+            self.opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=c)
+        elif self.method == "local":
+            self.opt = base
+        elif m.get("api") == "stock":  # the one-line change: SBC as stock Horovod's compression
+            self.comp = make_compressor(self.method, self.density, 1)
+            self.opt = hvd.DistributedOptimizer(base, named_parameters=named,
+                                                compression=self.comp)
+        else:
+            self.comp = make_compressor(self.method, self.density, self.delay)
+            self.opt = sbc.DistributedOptimizer(base, named, compression=self.comp)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.k = 0  # steps taken
+        self.times: List[float] = []  # timed steps
+        self.st0 = None
+
+    def step(self) -> float:
+        i = self.k
+        t = time.perf_counter()
+        self.opt.zero_grad()
+        self.loss_fn(self.model(self.xs[i % 4]), self.ys[i % 4]).backward()
+        self.opt.step()
+        self.k += 1
+        return time.perf_counter() - t
+
+    def start_timing(self) -> None:
+        self.st0 = dict(self.comp.stats()) if self.comp is not None else None
+
+    def result(self, warmup_s: float, total_s: Optional[float] = None) -> dict:
+        import numpy as np
+        import horovod.torch as hvd
+        size, n, delay = hvd.size(), len(self.times), self.delay
+        if self.comp is not None:
+            st = self.comp.stats()
+            up = (st["upstream_bits"] - self.st0["upstream_bits"]) / n
+            down = (st["downstream_bits"] - self.st0["downstream_bits"]) / n
+            wire = None  # ring allgather: each rank forwards W-1 messages per sync (below)
+        elif self.method == "local":
+            up = down = wire = 0.0
+        else:
+            up = down = (16 if self.method == "fp16" else 32) * self.numel
+            wire = 2 * (size - 1) / size * up  # ring allreduce
+        ups = hvd.allgather_object(up)
+        # median over sync windows (delay steps each) of the window's time / delay: robust to
+        # the other processes of a shared machine, and still includes every window's sync
+        win = [sum(self.times[i:i + delay]) / delay for i in range(0, n, delay)]
+        return {"method": self.method, "label": method_label(self.m), "density": self.density,
+                "delay": delay, "workers": size, "params": self.numel, "warmup_s": warmup_s,
+                "steps": n, "step_time_s": float(np.median(win)),
+                "step_time_mean_s": (total_s if total_s is not None else sum(self.times)) / n,
+                "upstream_bits_per_step": float(np.mean(ups)), "downstream_bits_per_step": down,
+                "wire_bits_per_step": float(np.mean([(size - 1) * u for u in ups])
+                                            if self.comp is not None else wire),
+                "dense_bits_per_step": 32 * self.numel}
+
+
+def _barrier() -> None:
     import horovod.torch as hvd
-    import horovod_sbc.torch as sbc
-    from .bench_train import make_compressor
+    hvd.allreduce(__import__("torch").zeros(1), name="bench.barrier")
 
-    rank, size = hvd.rank(), hvd.size()
-    method, delay = m["method"], int(m.get("delay", 1))
-    density = float(m.get("density", 1.0))
-    torch.manual_seed(0)  # identical initial weights on every rank: no 40 MB broadcast needed
-    model = make_mlp(cfg["sizes"])
-    numel = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(1 + rank)
-    bs = cfg["batch_size"]
-    xs = torch.randn(4, bs, cfg["sizes"][0], generator=gen)
-    ys = torch.randint(0, cfg["sizes"][-1], (4, bs), generator=gen)
-    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    comp = None
-    if method in ("none", "fp16"):
-        c = hvd.Compression.fp16 if method == "fp16" else hvd.Compression.none
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=c)
-    elif method == "local":
-        opt = base
-    elif m.get("api") == "stock":  # the one-line change: SBC as stock Horovod's compression
-        comp = make_compressor(method, density, 1)
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=comp)
-    else:
-        comp = make_compressor(method, density, delay)
-        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
-    loss_fn = torch.nn.CrossEntropyLoss()
 
-    def step(i):
-        opt.zero_grad()
-        loss_fn(model(xs[i % 4]), ys[i % 4]).backward()
-        opt.step()
-
-    def barrier():
-        hvd.allreduce(torch.zeros(1), name="bench.barrier")
-
-    barrier()
+def _bench_method(m: dict, cfg: dict, emit) -> dict:
+    """All of one method's steps in one block: a warm-up sync window, then as many windows as
+    fit the time budget (at most ``max_steps`` steps)."""
+    import horovod.torch as hvd
+    run = _MethodRun(m, cfg)
+    _barrier()
     t0 = time.perf_counter()
-    for i in range(delay):  # warm-up: one whole sync window (allocations, negotiation)
-        step(i)
-    barrier()
+    for _ in range(run.delay):  # warm-up: one whole sync window (allocations, negotiation)
+        run.step()
+    _barrier()
     t_warm = time.perf_counter() - t0
-    windows = int(max(1, min(cfg["max_steps"] // delay, cfg["budget_s"] // max(t_warm, 1e-3))))
+    windows = int(max(1, min(cfg["max_steps"] // run.delay,
+                             cfg["budget_s"] // max(t_warm, 1e-3))))
     windows = hvd.broadcast_object(windows, root_rank=0)
-    n = windows * delay
-    st0 = dict(comp.stats()) if comp is not None else None
-    times = []
-    barrier()
+    n = windows * run.delay
+    run.start_timing()
+    _barrier()
     t0 = time.perf_counter()
     for i in range(n):
-        ts = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - ts)
+        run.times.append(run.step())
         emit((i + 1) / n)
-    barrier()
-    total = time.perf_counter() - t0
-    if comp is not None:
-        st = comp.stats()
-        up = (st["upstream_bits"] - st0["upstream_bits"]) / n
-        down = (st["downstream_bits"] - st0["downstream_bits"]) / n
-        wire = None  # ring allgather: each rank forwards W-1 messages per sync (below)
-    elif method == "local":
-        up = down = wire = 0.0
-    else:
-        up = down = (16 if method == "fp16" else 32) * numel
-        wire = 2 * (size - 1) / size * up  # ring allreduce
-    ups = hvd.allgather_object(up)
-    # median over sync windows (delay steps each) of the window's time / delay: robust to the
-    # other processes of a shared machine, and still includes every window's sync
-    win = [sum(times[i:i + delay]) / delay for i in range(0, n, delay)]
-    res = {"method": method, "label": method_label(m), "density": density, "delay": delay,
-           "workers": size, "params": numel, "warmup_s": t_warm, "steps": n,
-           "step_time_s": float(np.median(win)), "step_time_mean_s": total / n,
-           "upstream_bits_per_step": float(np.mean(ups)), "downstream_bits_per_step": down,
-           "wire_bits_per_step": float(np.mean([(size - 1) * u for u in ups])
-                                       if comp is not None else wire),
-           "dense_bits_per_step": 32 * numel}
-    del opt, base, model, comp
+    _barrier()
+    res = run.result(t_warm, time.perf_counter() - t0)
+    del run
     return res
+
+
+def _bench_interleaved(methods: List[dict], cfg: dict, emit) -> List[dict]:
+    """Every method's steps in turns: ``rounds`` rounds, in each one block of ``block`` sync
+    windows per method (a barrier before each block). A shared machine's slow phases then fall
+    on all methods alike, where one block per method leaves each ratio to whatever the machine
+    did during its block."""
+    runs = [_MethodRun(m, cfg) for m in methods]
+    warm = []
+    for run in runs:  # warm-up: one sync window each
+        _barrier()
+        t0 = time.perf_counter()
+        for _ in range(run.delay):
+            run.step()
+        _barrier()
+        warm.append(time.perf_counter() - t0)
+        run.start_timing()
+    rounds, block = int(cfg["interleave"]["rounds"]), int(cfg["interleave"]["block"])
+    for r in range(rounds):
+        for run in runs:
+            _barrier()
+            for _ in range(block * run.delay):
+                run.times.append(run.step())
+        emit((r + 1) / rounds)
+    return [run.result(w) for run, w in zip(runs, warm)]
 
 
 def worker_main(argv: Sequence[str]) -> int:
@@ -425,6 +477,15 @@ def worker_main(argv: Sequence[str]) -> int:
     hvd.init()
     torch.set_num_threads(1)
     rank = hvd.rank()
+    if cfg.get("interleave"):
+        def emit_all(frac):
+            if rank == 0:
+                print(PROGRESS_TAG + json.dumps({"frac": frac, "info": "interleaved"}),
+                      flush=True)
+        for res in _bench_interleaved(cfg["methods"], cfg, emit_all):
+            if rank == 0:
+                print(RESULT_TAG + json.dumps(res), flush=True)
+        return 0
     for k, m in enumerate(cfg["methods"]):
         def emit(frac, k=k, m=m):
             if rank == 0:
@@ -565,13 +626,16 @@ STEP_METHODS = [
 STEP_TARGET = 1.15  # issue 12: SBC step time / dense allreduce step time over loopback
 
 
-def run_steptime(workers: int = 2, sizes: Optional[List[int]] = None, budget_s: float = 12.0,
-                 max_steps: int = 24, progress: bool = True) -> Dict[str, object]:
+def run_steptime(workers: int = 2, sizes: Optional[List[int]] = None, rounds: int = 8,
+                 block: int = 4, progress: bool = True) -> Dict[str, object]:
     """Step time of SBC (drop-in and stock hook, p = 0.01, delay 1) and peers / dense allreduce
     step time, over loopback (Open MPI shared memory: what remains is compute, encode, decode
-    and the collectives' own cost), 2 ranks, the 10.5M-parameter MLP."""
+    and the collectives' own cost), 2 ranks, the 10.5M-parameter MLP. The methods take turns:
+    ``rounds`` rounds of ``block`` steps each (median step per method), so that the shared
+    machine's slow phases fall on the numerator and the denominator alike."""
     res = run_net((), loopback=True, unlimited=False, workers=workers, methods=STEP_METHODS,
-                  sizes=sizes, budget_s=budget_s, max_steps=max_steps, progress=progress)
+                  sizes=sizes, progress=progress,
+                  interleave={"rounds": rounds, "block": block})
     runs = {r["label"]: r for r in res["runs"]}
     dense = runs.get("none")
     res["ratios"] = {k: r["step_time_s"] / dense["step_time_s"] for k, r in runs.items()} \
@@ -581,8 +645,10 @@ def run_steptime(workers: int = 2, sizes: Optional[List[int]] = None, budget_s: 
 
 
 def print_steptime(res: Dict[str, object]) -> None:
+    il = res["config"].get("interleave") or {}
     print(f"\nstep time / dense allreduce step time (loopback, {res['workers']} ranks, "
-          f"MLP {res['config']['sizes']})")
+          f"MLP {res['config']['sizes']}; methods in turns: {il.get('rounds')} rounds of "
+          f"{il.get('block')} steps, median step)")
     for r in res["runs"]:
         k = r["label"]
         print(f"  {k:<28} {1000 * r['step_time_s']:8.1f} ms   "
@@ -600,7 +666,9 @@ def run_net(bandwidths: Sequence[str] = ("100mbit",), quick: bool = False, loopb
             unlimited: bool = True, workers: int = 2, methods: Optional[List[dict]] = None,
             sizes: Optional[List[int]] = None, budget_s: Optional[float] = None,
             max_steps: Optional[int] = None, timeout: float = 900,
-            progress: bool = True) -> Dict[str, object]:
+            progress: bool = True, interleave: Optional[dict] = None) -> Dict[str, object]:
+    """``interleave``: ``{"rounds": R, "block": B}`` steps the methods in turns (R rounds of B
+    sync windows each, see :func:`_bench_interleaved`) instead of one block per method."""
     from .bench_train import method_available
     methods = [m for m in (methods or (QUICK_METHODS if quick else FULL_METHODS))]
     skipped = [m for m in methods if not method_available(m["method"])]
@@ -608,6 +676,8 @@ def run_net(bandwidths: Sequence[str] = ("100mbit",), quick: bool = False, loopb
     cfg = {"sizes": sizes or (QUICK_SIZES if quick else FULL_SIZES), "batch_size": 32,
            "budget_s": budget_s or (4.0 if quick else 12.0),
            "max_steps": max_steps or (6 if quick else 16), "methods": methods}
+    if interleave:
+        cfg["interleave"] = dict(interleave)
     for b in bandwidths:
         parse_bandwidth(b)
     nets = net_order(bandwidths, loopback, unlimited)

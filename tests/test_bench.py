@@ -237,6 +237,23 @@ def test_net_quick_measures_a_shaped_link(tmp_path):
     assert (tmp_path / "step_time_vs_bandwidth.png").stat().st_size > 10_000
 
 
+def test_steptime_takes_turns_and_reports_every_method(tmp_path):
+    """``bench steptime`` steps the methods in turns (rounds x block steps each) on real
+    2-rank jobs and reports every method's median step and its ratio to dense allreduce."""
+    out = tmp_path / "steptime.json"
+    _bench(["steptime", "--sizes", "64,128,32,10", "--rounds", "3", "--block", "2",
+            "--no-progress", "--json", str(out)], timeout=300)
+    res = json.loads(out.read_text())
+    assert not res["errors"], res["errors"]
+    assert res["config"]["interleave"] == {"rounds": 3, "block": 2}
+    runs = {r["label"]: r for r in res["runs"]}
+    assert set(runs) == {bn.method_label(m) for m in bn.STEP_METHODS}
+    assert all(r["steps"] == 6 for r in runs.values())
+    assert res["ratios"]["none"] == 1.0 and all(v > 0 for v in res["ratios"].values())
+    sbc = runs["sbc p=0.01"]
+    assert 0 < sbc["upstream_bits_per_step"] < sbc["dense_bits_per_step"] / 10
+
+
 # -- cluster examples ------------------------------------------------------------------------------
 def test_cluster_examples_are_well_formed():
     sbatch = ROOT / "examples" / "slurm" / "sbc_job.sbatch"
