@@ -506,8 +506,9 @@ def _in_weights_sync(seed=0, nan_in=None):
 def test_residual_in_the_weights_sync():
     """``Update.in_weights`` (the drop-in's default): the update is ``W - W_ref``, sent as the
     message of that materialised difference; afterwards ``W_ref`` holds ``W_ref + avg`` and ``W``
-    holds ``W + avg - sent`` (the decoded average added in rank order to both, then the sent
-    part subtracted from ``W``): the kernels' path and the tensor-op path give the same bits."""
+    holds ``W + avg - sent`` (the decoded average added in rank order to both, then SBC's one
+    value subtracted from ``W`` where sent): the kernels' path and the tensor-op path give the
+    same bits."""
     ws, refs, out, other, (w0, r0), layout = _in_weights_sync()
     assert out is not None
     mine = []
@@ -547,6 +548,46 @@ def test_residual_in_the_weights_failed_sync_changes_nothing_but_nan():
     fixed = w0["b"].clone()
     fixed[7] = r0["b"][7]
     assert torch.equal(ws["b"], fixed)
+
+
+def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
+    """Density 1 without binarization (FedAvg's exchange) with the residual in the weights:
+    every position's whole update is sent, so after the sync every rank's weights equal the
+    new shared weights exactly (ranks identical), not ``W + avg - sent`` rounded otherwise;
+    top-k values at a lower density: ``W = W_ref + (A - sent)`` at the sent positions (0 added
+    there), ``W + avg`` elsewhere."""
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.sync import Update, synchronize
+    g = torch.Generator().manual_seed(3)
+    n = 5000
+    for size in (n, 1):  # one element: its sent value is not a stride-0 view either
+        layout = [("w", (size,))]
+        other = exchange.frame(
+            [codec.encode_update(torch.randn(size, generator=g), 1.0, "values")[0]],
+            wire.layout_fingerprint(layout), torch.device("cpu"))
+        ref = torch.randn(size, generator=g) * 3
+        w = ref + torch.randn(size, generator=g)  # large moves: W - W_ref often not exact
+        comp = SBC(density=1.0, binarize=False)
+        comp.transport = _TwoRanks(other)
+        assert synchronize(comp, [Update("w", w, (size,), base=ref, in_weights=True)],
+                           out=[ref])
+        assert torch.equal(w, ref), size
+    layout = [("w", (n,))]
+    ref0 = torch.randn(n, generator=g) * 3
+    w0, ref = ref0 + torch.randn(n, generator=g), ref0.clone()
+    w = w0.clone()
+    comp = SBC(density=0.1, binarize=False)
+    comp.transport = _TwoRanks(exchange.frame(
+        [codec.encode_update(torch.randn(n, generator=g), 0.1, "values")[0]],
+        wire.layout_fingerprint(layout), torch.device("cpu")))
+    _, pos, _ = codec.encode_update(w0 - ref0, 0.1, "values")
+    assert synchronize(comp, [Update("w", w, (n,), base=ref, in_weights=True)], out=[ref])
+    want = w0 + (ref - ref0)  # moved with W_ref where this rank did not send
+    want[pos] = ref[pos]  # sent whole: on W_ref
+    assert torch.equal(w[pos], ref[pos]) and not torch.equal(w, ref)
+    other = torch.ones(n, dtype=torch.bool)
+    other[pos] = False
+    assert torch.allclose(w[other], want[other], atol=1e-6)
 
 
 def test_nonfinite_weights_are_reported_before_any_residual_changes():

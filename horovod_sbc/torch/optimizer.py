@@ -38,8 +38,8 @@ of its own steps at once, exactly as in dense training, and only the *exchange* 
 Where the residual lives: with ``local_residual=True`` and float32/float64 weights, nowhere but
 in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
 kernels select on their difference in the same pass, without storing it), adds the decoded
-average to both and subtracts what this rank sent from its weights — no residual tensor, no
-write-back: one pass over ``W`` and ``W_ref`` where there were three (a NaN check of the
+average to both and takes what this rank sent out of its weights (a position whose whole update
+was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor, no write-back: one pass over ``W`` and ``W_ref`` where there were three (a NaN check of the
 weights, the update and selection over ``W``, ``W_ref`` and ``R``, then ``W = W_ref + R``;
 docs/benchmarks.md §4b). ``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``.
 fp16/bf16 weights keep a float32 residual beside them (small updates would vanish in 16 bits)
@@ -222,9 +222,9 @@ class _SBCOptimizer:
         local = self._sbc_local_residual
         # local_residual=True: float32/float64 weights hold W_ref + R themselves, so the update
         # is W - W_ref, read once in the selection's pass; the decoded average moves W with
-        # W_ref and the sent part leaves W (sync.Update.in_weights). Other dtypes keep R beside
-        # the weights (fp32 for fp16/bf16): the update is W - (W_ref + R), added to R, and the
-        # weights are set to W_ref + R afterwards.
+        # W_ref, and what this rank sent leaves W (sync.Update.in_weights, Encoded.commit).
+        # Other dtypes keep R beside the weights (fp32 for fp16/bf16): the update is
+        # W - (W_ref + R), added to R, and the weights are set to W_ref + R afterwards.
         kept = {name for name, p in self._sbc_params if self._in_weights(name, p)}
         items = [Update(name, p.detach(), tuple(p.shape), base=ref[name], in_weights=True)
                  if name in kept else

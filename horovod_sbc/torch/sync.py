@@ -59,8 +59,9 @@ class Update:
     or float64): this rank's residual lives in ``value`` itself, the update ``value - base`` is
     the residual-corrected update and nothing is stored beside it (the drop-in optimizer's
     ``local_residual=True``: weights minus the shared weights). The sync then reads ``value``
-    and ``base`` once, adds the decoded average to ``value`` as to ``base`` (``out``) and
-    subtracts the sent part from ``value``; a failed sync leaves both untouched."""
+    and ``base`` once, adds the decoded average to ``value`` as to ``base`` (``out``) and takes
+    what was sent out of ``value`` (see :meth:`Encoded.commit`); a failed sync leaves both
+    untouched."""
     name: str
     value: torch.Tensor
     shape: Tuple[int, ...]
@@ -107,12 +108,29 @@ class Update:
 @dataclass
 class Encoded:
     """An update encoded but not yet committed: its residual holds ``A = R + dW``; once the
-    sync succeeded, ``sent`` is subtracted at ``positions``."""
+    sync succeeded, ``sent`` is subtracted at ``positions``. ``in_weights``: ``residual`` is the
+    flat weights (``A = W - W_ref``); with per-position values sent (top-k values, signSGD,
+    TernGrad, FedAvg) ``kept`` is what stays of ``A`` there (``A - sent``), and once the sync
+    succeeded the weights there become the new shared weights plus ``kept``."""
     update: Update
     residual: torch.Tensor
     positions: torch.Tensor
     sent: torch.Tensor
     message: torch.Tensor
+    kept: Optional[torch.Tensor] = None
+
+    def commit(self) -> None:
+        """Error feedback, once every rank's message decoded. ``in_weights``, where ``W`` has
+        moved with ``W_ref`` by the average: SBC's one value leaves ``W`` at the sent positions
+        (``W + avg - mu``, one random read-modify-write per position); per-position values set
+        ``W = W_ref + (A - sent)`` there, so a position whose whole update was sent lands
+        exactly on the shared weights (FedAvg, density 1: every rank's weights equal)."""
+        if self.kept is None:
+            subtract_sent_(self.residual, self.positions, self.sent)
+        elif self.positions.numel():
+            base = self.update.base.reshape(-1)
+            self.residual.index_copy_(0, self.positions,
+                                      base.index_select(0, self.positions) + self.kept)
 
 
 def restore(res: torch.Tensor, upd: torch.Tensor) -> None:
@@ -177,7 +195,11 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
                 step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
                 local_error = True
                 break
-            encoded.append(Encoded(u, w, pos, sent, msg))  # the commit subtracts from W
+            kept = None
+            if cfg.mode != "sbc":  # values per position: A - sent, before the decode moves W
+                base = u.base.reshape(-1)
+                kept = (w.index_select(0, pos) - base.index_select(0, pos)) - sent
+            encoded.append(Encoded(u, w, pos, sent, msg, kept))
             continue
         res = state.residual(u.name, u.value)
         if res.numel() != u.value.numel():
@@ -226,7 +248,7 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
             return None
         raise ValueError(f"SBC: {e}") from None
     for enc in encoded:  # commit error feedback only after success
-        subtract_sent_(enc.residual, enc.positions, enc.sent)
+        enc.commit()
     state.manager.add(syncs=int(count_sync),
                       positions_sent=sum(e.positions.numel() for e in encoded),
                       elements_synced=sum(e.residual.numel() for e in encoded))
