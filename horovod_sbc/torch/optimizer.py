@@ -39,11 +39,12 @@ Where the residual lives: with ``local_residual=True`` and float32/float64 weigh
 in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
 kernels select on their difference in the same pass, without storing it), adds the decoded
 average to both and takes what this rank sent out of its weights (a position whose whole update
-was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor, no write-back: one pass over ``W`` and ``W_ref`` where there were three (a NaN check of the
-weights, the update and selection over ``W``, ``W_ref`` and ``R``, then ``W = W_ref + R``;
-docs/benchmarks.md §4b). ``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``.
-fp16/bf16 weights keep a float32 residual beside them (small updates would vanish in 16 bits)
-and are set to ``W_ref + R`` after each sync.
+was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor, no write-back: one
+pass over ``W`` and ``W_ref`` where there were three (a NaN check of the weights, the update
+and selection over ``W``, ``W_ref`` and ``R``, then ``W = W_ref + R``; docs/benchmarks.md §4b).
+``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``. fp16/bf16 weights keep a
+float32 residual beside them (small updates would vanish in 16 bits) and are set to
+``W_ref + R`` after each sync.
 
 The price: between syncs (and after one) ranks' live weights differ by their residuals; the
 shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of training to give

@@ -52,8 +52,9 @@ class Update:
     ``value - base`` (computed into a reused buffer, e.g. the weights minus the reference
     weights); with ``base_offset`` too, ``value - (base + base_offset)``, the sum rounded to
     ``base``'s dtype (the reference weights plus this rank's residual: what fp16/bf16 weights
-    were set to at the last sync, ``local_residual=True``). ``name`` keys the residual and labels the tensor message;
-    ``shape`` is the tensor's shape in the layout every rank must agree on.
+    were set to at the last sync, ``local_residual=True``). ``name`` keys the residual and
+    labels the tensor message; ``shape`` is the tensor's shape in the layout every rank must
+    agree on.
 
     ``in_weights`` (with ``base``; ``value`` contiguous, of ``base``'s dtype and device, float32
     or float64): this rank's residual lives in ``value`` itself, the update ``value - base`` is
