@@ -373,6 +373,15 @@ class _MethodRun:
         self.times: List[float] = []  # timed steps
         self.st0 = None
 
+    def warm_up(self) -> float:
+        """One whole sync window (allocations, negotiation) between barriers: its seconds."""
+        _barrier()
+        t0 = time.perf_counter()
+        for _ in range(self.delay):
+            self.step()
+        _barrier()
+        return time.perf_counter() - t0
+
     def step(self) -> float:
         i = self.k
         t = time.perf_counter()
@@ -414,8 +423,9 @@ class _MethodRun:
 
 
 def _barrier() -> None:
+    import torch
     import horovod.torch as hvd
-    hvd.allreduce(__import__("torch").zeros(1), name="bench.barrier")
+    hvd.allreduce(torch.zeros(1), name="bench.barrier")
 
 
 def _bench_method(m: dict, cfg: dict, emit) -> dict:
@@ -423,12 +433,7 @@ def _bench_method(m: dict, cfg: dict, emit) -> dict:
     fit the time budget (at most ``max_steps`` steps)."""
     import horovod.torch as hvd
     run = _MethodRun(m, cfg)
-    _barrier()
-    t0 = time.perf_counter()
-    for _ in range(run.delay):  # warm-up: one whole sync window (allocations, negotiation)
-        run.step()
-    _barrier()
-    t_warm = time.perf_counter() - t0
+    t_warm = run.warm_up()
     windows = int(max(1, min(cfg["max_steps"] // run.delay,
                              cfg["budget_s"] // max(t_warm, 1e-3))))
     windows = hvd.broadcast_object(windows, root_rank=0)
@@ -452,13 +457,8 @@ def _bench_interleaved(methods: List[dict], cfg: dict, emit) -> List[dict]:
     did during its block."""
     runs = [_MethodRun(m, cfg) for m in methods]
     warm = []
-    for run in runs:  # warm-up: one sync window each
-        _barrier()
-        t0 = time.perf_counter()
-        for _ in range(run.delay):
-            run.step()
-        _barrier()
-        warm.append(time.perf_counter() - t0)
+    for run in runs:
+        warm.append(run.warm_up())
         run.start_timing()
     rounds, block = int(cfg["interleave"]["rounds"]), int(cfg["interleave"]["block"])
     for r in range(rounds):

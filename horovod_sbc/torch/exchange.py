@@ -189,12 +189,15 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
 
     def kernel_out(t):
         return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+
+    def add_group(t, ks):  # one output tensor and its messages, in rank order
+        kmsgs.extend((t.data_ptr(), t.numel(), k) for k in ks)
+        groups.append(len(kmsgs))
     for i, t in enumerate(out):
         ks = per_tensor.get(i, [])
         t2 = seconds[i]
         if ks and all(k in slot for k in ks) and kernel_out(t) and (t2 is None or kernel_out(t2)):
-            kmsgs += [(t.data_ptr(), t.numel(), k) for k in ks]
-            groups.append(len(kmsgs))
+            add_group(t, ks)
             kouts.append(i)
             if t2 is not None:
                 kseconds.append((t2, ks))
@@ -214,9 +217,8 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             for target in (t, t2):
                 if target is not None:
                     _add_message(target, *pv, msg, scale)
-    for t2, ks in kseconds:
-        kmsgs += [(t2.data_ptr(), t2.numel(), k) for k in ks]
-        groups.append(len(kmsgs))
+    for t2, ks in kseconds:  # the groups of `also` follow out's
+        add_group(t2, ks)
     if kmsgs:
         g = np.array(groups, np.int64)
         first = g[:-1]

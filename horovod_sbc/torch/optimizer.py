@@ -227,10 +227,9 @@ class _SBCOptimizer:
         # Other dtypes keep R beside the weights (fp32 for fp16/bf16): the update is
         # W - (W_ref + R), added to R, and the weights are set to W_ref + R afterwards.
         kept = {name for name, p in self._sbc_params if self._in_weights(name, p)}
-        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name], in_weights=True)
-                 if name in kept else
-                 Update(name, p.detach(), tuple(p.shape), base=ref[name],
-                        base_offset=res[name] if local and name in res else None)
+        items = [Update(name, p.detach(), tuple(p.shape), base=ref[name], in_weights=name in kept,
+                        base_offset=res[name] if local and name in res and name not in kept
+                        else None)
                  for name, p in self._sbc_params]
         self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:

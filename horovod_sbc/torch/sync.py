@@ -155,6 +155,37 @@ def _undo(res: torch.Tensor, u: Update, upd: Optional[torch.Tensor]) -> None:
         torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _encode(state: "SBC", u: Update) -> Encoded:
+    """Encode one update; error feedback is committed later (:meth:`Encoded.commit`). Kept in
+    the weights: ``A = W - W_ref`` is selected without being stored. Otherwise ``A = R + dW``
+    in place in the residual (in the selection's pass), restored before a ``NonFiniteError``
+    propagates."""
+    cfg = state.config
+    if u.in_weights:
+        target = u.weights_flat()
+        a = _scratch(target.numel(), target.dtype, target.device, slot=1)
+        addend = Difference(target, u.base.reshape(-1))
+    else:
+        target = a = state.residual(u.name, u.value)
+        if a.numel() != u.value.numel():
+            raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
+                             f"has {a.numel()}; did the model change shape?")
+        addend = u.flat(a.dtype)
+    try:
+        msg, pos, sent = encode_update(a, cfg.density, cfg.mode, u.name,
+                                       state.generator(a.device), cfg.selection,
+                                       addend=addend, positions=state.position_buffer(u.name))
+    except NonFiniteError:
+        if not u.in_weights:  # kept in the weights: nothing was written
+            _undo(a, u, addend)
+        raise
+    kept = None
+    if u.in_weights and cfg.mode != "sbc":  # values per position: A - sent, before the decode
+        base = u.base.reshape(-1)  # moves W and W_ref
+        kept = (target.index_select(0, pos) - base.index_select(0, pos)) - sent
+    return Encoded(u, target, pos, sent, msg, kept)
+
+
 def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
     return torch.float64 if any(u.value.dtype == torch.float64 for u in updates) else \
         torch.float32
@@ -184,39 +215,12 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
                                     cfg.nonfinite == "skip", dev, rank)
         local_error = True
     for u in updates if bad is None else []:
-        if u.in_weights:  # A = W - W_ref, selected without being stored
-            w = u.weights_flat()
-            try:
-                msg, pos, sent = encode_update(
-                    _scratch(w.numel(), w.dtype, w.device, slot=1), cfg.density, cfg.mode,
-                    u.name, state.generator(w.device), cfg.selection,
-                    addend=Difference(w, u.base.reshape(-1)),
-                    positions=state.position_buffer(u.name))
-            except NonFiniteError as e:
-                step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
-                local_error = True
-                break
-            kept = None
-            if cfg.mode != "sbc":  # values per position: A - sent, before the decode moves W
-                base = u.base.reshape(-1)
-                kept = (w.index_select(0, pos) - base.index_select(0, pos)) - sent
-            encoded.append(Encoded(u, w, pos, sent, msg, kept))
-            continue
-        res = state.residual(u.name, u.value)
-        if res.numel() != u.value.numel():
-            raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
-                             f"has {res.numel()}; did the model change shape?")
-        upd = u.flat(res.dtype)
-        try:  # A = R + dW, in place (in the selection's pass); error feedback committed below
-            msg, pos, sent = encode_update(res, cfg.density, cfg.mode, u.name,
-                                           state.generator(res.device), cfg.selection,
-                                           addend=upd, positions=state.position_buffer(u.name))
+        try:
+            encoded.append(_encode(state, u))
         except NonFiniteError as e:
-            _undo(res, u, upd)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
             local_error = True
             break
-        encoded.append(Encoded(u, res, pos, sent, msg))
     if step is None:
         step = exchange.frame([e.message for e in encoded], fp, dev)
     acc = sum_dtype(updates)
