@@ -1,6 +1,7 @@
 """The C kernels of the torch CPU codec (horovod_sbc.kernels) against the tensor-op path and the
 numpy reference: the same bytes, positions, sums and verdicts; bounded memory; a working
 fallback when they cannot be built."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -96,6 +97,18 @@ _SELECTION_DIGEST = textwrap.dedent("""
                         h.update(m.numpy().tobytes() + pos.numpy().tobytes())
                     except codec.NonFiniteError:
                         h.update(b"nonfinite")
+                for sel, consume in (("paper", False), ("paper", True), ("magnitude", True)):
+                    # A = R + dW formed in the pass (the AVX-512 loop stores it, and zeroes
+                    # a consumed dW)
+                    r = torch.tensor(x, dtype=torch.float32)
+                    g = torch.tensor(rng.standard_normal(n), dtype=torch.float32)
+                    try:
+                        m, pos, _ = codec.encode_update(
+                            r, 0.01, addend=codec.Consumed(g) if consume else g, selection=sel)
+                        h.update(m.numpy().tobytes() + pos.numpy().tobytes())
+                    except codec.NonFiniteError:
+                        h.update(b"nonfinite")
+                    h.update(r.numpy().tobytes() + g.numpy().tobytes())
                 for sel in ("paper", "magnitude"):  # A = w - wref formed in the pass
                     w = torch.tensor(x, dtype=torch.float32)
                     wref = torch.tensor(rng.standard_normal(n), dtype=torch.float32)
@@ -277,6 +290,32 @@ def test_fused_addend_is_r_plus_dw_even_when_rejected():
     with pytest.raises(codec.NonFiniteError, match="'w' contains NaN or Inf"):
         codec.encode_update(a, 0.01, "sbc", "w", addend=torch.from_numpy(g))
     assert np.array_equal(a.numpy(), r + g, equal_nan=True)  # the caller restores R from it
+
+
+@pytest.mark.parametrize("mode", ["sbc", "values", "sign"])
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_consumed_addend_is_added_then_zeroed_even_when_rejected(mode, use_kernels):
+    """``Consumed(g)``: the encode adds g (as a plain addend would: the same message, the same
+    ``R + g``) and leaves g all zeros, also when it raises for a NaN; on the kernel path in its
+    pass, else by a zero_() after the add."""
+    rng = np.random.default_rng(5)
+    n = 70_001  # whole AVX-512 blocks, then a partial one
+    r = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    with kernels.disabled() if not use_kernels else contextlib.nullcontext():
+        want = codec.encode_update(torch.from_numpy(r.copy()), 0.01, mode, "w",
+                                   addend=torch.from_numpy(g.copy()))
+        a, gt = torch.from_numpy(r.copy()), torch.from_numpy(g.copy())
+        got = codec.encode_update(a, 0.01, mode, "w", addend=codec.Consumed(gt))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert np.array_equal(a.numpy(), r + g)
+        assert not gt.any() and not torch.signbit(gt).any()  # +0.0 everywhere
+        g[50_000] = np.nan
+        a, gt = torch.from_numpy(r.copy()), torch.from_numpy(g.copy())
+        with pytest.raises(codec.NonFiniteError, match="'w' contains NaN or Inf"):
+            codec.encode_update(a, 0.01, mode, "w", addend=codec.Consumed(gt))
+        assert np.array_equal(a.numpy(), r + g, equal_nan=True)
+        assert not gt.any()
 
 
 def test_commit_subtracts_exactly_what_was_sent():
@@ -463,9 +502,23 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
         got.append(bufs)
     assert all(torch.equal(x, y) for x, y in zip(*got))
     assert (got[0][0] == 0).any() and (got[0][0] != 0).any()
+    # outputs the caller zeroed already (the stock hook's consumed gradient): nothing zeroes
+    # them again, and the sums and masks are the same
+    for use_kernels in (True, False):
+        outs = [torch.zeros(n) for _, (n,) in layout]
+        bufs = [torch.arange(float(n)) + 1 for _, (n,) in layout]
+        with kernels.disabled() if not use_kernels else contextlib.nullcontext():
+            exchange.decode_gathered(gathered, layout, 3, outs, 1 / 3, zero_out=True,
+                                     zero_where_nonzero=bufs, zeroed=True)
+        assert all(torch.equal(x, y) for x, y in zip(bufs, got[0]))
+        want = exchange.decode_gathered(gathered, layout, 3, None, 1 / 3)
+        assert all(torch.equal(x, y) for x, y in zip(outs, want))
     with pytest.raises(ValueError, match="zero_out"):
         exchange.decode_gathered(gathered, layout, 3, [torch.zeros(n) for _, (n,) in layout],
                                  zero_where_nonzero=[None] * len(layout))
+    with pytest.raises(ValueError, match="zeroed needs"):
+        exchange.decode_gathered(gathered, layout, 3, [torch.zeros(n) for _, (n,) in layout],
+                                 zeroed=True)
 
 
 class _TwoRanks:
@@ -617,3 +670,66 @@ def test_nonfinite_weights_are_reported_before_any_residual_changes():
         assert synchronize(comp, items) is None
     for n in names:
         assert torch.equal(comp.manager.residuals[n], before[n]), n
+
+
+def _stock_hook_step(monkeypatch, g, other, nonfinite="raise", contiguous=True):
+    """One compress()/decompress() of the stock hook as rank 0 of 2 (no Horovod: rank 1's step
+    message is ``other``); returns (the hook, the residual before, the gradient's output)."""
+    from horovod_sbc.torch import SBC
+    monkeypatch.setattr(exchange, "allgather_async", lambda step, name: torch.cat([step, other]))
+    monkeypatch.setattr(exchange, "synchronize", lambda handle: handle)
+    p = torch.nn.Parameter(torch.zeros(g.shape))
+    p.grad = g if contiguous else g.t().contiguous().t()  # the same values, transposed strides
+    comp = SBC(density=0.01, nonfinite=nonfinite, named_parameters=[("w", p)])
+    comp.transport = _TwoRanks(other)
+    res = comp.residual("w", p.grad)
+    res.copy_(torch.linspace(-0.5, 0.5, res.numel()))
+    before = res.clone()
+    dummy, ctx = comp.compress(p.grad)
+    if contiguous:  # used up by the encode's pass
+        assert ctx.consumed and not p.grad.any()
+    else:
+        assert not ctx.consumed
+    return comp, before, ctx, comp.decompress(dummy, ctx)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_stock_hook_decodes_the_average_into_the_consumed_gradient(monkeypatch, contiguous):
+    """The stock hook adds the gradient to the residual in the selection's pass, which zeroes a
+    contiguous gradient; decompress() then scatters the 2-rank average into that buffer without
+    zeroing it again. Output, residual and statistics are those of the plain encode + decode."""
+    torch.manual_seed(1)
+    g = torch.randn(300, 401)
+    other = exchange.frame([codec.encode_update(torch.randn(g.numel()), 0.01)[0]],
+                           wire.layout_fingerprint([("w", tuple(g.shape))]),
+                           torch.device("cpu"))
+    gv = g.clone()
+    comp, before, ctx, out = _stock_hook_step(monkeypatch, g, other, contiguous=contiguous)
+    a = before + gv.reshape(-1)
+    msg, pos, sent = codec.encode_update(a.clone(), 0.01, name="w")
+    want = exchange.decode_gathered(torch.cat([exchange.frame(
+        [msg], wire.layout_fingerprint([("w", tuple(g.shape))]), torch.device("cpu")), other]),
+        [("w", tuple(g.shape))], 2, None, 0.5)[0]
+    assert out.shape == g.shape and torch.equal(out.reshape(-1), want)
+    a[pos] -= sent
+    assert torch.equal(comp.residual("w", g), a)
+
+
+def test_stock_hook_failing_rank_keeps_the_finite_rest(monkeypatch):
+    """A NaN in rank 0's gradient (nonfinite="skip"): the step is skipped (zero gradient, a
+    warning) and the failing rank's residual keeps R + g where finite, 0 where not (nothing
+    was sent, and the used-up gradient is not at hand to take back), as the drop-in's
+    residual in the weights does."""
+    g = torch.randn(200, 300)
+    g[3, 7] = float("nan")
+    g[150, 2] = float("inf")
+    other = exchange.frame([codec.encode_update(torch.randn(g.numel()), 0.01)[0]],
+                           wire.layout_fingerprint([("w", tuple(g.shape))]),
+                           torch.device("cpu"))
+    gv = g.clone().reshape(-1)
+    with pytest.warns(UserWarning, match="skipping this step for 'w'.*NaN or Inf"):
+        comp, before, ctx, out = _stock_hook_step(monkeypatch, g, other, nonfinite="skip")
+    assert not out.any()
+    want = torch.nan_to_num(before + gv, nan=0.0, posinf=0.0, neginf=0.0)
+    assert torch.equal(comp.residual("w", g), want)
+    assert comp.residual("w", g)[3 * 300 + 7] == 0 and comp.residual("w", g)[150 * 300 + 2] == 0

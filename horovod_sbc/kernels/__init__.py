@@ -25,7 +25,9 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   means cannot change); both sides otherwise;
 * ``sbc_select_diff`` — ``sbc_select`` of ``A = W - W_ref`` formed in the selection's pass and
   never stored (the drop-in optimizer's update when its residual lives in the weights): reads
-  the two tensors, writes neither;
+  the two tensors, writes neither; ``sbc_select_consume`` — ``sbc_select`` whose pass also
+  zeroes the addend (the stock hook's gradient, which then receives the decoded average with
+  no memset of its own);
 * ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
   parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
 * ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
@@ -36,7 +38,8 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   receiving its ranks' values in rank order (float32 adds, the reference's order), walking the
   output once in cache-sized chunks rather than once per rank; ``sbc_scatter_add_mask_groups``
   also sets ``buf = 0`` wherever the decoded sum is non-zero, visiting only the decoded
-  positions of each chunk while it is hot (the stock hook's momentum masking);
+  positions of each chunk while it is hot (the stock hook's momentum masking); both can be
+  told that their outputs are zero already (no memset);
 * ``sbc_decode_batch_into`` / ``sbc_scatter_add_groups_from`` — the same two with the positions
   in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
   and scatter may run on different threads).
@@ -229,10 +232,11 @@ _INT, _NONE = ctypes.c_int, None
 _SIGNATURES = {
     "sbc_select": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
     "sbc_select_diff": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
+    "sbc_select_consume": ([_P, _P, _I64, _I64, _INT, _P, _P, _P, _P], _INT),
     "sbc_take": ([_INT, _P], _INT),
     "sbc_release": ([], _NONE),
     "sbc_gap_shift_sums": ([_P, _I64, _P, _I64, _P], _NONE),
-    "sbc_scatter_add_mask_groups": ([_I64] + [_P] * 7, _INT),
+    "sbc_scatter_add_mask_groups": ([_I64] + [_P] * 7 + [_INT], _INT),
     "sbc_add_at": ([_P, _P, _I64, ctypes.c_float], _NONE),
     "sbc_rice_encode": ([_P, _I64, _I64, _P, _I64, _P, _I64], _INT),
     "sbc_decode_batch": ([_P, _I64, _I64] + [_P] * 8, _INT),

@@ -376,9 +376,11 @@ static inline u32 side_key(float x, int side) {
 /* What the selection's pass adds to a first (A = R + dW, the residual-corrected update):
  * nothing (all NULL) or g (a + g); or, with w and wref, A is w - wref itself (the drop-in
  * optimizer's residual kept in its weights: weights minus the shared reference) and a is NULL:
- * the pass reads w and wref and writes nothing. */
+ * the pass reads w and wref and writes nothing. consume (g itself, or NULL): the pass also
+ * zeroes g as it adds it (sbc_select_consume). */
 typedef struct {
     const float *g, *w, *wref;
+    float *consume;
 } addend;
 
 /* Software prefetch this many elements ahead of the AVX-512 candidate pass (a hint: a prefetch
@@ -389,9 +391,14 @@ typedef struct {
 #define PREFETCH_AHEAD 1024
 #if defined(__GNUC__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+#define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1, 3)
 #else
 #define PREFETCH(p) ((void)0)
+#define PREFETCH_W(p) ((void)0)
 #endif
+/* positions ahead whose cache lines the scatters prefetch for writing (the momentum mask of
+ * 6.3M elements, 2 ranks at p = 0.01: 4.0 -> 2.9 ms; 8 to 64 ahead alike) */
+#define SCATTER_AHEAD 16
 
 static inline float added(const addend *d, const float *a, i64 i) {
     if (d->w) return d->w[i] - d->wref[i];
@@ -400,7 +407,13 @@ static inline float added(const addend *d, const float *a, i64 i) {
 }
 
 static void add_into(float *a, const addend *d, i64 s, i64 e) {
-    if (d->g)
+    if (d->consume) { /* the line of g is in L1 when it is zeroed: a store, no second pass */
+        float *g = d->consume;
+        for (i64 i = s; i < e; i++) {
+            a[i] = a[i] + g[i];
+            g[i] = 0.0f;
+        }
+    } else if (d->g)
         for (i64 i = s; i < e; i++) a[i] = a[i] + d->g[i];
 }
 
@@ -550,10 +563,13 @@ __attribute__((target("avx512f"), always_inline)) static inline void pack16(
     *key += __builtin_popcount(m);
 }
 
-/* diff: the elements are x[j] - y[j] (float32, as the C loop rounds them), formed in registers */
+/* How chunk_avx512_impl forms the elements: x[j] (PLAIN); x[j] - y[j] (DIFF, in registers);
+ * x[j] + y[j], stored into x (ADD: A = R + dW); the same with y[j] = 0 stored too (CONSUME).
+ * float32 operations, as the C loops round them. */
+enum { PLAIN, DIFF, ADD, CONSUME };
+
 __attribute__((target("avx512f"), always_inline)) static inline u32 chunk_avx512_impl(
-    const float *x, const float *y, int diff, i64 s, i64 len, const scan_cfg *c, cands *p,
-    cands *q) {
+    float *x, float *y, int kind, i64 s, i64 len, const scan_cfg *c, cands *p, cands *q) {
     const __m512 vtp = _mm512_set1_ps(c->tp), vntn = _mm512_set1_ps(c->ntn);
     const __m512 vmax = _mm512_set1_ps(3.4028234663852886e38f);
     const __m512i vabs = _mm512_set1_epi32(0x7FFFFFFF), vsign = _mm512_set1_epi32((int)0x80000000u);
@@ -566,10 +582,18 @@ __attribute__((target("avx512f"), always_inline)) static inline u32 chunk_avx512
     __mmask16 bad = 0;
     for (i64 j = 0; j < len; j += 16, idx = _mm512_add_epi32(idx, step)) {
         PREFETCH(x + j + PREFETCH_AHEAD);
-        if (diff) PREFETCH(y + j + PREFETCH_AHEAD);
-        __m512i u = diff ? _mm512_castps_si512(_mm512_sub_ps(_mm512_loadu_ps(x + j),
-                                                             _mm512_loadu_ps(y + j)))
-                         : _mm512_loadu_si512((const void *)(x + j));
+        if (kind != PLAIN) PREFETCH(y + j + PREFETCH_AHEAD);
+        __m512i u;
+        if (kind == DIFF) {
+            u = _mm512_castps_si512(_mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(y + j)));
+        } else if (kind == ADD || kind == CONSUME) {
+            __m512 sum = _mm512_add_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(y + j));
+            _mm512_storeu_ps(x + j, sum);
+            if (kind == CONSUME) _mm512_storeu_ps(y + j, _mm512_setzero_ps());
+            u = _mm512_castps_si512(sum);
+        } else {
+            u = _mm512_loadu_si512((const void *)(x + j));
+        }
         __m512i au = _mm512_and_si512(u, vabs);
         __m512 v = _mm512_castsi512_ps(u), av = _mm512_castsi512_ps(au);
         bad |= _mm512_cmp_ps_mask(av, vmax, _CMP_NLE_UQ);
@@ -592,7 +616,17 @@ __attribute__((target("avx512f"), always_inline)) static inline u32 chunk_avx512
 __attribute__((target("avx512f"))) static u32 chunk_avx512(const float *x, i64 s, i64 len,
                                                            const scan_cfg *c, cands *p,
                                                            cands *q) {
-    return chunk_avx512_impl(x, NULL, 0, s, len, c, p, q);
+    return chunk_avx512_impl((float *)x, NULL, PLAIN, s, len, c, p, q); /* only read */
+}
+
+/* chunk_avx512 of a[j] + g[j], stored into a (A = R + dW formed in the same loop); g zeroed
+ * too when consume is set (sbc_select_consume) */
+__attribute__((target("avx512f"))) static u32 chunk_avx512_add(float *a, float *g, int consume,
+                                                               i64 s, i64 len,
+                                                               const scan_cfg *c, cands *p,
+                                                               cands *q) {
+    return consume ? chunk_avx512_impl(a, g, CONSUME, s, len, c, p, q)
+                   : chunk_avx512_impl(a, g, ADD, s, len, c, p, q);
 }
 
 /* chunk_avx512 of w[j] - wref[j] (sbc_select_diff): A is never stored */
@@ -600,7 +634,7 @@ __attribute__((target("avx512f"))) static u32 chunk_avx512_diff(const float *w, 
                                                                 i64 s, i64 len,
                                                                 const scan_cfg *c, cands *p,
                                                                 cands *q) {
-    return chunk_avx512_impl(w, wref, 1, s, len, c, p, q);
+    return chunk_avx512_impl((float *)w, (float *)wref, DIFF, s, len, c, p, q); /* only read */
 }
 #endif
 
@@ -669,20 +703,30 @@ NO_IPA static int scan(float *a, const addend *g, i64 n, float tp, float tn, int
 #endif
             for (i64 i = from; i < e; i++) xb[i - s] = g->w[i] - g->wref[i];
             x = xb;
-        } else {
-            add_into(a, g, s, e); /* A = R + dW, chunk by chunk */
+        } else { /* A = R + dW, chunk by chunk (AVX-512: the whole blocks in its loop) */
+            i64 from = s;
+#if defined(HAVE_AVX512)
+            if (wide && nb && g->g) from = ew;
+#endif
+            add_into(a, g, from, e);
             x = a + s;
         }
 #if defined(HAVE_AVX512)
         if (wide && nb) { /* the whole blocks in one loop, the partial one below as before */
             if (!cands_reserve(p, SCAN_CHUNK + 16) || (two && !cands_reserve(q, SCAN_CHUNK + 16))) {
                 *oom = 1;
-                add_into(a, g, e, n); /* the caller's A = R + dW is complete either way */
+                add_into(a, g, s, ew); /* the caller's A = R + dW is complete either way */
+                add_into(a, g, e, n);
                 return 0;
             }
-            bad |= g->w ? chunk_avx512_diff(g->w + s, g->wref + s, s, nb * BLOCK, &cfg, p,
-                                            two ? q : NULL)
-                        : chunk_avx512(x, s, nb * BLOCK, &cfg, p, two ? q : NULL);
+            if (g->w)
+                bad |= chunk_avx512_diff(g->w + s, g->wref + s, s, nb * BLOCK, &cfg, p,
+                                         two ? q : NULL);
+            else if (g->g)
+                bad |= chunk_avx512_add(a + s, (float *)g->g + s, g->consume != NULL, s,
+                                        nb * BLOCK, &cfg, p, two ? q : NULL);
+            else
+                bad |= chunk_avx512(x, s, nb * BLOCK, &cfg, p, two ? q : NULL);
             base = ew - s;
             nb = 0;
         } else
@@ -772,7 +816,7 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
  * Returns SBC_OK, SBC_NONFINITE, SBC_NOMEM or SBC_BADARG. */
 static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 *counts,
                        double *sums, i64 *dst, int *in_dst) {
-    addend none = {NULL, NULL, NULL};
+    addend none = {NULL, NULL, NULL, NULL};
     const addend *g = add;
     if (in_dst) *in_dst = -1;
     counts[0] = counts[1] = TLS.count[0] = TLS.count[1] = 0;
@@ -890,7 +934,19 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
 
 int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
                i64 *dst, int *in_dst) {
-    addend add = {g, NULL, NULL};
+    addend add = {g, NULL, NULL, NULL};
+    return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
+}
+
+/* sbc_select with g (not NULL, not overlapping a) consumed: the pass that forms a = A = R + g
+ * also sets g = 0, whatever the return code except SBC_BADARG. The stock hook's gradient
+ * buffer, into which the decoded average is scattered next, then needs no memset of its own
+ * (42 MB of stores with their reads for ownership, where a zero stored into a line the pass
+ * has just read costs nearly nothing). */
+int sbc_select_consume(float *a, float *g, i64 n, i64 k, int mode, i64 *counts, double *sums,
+                       i64 *dst, int *in_dst) {
+    if (!g) return SBC_BADARG;
+    addend add = {g, NULL, NULL, g};
     return select_impl(a, &add, n, k, mode, counts, sums, dst, in_dst);
 }
 
@@ -900,7 +956,7 @@ int sbc_select(float *a, const float *g, i64 n, i64 k, int mode, i64 *counts, do
  * (SBC_NONFINITE) leaves nothing to undo. */
 int sbc_select_diff(const float *w, const float *wref, i64 n, i64 k, int mode, i64 *counts,
                     double *sums, i64 *dst, int *in_dst) {
-    addend add = {NULL, w, wref};
+    addend add = {NULL, w, wref, NULL};
     return select_impl(NULL, &add, n, k, mode, counts, sums, dst, in_dst);
 }
 
@@ -1338,20 +1394,21 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
                            const i64 *pos_off, const i64 *count, const float *value, int zero) {
     return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, numel,
-                          pos_off, count, value, zero);
+                          pos_off, count, value, zero != 0);
 }
 
-/* sbc_scatter_add_groups with zero set, and for every group g with bufs[g] != 0 (bufs[g] a
- * float32 tensor of numel[g] elements) bufs[g][p] = 0 at each position p of the group's
- * messages where the output is non-zero (-0.0 counts as 0), chunk by chunk while the chunk is
- * hot. Every non-zero of such an output lies at one of those positions, so this is "buf = 0
- * wherever out != 0" (DGC's momentum factor masking, the stock hook) in O(positions), not
- * O(numel). */
+/* sbc_scatter_add_groups into outputs that hold just the sum (zeroed here chunk by chunk, or,
+ * with zeroed set, all zero already: the caller's guarantee, e.g. a gradient consumed by
+ * sbc_select_consume), and for every group g with bufs[g] != 0 (bufs[g] a float32 tensor of
+ * numel[g] elements) bufs[g][p] = 0 at each position p of the group's messages where the
+ * output is non-zero (-0.0 counts as 0), chunk by chunk while the chunk is hot. Every non-zero
+ * of such an output lies at one of those positions, so this is "buf = 0 wherever out != 0"
+ * (DGC's momentum factor masking, the stock hook) in O(positions), not O(numel). */
 int sbc_scatter_add_mask_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *bufs,
                                 const i64 *numel, const i64 *pos_off, const i64 *count,
-                                const float *value) {
+                                const float *value, int zeroed) {
     return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, bufs, numel,
-                          pos_off, count, value, 1);
+                          pos_off, count, value, zeroed ? 2 : 1);
 }
 
 /* sbc_scatter_add_groups with the positions read from the caller's pos[0..npos) (as written by
@@ -1359,9 +1416,11 @@ int sbc_scatter_add_mask_groups(i64 ng, const i64 *gstart, const i64 *outs, cons
 int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero) {
-    return scatter_groups(pos, npos, ng, gstart, outs, NULL, numel, pos_off, count, value, zero);
+    return scatter_groups(pos, npos, ng, gstart, outs, NULL, numel, pos_off, count, value, zero != 0);
 }
 
+/* zero: 0 adds to the outputs, 1 zeroes each chunk first, 2 the outputs are all zero already
+ * (1 and 2: the outputs end holding just the sum, which the mask bufs needs) */
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                           const i64 *outs, const i64 *bufs, const i64 *numel, const i64 *pos_off,
                           const i64 *count, const float *value, int zero) {
@@ -1381,13 +1440,19 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
         for (i64 j = 0; j < nm; j++) cur[j] = 0;
         for (i64 lo = 0; lo < n; lo += CHUNK) {
             i64 hi = lo + CHUNK;
-            if (zero) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
+            if (zero == 1) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
             for (i64 j = 0; j < nm; j++) {
                 const u32 *pj = pos + pos_off[a + j];
                 i64 c = cur[j], cnt = count[a + j];
                 float v = value[a + j];
                 cur[nm + j] = c;
-                while (c < cnt && pj[c] < hi) o[pj[c++]] += v;
+                for (; c < cnt && pj[c] < hi; c++) {
+                    if (c + SCATTER_AHEAD < cnt) {
+                        PREFETCH_W(o + pj[c + SCATTER_AHEAD]);
+                        if (buf) PREFETCH_W(buf + pj[c + SCATTER_AHEAD]);
+                    }
+                    o[pj[c]] += v;
+                }
                 cur[j] = c;
             }
             if (buf) /* the chunk's sums are final: mask where they are non-zero */

@@ -232,6 +232,16 @@ class Difference:
     wref: torch.Tensor
 
 
+@dataclass
+class Consumed:
+    """An update ``g`` (flat, like ``a``) for :func:`encode_update`'s ``addend`` that is used up:
+    afterwards ``a`` holds ``R + g`` and ``g`` is all zeros, also when a ``NonFiniteError`` is
+    raised. The C kernels zero it in the same pass that adds it (a store into a cache line the
+    pass has just read); elsewhere ``zero_()`` follows the add. The stock hook's gradient: its
+    buffer then receives the decoded average with no memset of its own."""
+    g: torch.Tensor
+
+
 class PositionBuffer:
     """Reusable storage for the positions one tensor's encode returns (CPU kernel path).
 
@@ -280,6 +290,7 @@ _OUT = _KernelOut()
 def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
               addend=None, dst: Optional[torch.Tensor] = None) -> _CSelection:
     """``sbc_select`` (with ``addend``: ``a += addend`` in the same pass, first; a
+    :class:`Consumed`: the same, and the addend zeroed, ``sbc_select_consume``; a
     :class:`Difference`: the selection of ``w - wref`` itself, ``a`` untouched,
     ``sbc_select_diff``). With ``dst`` (int64, k elements; paper rule only) the kernel may write
     only the winning side into it: see :attr:`_CSelection.in_dst`."""
@@ -292,6 +303,8 @@ def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str,
         tail = (a.numel(), k, mode, c_addr, s_addr, dst.data_ptr(), d_addr)
     if isinstance(addend, Difference):
         rc = lib.sbc_select_diff(addend.w.data_ptr(), addend.wref.data_ptr(), *tail)
+    elif isinstance(addend, Consumed):
+        rc = lib.sbc_select_consume(a.data_ptr(), addend.g.data_ptr(), *tail)
     else:
         rc = lib.sbc_select(a.data_ptr(), None if addend is None else addend.data_ptr(), *tail)
     _check_rc(rc, name, "the selection")
@@ -662,7 +675,8 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
 
     ``addend`` (flat, like ``a``): first ``a += addend`` (``R += dW``), in the selection's own
     pass over the tensor when the C kernels run (saving a pass over memory), else with
-    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised. A
+    ``add_``; ``a`` holds the sum afterwards even if a ``NonFiniteError`` is raised. Wrapped in
+    :class:`Consumed` it is also zeroed (in that same pass on the kernel path). A
     :class:`Difference` ``(w, wref)`` makes the update ``w - wref`` itself: the kernels (SBC
     mode) select on it without storing it, reading ``w`` and ``wref`` only, and ``a`` is not
     touched; elsewhere it is computed into ``a`` (a scratch buffer then) first.
@@ -690,9 +704,12 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
             torch.sub(addend.w, addend.wref, out=a)
             addend = None
     elif addend is not None:
+        g = addend.g if isinstance(addend, Consumed) else addend
         if lib is None or mode not in ("sbc", "values") or a.dim() != 1 or \
-                _kernels_for(addend) is None or addend.numel() != n or addend.dim() != 1:
-            a.add_(addend)
+                _kernels_for(g) is None or g.numel() != n or g.dim() != 1:
+            a.add_(g)
+            if g is not addend:
+                g.zero_()
             addend = None
     if n == 0:
         empty = _EMPTY_POS(dev)

@@ -71,8 +71,11 @@ class SBC(StockHook):
             ``ValueError`` naming the rank and parameter. ``"skip"``: every rank skips the sync
             (a warning names the parameter); the shared weights stay as they were, healthy
             ranks keep their update in the residual, the failing rank drops its non-finite one
-            (the drop-in with ``local_residual=True``, where the residual lives in the weights:
-            its non-finite weights restart from the shared weights, the rest stays).
+            (where the update is used up by the time it is found non-finite, the rest of it
+            stays and only its non-finite entries restart: the drop-in with
+            ``local_residual=True``, whose residual lives in the weights, resets them to the
+            shared weights; the stock hook, whose gradient the selection's pass zeroes, resets
+            those residual entries to 0).
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; these names are looked up first, then the name Horovod's optimizer
             that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).

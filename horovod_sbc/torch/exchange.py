@@ -41,15 +41,17 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
                     n_ranks: int, out: Optional[List[torch.Tensor]] = None, scale: float = 1.0,
                     out_dtype=torch.float32, zero_out: bool = False,
                     zero_where_nonzero: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                    also: Optional[Sequence[Optional[torch.Tensor]]] = None
-                    ) -> List[torch.Tensor]:
+                    also: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                    zeroed: bool = False) -> List[torch.Tensor]:
     """Accumulate ``scale`` x every rank's decoded tensor, in rank order, into ``out``.
 
     ``out`` are flat tensors in ``layout`` order (e.g. the reference weights, or a gradient
     buffer); None allocates them (``out_dtype``) and implies ``zero_out``. ``zero_out``: the
     outputs hold just the sum afterwards (as if zeroed first; on the CPU the kernels zero each
-    cache-sized chunk just before adding to it, saving a pass over memory). On a rejected step
-    ``out`` is left untouched either way. With ``scale = 1/size`` this is
+    cache-sized chunk just before adding to it, saving a pass over memory). ``zeroed`` (with
+    ``zero_out`` and given ``out``): the caller guarantees the outputs are all zero already (the
+    stock hook's gradient, zeroed by the encode that consumed it), so nothing zeroes them. On a
+    rejected step ``out`` is left untouched either way. With ``scale = 1/size`` this is
     the average. Every rank adds the same values in the same order, so results are bit-identical.
 
     ``zero_where_nonzero`` (needs ``zero_out``): per output, a tensor of as many elements (or
@@ -72,6 +74,8 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
         raise ValueError("zero_where_nonzero needs zero_out=True (the decoded sum alone)")
     if also is not None and (out is None or zero_out):
         raise ValueError("also needs given outputs that are added to (zero_out=False)")
+    if zeroed and (out is None or not zero_out):
+        raise ValueError("zeroed needs given outputs and zero_out=True")
     host = _host_bytes(gathered)
     step = protocol.parse_gathered(host, layout, n_ranks)
     flat = step.flat()
@@ -79,7 +83,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     lib = kernels.lib() if dev.type == "cpu" and gathered.is_contiguous() else None
     if lib is not None:
         return _decode_c(lib, gathered, step, layout, out, scale, out_dtype, zero_out,
-                         zero_where_nonzero, also)
+                         zero_where_nonzero, also, zeroed)
     # binary messages: all at once, in (tensor, rank) order; the rest one by one
     # (a tensor goes to the batch only if every rank's message for it does, so that each
     # tensor's sum is accumulated in rank order by one path)
@@ -98,7 +102,7 @@ def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence
     if out is None:
         out = [torch.zeros(wire.layout_numel(shape), dtype=out_dtype, device=dev)
                for _, shape in layout]
-    elif zero_out:
+    elif zero_out and not zeroed:
         for t in out:
             t.zero_()
     for targets in (out, also) if also is not None else (out,):
@@ -147,7 +151,8 @@ def _kernel_message(msg: wire.TensorMessage) -> bool:
 
 
 def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
-              zero_out: bool, zero_where_nonzero=None, also=None) -> List[torch.Tensor]:
+              zero_out: bool, zero_where_nonzero=None, also=None,
+              zeroed: bool = False) -> List[torch.Tensor]:
     """:func:`decode_gathered` on the CPU with the C kernels (:mod:`horovod_sbc.kernels`): one
     call decodes every binary message's statistics and positions, the protocol judges, one call
     adds them to the float32 outputs, each tensor's ranks in rank order. A tensor with another
@@ -202,7 +207,7 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             if t2 is not None:
                 kseconds.append((t2, ks))
             continue
-        if zero_out:
+        if zero_out and not zeroed:
             t.zero_()
         if ks:
             mask_dense.append(i)
@@ -242,11 +247,11 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             rc = lib.sbc_scatter_add_mask_groups(len(first), g.ctypes.data, addr.ctypes.data,
                                                  np.array(bufs, np.int64).ctypes.data,
                                                  numel.ctypes.data, off.ctypes.data,
-                                                 cnt.ctypes.data, val.ctypes.data)
+                                                 cnt.ctypes.data, val.ctypes.data, int(zeroed))
         else:
             rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
                                             numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
-                                            val.ctypes.data, int(zero_out))
+                                            val.ctypes.data, int(zero_out and not zeroed))
         if rc != kernels.OK:
             raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
     for i in mask_dense:

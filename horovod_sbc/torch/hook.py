@@ -18,8 +18,7 @@ import torch
 
 from .. import wire
 from . import exchange
-from .codec import NonFiniteError, encode_update, subtract_sent_
-from .sync import restore
+from .codec import Consumed, NonFiniteError, encode_update, subtract_sent_
 
 
 @dataclass
@@ -45,6 +44,7 @@ class StockContext:
     grad: torch.Tensor
     size: int
     owner: Owner
+    consumed: bool = False                    # the encode zeroed grad (its buffer is all zero)
 
 
 def _horovod_owner(tensor: torch.Tensor, max_frames: int = 3) -> Optional[Owner]:
@@ -129,14 +129,21 @@ class StockHook:
         fp = wire.layout_fingerprint(layout)
         res = self.residual(name, tensor)
         upd = tensor.detach().reshape(-1)
+        # A = R + g, in place (in the selection's pass); error feedback in decompress(). A
+        # contiguous gradient is used up by that pass, which zeroes it: decompress() then
+        # decodes the average into its buffer with no memset of its own
+        consumed = tensor.is_contiguous()
         pos = sent = None
-        try:  # A = R + g, in place (in the selection's pass); error feedback in decompress()
+        try:
             msg, pos, sent = encode_update(res, cfg.density, cfg.mode, name,
                                            self.generator(res.device), cfg.selection,
-                                           addend=upd, positions=self.position_buffer(name))
+                                           addend=Consumed(upd) if consumed else upd,
+                                           positions=self.position_buffer(name))
             step = exchange.frame([msg], fp, tensor.device)
         except NonFiniteError as e:
-            restore(res, upd)
+            # the failing rank keeps the finite entries of R + g (nothing was sent) and
+            # restarts the non-finite ones at 0, as the drop-in does with its weights
+            torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", tensor.device, rank)
             res = None
         handle = exchange.allgather_async(step, f"sbc.{name}")
@@ -145,7 +152,7 @@ class StockHook:
             self._max_calls = calls
             self.manager.add(steps=1, syncs=1)
         ctx = StockContext(name, handle, step.numel(), layout, res, pos, sent, tensor, size,
-                           owner)
+                           owner, consumed)
         dummy = tensor.new_zeros(1)
         self.manager.add(upstream_bits=8 * dummy.numel() * dummy.element_size(),
                          dense_bits=32 * tensor.numel())
@@ -157,16 +164,19 @@ class StockHook:
         self.manager.add(upstream_bits=8 * ctx.sent_bytes,
                          downstream_bits=8 * (gathered.numel() - ctx.sent_bytes))
         # the gradient was added to the residual in compress(): its buffer is free, so the
-        # average is decoded into it (no new tensor-sized allocation per step)
+        # average is decoded into it (no new tensor-sized allocation per step); consumed, it
+        # is all zero already
         grad = ctx.grad
-        out = grad if grad.is_contiguous() else torch.empty_like(grad)
+        out = grad if grad.is_contiguous() else \
+            torch.empty_like(grad, memory_format=torch.contiguous_format)  # channels_last, ...
         flat = out.view(-1)
         # DGC's momentum factor masking, applied by the decoder once the step is accepted
         mask = momentum_buffer(ctx.owner, flat.numel()) if self.momentum_masking else None
         try:
             exchange.decode_gathered(gathered, ctx.layout, ctx.size, [flat],
                                      1.0 if ctx.owner.op_sum else 1.0 / ctx.size,
-                                     zero_out=True, zero_where_nonzero=[mask])
+                                     zero_out=True, zero_where_nonzero=[mask],
+                                     zeroed=ctx.consumed)
         except wire.PeerError as e:
             if not e.skip:
                 raise ValueError(f"SBC: {e}") from None
