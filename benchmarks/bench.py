@@ -557,7 +557,7 @@ def main(argv=None) -> int:
                               block=args.block, progress=not args.no_progress)
         bn.print_steptime(res)
         out.update(res)
-        md = []
+        md = [("Step time ÷ dense allreduce step time", bn.markdown_steptime(res))]
     elif args.cmd == "net":
         from . import bench_net as bn
         res = cmd_net(args)

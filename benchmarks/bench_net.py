@@ -644,16 +644,29 @@ def run_steptime(workers: int = 2, sizes: Optional[List[int]] = None, rounds: in
     return res
 
 
-def print_steptime(res: Dict[str, object]) -> None:
+def _steptime_rows(res: Dict[str, object]):
+    """(label, step ms, ratio to dense) per method, and the run's description."""
     il = res["config"].get("interleave") or {}
-    print(f"\nstep time / dense allreduce step time (loopback, {res['workers']} ranks, "
-          f"MLP {res['config']['sizes']}; methods in turns: {il.get('rounds')} rounds of "
-          f"{il.get('block')} steps, median step)")
-    for r in res["runs"]:
-        k = r["label"]
-        print(f"  {k:<28} {1000 * r['step_time_s']:8.1f} ms   "
-              f"{res['ratios'].get(k, float('nan')):5.2f}x")
+    what = (f"loopback, {res['workers']} ranks, MLP {res['config']['sizes']}; methods in "
+            f"turns: {il.get('rounds')} rounds of {il.get('block')} steps, median step")
+    return what, [(r["label"], 1000 * r["step_time_s"], res["ratios"].get(r["label"], float("nan")))
+                  for r in res["runs"]]
+
+
+def print_steptime(res: Dict[str, object]) -> None:
+    what, rows = _steptime_rows(res)
+    print(f"\nstep time / dense allreduce step time ({what})")
+    for label, ms, ratio in rows:
+        print(f"  {label:<28} {ms:8.1f} ms   {ratio:5.2f}x")
     print(f"  target for SBC p=0.01: <= {res['target']}x")
+
+
+def markdown_steptime(res: Dict[str, object]) -> str:
+    what, rows = _steptime_rows(res)
+    lines = [f"{what}; target for SBC p=0.01: <= {res['target']}x", "",
+             "| method | step time | ÷ dense allreduce step |", "|---|---:|---:|"]
+    lines += [f"| {label} | {ms:.1f} ms | {ratio:.2f}x |" for label, ms, ratio in rows]
+    return "\n".join(lines)
 
 
 def net_order(bandwidths: Sequence[str], loopback: bool, unlimited: bool) -> List[str]:

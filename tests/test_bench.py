@@ -252,6 +252,10 @@ def test_steptime_takes_turns_and_reports_every_method(tmp_path):
     assert res["ratios"]["none"] == 1.0 and all(v > 0 for v in res["ratios"].values())
     sbc = runs["sbc p=0.01"]
     assert 0 < sbc["upstream_bits_per_step"] < sbc["dense_bits_per_step"] / 10
+    md = out.with_suffix(".md").read_text()  # the table docs/benchmarks.md quotes
+    for label, r in runs.items():
+        assert f"| {label} | {1000 * r['step_time_s']:.1f} ms | " \
+               f"{res['ratios'][label]:.2f}x |" in md
 
 
 # -- cluster examples ------------------------------------------------------------------------------
