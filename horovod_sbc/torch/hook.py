@@ -3,7 +3,10 @@
 Stock Horovod allreduces whatever ``compress(tensor)`` returns. SBC messages cannot be summed, so
 ``compress()`` starts an asynchronous *allgather* of this gradient's step message and hands Horovod
 a 1-float placeholder to allreduce; ``decompress()`` waits for the allgather, decodes every rank's
-message and averages (or sums, with ``op=hvd.Sum``). Horovod passes no name: the parameter is found
+message and averages (or sums, with ``op=hvd.Sum``). The gradient itself is used up in
+``compress()``: the selection's pass adds it to the residual and zeroes it (a contiguous one;
+others are copied), and ``decompress()`` scatters the average into that buffer, which Horovod
+then sets as ``p.grad``. Horovod passes no name: the parameter is found
 by :func:`identify` (``SBC(named_parameters=...)`` first, then the name Horovod's optimizer
 gives it, read in a bounded, read-only look at its frame). One gradient is one sync, so ``delay`` must be 1 here.
 """
