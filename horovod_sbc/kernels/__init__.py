@@ -39,7 +39,9 @@ What the kernels compute (``sbc_kernels.c`` has the details):
   output once in cache-sized chunks rather than once per rank; ``sbc_scatter_add_mask_groups``
   also sets ``buf = 0`` wherever the decoded sum is non-zero, visiting only the decoded
   positions of each chunk while it is hot (the stock hook's momentum masking); both can be
-  told that their outputs are zero already (no memset);
+  told that their outputs are zero already (no memset); ``sbc_scatter_add_also_groups`` adds the
+  same values to a second output per tensor in the same walk (the drop-in's weights beside the
+  shared weights);
 * ``sbc_decode_batch_into`` / ``sbc_scatter_add_groups_from`` — the same two with the positions
   in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
   and scatter may run on different threads).
@@ -237,6 +239,7 @@ _SIGNATURES = {
     "sbc_release": ([], _NONE),
     "sbc_gap_shift_sums": ([_P, _I64, _P, _I64, _P], _NONE),
     "sbc_scatter_add_mask_groups": ([_I64] + [_P] * 7 + [_INT], _INT),
+    "sbc_scatter_add_also_groups": ([_I64] + [_P] * 7, _INT),
     "sbc_add_at": ([_P, _P, _I64, ctypes.c_float], _NONE),
     "sbc_rice_encode": ([_P, _I64, _I64, _P, _I64, _P, _I64], _INT),
     "sbc_decode_batch": ([_P, _I64, _I64] + [_P] * 8, _INT),

@@ -1377,8 +1377,8 @@ int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero);
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
-                          const i64 *outs, const i64 *bufs, const i64 *numel, const i64 *pos_off,
-                          const i64 *count, const float *value, int zero);
+                          const i64 *outs, const i64 *bufs, const i64 *also, const i64 *numel,
+                          const i64 *pos_off, const i64 *count, const float *value, int zero);
 
 #define CHUNK 16384 /* output elements (64 KiB of float32) kept hot while every rank adds */
 
@@ -1393,8 +1393,19 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
  * validated (< numel) by the protocol before this is called; they are checked again. */
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
                            const i64 *pos_off, const i64 *count, const float *value, int zero) {
-    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, numel,
-                          pos_off, count, value, zero != 0);
+    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, NULL,
+                          numel, pos_off, count, value, zero != 0);
+}
+
+/* sbc_scatter_add_groups (adding, no zeroing) where every group g with also[g] != 0 (a float32
+ * tensor of numel[g] elements) receives the same additions in the same order as its output, in
+ * the same walk over the positions: the drop-in optimizer's weights W beside the shared
+ * weights W_ref when its residual lives in the weights. */
+int sbc_scatter_add_also_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *also,
+                                const i64 *numel, const i64 *pos_off, const i64 *count,
+                                const float *value) {
+    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, also,
+                          numel, pos_off, count, value, 0);
 }
 
 /* sbc_scatter_add_groups into outputs that hold just the sum (zeroed here chunk by chunk, or,
@@ -1407,8 +1418,8 @@ int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64
 int sbc_scatter_add_mask_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *bufs,
                                 const i64 *numel, const i64 *pos_off, const i64 *count,
                                 const float *value, int zeroed) {
-    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, bufs, numel,
-                          pos_off, count, value, zeroed ? 2 : 1);
+    return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, bufs, NULL,
+                          numel, pos_off, count, value, zeroed ? 2 : 1);
 }
 
 /* sbc_scatter_add_groups with the positions read from the caller's pos[0..npos) (as written by
@@ -1416,20 +1427,23 @@ int sbc_scatter_add_mask_groups(i64 ng, const i64 *gstart, const i64 *outs, cons
 int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero) {
-    return scatter_groups(pos, npos, ng, gstart, outs, NULL, numel, pos_off, count, value, zero != 0);
+    return scatter_groups(pos, npos, ng, gstart, outs, NULL, NULL, numel, pos_off, count, value,
+                          zero != 0);
 }
 
 /* zero: 0 adds to the outputs, 1 zeroes each chunk first, 2 the outputs are all zero already
- * (1 and 2: the outputs end holding just the sum, which the mask bufs needs) */
+ * (1 and 2: the outputs end holding just the sum, which the mask bufs needs); also (may be
+ * NULL): per group a second output (or 0) added to alike, never zeroed */
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
-                          const i64 *outs, const i64 *bufs, const i64 *numel, const i64 *pos_off,
-                          const i64 *count, const float *value, int zero) {
+                          const i64 *outs, const i64 *bufs, const i64 *also, const i64 *numel,
+                          const i64 *pos_off, const i64 *count, const float *value, int zero) {
     i64 stack_cur[128];
     if (bufs && !zero) return SBC_BADARG; /* the mask needs outputs that hold just the sum */
     for (i64 g = 0; g < ng; g++) {
         i64 a = gstart[g], nm = gstart[g + 1] - a, n = numel[g];
         float *o = (float *)(intptr_t)outs[g];
         float *buf = bufs ? (float *)(intptr_t)bufs[g] : NULL;
+        float *o2 = also ? (float *)(intptr_t)also[g] : NULL;
         for (i64 j = a; j < a + nm; j++)
             if (pos_off[j] < 0 || count[j] < 0 || pos_off[j] > npos - count[j] ||
                 (count[j] && pos[pos_off[j] + count[j] - 1] >= n))
@@ -1450,8 +1464,10 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
                     if (c + SCATTER_AHEAD < cnt) {
                         PREFETCH_W(o + pj[c + SCATTER_AHEAD]);
                         if (buf) PREFETCH_W(buf + pj[c + SCATTER_AHEAD]);
+                        if (o2) PREFETCH_W(o2 + pj[c + SCATTER_AHEAD]);
                     }
                     o[pj[c]] += v;
+                    if (o2) o2[pj[c]] += v;
                 }
                 cur[j] = c;
             }

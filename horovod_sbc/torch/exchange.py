@@ -190,22 +190,19 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
     masks += [None] * (len(out) - len(masks))
     seconds = list(also or [])
     seconds += [None] * (len(out) - len(seconds))
-    groups, kmsgs, kouts, mask_dense, kseconds = [0], [], [], [], []
+    groups, kmsgs, kouts, mask_dense, kalso = [0], [], [], [], []
 
     def kernel_out(t):
         return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
 
-    def add_group(t, ks):  # one output tensor and its messages, in rank order
-        kmsgs.extend((t.data_ptr(), t.numel(), k) for k in ks)
-        groups.append(len(kmsgs))
     for i, t in enumerate(out):
         ks = per_tensor.get(i, [])
         t2 = seconds[i]
         if ks and all(k in slot for k in ks) and kernel_out(t) and (t2 is None or kernel_out(t2)):
-            add_group(t, ks)
+            kmsgs.extend((t.data_ptr(), t.numel(), k) for k in ks)  # in rank order
+            groups.append(len(kmsgs))
             kouts.append(i)
-            if t2 is not None:
-                kseconds.append((t2, ks))
+            kalso.append(0 if t2 is None else t2.data_ptr())  # added to in the same walk
             continue
         if zero_out and not zeroed:
             t.zero_()
@@ -222,8 +219,6 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             for target in (t, t2):
                 if target is not None:
                     _add_message(target, *pv, msg, scale)
-    for t2, ks in kseconds:  # the groups of `also` follow out's
-        add_group(t2, ks)
     if kmsgs:
         g = np.array(groups, np.int64)
         first = g[:-1]
@@ -242,12 +237,16 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
             if buf is not None and not ok:
                 mask_dense.append(i)
             bufs.append(buf.data_ptr() if ok else 0)
-        bufs += [0] * (len(first) - len(kouts))  # the groups of `also` (after out's) have none
         if any(bufs):
             rc = lib.sbc_scatter_add_mask_groups(len(first), g.ctypes.data, addr.ctypes.data,
                                                  np.array(bufs, np.int64).ctypes.data,
                                                  numel.ctypes.data, off.ctypes.data,
                                                  cnt.ctypes.data, val.ctypes.data, int(zeroed))
+        elif any(kalso):  # (also comes without zero_out)
+            rc = lib.sbc_scatter_add_also_groups(len(first), g.ctypes.data, addr.ctypes.data,
+                                                 np.array(kalso, np.int64).ctypes.data,
+                                                 numel.ctypes.data, off.ctypes.data,
+                                                 cnt.ctypes.data, val.ctypes.data)
         else:
             rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
                                             numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
