@@ -1376,6 +1376,10 @@ int sbc_positions(i64 off, i64 count, i64 *dst) {
 int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero);
+/* What scatter_groups finds in its outputs: ADD_TO adds to them; ZERO_FIRST zeroes each chunk
+ * first; ALREADY_ZERO: they are all zero (the caller's guarantee). With the last two the outputs
+ * end holding just the sum, which the mask bufs needs. */
+enum { ADD_TO, ZERO_FIRST, ALREADY_ZERO };
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                           const i64 *outs, const i64 *bufs, const i64 *also, const i64 *numel,
                           const i64 *pos_off, const i64 *count, const float *value, int zero);
@@ -1394,7 +1398,7 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
 int sbc_scatter_add_groups(i64 ng, const i64 *gstart, const i64 *outs, const i64 *numel,
                            const i64 *pos_off, const i64 *count, const float *value, int zero) {
     return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, NULL,
-                          numel, pos_off, count, value, zero != 0);
+                          numel, pos_off, count, value, zero ? ZERO_FIRST : ADD_TO);
 }
 
 /* sbc_scatter_add_groups (adding, no zeroing) where every group g with also[g] != 0 (a float32
@@ -1405,7 +1409,7 @@ int sbc_scatter_add_also_groups(i64 ng, const i64 *gstart, const i64 *outs, cons
                                 const i64 *numel, const i64 *pos_off, const i64 *count,
                                 const float *value) {
     return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, NULL, also,
-                          numel, pos_off, count, value, 0);
+                          numel, pos_off, count, value, ADD_TO);
 }
 
 /* sbc_scatter_add_groups into outputs that hold just the sum (zeroed here chunk by chunk, or,
@@ -1419,7 +1423,7 @@ int sbc_scatter_add_mask_groups(i64 ng, const i64 *gstart, const i64 *outs, cons
                                 const i64 *numel, const i64 *pos_off, const i64 *count,
                                 const float *value, int zeroed) {
     return scatter_groups((const u32 *)TLS.dpos.p, TLS.dcount, ng, gstart, outs, bufs, NULL,
-                          numel, pos_off, count, value, zeroed ? 2 : 1);
+                          numel, pos_off, count, value, zeroed ? ALREADY_ZERO : ZERO_FIRST);
 }
 
 /* sbc_scatter_add_groups with the positions read from the caller's pos[0..npos) (as written by
@@ -1428,17 +1432,16 @@ int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64
                                 const i64 *outs, const i64 *numel, const i64 *pos_off,
                                 const i64 *count, const float *value, int zero) {
     return scatter_groups(pos, npos, ng, gstart, outs, NULL, NULL, numel, pos_off, count, value,
-                          zero != 0);
+                          zero ? ZERO_FIRST : ADD_TO);
 }
 
-/* zero: 0 adds to the outputs, 1 zeroes each chunk first, 2 the outputs are all zero already
- * (1 and 2: the outputs end holding just the sum, which the mask bufs needs); also (may be
- * NULL): per group a second output (or 0) added to alike, never zeroed */
+/* zero: ADD_TO, ZERO_FIRST or ALREADY_ZERO (see there); also (may be NULL): per group a second
+ * output (or 0) added to alike, never zeroed */
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
                           const i64 *outs, const i64 *bufs, const i64 *also, const i64 *numel,
                           const i64 *pos_off, const i64 *count, const float *value, int zero) {
     i64 stack_cur[128];
-    if (bufs && !zero) return SBC_BADARG; /* the mask needs outputs that hold just the sum */
+    if (bufs && zero == ADD_TO) return SBC_BADARG; /* the mask needs outputs holding the sum */
     for (i64 g = 0; g < ng; g++) {
         i64 a = gstart[g], nm = gstart[g + 1] - a, n = numel[g];
         float *o = (float *)(intptr_t)outs[g];
@@ -1454,7 +1457,7 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
         for (i64 j = 0; j < nm; j++) cur[j] = 0;
         for (i64 lo = 0; lo < n; lo += CHUNK) {
             i64 hi = lo + CHUNK;
-            if (zero == 1) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
+            if (zero == ZERO_FIRST) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
             for (i64 j = 0; j < nm; j++) {
                 const u32 *pj = pos + pos_off[a + j];
                 i64 c = cur[j], cnt = count[a + j];

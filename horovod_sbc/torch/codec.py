@@ -704,11 +704,12 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
             torch.sub(addend.w, addend.wref, out=a)
             addend = None
     elif addend is not None:
-        g = addend.g if isinstance(addend, Consumed) else addend
+        consumed = isinstance(addend, Consumed)
+        g = addend.g if consumed else addend
         if lib is None or mode not in ("sbc", "values") or a.dim() != 1 or \
                 _kernels_for(g) is None or g.numel() != n or g.dim() != 1:
             a.add_(g)
-            if g is not addend:
+            if consumed:
                 g.zero_()
             addend = None
     if n == 0:

@@ -22,6 +22,7 @@ import torch
 from .. import wire
 from . import exchange
 from .codec import Consumed, NonFiniteError, encode_update, subtract_sent_
+from .sync import reset_nonfinite_
 
 
 @dataclass
@@ -146,7 +147,7 @@ class StockHook:
         except NonFiniteError as e:
             # the failing rank keeps the finite entries of R + g (nothing was sent) and
             # restarts the non-finite ones at 0, as the drop-in does with its weights
-            torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+            reset_nonfinite_(res)
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", tensor.device, rank)
             res = None
         handle = exchange.allgather_async(step, f"sbc.{name}")

@@ -134,11 +134,17 @@ class Encoded:
                                       base.index_select(0, self.positions) + self.kept)
 
 
+def reset_nonfinite_(res: torch.Tensor) -> None:
+    """The failing rank's residual after a non-finite update: its NaN/Inf entries restart at 0
+    (what cannot be taken back), the rest stays."""
+    torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def restore(res: torch.Tensor, upd: torch.Tensor) -> None:
     """Undo ``res += upd`` after a failed encode; entries made non-finite by a NaN/Inf in
     ``upd`` cannot be recovered and are reset to 0 (only on the failing rank)."""
     res.sub_(upd)
-    torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+    reset_nonfinite_(res)
 
 
 def _undo(res: torch.Tensor, u: Update, upd: Optional[torch.Tensor]) -> None:
@@ -152,7 +158,7 @@ def _undo(res: torch.Tensor, u: Update, upd: Optional[torch.Tensor]) -> None:
     elif u.base_offset is None:
         restore(res, u.flat(res.dtype))
     else:
-        torch.nan_to_num_(res, nan=0.0, posinf=0.0, neginf=0.0)
+        reset_nonfinite_(res)
 
 
 def _encode(state: "SBC", u: Update) -> Encoded:
