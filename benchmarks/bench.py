@@ -58,7 +58,7 @@ from typing import Callable, Dict
 
 import numpy as np
 
-from horovod_sbc import core, wire
+from horovod_sbc import reference, wire
 
 
 def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -82,7 +82,7 @@ def bench_position_coding(n: int = 10_000_000, seed: int = 0) -> Dict[str, objec
     for p in (1e-4, 1e-3, 1e-2, 1e-1):
         k = int(round(p * n))
         pos = np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
-        msg = wire.encode_tensor_np(pos, n, 1.0)
+        msg = reference.encode_tensor_np(pos, n, 1.0)
         hdr = wire.parse_tensor_header(msg, 0, n)
         bits = 8 * ((hdr.unary[1] - hdr.unary[0]) + (hdr.remainder[1] - hdr.remainder[0]))
         bound = n * entropy_bits(p)
@@ -100,7 +100,7 @@ def bench_torch(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
     t_add = _median_time(lambda: torch.add(a, b, out=c), reps)
     grad = torch.randn(n)
     residual = torch.zeros(n)
-    k = core.keep_count(n, density)
+    k = reference.keep_count(n, density)
 
     def compress_step():
         residual.add_(grad)
@@ -137,12 +137,12 @@ def bench_numpy(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
     state = {"r": np.zeros(n, np.float32)}
 
     def compress_step():
-        _, state["r"] = core.compress_np(grad, state["r"], density)
+        _, state["r"] = reference.compress_np(grad, state["r"], density)
 
     t_comp = _median_time(compress_step, max(1, reps // 3), warmup=0)
     layout = [("w", (n,))]
     fp = wire.layout_fingerprint(layout)
-    msgs = [wire.step_message_bytes(core.compress_np(
+    msgs = [wire.step_message_bytes(reference.compress_np(
         np.random.default_rng(100 + r).standard_normal(n, dtype=np.float32), None, density)[0],
         fp, 1) for r in range(n_msgs)]
     gathered = b"".join(msgs)
@@ -151,7 +151,7 @@ def bench_numpy(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
 
     def decode():
         out.fill(0)
-        for per in wire.decode_step_np(gathered, layout, n_msgs):
+        for per in reference.decode_step_np(gathered, layout, n_msgs):
             pos, vals = per[0]
             out[pos] += vals
         return out

@@ -313,7 +313,7 @@ def run_bench(np_: int = 2, quick: bool = False, seeds: Optional[int] = None,
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    from . import launch
+    from horovod_sbc import launch
     cmd = launch.launcher_prefix(np_, "torchrun") + ["-m", "benchmarks.bench_ddp", "--worker",
                                                       cfg_path]
     t0 = time.time()

@@ -25,7 +25,7 @@ CONFIGS = [("allgather", None), ("server-dense", None), ("server-topk", 0.02),
 
 def _run(np_: int, topology: str, downlink: float, epochs: int, timeout: float) -> Dict:
     out = os.path.join(tempfile.mkdtemp(prefix="sbc-downlink-"), "res.json")
-    from . import launch
+    from horovod_sbc import launch
     cmd = launch.launcher_prefix(np_, "mpirun") + [
         sys.executable, str(EXAMPLE), "--methods", "sbc", "--density", "0.01", "--delay", "4",
         "--epochs", str(epochs), "--no-progress", "--json", out,

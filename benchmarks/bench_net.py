@@ -42,7 +42,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from .bench_train import PROGRESS_TAG, RESULT_TAG, JobError, Progress, make_mlp, run_job
-from .launch import ENV_NAMES, job_env, launcher_prefix, python_exe
+from horovod_sbc.launch import ENV_NAMES, job_env, launcher_prefix, python_exe
 
 SUBNET = "10.231.0.0/24"
 NS_PREFIX = "sbcnet"

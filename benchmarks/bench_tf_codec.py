@@ -56,7 +56,7 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
         tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # already initialised by the caller: keep its setting
         pass
-    from horovod_sbc import kernels, wire
+    from horovod_sbc import kernels, wire, reference
     from horovod_sbc.tensorflow import bridge as tfbridge, codec, decoder
     path = "kernel ops" if kernels.tf_ops() is not None else "stock TF ops"
 
@@ -116,7 +116,7 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
 
             def bdec():
                 out = np.zeros(n, np.float32)
-                wire.accumulate_np(wire.decode_step_np(host, layout, n_ranks), [out],
+                reference.accumulate_np(reference.decode_step_np(host, layout, n_ranks), [out],
                                    1.0 / n_ranks)
                 return tf.constant(out)
 

@@ -3,7 +3,7 @@
     python -m benchmarks.bench_tf_step [--np 2] [--params-m 3] [--steps 20] [--density 0.01]
                                        [--json benchmarks/results/tf_step.json]
 
-Launches ``--np`` ranks (``benchmarks/launch.py``, Horovod's launcher) that each train the same
+Launches ``--np`` ranks (``horovod_sbc/launch.py``, Horovod's launcher) that each train the same
 MLP (784 -> h -> h -> 10, ``h`` chosen for about ``--params-m`` million parameters) on random
 data, batch 32, one thread per rank, with a ``tf.function`` step (forward, backward, sync,
 SGD update) in three ways:
@@ -116,7 +116,7 @@ def worker(cfg: Dict) -> None:
 def run(np_: int = 2, params_m: float = 3.0, steps: int = 20, warmup: int = 3,
         density: float = 0.01, batch: int = 32, timeout: float = 600) -> Dict:
     """Launch the job; returns the figures (see the module docstring)."""
-    from . import launch
+    from horovod_sbc import launch
     tmp = tempfile.mkdtemp(prefix="sbc-bench-tf-step-")
     cfg = {"hidden": hidden_for(params_m), "steps": steps, "warmup": warmup,
            "density": density, "batch": batch, "methods": list(METHODS),

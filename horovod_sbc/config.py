@@ -10,15 +10,33 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
-from .core import validate_density, validate_selection
 
-#: what a tensor message carries (see :mod:`horovod_sbc.core` and :mod:`horovod_sbc.wire`):
+#: what a tensor message carries (see :mod:`horovod_sbc.reference` and :mod:`horovod_sbc.wire`):
 #: ``sbc`` positions + one mean (binarized); ``values`` top-k positions + their float32 values;
 #: ``sign`` every element's sign + one scale (error-feedback signSGD); ``terngrad`` stochastic
 #: ternary positions + signs + one scale.
 MODES = ("sbc", "values", "sign", "terngrad")
 NONFINITE = ("raise", "skip")
 TOPOLOGIES = ("allgather", "server")
+
+
+def validate_density(density) -> float:
+    try:
+        d = float(density)
+    except (TypeError, ValueError):
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}") from None
+    if not (0.0 < d <= 1.0):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return d
+
+
+SELECTIONS = ("paper", "magnitude")
+
+
+def validate_selection(selection) -> str:
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    return selection
 
 
 def validate_delay(delay) -> int:
@@ -86,3 +104,17 @@ class SBCConfig:
     def record(self) -> Dict[str, Any]:
         """The knobs as a plain dict (stored with the residual state in checkpoints)."""
         return asdict(self)
+
+
+def resolve_compression(cls, compression, density=None, delay=None, what: str = "SBC"):
+    """The adapters' shared argument rule: ``compression`` (an instance of ``cls``), or
+    ``density``/``delay`` shorthands that build ``cls(...)``, but not both."""
+    if compression is None:
+        kw = {k: v for k, v in (("density", density), ("delay", delay)) if v is not None}
+        return cls(**kw)
+    if delay is not None or density is not None:
+        raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
+    if not isinstance(compression, cls):
+        raise TypeError(f"compression must be {what} (or a subclass), "
+                        f"got {type(compression).__name__}")
+    return compression

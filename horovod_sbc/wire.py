@@ -106,21 +106,22 @@ ratio and ``p = count / numel`` (SBC paper, Sattler et al. 2018, eq. for optimal
 ties go to the smaller b. Any b is valid on the wire; this rule only makes encoders agree byte for
 byte.
 
-This module is the numpy reference implementation of the format and of the Golomb-Rice streams.
-The torch and TensorFlow codecs produce identical bytes (see ``tests/golden/``). What a receiver
-decides about a gathered buffer — the order of checks, which rank's ERROR/SKIP wins — is specified
-and implemented once in :mod:`horovod_sbc.protocol`, which every decoder calls.
+This module holds the format's constants and its host-side pieces (headers, varints, the choice
+of b); it imports nothing else of the package. What a receiver decides about a gathered buffer —
+the order of checks, which rank's ERROR/SKIP wins — is specified and implemented once in
+:mod:`horovod_sbc.protocol`. The numpy reference encoder and decoder (the oracle every backend is
+tested against, ``tests/golden/``) is :mod:`horovod_sbc.reference`.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
-import numpy as np
 
 VERSION = 1
 STEP_MAGIC = b"SBCS"
@@ -152,6 +153,28 @@ def rice_parameter(p: float) -> int:
     if x <= 1.0:
         return 1 if x >= 0.5 else 0
     return min(MAX_RICE_B, 1 + int(math.floor(math.log2(x))))
+
+
+@functools.lru_cache(maxsize=1024)
+def rice_table(numel: int) -> Tuple[int, Tuple[int, ...]]:
+    """``(b*(1), T)`` with ``T[j]`` the smallest count whose b* is ``<= b*(1) - 1 - j``
+    (:func:`rice_parameter` is non-increasing in the count), so a device computes
+    ``b*(count) = b*(1) - #{T <= count}`` with integer ops and no host round trip."""
+    def bstar(c):
+        return rice_parameter(c / numel)
+
+    b1, bn = bstar(1), bstar(numel)
+    ts = []
+    for j in range(b1 - 1, bn - 1, -1):
+        lo, hi = 1, numel  # smallest c with bstar(c) <= j
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if bstar(mid) <= j:
+                hi = mid
+            else:
+                lo = mid + 1
+        ts.append(lo)
+    return b1, tuple(ts)
 
 
 def rice_cost_bits(count: int, sum_q_for_b, b: int) -> int:
@@ -378,205 +401,3 @@ def parse_tensor_header(buf, off: int, expected_numel: Optional[int] = None,
     v = (sg[1], sg[1] + val_nbytes)
     return TensorMessage(numel, count, b, value, negative, has_values, u, r, v, has_signs,
                          all_pos, sg)
-
-
-# ----------------------------------------------------------------------------------------------
-# numpy reference: Golomb-Rice streams and whole tensor messages
-# ----------------------------------------------------------------------------------------------
-def gaps_of(positions: np.ndarray) -> np.ndarray:
-    pos = np.asarray(positions, dtype=np.int64)
-    if pos.size == 0:
-        return pos
-    return np.diff(pos, prepend=np.int64(-1)) - 1
-
-
-def encode_streams_np(positions: np.ndarray, b: int) -> Tuple[bytes, bytes]:
-    """Golomb-Rice streams (unary, remainder) of sorted unique non-negative positions."""
-    gaps = gaps_of(positions)
-    count = gaps.size
-    if count == 0:
-        return b"", b""
-    q = gaps >> b
-    ones_at = np.cumsum(q + 1) - 1
-    unary_bits = np.zeros(int(ones_at[-1]) + 1, dtype=np.uint8)
-    unary_bits[ones_at] = 1
-    unary = np.packbits(unary_bits).tobytes()
-    if b:
-        # each remainder as a big-endian integer of W bytes (the narrowest that holds b bits),
-        # unpacked to its 8W bits, the last b of them kept: one byte per bit, never eight
-        w = next(x for x in (1, 2, 4, 8) if 8 * x >= b)
-        r = (gaps & ((1 << b) - 1)).astype(f">u{w}")
-        rbits = np.unpackbits(r.view(np.uint8).reshape(count, w), axis=1)[:, 8 * w - b:]
-        rem = np.packbits(rbits.ravel()).tobytes()
-    else:
-        rem = b""
-    return unary, rem
-
-
-def decode_streams_np(buf: bytes, msg: TensorMessage, name: str = "tensor") -> np.ndarray:
-    """Positions (int64) of a parsed tensor message; validates the streams (numpy reference of
-    the statistics :class:`horovod_sbc.protocol.StreamStats`, checked by the protocol layer)."""
-    from . import protocol
-    pos, stats = stream_stats_np(buf, msg)
-    protocol.check_stream(msg, stats, name)
-    return pos
-
-
-def stream_stats_np(buf: bytes, msg: TensorMessage):
-    """(positions int64, :class:`horovod_sbc.protocol.StreamStats`) of a parsed message; the
-    positions are meaningful only if the statistics pass :func:`protocol.check_stream`."""
-    from .protocol import StreamStats
-    count, b = msg.count, msg.rice_b
-    mv = memoryview(buf)
-    sign_bad = False
-    if msg.has_signs:
-        sbits = np.unpackbits(np.frombuffer(mv[msg.signs[0]:msg.signs[1]], dtype=np.uint8))
-        sign_bad = bool(sbits[count:].any())
-    nonfinite = 0
-    if msg.has_values:
-        bits = np.frombuffer(mv[msg.values[0]:msg.values[1]], dtype="<u4")
-        nonfinite = int(np.count_nonzero((bits & 0x7F800000) == 0x7F800000))
-    if count == 0:
-        return np.zeros(0, dtype=np.int64), StreamStats(sign_pad_nonzero=sign_bad,
-                                                        nonfinite=nonfinite)
-    if msg.all_positions:
-        return (np.arange(count, dtype=np.int64),
-                StreamStats(sign_pad_nonzero=sign_bad, nonfinite=nonfinite))
-    ubytes = np.frombuffer(mv[msg.unary[0]:msg.unary[1]], dtype=np.uint8)
-    ones = np.flatnonzero(np.unpackbits(ubytes))
-    q = np.diff(ones, prepend=np.int64(-1))
-    q -= 1
-    n_ones = ones.size
-    del ones  # the decoder's memory stays a few int64 per position (tests/test_codec.py)
-    rem_bad = False
-    if b:
-        rbits = np.unpackbits(np.frombuffer(mv[msg.remainder[0]:msg.remainder[1]],
-                                            dtype=np.uint8))
-        rem_bad = bool(rbits[count * b:].any())
-        n_r = min(n_ones, count)
-        # b bits per row -> ceil(b / 8) bytes per row (uint8), then combined into int64: no
-        # 8-bytes-per-bit intermediate
-        rows = np.packbits(rbits[:n_r * b].reshape(n_r, b), axis=1)
-        del rbits
-        r = np.zeros(n_r, dtype=np.uint64)  # unsigned: b = 62 fills all 64 bits
-        for j in range(rows.shape[1]):
-            r <<= np.uint64(8)
-            r |= rows[:, j]
-        r >>= np.uint64(8 * rows.shape[1] - b)
-        r = r.view(np.int64)
-    else:
-        r = np.zeros(min(n_ones, count), dtype=np.int64)
-    stats = StreamStats(ones=int(n_ones), unary_last_zero=bool(ubytes[-1] == 0),
-                        max_q=int(q.max()) if q.size else 0,
-                        max_r=int(r.max()) if r.size else 0, rem_pad_nonzero=rem_bad,
-                        sign_pad_nonzero=sign_bad, nonfinite=nonfinite)
-    if n_ones != count or (stats.max_q << b) + stats.max_r >= msg.numel:
-        return np.zeros(0, dtype=np.int64), stats  # rejected by the protocol before pos_max
-    with np.errstate(over="ignore"):
-        pos = q  # in place: gaps + 1, cumulated
-        pos <<= b
-        pos += r
-        del r
-        pos += 1
-        np.cumsum(pos, out=pos)
-        pos -= 1
-    return pos, stats._replace(pos_max=int(pos.max()))
-
-
-def sign_stream_np(signs: np.ndarray) -> bytes:
-    return np.packbits(np.asarray(signs, dtype=bool).astype(np.uint8)).tobytes()
-
-
-def decode_signs_np(buf: bytes, msg: TensorMessage, name: str) -> np.ndarray:
-    """Sign bits (True = negative) of a ternary message whose padding the protocol checked."""
-    bits = np.unpackbits(np.frombuffer(memoryview(buf)[msg.signs[0]:msg.signs[1]],
-                                       dtype=np.uint8))
-    return bits[:msg.count].astype(bool)
-
-
-def encode_tensor_np(positions, numel: int, value: float = 0.0, negative: bool = False,
-                     values: Optional[np.ndarray] = None, rice_b: Optional[int] = None,
-                     signs: Optional[np.ndarray] = None, all_positions: bool = False) -> bytes:
-    """One tensor message. ``positions`` sorted unique in [0, numel) (ignored with
-    ``all_positions``); ``signs`` (bool, True = negative) makes it ternary."""
-    if all_positions:
-        if values is None and signs is None:
-            raise ValueError("all_positions needs values or signs")
-        value = 0.0 if values is not None else float(np.float32(value))
-        head = tensor_header(numel, numel, 0, 0, value, False, values is not None,
-                             signs is not None, True)
-        if values is not None:
-            return head + np.asarray(values, dtype="<f4").tobytes()
-        return head + sign_stream_np(signs)
-    pos = np.asarray(positions, dtype=np.int64)
-    count = int(pos.size)
-    if numel < 0 or numel >= MAX_NUMEL:
-        raise ValueError(f"numel {numel} out of range")
-    if count:
-        if pos[0] < 0 or pos[-1] >= numel or (count > 1 and np.any(np.diff(pos) <= 0)):
-            raise ValueError("positions must be sorted, unique and within [0, numel)")
-    gaps = gaps_of(pos)
-    if rice_b is None:
-        rice_b = choose_rice_b(count, numel, lambda bb: int((gaps >> bb).sum()))
-    unary, rem = encode_streams_np(pos, rice_b)
-    if values is not None:
-        vals = np.asarray(values, dtype="<f4")
-        if vals.shape != (count,):
-            raise ValueError("values must have one float per position")
-        head = tensor_header(numel, count, rice_b, len(unary), 0.0, False, True)
-        return head + unary + rem + vals.tobytes()
-    value = float(np.float32(value))
-    if signs is not None and count:
-        head = tensor_header(numel, count, rice_b, len(unary), value, False, False, True)
-        return head + unary + rem + sign_stream_np(signs)
-    if count == 0:
-        value, negative = 0.0, False
-    return tensor_header(numel, count, rice_b, len(unary), value, negative) + unary + rem
-
-
-def decode_tensor_np(buf: bytes, off: int = 0, expected_numel: Optional[int] = None,
-                     name: str = "tensor") -> Tuple[TensorMessage, np.ndarray, np.ndarray, int]:
-    """Decode one tensor message: (header, positions int64, values float32, end offset)."""
-    msg = parse_tensor_header(buf, off, expected_numel, name)
-    pos = decode_streams_np(buf, msg, name)
-    return msg, pos, tensor_values_np(buf, msg, name), msg.nbytes
-
-
-def tensor_values_np(buf: bytes, msg: TensorMessage, name: str) -> np.ndarray:
-    """float32 value per position of a message whose streams passed the protocol's checks."""
-    if msg.has_values:
-        vals = np.frombuffer(memoryview(buf)[msg.values[0]:msg.values[1]], dtype="<f4")
-        vals = vals.astype(np.float32)
-    elif msg.has_signs:
-        neg = decode_signs_np(buf, msg, name)
-        vals = np.where(neg, np.float32(-msg.value), np.float32(msg.value)).astype(np.float32)
-    else:
-        vals = np.full(msg.count, np.float32(msg.signed_value), dtype=np.float32)
-    return vals
-
-
-def decode_step_np(buf: bytes, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int):
-    """Decode an allgathered buffer: a list per rank of (positions, values) per tensor.
-
-    The verdict (which problem or which rank's ERROR/SKIP is reported) is the protocol layer's
-    (:mod:`horovod_sbc.protocol`), so every decoder reports the same one.
-    """
-    from . import protocol
-    step = protocol.parse_gathered(buf, layout, n_ranks)
-    flat = step.flat()
-    decoded = [stream_stats_np(buf, msg) for _, _, msg, _ in flat]
-    protocol.check_streams(step, [st for _, st in decoded])
-    out = [[None] * len(layout) for _ in range(n_ranks)]
-    for (r, i, msg, name), (pos, _) in zip(flat, decoded):
-        out[r][i] = (pos, tensor_values_np(buf, msg, name))
-    return out
-
-
-def accumulate_np(per_rank, outs: Sequence[np.ndarray], scale: float = 1.0) -> None:
-    """Add ``scale`` x the output of :func:`decode_step_np` to ``outs`` (flat arrays, in place),
-    rank by rank, with the protocol's decoded arithmetic (``float64(value) * scale`` rounded to
-    the output's dtype, then one add)."""
-    for tensors in per_rank:
-        for out, (pos, vals) in zip(outs, tensors):
-            if pos.size:  # positions within one message are unique: plain indexed add
-                out[pos] += (vals.astype(np.float64) * scale).astype(out.dtype)

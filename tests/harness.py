@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import launch  # noqa: E402  (one launcher for tests and benchmarks)
+from horovod_sbc import launch  # noqa: E402
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 BIN = Path(sys.executable).parent
@@ -71,16 +71,16 @@ def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: floa
 _DECODER_PROBE = """
 import json
 import numpy as np
-from horovod_sbc import wire
+from horovod_sbc import wire, reference
 {setup}
 rng = np.random.default_rng(5)
 pos = np.cumsum(rng.geometric(0.05, size=2_000_000)) - 1
 numel = int(pos[-1]) + 1
 layout = [("w", (numel,))]
-buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
+buf = wire.step_message_bytes(reference.encode_tensor_np(pos, numel, 0.5),
                               wire.layout_fingerprint(layout), 1)
 small = [("s", (1000,))]
-make(wire.step_message_bytes(wire.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
+make(wire.step_message_bytes(reference.encode_tensor_np(np.arange(0, 1000, 7), 1000, 0.5),
                              wire.layout_fingerprint(small), 1), small, 1000)()  # warm-up
 run = make(buf, layout, numel)
 

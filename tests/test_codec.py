@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from horovod_sbc import core, protocol, wire
+from horovod_sbc import reference, protocol, wire, config
 from horovod_sbc.torch import codec as tcodec
 from horovod_sbc.torch import exchange
 
@@ -98,14 +98,14 @@ def test_rice_parameter_matches_paper_values():
 
 
 def test_keep_count():
-    assert core.keep_count(0, 0.01) == 0
-    assert core.keep_count(10, 0.001) == 1  # at least one element
-    assert core.keep_count(1000, 0.01) == 10
-    assert core.keep_count(7, 1.0) == 7
+    assert reference.keep_count(0, 0.01) == 0
+    assert reference.keep_count(10, 0.001) == 1  # at least one element
+    assert reference.keep_count(1000, 0.01) == 10
+    assert reference.keep_count(7, 1.0) == 7
     with pytest.raises(ValueError, match="density must be in"):
-        core.validate_density(0)
+        config.validate_density(0)
     with pytest.raises(ValueError, match="density must be in"):
-        core.validate_density(1.5)
+        config.validate_density(1.5)
 
 
 @pytest.mark.parametrize("case", GOLDEN, ids=[c["name"] for c in GOLDEN])
@@ -116,7 +116,7 @@ def test_golden_vectors_numpy_torch_spec(case):
     want = bytes.fromhex(case["message_hex"])
     # numpy reference
     binarize, mode = make_golden.mode_args(case["binarize"])
-    msg, res = core.compress_np(u, r, case["density"], binarize, mode,
+    msg, res = reference.compress_np(u, r, case["density"], binarize, mode,
                                 selection=case["selection"])
     assert msg == want
     assert make_golden.digest(res) == case["new_residual_sha256"]
@@ -131,7 +131,7 @@ def test_golden_vectors_numpy_torch_spec(case):
     # the independent spec decoder agrees with the reference decoder
     numel, positions, value, vals, end = spec_decode(want)
     assert end == len(want) and numel == case["numel"]
-    _, pos, v, _ = wire.decode_tensor_np(want, 0, numel)
+    _, pos, v, _ = reference.decode_tensor_np(want, 0, numel)
     assert positions == pos.tolist()
     if vals is None:
         assert np.all(v == np.float32(value))
@@ -166,7 +166,7 @@ def test_golden_vectors_tensorflow_bridge(case):
     gmsg, _ = graph(tf.constant(u), tf.constant(r))
     assert gmsg.numpy().tobytes() == bytes.fromhex(case["message_hex"])
     dense = tfcodec.decompress(gmsg, (case["numel"],))
-    assert np.array_equal(dense.numpy(), core.decompress_np(bytes.fromhex(case["message_hex"]),
+    assert np.array_equal(dense.numpy(), reference.decompress_np(bytes.fromhex(case["message_hex"]),
                                                             (case["numel"],)))
 
 
@@ -189,8 +189,8 @@ def position_sets(draw):
 def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
     numel, pos = ps
     pos = np.array(pos, dtype=np.int64)
-    msg = wire.encode_tensor_np(pos, numel, value, negative)
-    hdr, got, vals, end = wire.decode_tensor_np(msg, 0, numel)
+    msg = reference.encode_tensor_np(pos, numel, value, negative)
+    hdr, got, vals, end = reference.decode_tensor_np(msg, 0, numel)
     assert end == len(msg) and np.array_equal(got, pos)
     if pos.size:
         assert vals.tolist() == [np.float32(-value if negative else value)] * pos.size
@@ -204,7 +204,7 @@ def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
     # the chosen b is never worse than the paper's b*
     if pos.size:
         bstar = wire.rice_parameter(pos.size / numel)
-        alt = wire.encode_tensor_np(pos, numel, value, negative, rice_b=bstar)
+        alt = reference.encode_tensor_np(pos, numel, value, negative, rice_b=bstar)
         assert len(msg) <= len(alt)
 
 
@@ -219,8 +219,8 @@ def rule(a: np.ndarray, k: int, selection: str):
         kept = sorted(sorted(range(a.size), key=lambda i: (-abs(float(a[i])), i))[:k])
         pos = [i for i in kept if a[i] > 0]
         neg = [i for i in kept if a[i] < 0]
-    mp = float(np.float32(core.tree_sum_np(a[pos]) / len(pos))) if pos else 0.0
-    mn = float(np.float32(core.tree_sum_np(-a[neg]) / len(neg))) if neg else 0.0
+    mp = float(np.float32(reference.tree_sum_np(a[pos]) / len(pos))) if pos else 0.0
+    mn = float(np.float32(reference.tree_sum_np(-a[neg]) / len(neg))) if neg else 0.0
     if mp >= mn and mp > 0:
         return pos, mp
     if mn > 0:
@@ -234,8 +234,8 @@ def test_tree_sum_is_the_specified_pairwise_order():
     # [0, 1, 1, 0] -> [1, 1] -> 2, where a left-to-right sum gives 0 (2^53 + 1 rounds to 2^53)
     want = ((x[0] + x[4]) + (x[2] + 0.0)) + ((x[1] + 0.0) + (x[3] + 0.0))
     assert want == 2.0 and sum(x.tolist()) == 0.0
-    assert core.tree_sum_np(x) == want
-    assert core.tree_sum_np(np.zeros(0)) == 0.0
+    assert reference.tree_sum_np(x) == want
+    assert reference.tree_sum_np(np.zeros(0)) == 0.0
     assert float(tcodec.tree_sum(torch.from_numpy(x))) == want
 
 
@@ -244,10 +244,10 @@ def test_tree_sum_is_the_specified_pairwise_order():
        st.floats(0.001, 1.0), st.sampled_from(["paper", "magnitude"]))
 def test_binarization_and_residual_match_the_rule(values, density, selection):
     u = np.array(values, dtype=np.float32)
-    k = core.keep_count(u.size, density)
+    k = reference.keep_count(u.size, density)
     want_pos, want_val = rule(u, k, selection)
-    msg, res = core.compress_np(u, None, density, selection=selection)
-    _, pos, vals, _ = wire.decode_tensor_np(msg, 0, u.size)
+    msg, res = reference.compress_np(u, None, density, selection=selection)
+    _, pos, vals, _ = reference.decode_tensor_np(msg, 0, u.size)
     assert pos.tolist() == want_pos
     if want_pos:
         assert float(vals[0]) == want_val
@@ -267,14 +267,14 @@ def test_binarization_and_residual_match_the_rule(values, density, selection):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_dtypes_compute_in_fp32_and_return_input_dtype(dtype):
-    from horovod_sbc.torch.compressor import _residual_dtype
+    from horovod_sbc.torch.state import residual_dtype as _residual_dtype
     g = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
     rdt = _residual_dtype(dtype)
     assert rdt == (torch.float64 if dtype == torch.float64 else torch.float32)
     a = g.to(rdt).clone()
     msg, count = tcodec.compress_(a, 0.05)
     host = msg.numpy().tobytes()
-    hdr, pos, vals, _ = wire.decode_tensor_np(host, 0, 1000)
+    hdr, pos, vals, _ = reference.decode_tensor_np(host, 0, 1000)
     dense = np.zeros(1000, np.float32)
     dense[pos] = vals
     out = torch.from_numpy(dense).to(dtype)
@@ -291,7 +291,7 @@ def test_selection_is_exact_topk_with_sampling_path():
     for k in (1, 500, 2000, 2100, 20_000):
         idx = tcodec.select_topk(a.abs(), k)
         assert idx.numel() == k and bool((idx[1:] > idx[:-1]).all())
-        ref = core.select_np(a.abs().numpy(), k)
+        ref = reference.select_np(a.abs().numpy(), k)
         assert np.array_equal(idx.numpy(), ref)
 
 
@@ -301,14 +301,14 @@ def test_nonfinite_update_raises_with_tensor_name():
     with pytest.raises(ValueError, match="'fc.weight' contains NaN or Inf"):
         tcodec.compress_(a, 0.1, name="fc.weight")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        core.compress_np(np.array([1.0, np.inf], np.float32), None, 0.5)
+        reference.compress_np(np.array([1.0, np.inf], np.float32), None, 0.5)
 
 
 def test_large_tensor_arithmetic_does_not_overflow():
     numel = 3 * 2 ** 31 + 17  # > 2**32 elements, never allocated
     pos = np.array([0, 2 ** 31 + 5, 2 ** 32 + 1, numel - 1], dtype=np.int64)
-    msg = wire.encode_tensor_np(pos, numel, 0.5)
-    _, got, _, _ = wire.decode_tensor_np(msg, 0, numel)
+    msg = reference.encode_tensor_np(pos, numel, 0.5)
+    _, got, _, _ = reference.decode_tensor_np(msg, 0, numel)
     assert got.tolist() == pos.tolist()
     tmsg = tcodec.encode_positions(torch.from_numpy(pos), numel, 0.5)
     assert tmsg.numpy().tobytes() == msg
@@ -325,18 +325,18 @@ def _step(layout, msgs):
 def _sample_step():
     rng = np.random.default_rng(5)
     layout = [("w", (30, 40)), ("b", (40,))]
-    m1, _ = core.compress_np(rng.standard_normal(1200).astype(np.float32), None, 0.05)
-    m2, _ = core.compress_np(rng.standard_normal(40).astype(np.float32), None, 0.1)
+    m1, _ = reference.compress_np(rng.standard_normal(1200).astype(np.float32), None, 0.05)
+    m2, _ = reference.compress_np(rng.standard_normal(40).astype(np.float32), None, 0.1)
     return layout, _step(layout, [m1, m2])
 
 
 def test_step_roundtrip_and_every_truncation_rejected():
     layout, buf = _sample_step()
-    out = wire.decode_step_np(buf, layout, 1)
+    out = reference.decode_step_np(buf, layout, 1)
     assert len(out) == 1 and len(out[0]) == 2
     for cut in range(len(buf)):
         with pytest.raises(ValueError):
-            wire.decode_step_np(buf[:cut], layout, 1)
+            reference.decode_step_np(buf[:cut], layout, 1)
 
 
 def test_every_single_bit_flip_in_a_step_message_is_rejected():
@@ -345,7 +345,7 @@ def test_every_single_bit_flip_in_a_step_message_is_rejected():
         bad = bytearray(buf)
         bad[i // 8] ^= 1 << (i % 8)
         with pytest.raises(ValueError):
-            wire.decode_step_np(bytes(bad), layout, 1)
+            reference.decode_step_np(bytes(bad), layout, 1)
 
 
 @pytest.mark.parametrize("mutate,reason", [
@@ -355,22 +355,22 @@ def test_every_single_bit_flip_in_a_step_message_is_rejected():
     (lambda m: m[:4] + b"\x3f" + m[5:], "Rice parameter 63"),
 ])
 def test_tensor_header_corruptions(mutate, reason):
-    msg, _ = core.compress_np(np.linspace(-1, 1, 500).astype(np.float32), None, 0.02)
+    msg, _ = reference.compress_np(np.linspace(-1, 1, 500).astype(np.float32), None, 0.02)
     with pytest.raises(ValueError, match=reason):
-        wire.decode_tensor_np(mutate(msg), 0, 500)
+        reference.decode_tensor_np(mutate(msg), 0, 500)
 
 
 def test_positions_out_of_range_and_wrong_numel():
-    msg = wire.encode_tensor_np(np.array([3, 99]), 100, 1.0)
+    msg = reference.encode_tensor_np(np.array([3, 99]), 100, 1.0)
     with pytest.raises(ValueError, match="declares 100 elements, expected 50"):
-        wire.decode_tensor_np(msg, 0, 50)
+        reference.decode_tensor_np(msg, 0, 50)
     # same streams, smaller declared numel: position 99 is out of range
     forged = wire.tensor_header(90, 2, msg[4], 1, 1.0, False) + msg[-(len(msg) - 13):]
-    forged = wire.encode_tensor_np(np.array([3, 99]), 100, 1.0)
+    forged = reference.encode_tensor_np(np.array([3, 99]), 100, 1.0)
     body = forged[5 + 1:]  # after numel varint (100 < 128: one byte)
     forged = forged[:5] + wire.uvarint(90) + body
     with pytest.raises(ValueError, match="out of range for 90 elements"):
-        wire.decode_tensor_np(forged, 0, 90)
+        reference.decode_tensor_np(forged, 0, 90)
 
 
 def test_huge_declared_counts_fail_fast_with_bounded_memory():
@@ -378,7 +378,7 @@ def test_huge_declared_counts_fail_fast_with_bounded_memory():
             + wire.uvarint(2 ** 58) + struct.pack("<f", 1.0))
     tracemalloc.start()
     with pytest.raises(ValueError, match="truncated message"):
-        wire.decode_tensor_np(head + b"\x01" * 64, 0)
+        reference.decode_tensor_np(head + b"\x01" * 64, 0)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20
@@ -386,16 +386,16 @@ def test_huge_declared_counts_fail_fast_with_bounded_memory():
     head2 = (wire.TENSOR_MAGIC + bytes((1, 0, 0)) + wire.uvarint(1000) + wire.uvarint(900)
              + wire.uvarint(2) + struct.pack("<f", 1.0)) + b"\xff\xff"
     with pytest.raises(ValueError, match="too short for 900 positions"):
-        wire.decode_tensor_np(head2, 0)
+        reference.decode_tensor_np(head2, 0)
 
 
 def test_non_canonical_varint_and_bad_value_rejected():
     with pytest.raises(ValueError, match="non-canonical"):
         wire.read_uvarint(b"\x81\x00", 0, "x")
-    msg = wire.encode_tensor_np(np.array([1]), 10, 1.0)
+    msg = reference.encode_tensor_np(np.array([1]), 10, 1.0)
     nan = msg[:-5] + struct.pack("<f", float("nan")) + msg[-1:]
     with pytest.raises(ValueError, match="not a finite number"):
-        wire.decode_tensor_np(nan, 0, 10)
+        reference.decode_tensor_np(nan, 0, 10)
 
 
 def _uvarint_spec(buf, off, what):
@@ -443,22 +443,22 @@ def test_header_field_varints_agree_with_the_plain_rule():
 def test_layout_mismatch_and_peer_error_messages():
     layout, buf = _sample_step()
     with pytest.raises(ValueError, match="different tensor layout"):
-        wire.decode_step_np(buf, [("w", (40, 30)), ("b", (40,))], 1)
+        reference.decode_step_np(buf, [("w", (40, 30)), ("b", (40,))], 1)
     err = wire.error_step_message("the update of 'w' contains NaN or Inf",
                                   wire.layout_fingerprint(layout), origin=1)
     with pytest.raises(wire.PeerError, match="rank 1 could not encode.*'w' contains NaN"):
-        wire.decode_step_np(buf + err, layout, 2)
+        reference.decode_step_np(buf + err, layout, 2)
 
 
 def test_torch_exchange_decoder_matches_numpy_on_gathered_buffers():
     layout, buf = _sample_step()
     layout2 = layout
     rng = np.random.default_rng(9)
-    m1, _ = core.compress_np(rng.standard_normal(1200).astype(np.float32), None, 0.01)
-    m2, _ = core.compress_np(rng.standard_normal(40).astype(np.float32), None, 1.0, False)
+    m1, _ = reference.compress_np(rng.standard_normal(1200).astype(np.float32), None, 0.01)
+    m2, _ = reference.compress_np(rng.standard_normal(40).astype(np.float32), None, 1.0, False)
     buf2 = _step(layout2, [m1, m2])
     gathered = buf + buf2
-    ref = wire.decode_step_np(gathered, layout, 2)
+    ref = reference.decode_step_np(gathered, layout, 2)
     sums = exchange.decode_gathered(torch.frombuffer(bytearray(gathered), dtype=torch.uint8),
                                     layout, 2)
     for i, (_, shape) in enumerate(layout):
@@ -478,8 +478,8 @@ def test_ternary_and_all_position_messages_roundtrip(numel, value, data):
     rng = np.random.default_rng(numel)
     signs_all = rng.random(numel) < 0.5
     if numel:
-        msg = wire.encode_tensor_np(None, numel, value, signs=signs_all, all_positions=True)
-        hdr, pos, vals, end = wire.decode_tensor_np(msg, 0, numel)
+        msg = reference.encode_tensor_np(None, numel, value, signs=signs_all, all_positions=True)
+        hdr, pos, vals, end = reference.decode_tensor_np(msg, 0, numel)
         assert end == len(msg) and pos.tolist() == list(range(numel))
         assert np.array_equal(vals < 0, signs_all & (np.float32(value) != 0))
         assert len(msg) <= 16 + (numel + 7) // 8  # one bit per element
@@ -489,8 +489,8 @@ def test_ternary_and_all_position_messages_roundtrip(numel, value, data):
     k = data.draw(st.integers(0, numel))
     pos = np.sort(rng.choice(numel, size=k, replace=False)).astype(np.int64)
     sg = rng.random(k) < 0.5
-    msg = wire.encode_tensor_np(pos, numel, value, signs=sg)
-    hdr, got, vals, end = wire.decode_tensor_np(msg, 0, numel)
+    msg = reference.encode_tensor_np(pos, numel, value, signs=sg)
+    hdr, got, vals, end = reference.decode_tensor_np(msg, 0, numel)
     assert end == len(msg) and np.array_equal(got, pos)
     assert np.array_equal(vals, np.where(sg, -np.float32(value), np.float32(value)))
     tm = tcodec.encode_positions(torch.from_numpy(pos), numel, float(np.float32(value)),
@@ -499,15 +499,15 @@ def test_ternary_and_all_position_messages_roundtrip(numel, value, data):
 
 
 def test_all_flag_requires_a_payload_and_matching_count():
-    msg = wire.encode_tensor_np(None, 10, 1.0, signs=np.zeros(10, bool), all_positions=True)
+    msg = reference.encode_tensor_np(None, 10, 1.0, signs=np.zeros(10, bool), all_positions=True)
     bad = bytearray(msg)
     bad[3] = wire.FLAG_ALL  # ALL without SIGNS/VALUES would describe numel entries in 0 bits
     with pytest.raises(ValueError, match="ALL without SIGNS or VALUES"):
-        wire.decode_tensor_np(bytes(bad), 0, 10)
+        reference.decode_tensor_np(bytes(bad), 0, 10)
     bad = bytearray(msg)
     bad[6] = 9  # count != numel
     with pytest.raises(ValueError, match="has ALL but 9 positions for 10 elements"):
-        wire.decode_tensor_np(bytes(bad), 0, 10)
+        reference.decode_tensor_np(bytes(bad), 0, 10)
 
 
 def test_numpy_decoder_memory_is_bounded_by_the_message_size():
@@ -517,12 +517,12 @@ def test_numpy_decoder_memory_is_bounded_by_the_message_size():
     pos = np.cumsum(rng.geometric(0.01, size=2_000_000)) - 1
     numel = int(pos[-1]) + 1
     layout = [("w", (numel,))]
-    buf = wire.step_message_bytes(wire.encode_tensor_np(pos, numel, 0.5),
+    buf = wire.step_message_bytes(reference.encode_tensor_np(pos, numel, 0.5),
                                   wire.layout_fingerprint(layout), 1)
     assert len(buf) > 1 << 20
     tracemalloc.start()
     try:
-        got = wire.decode_step_np(buf, layout, 1)
+        got = reference.decode_step_np(buf, layout, 1)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -541,7 +541,7 @@ def test_batched_torch_decoder_reaches_the_numpy_verdict_on_valid_and_corrupt_st
 
     def step(seed, density):
         r = np.random.default_rng(seed)
-        msgs = [core.compress_np(r.standard_normal(wire.layout_numel(s)).astype(np.float32),
+        msgs = [reference.compress_np(r.standard_normal(wire.layout_numel(s)).astype(np.float32),
                                  None, density)[0] for _, s in layout]
         return bytearray(wire.step_message_bytes(b"".join(msgs), fp, len(msgs)))
 
@@ -558,7 +558,7 @@ def test_batched_torch_decoder_reaches_the_numpy_verdict_on_valid_and_corrupt_st
             struct.pack_into("<I", p, 20, zlib.crc32(bytes(p[24:])) & 0xFFFFFFFF)
         buf = b"".join(bytes(p) for p in parts)
         try:
-            ref = wire.decode_step_np(buf, layout, n)
+            ref = reference.decode_step_np(buf, layout, n)
         except ValueError as e:
             n_corrupt += 1
             with pytest.raises(ValueError) as got:

@@ -1,5 +1,5 @@
 """Differential test of every decoder: the same valid and mutated gathered buffers go through the
-numpy reference (``wire.decode_step_np``), the torch decoder (``torch.exchange.decode_gathered``:
+numpy reference (``reference.decode_step_np``), the torch decoder (``torch.exchange.decode_gathered``:
 its C kernels on every case, its tensor-op path on every ``DIFF_OPS_EVERY``-th, default 4)
 and the TensorFlow decoder (eager and inside ``tf.function``); all must reach the same verdict
 (accept, a rank's ERROR, a rank's SKIP, or malformed — with the same text) and, when they
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_sbc import core, protocol, wire
+from horovod_sbc import reference, protocol, wire
 from horovod_sbc import kernels
 from horovod_sbc.torch import exchange
 
@@ -65,17 +65,17 @@ def _tensor_message(r: random.Random, numel: int, binary_only: bool = False) -> 
     mode = r.randrange(2 if binary_only else 6)
     density = r.choice([1e-3, 0.01, 0.1, 0.5, 1.0])
     if mode == 0:
-        return core.compress_np(u, None, density, selection="paper")[0]
+        return reference.compress_np(u, None, density, selection="paper")[0]
     if mode == 1:
-        return core.compress_np(u, None, density, selection="magnitude")[0]
+        return reference.compress_np(u, None, density, selection="magnitude")[0]
     if mode == 2:
-        return core.compress_np(u, None, density, binarize=False)[0]
+        return reference.compress_np(u, None, density, binarize=False)[0]
     if mode == 3:
-        return core.compress_np(u, None, 1.0, mode="sign")[0]
+        return reference.compress_np(u, None, 1.0, mode="sign")[0]
     if mode == 4 and numel:  # ternary (TernGrad-like): positions + sign bits
         pos = np.flatnonzero(np.abs(u) > np.median(np.abs(u)))
-        return wire.encode_tensor_np(pos, numel, float(np.abs(u).max()), signs=u[pos] < 0)
-    return core.compress_np(u, None, 1.0, binarize=False)[0]  # dense values
+        return reference.encode_tensor_np(pos, numel, float(np.abs(u).max()), signs=u[pos] < 0)
+    return reference.compress_np(u, None, 1.0, binarize=False)[0]  # dense values
 
 
 def _step(layout, parts, flags=0, origin=0, layout_crc=None, n_tensors=None) -> bytes:
@@ -220,9 +220,9 @@ def _outcome_of(fn):
 
 def decode_numpy(layout, n_ranks, data, scale):
     def run():
-        per = wire.decode_step_np(data, layout, n_ranks)
+        per = reference.decode_step_np(data, layout, n_ranks)
         outs = [np.zeros(wire.layout_numel(s), np.float32) for _, s in layout]
-        wire.accumulate_np(per, outs, scale)
+        reference.accumulate_np(per, outs, scale)
         return outs
     return _outcome_of(run)
 
@@ -409,7 +409,7 @@ def test_rice_62_positions_wrapping_int64_are_rejected_everywhere():
     for name, v in _all_verdicts(layout, 1, data).items():
         assert v[0] == "invalid" and "out of range" in v[1], (name, v)
     with pytest.raises(ValueError, match="out of range"):
-        core.decompress_np(msg, (10,))
+        reference.decompress_np(msg, (10,))
 
 
 def test_padding_only_last_unary_byte_is_rejected_everywhere():
@@ -427,7 +427,7 @@ def test_error_beats_skip_and_malformed_framing_beats_both():
     err1 = wire.error_step_message("NaN in 'w'", fp, skip=False, origin=1)
     for v in _all_verdicts(layout, 2, skip0 + err1).values():
         assert v == ("error", 1, "NaN in 'w'")
-    good = core.compress_np(np.arange(8, dtype=np.float32), None, 0.25)[0]
+    good = reference.compress_np(np.arange(8, dtype=np.float32), None, 0.25)[0]
     bad_crc = bytearray(wire.step_message_bytes(good, fp, 1))
     bad_crc[-1] ^= 1
     for v in _all_verdicts(layout, 2, bytes(bad_crc) + skip0).values():
@@ -441,7 +441,7 @@ def test_error_beats_skip_and_malformed_framing_beats_both():
 
 def test_values_message_with_subnormal_value_field_is_rejected():
     layout = [("w", (4,))]
-    msg = bytearray(wire.encode_tensor_np(np.array([1]), 4, values=np.array([2.0], np.float32)))
+    msg = bytearray(reference.encode_tensor_np(np.array([1]), 4, values=np.array([2.0], np.float32)))
     h_end = 5 + 3  # magic, version, flags, b, numel, count, unary-length varints (1 byte each)
     msg[h_end:h_end + 4] = struct.pack("<f", 1e-40)
     data = wire.step_message_bytes(bytes(msg), wire.layout_fingerprint(layout), 1)
@@ -451,7 +451,7 @@ def test_values_message_with_subnormal_value_field_is_rejected():
 
 def test_subnormal_binary_value_decodes_exactly():
     layout = [("w", (5,))]
-    msg = wire.encode_tensor_np(np.array([0, 3]), 5, 1e-40, negative=True)
+    msg = reference.encode_tensor_np(np.array([0, 3]), 5, 1e-40, negative=True)
     data = wire.step_message_bytes(msg, wire.layout_fingerprint(layout), 1)
     want = np.zeros(5, np.float32)
     want[[0, 3]] = -np.float32(1e-40)
@@ -463,7 +463,7 @@ def test_empty_tensor_has_one_encoding_in_every_mode():
     want = protocol.empty_tensor_message()
     e = np.zeros(0, np.float32)
     for kw in ({}, {"binarize": False}, {"mode": "sign"}, {"selection": "magnitude"}):
-        assert core.compress_np(e, None, 0.5, **kw)[0] == want
+        assert reference.compress_np(e, None, 0.5, **kw)[0] == want
     from horovod_sbc.torch import codec as tcodec
     for mode in ("sbc", "values", "sign", "terngrad"):
         assert tcodec.encode_update(torch.zeros(0), 0.5, mode)[0].numpy().tobytes() == want
@@ -472,6 +472,6 @@ def test_empty_tensor_has_one_encoding_in_every_mode():
 def test_sign_mode_scale_is_order_independent_across_implementations():
     from horovod_sbc.torch import codec as tcodec
     u = np.array([1, 2.0 ** -24, 2.0 ** -53, 2.0 ** -53, 0, 0, 0, 0], np.float64)
-    msg = core.compress_np(u, None, 1.0, mode="sign")[0]
+    msg = reference.compress_np(u, None, 1.0, mode="sign")[0]
     t = torch.from_numpy(u.copy())
     assert tcodec.compress_(t, 1.0, "sign")[0].numpy().tobytes() == msg

@@ -17,7 +17,7 @@ import tracemalloc
 
 import numpy as np
 
-from horovod_sbc import core, wire
+from horovod_sbc import reference, wire
 
 CASES = int(os.environ.get("FUZZ_CASES", "20000"))
 
@@ -25,11 +25,11 @@ CASES = int(os.environ.get("FUZZ_CASES", "20000"))
 def _corpus():
     rng = np.random.default_rng(11)
     layout = [("w", (64, 32)), ("b", (7,)), ("v", (300,)), ("s", ())]
-    msgs = [core.compress_np(rng.standard_normal(2048).astype(np.float32), None, 0.02)[0],
-            core.compress_np(rng.standard_normal(7).astype(np.float32), None, 0.5)[0],
-            core.compress_np(rng.standard_normal(300).astype(np.float32), None, 0.05,
+    msgs = [reference.compress_np(rng.standard_normal(2048).astype(np.float32), None, 0.02)[0],
+            reference.compress_np(rng.standard_normal(7).astype(np.float32), None, 0.5)[0],
+            reference.compress_np(rng.standard_normal(300).astype(np.float32), None, 0.05,
                              binarize=False)[0],
-            core.compress_np(np.array([0.25], np.float32), None, 1.0)[0]]
+            reference.compress_np(np.array([0.25], np.float32), None, 1.0)[0]]
     return layout, msgs
 
 
@@ -86,7 +86,7 @@ def _run(n_cases: int, decode, seed: int):
 
 
 def test_fuzz_numpy_decoder_only_raises_valueerror_with_bounded_memory():
-    outcomes, peak, max_len = _run(CASES, lambda d, lay: wire.decode_step_np(d, lay, 1), 1)
+    outcomes, peak, max_len = _run(CASES, lambda d, lay: reference.decode_step_np(d, lay, 1), 1)
     assert outcomes["rejected"] > 0.9 * CASES, outcomes
     # everything a decoder allocates is proportional to the message (a few bytes per bit)
     assert peak < 200 * max_len + (1 << 20), (peak, max_len)
@@ -102,7 +102,7 @@ def test_fuzz_accepted_messages_decode_in_range():
         j = r.randrange(len(parts))
         parts[j] = bytes(_mutate(bytearray(parts[j]), r))
         try:
-            per = wire.decode_step_np(_frame(layout, b"".join(parts)), layout, 1)[0]
+            per = reference.decode_step_np(_frame(layout, b"".join(parts)), layout, 1)[0]
         except ValueError:
             continue
         for (name, shape), (pos, vals) in zip(layout, per):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_sbc import core, kernels, wire
+from horovod_sbc import reference, kernels, wire
 from horovod_sbc.torch import codec, exchange
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler here")
@@ -47,7 +47,7 @@ def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
             assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), what
             if mode == "sbc":
                 ref = a.copy()
-                msg, _ = core.compress_np(ref, None, density, selection=selection)
+                msg, _ = reference.compress_np(ref, None, density, selection=selection)
                 assert got[0].numpy().tobytes() == msg, what
 
 
@@ -257,12 +257,12 @@ def test_close_means_choose_the_reference_side():
             a = np.concatenate([base, -(base * np.float32(1 + eps))]).astype(np.float32)
             a = a[rng.permutation(n)]
             for density in (0.01, 0.3):
-                k = core.keep_count(n, density)
+                k = reference.keep_count(n, density)
                 sel = codec._select_c(kernels.lib(), torch.from_numpy(a.copy()), k, 0, "t",
                                       dst=torch.empty(k, dtype=torch.int64))
                 branches.add(sel.in_dst is not None)
                 got, _, _ = codec.encode_update(torch.from_numpy(a.copy()), density, "sbc")
-                want, _ = core.compress_np(a.copy(), None, density)
+                want, _ = reference.compress_np(a.copy(), None, density)
                 assert got.numpy().tobytes() == want, (n, eps, density)
     assert branches == {True, False}
 
@@ -350,9 +350,9 @@ def test_large_multirank_decode_matches_numpy_across_chunks():
         got = exchange.decode_gathered(buf, layout, 5, None, 1 / 5)
         with kernels.disabled():
             ops = exchange.decode_gathered(buf, layout, 5, None, 1 / 5)
-        per = wire.decode_step_np(buf.numpy().tobytes(), layout, 5)
+        per = reference.decode_step_np(buf.numpy().tobytes(), layout, 5)
         ref = [np.zeros(int(np.prod(s)), np.float32) for _, s in layout]
-        wire.accumulate_np(per, ref, 1 / 5)
+        reference.accumulate_np(per, ref, 1 / 5)
         for t, o, r in zip(got, ops, ref):
             assert t.numpy().tobytes() == r.tobytes() == o.numpy().tobytes()
 

@@ -13,7 +13,7 @@ def _py(code):
 
 def test_core_imports_without_any_framework():
     r = _py("import sys; sys.modules['torch'] = None; sys.modules['tensorflow'] = None\n"
-            "import horovod_sbc, horovod_sbc.wire, horovod_sbc.core, horovod_sbc.residual\n"
+            "import horovod_sbc, horovod_sbc.wire, horovod_sbc.reference, horovod_sbc.residual\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
             "print('ok')")
     assert r.stdout.strip() == "ok", r.stderr
@@ -41,3 +41,32 @@ def test_install_is_idempotent_and_fast_when_nothing_changed():
                        cwd=str(ROOT), timeout=300)
     assert r.returncode == 0, r.stderr
     assert "up to date" in r.stdout
+
+
+def test_the_package_imports_one_way_without_circles():
+    r = subprocess.run([sys.executable, "scripts/import_graph.py"], capture_output=True,
+                       text=True, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("no circles, no upward imports")
+    # the layers of ARCHITECTURE.md hold what they say (a few anchors)
+    assert "horovod_sbc.wire -> -" in r.stdout and "horovod_sbc.protocol -> wire" in r.stdout
+
+
+def test_import_graph_catches_a_circle_and_an_upward_import(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import import_graph as ig
+    finally:
+        sys.path.pop(0)
+    graph = {"wire": {"protocol"}, "protocol": {"wire"}, "torch.sync": {"torch.compressor"},
+             "torch.compressor": set()}
+    assert ig.cycles(graph) == [["protocol", "wire"]]
+    ups = ig.upward(graph)
+    assert any(u.startswith("wire (format) imports protocol") for u in ups)
+    assert any(u.startswith("torch.sync (sync) imports torch.compressor") for u in ups)
+
+
+def test_tests_do_not_import_benchmarks_to_run_jobs():
+    src = (ROOT / "tests" / "harness.py").read_text()
+    assert not [line for line in src.splitlines()
+                if line.lstrip().startswith(("import", "from")) and "benchmarks" in line]

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 tf = pytest.importorskip("tensorflow")
 
-from horovod_sbc import core, kernels, wire  # noqa: E402
+from horovod_sbc import reference, kernels, wire  # noqa: E402
 from horovod_sbc.tensorflow import codec, decoder  # noqa: E402
 from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
 
@@ -52,7 +52,7 @@ def test_ops_are_used_in_graphs_and_not_when_disabled():
     u = tf.constant(np.random.default_rng(0).standard_normal(50_000).astype(np.float32))
     r = tf.zeros([50_000])
     layout = [("w", (50_000,))]
-    g = tf.constant(np.frombuffer(_step([[wire.encode_tensor_np([1, 7], 50_000, 0.5)]], layout),
+    g = tf.constant(np.frombuffer(_step([[reference.encode_tensor_np([1, 7], 50_000, 0.5)]], layout),
                                   np.uint8))
     got = {}
     for path, ctx in _paths():
@@ -78,7 +78,7 @@ def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
     code = textwrap.dedent("""
         import warnings
         import numpy as np, tensorflow as tf
-        from horovod_sbc import core, kernels
+        from horovod_sbc import reference, kernels
         from horovod_sbc.tensorflow import codec
         u = np.random.default_rng(1).standard_normal(30000).astype(np.float32)
         with warnings.catch_warnings(record=True) as w:
@@ -88,7 +88,7 @@ def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
         assert kernels.tf_ops() is None
         warned = [x for x in w if "TensorFlow kernel ops unavailable" in str(x.message)]
         assert len(warned) == 1, [str(x.message) for x in w]
-        want, want_res = core.compress_np(u, np.zeros(30000, np.float32), 0.01)
+        want, want_res = reference.compress_np(u, np.zeros(30000, np.float32), 0.01)
         assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()
         print("ok")
     """)
@@ -112,7 +112,7 @@ def test_subnormals_survive_the_ops(graph):
     u[idx[:10]] = -u[idx[:10]]
     r = np.zeros(n, np.float32)
     r[::97] = np.float32(3e-41)  # R + dW subnormal where dW is 0 (and also where it is not)
-    want, want_res = core.compress_np(u, r, 0.001)
+    want, want_res = reference.compress_np(u, r, 0.001)
     assert 0 < wire.parse_tensor_header(want, 0).value < 1.2e-38
     fn = (tf.function(lambda a, b: codec.compress(a, b, 0.001)) if graph
           else (lambda a, b: codec.compress(a, b, 0.001)))
@@ -124,7 +124,7 @@ def test_subnormals_survive_the_ops(graph):
     layout = [("w", (n,))]
     buf = _step([[want], [want]], layout)
     ref = np.zeros(n, np.float32)
-    wire.accumulate_np(wire.decode_step_np(buf, layout, 2), [ref], 0.5)
+    reference.accumulate_np(reference.decode_step_np(buf, layout, 2), [ref], 0.5)
     dec = (tf.function(lambda x: tfx.decode_gathered(x, layout, 2, 0.5)) if graph
            else (lambda x: tfx.decode_gathered(x, layout, 2, 0.5)))
     got = dec(tf.constant(np.frombuffer(buf, np.uint8)))[0].numpy()
@@ -147,7 +147,7 @@ def test_nonfinite_update_is_rejected_naming_the_tensor(graph):
     step = tfx.frame_host([name], [30_000], 0, 0, False, np.array([bool(enc.finite)]),
                           np.stack([enc.header.numpy()]), enc.body.numpy())
     with pytest.raises(wire.PeerError, match="dense_3/kernel:0"):
-        wire.decode_step_np(step.tobytes(), [(name, (30_000,))], 1)
+        reference.decode_step_np(step.tobytes(), [(name, (30_000,))], 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_ops_and_stock_ops_agree(case, graph):
             dense = dec(tf.constant(np.frombuffer(buf, np.uint8)))[0].numpy()
             got[path] = (msgs, [x.numpy().tobytes() for _, x in out], dense.tobytes())
     assert got["ops"] == got["stock"]
-    want = [core.compress_np(u, r, density, selection=selection)[0] for u in us]
+    want = [reference.compress_np(u, r, density, selection=selection)[0] for u in us]
     assert got["ops"][0] == want
 
 
@@ -235,7 +235,7 @@ def test_close_means_choose_the_reference_side():
                         msg, res = codec.compress(tf.zeros([n]), tf.constant(a), density, True,
                                                   "paper")
                     got[path] = (msg.numpy().tobytes(), res.numpy().tobytes())
-                want, _ = core.compress_np(a.copy(), None, density)
+                want, _ = reference.compress_np(a.copy(), None, density)
                 assert got["ops"] == got["stock"] and got["ops"][0] == want, (n, eps, density)
 
 
@@ -283,7 +283,7 @@ def test_decode_into_outputs_matches_the_stock_path(graph):
             u = rng.standard_normal(n).astype(np.float32)
             if r == 1 and name == "a":
                 u = np.zeros(n, np.float32)  # nothing to send
-            ms.append(core.compress_np(u, None, 0.05)[0])
+            ms.append(reference.compress_np(u, None, 0.05)[0])
         msgs.append(ms)
     buf = tf.constant(np.frombuffer(_step(msgs, layout), np.uint8))
     bases = [rng.standard_normal(s).astype(np.float32) for _, s in layout]
@@ -297,7 +297,7 @@ def test_decode_into_outputs_matches_the_stock_path(graph):
             assert [o.numpy().tobytes() for o in outs] == [b.tobytes() for b in bases]
     assert got["ops"] == got["stock"]
     ref = [b.copy().reshape(-1) for b in bases]
-    wire.accumulate_np(wire.decode_step_np(buf.numpy().tobytes(), layout, 3), ref, 1 / 3)
+    reference.accumulate_np(reference.decode_step_np(buf.numpy().tobytes(), layout, 3), ref, 1 / 3)
     assert got["ops"] == [x.tobytes() for x in ref]
 
 
@@ -307,7 +307,7 @@ def test_stock_path_paper_rule_at_high_density_on_large_tensors(density):
     the wrong P/N for the paper rule once k exceeded half of a large tensor."""
     u = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
     u[:8] = 0
-    want, want_res = core.compress_np(u, None, density)
+    want, want_res = reference.compress_np(u, None, density)
     with kernels.disabled():
         msg, res = codec.compress(tf.constant(u), tf.zeros(20_000), density)
     assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from horovod_sbc import wire
-from horovod_sbc.core import keep_count
+from horovod_sbc.reference import keep_count
 from horovod_sbc.torch import SBC, TopK
 from horovod_sbc.torch.sync import encode_downlink
 

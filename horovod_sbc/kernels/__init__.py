@@ -3,8 +3,8 @@
 The torch codec does its O(numel) and O(k) work in tensor ops so that it runs unchanged on any
 device. On the CPU, a handful of tensor ops per stage still means several passes over the tensor
 and over the positions, and int64 temporaries for every bit; these kernels do each stage in one
-pass of plain C instead (issue 12: compress and decode within a few ``torch.add`` of the same
-size). They are used for contiguous float32 CPU tensors of at most ``MAX_NUMEL`` (2**32 - 1)
+pass of plain C instead, so that compressing and decoding cost a few passes over memory, like a
+``torch.add`` of the same size. They are used for contiguous float32 CPU tensors of at most ``MAX_NUMEL`` (2**32 - 1)
 elements (positions are 32-bit inside) and CPU step buffers; everything else
 (CUDA tensors, other dtypes, SIGNS/VALUES/ALL messages) takes the tensor-op path, and so does
 everything when the kernels are unavailable or disabled. Both paths produce the same bytes and
@@ -12,11 +12,11 @@ the same verdicts: the golden vectors and the differential test run through each
 
 What the kernels compute (``sbc_kernels.c`` has the details):
 
-* ``sbc_select`` — the exact selection of :mod:`horovod_sbc.core` (paper: the min(k, #positive)
+* ``sbc_select`` — the exact selection of :mod:`horovod_sbc.reference` (paper: the min(k, #positive)
   largest positive and the most negative entries; magnitude: the k largest ``|a|``), ties at the
   k-th value to the lower index, via thresholds from a strided sample, one candidate pass (which
   also rejects NaN/Inf) and a radix select among the candidates; plus the fixed-order float64
-  tree sums of both sides (:func:`horovod_sbc.core.tree_sum_np`, same additions in the same
+  tree sums of both sides (:func:`horovod_sbc.reference.tree_sum_np`, same additions in the same
   order, so the means are bit-identical). The positions stay in per-thread scratch (kept
   between calls, so a step does not page-fault fresh buffers per tensor; ``sbc_release`` frees
   it) until ``sbc_take`` copies the side that is sent. Given a destination, the paper rule

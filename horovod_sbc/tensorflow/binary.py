@@ -30,7 +30,7 @@ What makes it cheaper than the general path, per decoded position:
   rank and the tensor, so the rank-ordered sum at a position depends only on *which* ranks sent
   it: a ``mask`` of up to 8 bits. A table ``[tensor, mask]`` of the exact rank-ordered float32
   sums (``horovod_sbc.protocol``'s arithmetic, computed on 2**n_ranks entries per tensor with
-  :func:`decoder.add_f32_bits`, so subnormal values and sums stay exact) replaces the sort and the
+  :func:`horovod_sbc.tensorflow.bits.add_f32_bits`, so subnormal values and sums stay exact) replaces the sort and the
   per-rank fold. With many positions (``positions * SORT_FACTOR >= elements``) the masks are
   written with one ``SparseToDense`` per rank into a dense uint8 vector and OR-ed as uint64
   words, and each position reads its mask back; with few, the (position, rank) pairs are sorted
@@ -52,7 +52,8 @@ from typing import List, Sequence
 import numpy as np
 import tensorflow as tf
 
-from . import decoder as _d  # noqa: F401 (decoder imports this module at its end)
+from . import table as _t
+from .bits import add_f32_bits, f32_bits_to_f64, f64_to_f32_bits
 
 MAX_RANKS = 8            # masks are uint8
 MAX_RICE_B = 30          # keeps every position sum inside int64 (see the module docstring)
@@ -73,8 +74,8 @@ def static_ok(numels: Sequence[int], n_ranks: int, outs, out_dtypes, single: boo
 def runtime_ok(buf: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     """bool scalar: every message binary (or empty) with ``rice_b <= MAX_RICE_B``, and the buffer
     small enough (O(messages) ops on the parsed header table)."""
-    count, b, kind = table[:, _d.C_COUNT], table[:, _d.C_B], table[:, _d.C_KIND]
-    binary = tf.logical_or(tf.equal(count, 0), tf.logical_and(tf.equal(kind, _d.K_BINARY),
+    count, b, kind = table[:, _t.C_COUNT], table[:, _t.C_B], table[:, _t.C_KIND]
+    binary = tf.logical_or(tf.equal(count, 0), tf.logical_and(tf.equal(kind, _t.K_BINARY),
                                                                 b <= MAX_RICE_B))
     return tf.logical_and(tf.reduce_all(binary),
                           tf.size(buf, out_type=tf.int64) < MAX_BUFFER)
@@ -122,9 +123,9 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
     n_t = len(layout)
     m_count = n_ranks * n_t
     col = lambda c: table[:, c]  # noqa: E731
-    count, b = col(_d.C_COUNT), col(_d.C_B)
-    ustart, ubytes = col(_d.C_USTART), col(_d.C_UBYTES)
-    rstart, rbytes = col(_d.C_RSTART), col(_d.C_RBYTES)
+    count, b = col(_t.C_COUNT), col(_t.C_B)
+    ustart, ubytes = col(_t.C_USTART), col(_t.C_UBYTES)
+    rstart, rbytes = col(_t.C_RSTART), col(_t.C_RBYTES)
     slack = tf.concat([buf, tf.zeros([8], tf.uint8)], 0)
 
     # --- unary streams: the offset of every one bit in their concatenation -------------------
@@ -259,10 +260,10 @@ def _sum_table(table: tf.Tensor, n_ranks: int, n_t: int, scale: float) -> tf.Ten
     ``((0 + v[r0, t]) + v[r1, t]) + ...`` over the ranks r0 < r1 < ... set in ``mask``, with
     ``v[r, t] = float32(float64(value) * scale)`` (signed) of rank r's message for tensor t —
     the protocol's decoded arithmetic, exact also for subnormal values and sums."""
-    vb = tf.cast(table[:, _d.C_VBITS], tf.int32)
+    vb = tf.cast(table[:, _t.C_VBITS], tf.int32)
     if scale != 1.0:
-        vb = _d.f64_to_f32_bits(_d.f32_bits_to_f64(vb) * scale)
-    vb = tf.where(table[:, _d.C_NEG] > 0, tf.bitwise.bitwise_or(vb, tf.constant(-2 ** 31,
+        vb = f64_to_f32_bits(f32_bits_to_f64(vb) * scale)
+    vb = tf.where(table[:, _t.C_NEG] > 0, tf.bitwise.bitwise_or(vb, tf.constant(-2 ** 31,
                                                                                tf.int32)), vb)
     v = tf.reshape(vb, [n_ranks, n_t])
     size = 1 << n_ranks
@@ -271,5 +272,5 @@ def _sum_table(table: tf.Tensor, n_ranks: int, n_t: int, scale: float) -> tf.Ten
     for rk in range(n_ranks):
         sel = tf.constant(np.tile((m >> rk) & 1, n_t).astype(bool))
         add = tf.reshape(tf.tile(v[rk][:, None], [1, size]), [-1])
-        acc = tf.where(sel, _d.add_f32_bits(acc, add), acc)
+        acc = tf.where(sel, add_f32_bits(acc, add), acc)
     return acc

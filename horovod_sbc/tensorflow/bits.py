@@ -38,3 +38,39 @@ def f32_bits_to_f64(bits: tf.Tensor) -> tf.Tensor:
     normal = tf.cast(tf.bitcast(tf.cast(mag, tf.int32), tf.float32), tf.float64)
     sub = tf.cast(mag, tf.float64) * (2.0 ** -149)  # exact: integer * power of two, normal f64
     return sign * tf.where(mag < (1 << 23), sub, normal)
+
+
+
+
+def _tiny(bits: tf.Tensor) -> tf.Tensor:
+    """Zero or subnormal float32 (by bit pattern)."""
+    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
+
+
+def _zero(bits: tf.Tensor) -> tf.Tensor:
+    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0)
+
+
+def _subnormal(bits: tf.Tensor) -> tf.Tensor:
+    return tf.logical_and(_tiny(bits), tf.logical_not(_zero(bits)))
+
+
+def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """Bits of the IEEE float32 sum of float32 bit patterns ``x + y`` (round to nearest even),
+    also where TensorFlow's float add would flush a subnormal operand or result to zero: those
+    (rare) elements are recomputed as ``float32(float64(x) + float64(y))`` with exact integer
+    conversions (float64 has 53 >= 2 x 24 + 2 bits, so the double rounding is innocuous)."""
+    s = tf.bitcast(tf.bitcast(x, tf.float32) + tf.bitcast(y, tf.float32), tf.int32)
+    # TF's add is exact unless an operand is subnormal or the result is (then it shows as a zero
+    # that two non-zero operands did not cancel to; real cancellations are redone harmlessly)
+    both_zero = tf.logical_and(_zero(x), _zero(y))
+    # zero + zero is -0 only when both are -0 (IEEE, round to nearest). Set from the bits: inside
+    # tf.function Grappler folds "zeros + y" to y, which turned +0 + (-0) into -0
+    s = tf.where(both_zero, tf.bitwise.bitwise_and(x, y), s)
+    redo = tf.logical_or(tf.logical_or(_subnormal(x), _subnormal(y)),
+                         tf.logical_and(_tiny(s), tf.logical_not(both_zero)))
+    redo = tf.reshape(tf.where(redo), [-1])
+
+    xs, ys = tf.gather(x, redo), tf.gather(y, redo)  # usually empty
+    return tf.tensor_scatter_nd_update(
+        s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))

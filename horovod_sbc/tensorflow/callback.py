@@ -26,7 +26,7 @@ from typing import Optional
 
 import keras
 
-from ..core import resolve_compression
+from ..config import resolve_compression
 from .compressor import SBC
 from .tape import broadcast_variables
 

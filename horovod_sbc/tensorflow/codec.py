@@ -1,7 +1,7 @@
 """SBC codec in TensorFlow ops: selection, binarization, residual and Golomb-Rice streams on the
 tensor's own device, eagerly and inside ``tf.function``.
 
-Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.core`,
+Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.reference`,
 :mod:`horovod_sbc.wire`) and of the torch codec (pinned by ``tests/golden/``). What runs where:
 
 * **on the tensor's device (TF ops)** — everything O(numel) or O(k): the non-finite check, the
@@ -39,13 +39,15 @@ import enum
 import math
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from .. import core, wire
+from .. import reference, wire, config
+from . import native
 from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
+from .decoder import decode_messages
 
 _EXACT_BELOW = 1 << 14   # below this (or at high density) the exact path runs on the whole tensor
 _BLOCK = 32              # elements per block of the block-maxima pass
@@ -142,7 +144,7 @@ def _value_in(bits32: tf.Tensor, dtype: tf.DType, negative=None) -> tf.Tensor:
 
 
 def tree_sum(x: tf.Tensor, max_len: Optional[int] = None) -> tf.Tensor:
-    """0-d float64: the fixed pairwise-tree sum of :func:`horovod_sbc.core.tree_sum_np` (values in
+    """0-d float64: the fixed pairwise-tree sum of :func:`horovod_sbc.reference.tree_sum_np` (values in
     order, zero padded to a power of two, then repeatedly ``x[:h] + x[h:]``), on x's device.
 
     Padding to any larger power of two gives the same bits (the extra levels add exact zeros),
@@ -163,7 +165,7 @@ def tree_sum(x: tf.Tensor, max_len: Optional[int] = None) -> tf.Tensor:
 
 def _mean_bits_2(x: tf.Tensor, y: tf.Tensor, max_len: int) -> tf.Tensor:
     """int32 [2]: bits of ``float32(tree_sum(v) / len(v))`` (0 for no values) for ``v`` = x, y,
-    as :func:`horovod_sbc.core.mean_f32`. The float64 division is exact IEEE (no subnormal
+    as :func:`horovod_sbc.reference.mean_f32`. The float64 division is exact IEEE (no subnormal
     float64 arises from float32-range data); the rounding to float32 is done on the bits."""
     n = tf.stack([tf.size(x, out_type=tf.int64), tf.size(y, out_type=tf.int64)])
     size = 1 << max(0, (max_len - 1).bit_length())
@@ -365,38 +367,9 @@ def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool
 # ----------------------------------------------------------------------------------------------
 # Golomb-Rice streams and headers
 # ----------------------------------------------------------------------------------------------
-_RICE_TABLES: Dict[int, Tuple[int, np.ndarray]] = {}
-
-
-def _rice_table(numel: int) -> Tuple[int, np.ndarray]:
-    """(b*(1), T) with T[j] the smallest count whose b* is <= b*(1) - 1 - j (wire.rice_parameter
-    is non-increasing in count), so b*(count) = b*(1) - #{T <= count} with integer ops."""
-    got = _RICE_TABLES.get(numel)
-    if got is not None:
-        return got
-
-    def bstar(c):
-        return wire.rice_parameter(c / numel)
-
-    b1, bn = bstar(1), bstar(numel)
-    ts = []
-    for j in range(b1 - 1, bn - 1, -1):
-        lo, hi = 1, numel  # smallest c with bstar(c) <= j
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if bstar(mid) <= j:
-                hi = mid
-            else:
-                lo = mid + 1
-        ts.append(lo)
-    got = (b1, np.array(ts, np.int64))
-    _RICE_TABLES[numel] = got
-    return got
-
-
 def rice_b(gaps: tf.Tensor, count: tf.Tensor, numel: int) -> tf.Tensor:
     """The encoder's b (int64 scalar): :func:`horovod_sbc.wire.choose_rice_b` in TF ops."""
-    b1, ts = _rice_table(numel)
+    b1, ts = wire.rice_table(numel)
     count = _i64(count)
     b0 = _c64(b1) - tf.reduce_sum(tf.cast(tf.constant(ts, tf.int64) <= count, tf.int64))
     bs = b0 + tf.constant([-1, 0, 1], tf.int64)
@@ -587,8 +560,8 @@ def encode_sum(update: Optional[tf.Tensor], residual: tf.Tensor, density: float,
     n = int(residual.shape[0])
     mod = native.encoder_for(residual, mode) if n else None
     if mod is not None and (update is None or update.dtype == tf.float32):
-        core.validate_selection(selection)
-        k = core.keep_count(n, core.validate_density(density))
+        config.validate_selection(selection)
+        k = reference.keep_count(n, config.validate_density(density))
         return _encode_native(mod, update, residual, k, selection)
     a = residual if update is None else tf.reshape(update, [-1]) + residual
     enc = encode_update(a, density, mode, selection, name, native_ok=False)
@@ -604,14 +577,14 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with the
     kept entries' float32 values (magnitude selection); ``"sign"`` error-feedback signSGD.
     ``selection``: SBC's candidate sets, ``"paper"`` or ``"magnitude"`` (see
-    :mod:`horovod_sbc.core`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
+    :mod:`horovod_sbc.reference`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
     error feedback with ``a - sent`` at ``positions``, see :func:`apply_sent`).
     ``native_ok``: binary SBC of float32 on the CPU may run in the kernel op (see
     :func:`encode_sum`); False forces the stock-TF-op path (tests, benchmarks).
     """
     mode = _normalize_mode(mode)
-    core.validate_selection(selection)
-    density = core.validate_density(density)
+    config.validate_selection(selection)
+    density = config.validate_density(density)
     a = tf.reshape(a, [-1])
     if a.dtype not in (tf.float32, tf.float64):
         raise TypeError(f"encode_update needs float32 or float64 (the residual dtype), got "
@@ -621,7 +594,7 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     if n == 0:
         return Encoded(*encode_parts(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
                        tf.constant(True), 0)
-    k = core.keep_count(n, density)
+    k = reference.keep_count(n, density)
     mod = native.encoder_for(a, mode) if native_ok else None
     if mod is not None:
         return _encode_native(mod, None, a, k, selection)
@@ -656,7 +629,7 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
             p_idx, n_idx = tf.boolean_mask(idx, kept > 0), tf.boolean_mask(idx, kept < 0)
         mu_pos, mu_neg = tf.unstack(_mean_bits_2(tf.gather(a, p_idx), -tf.gather(a, n_idx),
                                                   min(k, n)))
-        # core.choose_side on bit patterns: non-negative float32 bits order like their values
+        # reference.choose_side on bit patterns: non-negative float32 bits order like their values
         pos_side = tf.logical_and(mu_pos >= mu_neg, mu_pos > 0)
         neg_side = tf.logical_and(tf.logical_not(pos_side), mu_neg > 0)
         take_p = tf.where(pos_side, tf.size(p_idx, out_type=tf.int64), 0)
@@ -702,7 +675,7 @@ def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor,
 @_no_autograph
 def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=True,
              selection: str = "paper", name: str = "tensor"):
-    """(message uint8 1-D, new residual) for one tensor, like :func:`horovod_sbc.core.compress_np`;
+    """(message uint8 1-D, new residual) for one tensor, like :func:`horovod_sbc.reference.compress_np`;
     the residual keeps ``residual``'s dtype. ``binarize``: True (SBC), False (top-k values) or a
     mode name (``"sign"``). Raises on NaN/Inf (``InvalidArgumentError`` from the TF assert;
     ``ValueError`` eagerly)."""
@@ -723,7 +696,7 @@ def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=Tr
 @_no_autograph
 def decompress(message: tf.Tensor, shape, dtype=tf.float32) -> tf.Tensor:
     """Dense tensor of ``shape`` from one tensor message (validated; errors like
-    :func:`horovod_sbc.core.decompress_np`). Values are placed as bits, so a subnormal value
+    :func:`horovod_sbc.reference.decompress_np`). Values are placed as bits, so a subnormal value
     survives. Header parsing runs on the host (O(message bytes)); the streams in TF ops."""
     shape = tuple(int(d) for d in shape)
     numel = wire.layout_numel(shape)
@@ -731,6 +704,3 @@ def decompress(message: tf.Tensor, shape, dtype=tf.float32) -> tf.Tensor:
     out = tf.reshape(dense, shape)
     return out if dtype == tf.float32 else tf.cast(out, dtype)
 
-
-from .decoder import decode_messages  # noqa: E402  (the decoder imports .bits, not this module)
-from . import native  # noqa: E402

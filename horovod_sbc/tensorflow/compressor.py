@@ -27,7 +27,6 @@ Three ways to use one ``SBC`` object (one at a time per object):
 """
 from __future__ import annotations
 
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -37,6 +36,7 @@ from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
 from . import exchange
 from .exchange import COMMIT, residual_dtype, tf_name
+from .owner import identify, variable_name
 
 # Our graph-building code uses Python control flow on Python values only; AutoGraph must not
 # rewrite it when a user's tf.function calls into it.
@@ -44,19 +44,6 @@ _no_autograph = tf.autograph.experimental.do_not_convert
 _MODES = {"stock": "hvd.DistributedGradientTape(tape, compression=SBC(...))",
           "gradients": "horovod_sbc.tensorflow.DistributedGradientTape(tape, compression=SBC(...))",
           "weights": "SBC.step() (DistributedGradientTape with delay > 1, or SBCCallback)"}
-
-
-def variable_name(v) -> str:
-    """The name that keys a variable's state: Keras 3 ``path``, else the tf.Variable's name."""
-    if not isinstance(v, tf.Variable):
-        path = getattr(v, "path", None)
-        if isinstance(path, str):
-            return path
-    name = getattr(v, "name", None)
-    if not isinstance(name, str):
-        raise TypeError(f"SBC needs variables (tf.Variable or keras.Variable), got "
-                        f"{type(v).__name__}")
-    return name[:-2] if name.endswith(":0") else name
 
 
 def tf_variable(v) -> tf.Variable:
@@ -113,20 +100,18 @@ class SBC(tf.Module):
         selection: SBC's candidate sets: ``"paper"`` (default; the SBC paper's Algorithm 1: the
             k largest positive and the k most negative entries, the side with the larger mean
             is sent) or ``"magnitude"`` (top-k by |A|, split by sign). See
-            :mod:`horovod_sbc.core`. Top-k (``binarize=False``) always ranks magnitudes.
+            :mod:`horovod_sbc.reference`. Top-k (``binarize=False``) always ranks magnitudes.
         codec: ``"native"`` (default): encoding and the stream decoding run as TensorFlow ops
             on the tensors' device (:mod:`horovod_sbc.tensorflow.codec`); only the compressed
             bytes visit the host (step framing with its CRC-32, header parsing). ``"numpy"``:
-            the former bridge to the numpy reference through ``tf.numpy_function`` (every
-            update is copied to host memory); the same bytes, kept as a fallback.
+            the numpy reference through ``tf.numpy_function`` (every update is copied to host
+            memory); the same bytes.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
             own steps at once (the default of :func:`horovod_sbc.torch.DistributedOptimizer`;
-            see :mod:`horovod_sbc.torch.optimizer` for why and what was measured); ranks'
-            weights then differ by their residuals until :meth:`finish`. False (default here,
-            for now: the TensorFlow adapter's training accuracy was not benchmarked with True):
-            every rank continues from the shared weights, bit-identical after every sync; with
+            see :mod:`horovod_sbc.torch.optimizer` for why); ranks' weights then differ by
+            their residuals until :meth:`finish`. False (default here): every rank continues from the shared weights, bit-identical after every sync; with
             momentum and a small delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much
             worse on IID data, but it is the right choice on non-IID shards. Gradient modes
             (delay 1 tape, stock tape) exchange gradients and are not affected.
@@ -465,37 +450,6 @@ class SBC(tf.Module):
             return self.pending.assign(1)
 
     # -- stock horovod.tensorflow.DistributedGradientTape interface -------------------------------
-    def _identify(self, tensor) -> Tuple[str, bool]:
-        """Which variable is ``tensor`` the gradient of? (Horovod passes no name.)
-
-        Horovod's ``allreduce_grads(grads, vars)`` (horovod/tensorflow/__init__.py) calls
-        ``compression.compress(grad)`` a few frames down; we look at that caller's ``grads`` and
-        ``vars`` (read-only frame inspection, nothing of Horovod is modified) and match by
-        identity. Returns (name, op is Sum).
-        """
-        import horovod.tensorflow as hvd
-        f = sys._getframe(2)
-        for _ in range(80):
-            if f is None:
-                break
-            loc = f.f_locals
-            grads, tvars = loc.get("grads"), loc.get("vars")
-            if isinstance(grads, list) and isinstance(tvars, (list, tuple)):
-                op = loc.get("op", hvd.Average)
-                if op == hvd.Adasum:
-                    raise ValueError("SBC cannot be combined with op=hvd.Adasum: Adasum combines "
-                                     "dense vectors pairwise. Use op=hvd.Average (the default).")
-                if op not in (hvd.Average, hvd.Sum):
-                    raise ValueError(f"SBC supports op=hvd.Average or hvd.Sum, not {op!r}")
-                for g, v in zip(grads, tvars):
-                    if g is tensor:
-                        return variable_name(v), op == hvd.Sum
-            f = f.f_back
-        raise ValueError(
-            "SBC.compress() could not tell which variable this tensor is the gradient of. Use it "
-            "as compression= of hvd.DistributedGradientTape, or use "
-            "horovod_sbc.tensorflow.DistributedGradientTape.")
-
     @_no_autograph
     def compress(self, tensor):
         """Horovod hook: compress this gradient and allgather its step message; returns a
@@ -507,7 +461,7 @@ class SBC(tf.Module):
                 "hvd.DistributedGradientTape cannot do: use horovod_sbc.tensorflow."
                 "DistributedGradientTape(tape, compression=SBC(..., delay=n)) and call "
                 "sbc.step(variables) after each optimizer step, or SBCCallback for Keras.")
-        name, op_sum = self._identify(tensor)
+        name, op_sum = identify(tensor)
         self._use("stock")
         if isinstance(tensor, tf.IndexedSlices):
             raise ValueError(f"SBC: gradient of {name!r} is sparse (tf.IndexedSlices); pass "

@@ -35,12 +35,10 @@ Three ways through steps 2-4, chosen by a ``tf.cond`` on the parsed headers:
 * the **general path** below (:func:`_streams`, :func:`_accumulate_all`) for everything else
   (ternary, top-k values, signSGD, float64 outputs, accumulating into ``outs``).
 
-Speed (one CPU thread, 25M fp32, 8 ranks, ``benchmarks/bench_tf_codec.py``): the fast path costs
-~50-60 ns per decoded position plus ~1 ns per element of the layout (the dense masks), i.e. ~1x
-``tf.add`` at density 1e-4, ~2x at 1e-3, ~12x at 1e-2; the general path costs ~4x that per
-position (a sort of all ranks' positions and TensorFlow's scatter). The rest is TensorFlow's
-per-op cost (``Where``, ``Cumsum``, ``SparseToDense`` and gathers run at 3-7 ns per element on one
-thread); the host steps are O(messages).
+Cost: the fast path's work is a few integer ops per decoded position plus one pass over the
+layout's elements (the dense masks); the general path adds a sort of all ranks' positions and
+TensorFlow's scatter. The host steps are O(messages). ``benchmarks/bench_tf_codec.py`` measures
+both against a ``tf.add`` of the same size.
 
 Errors: ``ValueError`` raised by the host steps (``InvalidArgumentError`` with the same text
 inside ``tf.function``).
@@ -57,7 +55,13 @@ import numpy as np
 import tensorflow as tf
 
 from .. import protocol, wire
-from .bits import f32_bits_to_f64, f64_to_f32_bits
+from . import binary, native
+from .bits import add_f32_bits, f32_bits_to_f64, f64_to_f32_bits  # noqa: F401
+from .table import (C_B, C_COUNT, C_KIND, C_NEG, C_NUMEL, C_RANK, C_RBYTES, C_RSTART,  # noqa: F401
+                    C_SBYTES, C_SSTART, C_TENSOR, C_UBYTES, C_USTART, C_VBITS, C_VSTART,
+                    K_ALL_SIGNS, K_ALL_VALUES, K_BINARY, K_SIGNS, K_VALUES, N_COLS)
+
+_SIGN32 = -2 ** 31
 
 # the verdict codes (shared with exchange.py)
 class SyncCode(enum.IntEnum):
@@ -69,13 +73,6 @@ class SyncCode(enum.IntEnum):
 
 COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = (SyncCode.COMMIT, SyncCode.SKIP_KEEP_UPDATE,
                                               SyncCode.SKIP_DROP_UPDATE)
-
-# columns of the per-message table the host parse returns
-(C_TENSOR, C_RANK, C_COUNT, C_B, C_KIND, C_USTART, C_UBYTES, C_RSTART, C_SSTART, C_VSTART,
- C_VBITS, C_NEG, C_NUMEL, C_RBYTES, C_SBYTES) = range(15)
-N_COLS = 15
-K_BINARY, K_SIGNS, K_VALUES, K_ALL_SIGNS, K_ALL_VALUES = range(5)
-
 
 # ----------------------------------------------------------------------------------------------
 # host steps (exact Python integers, horovod_sbc.protocol; run inside tf.numpy_function)
@@ -318,43 +315,6 @@ def _streams(buf: tf.Tensor, table: tf.Tensor) -> _Decoded:
     return _Decoded(_excl_cumsum(count), count, pos, bits, is_val, stats)
 
 
-_SIGN32 = -2 ** 31
-
-
-def _tiny(bits: tf.Tensor) -> tf.Tensor:
-    """Zero or subnormal float32 (by bit pattern)."""
-    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7F800000), 0)
-
-
-def _zero(bits: tf.Tensor) -> tf.Tensor:
-    return tf.equal(tf.bitwise.bitwise_and(bits, 0x7FFFFFFF), 0)
-
-
-def _subnormal(bits: tf.Tensor) -> tf.Tensor:
-    return tf.logical_and(_tiny(bits), tf.logical_not(_zero(bits)))
-
-
-def add_f32_bits(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-    """Bits of the IEEE float32 sum of float32 bit patterns ``x + y`` (round to nearest even),
-    also where TensorFlow's float add would flush a subnormal operand or result to zero: those
-    (rare) elements are recomputed as ``float32(float64(x) + float64(y))`` with exact integer
-    conversions (float64 has 53 >= 2 x 24 + 2 bits, so the double rounding is innocuous)."""
-    s = tf.bitcast(tf.bitcast(x, tf.float32) + tf.bitcast(y, tf.float32), tf.int32)
-    # TF's add is exact unless an operand is subnormal or the result is (then it shows as a zero
-    # that two non-zero operands did not cancel to; real cancellations are redone harmlessly)
-    both_zero = tf.logical_and(_zero(x), _zero(y))
-    # zero + zero is -0 only when both are -0 (IEEE, round to nearest). Set from the bits: inside
-    # tf.function Grappler folds "zeros + y" to y, which turned +0 + (-0) into -0
-    s = tf.where(both_zero, tf.bitwise.bitwise_and(x, y), s)
-    redo = tf.logical_or(tf.logical_or(_subnormal(x), _subnormal(y)),
-                         tf.logical_and(_tiny(s), tf.logical_not(both_zero)))
-    redo = tf.reshape(tf.where(redo), [-1])
-
-    xs, ys = tf.gather(x, redo), tf.gather(y, redo)  # usually empty
-    return tf.tensor_scatter_nd_update(
-        s, redo[:, None], f64_to_f32_bits(f32_bits_to_f64(xs) + f32_bits_to_f64(ys)))
-
-
 def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
     """int32 [C]: bits of ``float32(float64(value) * scale)`` per element (the protocol's
     decoded arithmetic), the message's value computed once per message."""
@@ -574,5 +534,3 @@ def decode_messages(gathered, layout, n_ranks, outs=None, scale=1.0, out_dtypes=
     """Only the results of :func:`decode_gathered` (strict: ERROR/SKIP raise ``PeerError``)."""
     return decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes, False, single)[1]
 
-
-from . import binary, native  # noqa: E402  (the fast path imports this module's helpers)

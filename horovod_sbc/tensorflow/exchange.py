@@ -21,8 +21,7 @@ With the native codec (``SBC(codec="native")``, the default):
    of ``scale`` x every rank's tensor, in rank order, in TF ops (zeros, or e.g. the reference
    weights). Every rank adds the same values in the same order: bit-identical results.
 
-``codec="numpy"`` keeps the former bridge, a documented fallback: steps 1-2 and 4 run the numpy
-reference in ``tf.numpy_function`` (:func:`encode_step`, :func:`decode_into`), copying every
+``codec="numpy"`` runs steps 1-2 and 4 with the numpy reference in ``tf.numpy_function`` (:func:`encode_step`, :func:`decode_into`), copying every
 update to host memory.
 
 The bytes are those of the wire format spec (``horovod_sbc/wire.py``), identical to the PyTorch
@@ -41,7 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import core, wire
+from .. import reference, wire
 from . import codec as tfcodec
 from . import decoder
 # what decode_into() / decoder.decode_gathered tell the caller to do with the residuals
@@ -71,7 +70,7 @@ def encode_step(names: Sequence[str], updates: Sequence[np.ndarray],
     msgs, new_res = [], []
     for name, u, r in zip(names, updates, residuals):
         try:
-            msg, res = core.compress_np(u, r, density, binarize, selection=selection)
+            msg, res = reference.compress_np(u, r, density, binarize, selection=selection)
         except ValueError:  # the reference's only error here: R + dW holds NaN or Inf
             reason = f"the update of {name!r} contains NaN or Inf"
             step = wire.error_step_message(reason, layout_crc, skip, origin=rank)
@@ -96,14 +95,14 @@ def decode_into(gathered: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]
     or anything is malformed; nothing is added unless every step message is well-formed.
     """
     try:
-        per_rank = wire.decode_step_np(np.asarray(gathered, np.uint8).tobytes(), layout,
+        per_rank = reference.decode_step_np(np.asarray(gathered, np.uint8).tobytes(), layout,
                                        n_ranks)
     except wire.PeerError as e:
         if not e.skip:
             raise ValueError(f"SBC: {e}") from None
         warnings.warn(f"horovod_sbc: skipping this sync: {e}")
         return (SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), outs
-    wire.accumulate_np(per_rank, [out.reshape(-1) for out in outs], scale)
+    reference.accumulate_np(per_rank, [out.reshape(-1) for out in outs], scale)
     return COMMIT, outs
 
 

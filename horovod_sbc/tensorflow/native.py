@@ -59,10 +59,9 @@ def encoder_for(t: tf.Tensor, mode: str):
 def encode(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int, selection: str):
     """Raw ``SbcEncode`` outputs ``(new_residual, header, body, positions, value, finite)`` of
     ``A = residual + update`` (flat float32; ``update`` None: ``A = residual``)."""
-    from .codec import _rice_table  # the exact b*(count) breakpoints, cached per size
     residual = tf.reshape(residual, [-1])
     numel = int(residual.shape[0])
-    b1, steps = _rice_table(numel) if numel else (0, [])
+    b1, steps = wire.rice_table(numel) if numel else (0, ())
     upd = tf.zeros([0], tf.float32) if update is None else tf.reshape(update, [-1])
     return mod.sbc_encode(upd, residual, k=int(k), magnitude=selection == "magnitude",
                           rice_b1=int(b1), rice_steps=[int(x) for x in steps],

@@ -1,6 +1,6 @@
 """SBC codec in torch: selection, binarization and Golomb-Rice streams on the tensor's own device.
 
-Produces byte-for-byte the messages of the numpy reference (:mod:`horovod_sbc.core`,
+Produces byte-for-byte the messages of the numpy reference (:mod:`horovod_sbc.reference`,
 :mod:`horovod_sbc.wire`). Only small control values (counts, sums, headers: O(1) per tensor) and
 the compressed message's headers cross to the host; the O(numel) work stays on the device.
 
@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import kernels, protocol, wire
-from ..core import choose_side, keep_count
+from ..reference import choose_side, keep_count
 
 _EXACT_BELOW = 1 << 14  # below this one exact pass over the whole tensor is cheaper
 _SAMPLE_MAX = 1 << 18   # largest strided sample for the threshold estimate
@@ -349,7 +349,7 @@ def _binarize_c(lib, a: torch.Tensor, k: int, selection: str, name: str,
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """0-d float64 tensor: the fixed pairwise-tree sum of :func:`horovod_sbc.core.tree_sum_np`
+    """0-d float64 tensor: the fixed pairwise-tree sum of :func:`horovod_sbc.reference.tree_sum_np`
     (zero padding to a power of two, then ``x[:h] + x[h:]``), on ``x``'s device."""
     return tree_sums([x])[0]
 
@@ -373,16 +373,15 @@ def tree_sums(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _f32(x: float) -> float:
     """Round a Python float to float32 (round to nearest even; overflow gives inf, as on the
-    device): C's double-to-float conversion through ctypes, ~50x cheaper than a 0-d tensor's
-    ``.to(torch.float32)`` (it ran twice per tensor per step; tests/test_kernels.py pins them
-    equal)."""
+    device): C's double-to-float conversion through ctypes, much cheaper on the host than a 0-d
+    tensor's ``.to(torch.float32)`` (tests/test_kernels.py pins the two equal)."""
     return ctypes.c_float(x).value
 
 
 def select_sides(a: torch.Tensor, k: int, selection: str = "paper", name: str = "tensor"
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(P, N): sorted positions of the positive and negative candidate sets
-    (:func:`horovod_sbc.core.select_sides_np`)."""
+    (:func:`horovod_sbc.reference.select_sides_np`)."""
     if selection not in ("paper", "magnitude"):
         raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
     lib = _kernels_for(a)
@@ -684,7 +683,7 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
     float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
     ``selection`` (``"paper"`` or ``"magnitude"``) picks SBC's candidate sets (see
-    :mod:`horovod_sbc.core`). ``"terngrad"`` stochastic ternary (Wen et al. 2017): each element is sent as
+    :mod:`horovod_sbc.reference`). ``"terngrad"`` stochastic ternary (Wen et al. 2017): each element is sent as
     ``max|A| * sign(A)`` with probability ``|A| / max|A|`` (``generator`` draws; unbiased).
     Returns (tensor message uint8, positions sent, values sent) without touching ``a``; the
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.

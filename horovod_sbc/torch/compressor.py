@@ -15,19 +15,14 @@ the same configuration.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from ..config import SBCConfig
-from ..residual import ResidualManager
-from . import codec, exchange, sync
+from . import exchange, sync
 from .hook import StockHook
-
-
-def _residual_dtype(dtype: torch.dtype) -> torch.dtype:
-    # fp16/bf16 updates are accumulated in fp32 (small updates would vanish in 16 bits)
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .state import SyncState
 
 
 class SBC(StockHook):
@@ -93,12 +88,9 @@ class SBC(StockHook):
             :func:`TopK`, whose exact values need their momentum): DGC's momentum factor masking
             (Lin et al., ICLR 2018) on the global buffer — where the averaged update is
             non-zero, the owner optimizer's SGD ``momentum_buffer`` is zeroed just before its
-            step (:func:`horovod_sbc.torch.hook.momentum_buffer`). It helps (mnist1d, 4 workers,
-            SGD momentum 0.9, p = 0.1, 500 steps: 41.2 % -> 56.3 %; dense 84.7 %) but the stock
-            path with momentum stays behind the drop-in optimizer: after 1,500 steps 90.7 %
-            (p = 0.01) and 86.9 % (p = 0.1) against 94.5 % dense and 86.1 % for no
-            communication, after 500 steps below no communication (docs/benchmarks.md §0);
-            the hook warns once when the optimizer has momentum.
+            step (:func:`horovod_sbc.torch.hook.momentum_buffer`). It helps, but the stock path
+            with momentum stays behind the drop-in optimizer (docs/benchmarks.md §0), so the
+            hook warns once when the optimizer has momentum.
 
     Attribute ``transport``: the collective :meth:`exchange` gathers step messages with;
     :class:`~horovod_sbc.torch.exchange.HorovodTransport` by default. The DDP hook and averager
@@ -119,19 +111,13 @@ class SBC(StockHook):
                                 nonfinite=nonfinite, topology=topology,
                                 downlink_density=downlink_density,
                                 downlink_binarize=downlink_binarize, seed=seed)
-        self.manager = ResidualManager()
-        self.manager.config.update(self.config.record())
-        self._named = list(named_parameters) if named_parameters is not None else None
-        self.transport = exchange.HorovodTransport()
-        self._gen: Optional[torch.Generator] = None
-        self._saved_gen = None
-        self._positions: Dict[str, codec.PositionBuffer] = {}  # reused per tensor (CPU)
-        self._calls: Dict[str, int] = {}  # compress() calls per tensor (stock path)
-        self._max_calls = 0
-        if not isinstance(momentum_masking, bool):
-            raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
-        self.momentum_masking = momentum_masking
-        self._warned_momentum = False
+        self.state = SyncState(self.config, exchange.HorovodTransport())
+        StockHook.__init__(self, named_parameters, momentum_masking)
+
+    # -- the state the sync driver and the stock hook share --------------------------------
+    manager = property(lambda self: self.state.manager)
+    transport = property(lambda self: self.state.transport,
+                         lambda self, t: setattr(self.state, "transport", t))
 
     # -- the knobs, read-only views of the configuration --------------------------------------
     density = property(lambda self: self.config.density)
@@ -159,59 +145,17 @@ class SBC(StockHook):
 
     def state_dict(self):
         """This rank's residuals, reference weights, counters (and TernGrad's generator)."""
-        st = self.manager.state_dict()
-        if self._gen is not None:
-            st["generator"] = self._gen.get_state()
-        return st
+        return self.state.state_dict()
 
     def load_state_dict(self, state) -> None:
         """Restore residuals and counters. Residuals are per rank: loading a checkpoint written
         by another rank or by a job of another size raises ValueError (a changed ``density`` is
         fine: the residual is still the update mass not sent yet)."""
-        try:
-            self.world()  # record this job's size and rank to compare with the checkpoint's
-        except (RuntimeError, ImportError, ValueError):
-            pass
-
-        def copy(dst, src):
-            if dst is not None and dst.shape == src.shape:
-                return dst.copy_(src)
-            return src.detach().clone()
-        self.manager.load_state_dict(state, copy)
-        self._saved_gen, self._gen = state.get("generator"), None
+        self.state.load_state_dict(state)
 
     def residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The flat residual of ``name`` (created as zeros shaped like ``like``)."""
-        return self.manager.residual(
-            name, lambda: torch.zeros(like.numel(), dtype=_residual_dtype(like.dtype),
-                                      device=like.device))
-
-    def position_buffer(self, name: str) -> "codec.PositionBuffer":
-        """Where ``name``'s sent positions live between its encode and its error-feedback
-        commit (reused every step: no fresh page-faulted tensor per tensor per step)."""
-        buf = self._positions.get(name)
-        if buf is None:
-            buf = self._positions[name] = codec.PositionBuffer()
-        return buf
-
-    def world(self) -> Tuple[int, int]:
-        """(size, rank) of the transport's job, recorded for checkpoint checks."""
-        size, rank = self.transport.world()
-        self.manager.config.update(world_size=size, rank=rank)
-        return size, rank
-
-    def generator(self, device) -> Optional[torch.Generator]:
-        """TernGrad's random stream on ``device`` (None for the deterministic modes)."""
-        if self.config.mode != "terngrad":
-            return None
-        if self._gen is None or self._gen.device != torch.device(device):
-            _, rank = self.world()
-            self._gen = torch.Generator(device=device)
-            self._gen.manual_seed(self.config.seed + 1_000_003 * rank)
-            saved, self._saved_gen = self._saved_gen, None
-            if saved is not None:  # resume the random stream where the checkpoint left it
-                self._gen.set_state(saved)
-        return self._gen
+        return self.state.residual(name, like)
 
     # -- one fused sync (the drop-in optimizer, the DDP hook and averager) ------------------
     def exchange(self, items, out: Optional[List[torch.Tensor]] = None, tag: str = "sbc.sync",
@@ -219,7 +163,7 @@ class SBC(StockHook):
         """Compress, exchange (one fused message), decode and average a set of updates
         (:class:`horovod_sbc.torch.sync.Update` or ``(name, value, shape[, base])`` tuples);
         see :func:`horovod_sbc.torch.sync.synchronize`."""
-        return sync.synchronize(self, items, out, tag, count_sync)
+        return sync.synchronize(self.state, items, out, tag, count_sync)
 
 
 # -- baselines: presets of the same configuration -----------------------------------------------

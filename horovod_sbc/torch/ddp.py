@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from ..core import resolve_compression
+from ..config import resolve_compression
 from .compressor import SBC
 from .sync import Update, named_parameters
 from .exchange import ProcessGroupTransport

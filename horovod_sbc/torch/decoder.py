@@ -60,8 +60,7 @@ def _tables(dev) -> Tuple[torch.Tensor, torch.Tensor]:
 BATCH_MAX_COUNT = 1024
 """Messages with more positions are decoded one by one: the batch amortises the fixed cost per
 message (many small tensors, low densities) but costs more per position than the per-message
-path (measured on one CPU thread: ResNet-18 at p = 1e-3, 8 ranks: 1.7x vs 6-7x torch.add
-batched; at p = 1e-2: 13-19x batched vs 10-14x per message)."""
+path (``benchmarks/bench_codec.py`` compares both on ResNet-18's layout)."""
 
 
 def batchable(msg: wire.TensorMessage) -> bool:

@@ -72,33 +72,17 @@ non-floating-point parameters are left alone.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Optional
 
 import torch
 
-from ..core import resolve_compression
+from ..config import resolve_compression
 from .compressor import SBC
+from .owner import called_by_horovod_broadcast
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
 
 _STATE_KEY = "horovod_sbc"
-
-
-def _called_by_horovod_broadcast() -> bool:
-    """Is ``step()`` being called by ``hvd.broadcast_optimizer_state``? It runs one step on zero
-    gradients to create the optimizer state before broadcasting it; that is not a training step
-    and must not count towards the delay window. Up to four callers are inspected, read-only
-    (wrappers such as an LR scheduler's step counter sit in between)."""
-    f = sys._getframe(2)
-    for _ in range(4):
-        if f is None:
-            return False
-        if (f.f_code.co_name == "broadcast_optimizer_state"
-                and str(f.f_globals.get("__name__", "")).startswith("horovod.")):
-            return True
-        f = f.f_back
-    return False
 
 
 class _SBCOptimizer:
@@ -190,7 +174,7 @@ class _SBCOptimizer:
             self.found_inf, self.grad_scale = found_inf, scale
 
     def step(self, closure=None):
-        if self._sbc_bypass or _called_by_horovod_broadcast():
+        if self._sbc_bypass or called_by_horovod_broadcast():
             return super(self.__class__, self).step(closure)
         self._capture_reference()
         loss = self._local_step(closure)

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import wire
 from . import exchange
-from ..core import keep_count
+from .state import SyncState
+from ..reference import keep_count
 from .codec import (Difference, NonFiniteError, _scratch, encode_positions, encode_update,
                     subtract_sent_)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressor import SBC
 
 
 def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
@@ -161,7 +159,7 @@ def _undo(res: torch.Tensor, u: Update, upd: Optional[torch.Tensor]) -> None:
         reset_nonfinite_(res)
 
 
-def _encode(state: "SBC", u: Update) -> Encoded:
+def _encode(state: SyncState, u: Update) -> Encoded:
     """Encode one update; error feedback is committed later (:meth:`Encoded.commit`). Kept in
     the weights: ``A = W - W_ref`` is selected without being stored. Otherwise ``A = R + dW``
     in place in the residual (in the selection's pass), restored before a ``NonFiniteError``
@@ -197,7 +195,7 @@ def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
         torch.float32
 
 
-def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
+def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = None,
                 tag: str = "sbc.sync", count_sync: bool = True) -> Optional[List[torch.Tensor]]:
     """Compress, exchange (one fused message), decode and average ``items``
     (:class:`Update` or tuples, see :meth:`Update.of`). Returns ``out`` (flat tensors, e.g. the
@@ -269,7 +267,7 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
 # ----------------------------------------------------------------------------------------------
 # topology "server"
 # ----------------------------------------------------------------------------------------------
-def server_exchange(state: "SBC", step: torch.Tensor, layout, size: int, rank: int, out,
+def server_exchange(state: SyncState, step: torch.Tensor, layout, size: int, rank: int, out,
                     acc_dtype, also=None) -> List[torch.Tensor]:
     """Server topology (Zou, De Sterck, Liu, "Downlink Compression Improves TopK
     Sparsification", arXiv 2209.15203): rank 0 gathers every rank's step message (a real MPI
@@ -293,7 +291,7 @@ def server_exchange(state: "SBC", step: torch.Tensor, layout, size: int, rank: i
     return exchange.decode_gathered(down, layout, 1, out, 1.0, acc_dtype, also=also)
 
 
-def server_step(state: "SBC", gathered, layout, size, acc_dtype, dev) -> torch.Tensor:
+def server_step(state: SyncState, gathered, layout, size, acc_dtype, dev) -> torch.Tensor:
     """Root only: the downlink step message for the gathered uplinks (or an error frame that
     makes every rank fail or skip together)."""
     fp = wire.layout_fingerprint(layout)

@@ -1,6 +1,9 @@
-"""One launcher for multi-rank jobs on this machine, shared by the tests (``tests/harness.py``) and
-the benchmarks: the environment a job needs, the command line of each launcher, and a runner
-that kills the whole process group on a timeout (a hang fails instead of blocking).
+"""Local multi-rank jobs: the environment a job needs, the command line of each launcher, and a
+runner that kills the whole process group on a timeout (a hang fails instead of blocking).
+
+One module for everything that starts ranks on this machine — the tests (``tests/harness.py``),
+the benchmarks and the examples' scripts — so they agree on launchers and environment. It
+imports nothing else of the package.
 
 Launchers: ``"mpirun"`` (Open MPI, Horovod's MPI controller), ``"horovodrun-mpi"`` /
 ``"horovodrun-gloo"`` (Horovod's launcher with either controller) and ``"torchrun"``
