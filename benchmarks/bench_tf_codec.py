@@ -1,7 +1,7 @@
-"""TensorFlow codec speed: kernel ops, stock TF ops, numpy bridge, as multiples of ``tf.add``.
+"""TensorFlow codec speed: kernel ops, stock TF ops, the numpy reference, as multiples of ``tf.add``.
 
     python -m benchmarks.bench_tf_codec [--n 25000000] [--densities 1e-4,1e-3,1e-2,5e-2]
-                                        [--repeats 3] [--json out.json] [--no-bridge]
+                                        [--repeats 3] [--json out.json] [--no-numpy]
                                         [--no-stock]
 
 Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n`` elements:
@@ -18,11 +18,11 @@ Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n``
   says whether they were available;
 * ``stock_*``   the same two with the kernel ops disabled (``horovod_sbc.kernels.disabled()``:
                 stock TensorFlow ops only, the path GPU tensors take), unless ``--no-stock``;
-* the same two for the numpy bridge (``codec="numpy"``, ``tf.numpy_function``).
+* the same two for the numpy reference (:mod:`horovod_sbc.reference`) in ``tf.numpy_function``.
 
 Times are the minimum over ``repeats`` runs after a warm-up (the shared CI machine is noisy; the
 minimum is the least disturbed run); ``add`` is timed in the same process, interleaved.
-Targets (issue 14): native compress <= 5x add, decode <= 3x add.
+Targets: native compress <= 5x add, decode <= 3x add.
 """
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ def _min_time(fn: Callable[[], object], repeats: int, sync: Callable[[object], N
 
 
 def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-2),
-        repeats: int = 3, n_ranks: int = 8, bridge: bool = True,
+        repeats: int = 3, n_ranks: int = 8, numpy_ref: bool = True,
         stock: bool = True) -> Dict[str, object]:
-    """Measure; returns ``{"n", "add_s", "rows": [{density, native_*, bridge_*, ...}]}``."""
+    """Measure; returns ``{"n", "add_s", "rows": [{density, native_*, numpy_*, ...}]}``."""
     import tensorflow as tf
     try:
         tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -57,7 +57,7 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
     except RuntimeError:  # already initialised by the caller: keep its setting
         pass
     from horovod_sbc import kernels, wire, reference
-    from horovod_sbc.tensorflow import bridge as tfbridge, codec, decoder
+    from horovod_sbc.tensorflow import codec, decoder
     path = "kernel ops" if kernels.tf_ops() is not None else "stock TF ops"
 
     def sync(out):
@@ -109,8 +109,13 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
             row.update(stock_compress_s=t_sc, stock_decode_s=t_sd,
                        stock_compress_over_add=t_sc / t_add, stock_decode_over_add=t_sd / t_add,
                        stock_identical=same)
-        if bridge:
-            bcomp = tf.function(lambda u, r, d=d: tfbridge.compress(u, r, d))
+        if numpy_ref:
+            def ncomp_host(u, r, d=d):
+                m, res = reference.compress_np(u, r, d)
+                return np.frombuffer(m, np.uint8).copy(), res.astype(np.float32)
+
+            bcomp = tf.function(lambda u, r: tf.numpy_function(ncomp_host, [u, r],
+                                                               [tf.uint8, tf.float32]))
             t_bc = _min_time(lambda: bcomp(grad, resid), max(1, repeats // 3), sync)
             host = b"".join(msgs)
 
@@ -122,8 +127,8 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
 
             bdec_fn = tf.function(lambda: tf.numpy_function(bdec, [], tf.float32))
             t_bd = _min_time(bdec_fn, max(1, repeats // 3), sync)
-            row.update(bridge_compress_s=t_bc, bridge_decode_s=t_bd,
-                       bridge_compress_over_add=t_bc / t_add, bridge_decode_over_add=t_bd / t_add)
+            row.update(numpy_compress_s=t_bc, numpy_decode_s=t_bd,
+                       numpy_compress_over_add=t_bc / t_add, numpy_decode_over_add=t_bd / t_add)
         rows.append(row)
     return {"n": n, "threads": 1, "add_s": min(add_times), "rows": rows, "path": path,
             "targets": {"compress_over_add": TARGET_COMPRESS, "decode_over_add": TARGET_DECODE}}
@@ -134,7 +139,7 @@ def print_table(res: Dict[str, object]) -> None:
           f"(add {1000 * res['add_s']:.1f} ms); decode = 8 ranks' messages averaged; "
           f"native = {res.get('path', '?')}")
     print(f"{'density':>8} {'native comp':>12} {'native dec':>11} {'stock comp':>11} "
-          f"{'stock dec':>10} {'bridge comp':>12} {'bridge dec':>11} {'msg bytes':>10}")
+          f"{'stock dec':>10} {'numpy comp':>12} {'numpy dec':>11} {'msg bytes':>10}")
     for r in res["rows"]:
         def f(key):
             return f"{r[key]:.2f}x" if key in r else "-"
@@ -142,8 +147,8 @@ def print_table(res: Dict[str, object]) -> None:
             ("  (same bytes)" if r["stock_identical"] else "  (DIFFERENT bytes!)")
         print(f"{r['density']:>8g} {f('native_compress_over_add'):>12} "
               f"{f('native_decode_over_add'):>11} {f('stock_compress_over_add'):>11} "
-              f"{f('stock_decode_over_add'):>10} {f('bridge_compress_over_add'):>12} "
-              f"{f('bridge_decode_over_add'):>11} {r['message_bytes']:>10,}{same}")
+              f"{f('stock_decode_over_add'):>10} {f('numpy_compress_over_add'):>12} "
+              f"{f('numpy_decode_over_add'):>11} {r['message_bytes']:>10,}{same}")
     print(f"targets: native compress <= {TARGET_COMPRESS:g}x, decode <= {TARGET_DECODE:g}x")
 
 
@@ -153,12 +158,12 @@ def main(argv=None) -> int:
     p.add_argument("--densities", default="1e-4,1e-3,1e-2,5e-2")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--no-bridge", action="store_true", help="skip the numpy bridge (slow)")
+    p.add_argument("--no-numpy", action="store_true", help="skip the numpy reference (slow)")
     p.add_argument("--no-stock", action="store_true",
                    help="skip the stock-TF-op path (kernel ops disabled)")
     args = p.parse_args(argv)
     res = run(args.n, [float(x) for x in args.densities.split(",")], args.repeats,
-              bridge=not args.no_bridge, stock=not args.no_stock)
+              numpy_ref=not args.no_numpy, stock=not args.no_stock)
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:

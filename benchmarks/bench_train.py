@@ -64,7 +64,7 @@ GRID_DELAYS = (1, 4, 16)
 # launching jobs (shared with bench_net)
 # ------------------------------------------------------------------------------------------------
 # the launcher, the job environment and the interpreter are shared with the tests
-from .launch import ENV_NAMES, job_env, launcher_prefix, python_exe  # noqa: E402,F401
+from horovod_sbc.launch import ENV_NAMES, job_env, launcher_prefix, python_exe  # noqa: E402,F401
 
 
 def run_stats(comp, method: str, numel: int, steps: int) -> Dict[str, int]:

@@ -150,7 +150,7 @@ def test_golden_vectors_numpy_torch_spec(case):
 @pytest.mark.parametrize("case", [c for c in GOLDEN if c["numel"] <= 20000
                                   and not isinstance(c["binarize"], str)],
                          ids=lambda c: c["name"])
-def test_golden_vectors_tensorflow_bridge(case):
+def test_golden_vectors_tensorflow(case):
     tf = pytest.importorskip("tensorflow")
     from horovod_sbc.tensorflow import codec as tfcodec
     dt = NP_DT[case["dtype"]]

@@ -7,8 +7,7 @@
   (with :meth:`SBC.step`), Keras 3 variables accepted; eager and ``tf.function``.
 * :class:`SBCCallback` — Keras 3 ``model.fit`` with SBC (imported lazily: needs ``keras``).
 * :func:`broadcast_variables` — start all ranks equal (accepts Keras 3 variables).
-* :func:`compress` / :func:`decompress` — the single-tensor native codec (TF ops); the numpy
-  bridge stays available as ``horovod_sbc.tensorflow.bridge``.
+* :func:`compress` / :func:`decompress` — the single-tensor codec (TF ops).
 
 See docs/tensorflow.md.
 """

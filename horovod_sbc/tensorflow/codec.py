@@ -670,7 +670,7 @@ def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------
-# single-tensor API (same signatures as the numpy bridge)
+# single-tensor API
 # ----------------------------------------------------------------------------------------------
 @_no_autograph
 def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=True,

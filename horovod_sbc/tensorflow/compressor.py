@@ -69,13 +69,13 @@ class SBC(tf.Module):
     r"""Sparse Binary Compression (Sattler, Wiedemann, Müller, Samek, "Sparse Binary Compression:
     Towards Distributed Deep Learning with minimal Communication", arXiv 1805.08768).
 
-    Each rank sends, per tensor, the positions of the top ``density`` fraction of its
-    residual-corrected update (Golomb-Rice coded) and one float: the mean of the larger-magnitude
-    sign side among them. What is not sent stays in a residual and is added next time (error
+    Each rank sends, per tensor, the positions of the ``density`` fraction of its largest positive
+    or of its most negative residual-corrected update entries, whichever side has the larger mean
+    (Golomb-Rice coded), and one float: that mean (``selection="paper"``, the default). What is not sent stays in a residual and is added next time (error
     feedback), so nothing is lost, only delayed. Messages travel by
     ``horovod.tensorflow.allgather``; every rank decodes all of them and averages, so all ranks
     apply bit-identical updates. Encoding and decoding run as TensorFlow ops on the tensors'
-    device (``codec="native"``), in eager mode and inside ``tf.function``; the bytes are those of
+    device, in eager mode and inside ``tf.function``; the bytes are those of
     ``horovod_sbc/wire.py``, identical to the numpy reference's and the PyTorch adapter's.
 
     Args:
@@ -101,11 +101,6 @@ class SBC(tf.Module):
             k largest positive and the k most negative entries, the side with the larger mean
             is sent) or ``"magnitude"`` (top-k by |A|, split by sign). See
             :mod:`horovod_sbc.reference`. Top-k (``binarize=False``) always ranks magnitudes.
-        codec: ``"native"`` (default): encoding and the stream decoding run as TensorFlow ops
-            on the tensors' device (:mod:`horovod_sbc.tensorflow.codec`); only the compressed
-            bytes visit the host (step framing with its CRC-32, header parsing). ``"numpy"``:
-            the numpy reference through ``tf.numpy_function`` (every update is copied to host
-            memory); the same bytes.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
@@ -119,7 +114,7 @@ class SBC(tf.Module):
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
-                 nonfinite: str = "raise", selection: str = "paper", codec: str = "native",
+                 nonfinite: str = "raise", selection: str = "paper",
                  name: str = "sbc", local_residual: bool = False):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
@@ -131,9 +126,6 @@ class SBC(tf.Module):
                                 nonfinite=nonfinite)
         self.density, self.delay = self.config.density, self.config.delay
         self.binarize, self.selection = self.config.binarize, self.config.selection
-        if codec not in exchange.CODECS:
-            raise ValueError(f"codec must be one of {exchange.CODECS}, got {codec!r}")
-        self.codec = codec
         self.nonfinite = self.config.nonfinite
         self._mode: Optional[str] = None
         with tf.init_scope():
@@ -149,7 +141,7 @@ class SBC(tf.Module):
         self.manager = ResidualManager()
         self.manager.residuals, self.manager.reference = self.residuals, self.reference
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
-                                   selection=self.selection, codec=self.codec)
+                                   selection=self.selection)
 
     def __repr__(self) -> str:
         return (f"SBC(density={self.density}, delay={self.delay}, binarize={self.binarize}, "
@@ -291,7 +283,7 @@ class SBC(tf.Module):
         size, rank = self._world()
         return exchange.exchange(names, shapes, updates, [r.read_value() for r in residuals],
                                  density=self.density, binarize=self.binarize,
-                                 selection=self.selection, codec=self.codec,
+                                 selection=self.selection,
                                  skip=self.nonfinite == "skip", rank=rank, size=size,
                                  scale=scale, tag=tag, outs=outs,
                                  on_gathered=lambda s, g: self._count_traffic(s, g, extra_up_bits))

@@ -18,7 +18,7 @@ A decode is four pieces, the same eagerly and inside ``tf.function``:
 4. **accumulate (TF ops)** — ``scale`` x every rank's decoded tensor, in rank order, added into
    the outputs. Decoded values enter as bits (a subnormal value survives); the additions are
    TensorFlow float arithmetic in the output dtype, done in rank order at every position (the
-   same order as :func:`horovod_sbc.tensorflow.exchange.decode_into`, so all ranks agree).
+   same order as :func:`horovod_sbc.reference.accumulate_np`, so all ranks agree).
 
 Three ways through steps 2-4, chosen by a ``tf.cond`` on the parsed headers:
 
