@@ -551,7 +551,7 @@ def _in_weights_sync(seed=0, nan_in=None):
     inputs = ({n: w.clone() for n, w in ws.items()}, {n: r.clone() for n, r in refs.items()})
     comp = SBC(density=0.01, nonfinite="skip")
     comp.transport = _TwoRanks(other)
-    out = synchronize(comp, [Update(n, ws[n], (k,), base=refs[n], in_weights=True)
+    out = synchronize(comp.state, [Update(n, ws[n], (k,), base=refs[n], in_weights=True)
                              for n, k in zip(names, sizes)], out=[refs[n] for n in names])
     return ws, refs, out, other, inputs, layout
 
@@ -622,7 +622,7 @@ def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
         w = ref + torch.randn(size, generator=g)  # large moves: W - W_ref often not exact
         comp = SBC(density=1.0, binarize=False)
         comp.transport = _TwoRanks(other)
-        assert synchronize(comp, [Update("w", w, (size,), base=ref, in_weights=True)],
+        assert synchronize(comp.state, [Update("w", w, (size,), base=ref, in_weights=True)],
                            out=[ref])
         assert torch.equal(w, ref), size
     layout = [("w", (n,))]
@@ -634,7 +634,7 @@ def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
         [codec.encode_update(torch.randn(n, generator=g), 0.1, "values")[0]],
         wire.layout_fingerprint(layout), torch.device("cpu")))
     _, pos, _ = codec.encode_update(w0 - ref0, 0.1, "values")
-    assert synchronize(comp, [Update("w", w, (n,), base=ref, in_weights=True)], out=[ref])
+    assert synchronize(comp.state, [Update("w", w, (n,), base=ref, in_weights=True)], out=[ref])
     want = w0 + (ref - ref0)  # moved with W_ref where this rank did not send
     want[pos] = ref[pos]  # sent whole: on W_ref
     assert torch.equal(w[pos], ref[pos]) and not torch.equal(w, ref)
@@ -667,7 +667,7 @@ def test_nonfinite_weights_are_reported_before_any_residual_changes():
     items = [Update(n, ws[n], (1000,), base=refs[n], base_offset=comp.manager.residuals[n])
              for n in names]
     with pytest.warns(UserWarning, match="'b' contains NaN or Inf"):
-        assert synchronize(comp, items) is None
+        assert synchronize(comp.state, items) is None
     for n in names:
         assert torch.equal(comp.manager.residuals[n], before[n]), n
 

@@ -1,4 +1,4 @@
-"""The owner lookup of the stock hooks (horovod_sbc/torch/owner.py, horovod_sbc/tensorflow/owner.py):
+"""The owner lookup of the stock hooks (horovod_sbc/torch/owner.py and tensorflow/owner.py):
 what they read of Horovod is pinned to the release they were written against, and they read the
 frames of Horovod's own packages only."""
 import inspect

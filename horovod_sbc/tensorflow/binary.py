@@ -30,8 +30,8 @@ What makes it cheaper than the general path, per decoded position:
   rank and the tensor, so the rank-ordered sum at a position depends only on *which* ranks sent
   it: a ``mask`` of up to 8 bits. A table ``[tensor, mask]`` of the exact rank-ordered float32
   sums (``horovod_sbc.protocol``'s arithmetic, computed on 2**n_ranks entries per tensor with
-  :func:`horovod_sbc.tensorflow.bits.add_f32_bits`, so subnormal values and sums stay exact) replaces the sort and the
-  per-rank fold. With many positions (``positions * SORT_FACTOR >= elements``) the masks are
+  :func:`horovod_sbc.tensorflow.bits.add_f32_bits`, so subnormal values and sums stay exact)
+  replaces the sort and the per-rank fold. With many positions (``positions * SORT_FACTOR >= elements``) the masks are
   written with one ``SparseToDense`` per rank into a dense uint8 vector and OR-ed as uint64
   words, and each position reads its mask back; with few, the (position, rank) pairs are sorted
   and each distinct position's mask is a segment sum. Then each position reads its table entry

@@ -71,12 +71,13 @@ class SBC(tf.Module):
 
     Each rank sends, per tensor, the positions of the ``density`` fraction of its largest positive
     or of its most negative residual-corrected update entries, whichever side has the larger mean
-    (Golomb-Rice coded), and one float: that mean (``selection="paper"``, the default). What is not sent stays in a residual and is added next time (error
-    feedback), so nothing is lost, only delayed. Messages travel by
-    ``horovod.tensorflow.allgather``; every rank decodes all of them and averages, so all ranks
-    apply bit-identical updates. Encoding and decoding run as TensorFlow ops on the tensors'
-    device, in eager mode and inside ``tf.function``; the bytes are those of
-    ``horovod_sbc/wire.py``, identical to the numpy reference's and the PyTorch adapter's.
+    (Golomb-Rice coded), and one float: that mean (``selection="paper"``, the default). What is
+    not sent stays in a residual and is added next time (error feedback), so nothing is lost,
+    only delayed. Messages travel by ``horovod.tensorflow.allgather``; every rank decodes all of
+    them and averages, so all ranks apply bit-identical updates. Encoding and decoding run as
+    TensorFlow ops on the tensors' device, in eager mode and inside ``tf.function``; the bytes
+    are those of ``horovod_sbc/wire.py``, identical to the numpy reference's and the PyTorch
+    adapter's.
 
     Args:
         density: the paper's *p*, fraction of entries kept per tensor, in (0, 1]; at least one
@@ -106,8 +107,8 @@ class SBC(tf.Module):
             weights plus its own unsent residual, so momentum and Adam see the effect of their
             own steps at once (the default of :func:`horovod_sbc.torch.DistributedOptimizer`;
             see :mod:`horovod_sbc.torch.optimizer` for why); ranks' weights then differ by
-            their residuals until :meth:`finish`. False (default here): every rank continues from the shared weights, bit-identical after every sync; with
-            momentum and a small delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much
+            their residuals until :meth:`finish`. False (default here): every rank continues
+            from the shared weights, bit-identical after every sync; with momentum and a small delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much
             worse on IID data, but it is the right choice on non-IID shards. Gradient modes
             (delay 1 tape, stock tape) exchange gradients and are not affected.
         name: the ``tf.Module`` name.

@@ -122,7 +122,8 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
 
     ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
     zeros) plus ``scale`` x the sum of all ranks' decoded updates; ``code`` is a scalar int32
-    (:class:`horovod_sbc.tensorflow.decoder.SyncCode`). The caller commits ``new_residuals`` according to ``code``.
+    (:class:`horovod_sbc.tensorflow.decoder.SyncCode`). The caller commits ``new_residuals``
+    according to ``code``.
     ``on_gathered(step, gathered)`` returns ops (e.g. traffic counters) that run before decoding,
     so they count a sync that then fails too.
     """

@@ -8,7 +8,7 @@ without a second allgather of sizes.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -150,6 +150,42 @@ def _kernel_message(msg: wire.TensorMessage) -> bool:
         and msg.numel <= kernels.MAX_NUMEL
 
 
+def _kernel_output(t: Optional[torch.Tensor]) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+
+
+class _KernelStreams:
+    """Every binary message's stream statistics and positions, decoded by one kernel call; the
+    positions stay in the kernel's buffer until :meth:`positions` or a scatter reads them."""
+
+    def __init__(self, lib, gathered: torch.Tensor, flat):
+        import numpy as np
+        self.lib = lib
+        binary = [k for k, (_, _, msg, _) in enumerate(flat) if _kernel_message(msg)]
+        desc = np.array([(m.unary[0], m.unary[1] - m.unary[0], m.remainder[0],
+                          m.remainder[1] - m.remainder[0], m.count, m.rice_b, m.numel)
+                         for m in (flat[k][2] for k in binary)], np.int64).reshape(-1, 7).T.copy()
+        self.count = desc[4]
+        self.offset = np.concatenate([[0], np.cumsum(desc[4])]).astype(np.int64)
+        rows = np.zeros((len(binary), 6), np.int64)
+        if binary:
+            rc = lib.sbc_decode_batch(gathered.data_ptr(), gathered.numel(), len(binary),
+                                      *[desc[i].ctypes.data for i in range(7)], rows.ctypes.data)
+            if rc == kernels.NOMEM:
+                raise MemoryError("horovod_sbc: out of memory decoding a step")
+            if rc != kernels.OK:  # the parser guarantees the ranges: a bug, not bad input
+                raise AssertionError("horovod_sbc: the decoding kernel rejected its arguments "
+                                     f"({rc})")
+        self.stats = {k: protocol.StreamStats(r[0], r[1] != 0, r[2], r[3], r[4] != 0, r[5])
+                      for k, r in zip(binary, rows.tolist())}
+        self.slot = {k: j for j, k in enumerate(binary)}  # message k -> its row
+
+    def positions(self, k: int, count: int) -> torch.Tensor:
+        p = torch.empty(count, dtype=torch.int64)
+        self.lib.sbc_positions(int(self.offset[self.slot[k]]), count, p.data_ptr())
+        return p
+
+
 def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_dtype,
               zero_out: bool, zero_where_nonzero=None, also=None,
               zeroed: bool = False) -> List[torch.Tensor]:
@@ -157,106 +193,95 @@ def _decode_c(lib, gathered: torch.Tensor, step, layout, out, scale: float, out_
     call decodes every binary message's statistics and positions, the protocol judges, one call
     adds them to the float32 outputs, each tensor's ranks in rank order. A tensor with another
     kind of message or output takes the tensor-op path for all its ranks, in rank order."""
-    import numpy as np
     flat = step.flat()
-    binary = [k for k, (_, _, msg, _) in enumerate(flat) if _kernel_message(msg)]
-    desc = np.array([(m.unary[0], m.unary[1] - m.unary[0], m.remainder[0],
-                      m.remainder[1] - m.remainder[0], m.count, m.rice_b, m.numel)
-                     for m in (flat[k][2] for k in binary)], np.int64).reshape(-1, 7).T.copy()
-    offset = np.concatenate([[0], np.cumsum(desc[4])]).astype(np.int64)
-    rows = np.zeros((len(binary), 6), np.int64)
-    if binary:
-        rc = lib.sbc_decode_batch(gathered.data_ptr(), gathered.numel(), len(binary),
-                                  *[desc[i].ctypes.data for i in range(7)], rows.ctypes.data)
-        if rc == kernels.NOMEM:
-            raise MemoryError("horovod_sbc: out of memory decoding a step")
-        if rc != kernels.OK:  # the parser guarantees the ranges: a bug, not bad input
-            raise AssertionError(f"horovod_sbc: the decoding kernel rejected its arguments ({rc})")
-    stats: List[Optional[protocol.StreamStats]] = [None] * len(flat)
-    slot = {}
-    for j, (k, r) in enumerate(zip(binary, rows.tolist())):
-        stats[k] = protocol.StreamStats(r[0], r[1] != 0, r[2], r[3], r[4] != 0, r[5])
-        slot[k] = j
+    ks = _KernelStreams(lib, gathered, flat)
+    stats: List[Optional[protocol.StreamStats]] = [ks.stats.get(k) for k in range(len(flat))]
     single = _remaining_stats(gathered, flat, stats)
     protocol.check_streams(step, stats)
     if out is None:
         out = [torch.empty(wire.layout_numel(shape), dtype=out_dtype) for _, shape in layout]
         zero_out = True
-    per_tensor = {}
+    per_tensor: Dict[int, List[int]] = {}
     for k, (_, i, msg, _) in enumerate(flat):  # flat is rank-major: rank order per tensor
         if msg.count:
             per_tensor.setdefault(i, []).append(k)
-    masks = list(zero_where_nonzero or [])
-    masks += [None] * (len(out) - len(masks))
-    seconds = list(also or [])
-    seconds += [None] * (len(out) - len(seconds))
-    groups, kmsgs, kouts, mask_dense, kalso = [0], [], [], [], []
-
-    def kernel_out(t):
-        return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-
+    masks = _padded(zero_where_nonzero, len(out))
+    seconds = _padded(also, len(out))
+    groups: List[Tuple[int, List[int]]] = []  # (output index, its messages in rank order)
+    mask_dense = []
     for i, t in enumerate(out):
-        ks = per_tensor.get(i, [])
-        t2 = seconds[i]
-        if ks and all(k in slot for k in ks) and kernel_out(t) and (t2 is None or kernel_out(t2)):
-            kmsgs.extend((t.data_ptr(), t.numel(), k) for k in ks)  # in rank order
-            groups.append(len(kmsgs))
-            kouts.append(i)
-            kalso.append(0 if t2 is None else t2.data_ptr())  # added to in the same walk
+        msgs = per_tensor.get(i, [])
+        if msgs and all(k in ks.slot for k in msgs) and _kernel_output(t) \
+                and _kernel_output(seconds[i]):
+            groups.append((i, msgs))
             continue
         if zero_out and not zeroed:
             t.zero_()
-        if ks:
+        if msgs:
             mask_dense.append(i)
-        for k in ks:  # the tensor-op path, rank by rank
+        for k in msgs:  # the tensor-op path, rank by rank
             msg = flat[k][2]
-            if k in slot:
-                p = torch.empty(msg.count, dtype=torch.int64)
-                lib.sbc_positions(int(offset[slot[k]]), msg.count, p.data_ptr())
-                pv = (p.to(t.device), None)
-            else:
-                pv = single[k]
-            for target in (t, t2):
+            pv = (ks.positions(k, msg.count).to(t.device), None) if k in ks.slot else single[k]
+            for target in (t, seconds[i]):
                 if target is not None:
                     _add_message(target, *pv, msg, scale)
-    if kmsgs:
-        g = np.array(groups, np.int64)
-        first = g[:-1]
-        addr = np.array([kmsgs[f][0] for f in first], np.int64)
-        numel = np.array([kmsgs[f][1] for f in first], np.int64)
-        js = [slot[k] for _, _, k in kmsgs]
-        off = offset[js].astype(np.int64)
-        cnt = desc[4, js].astype(np.int64)
-        # the value each position gets: the Python float product rounded once to float32
-        val = np.array([flat[k][2].signed_value * scale for _, _, k in kmsgs], np.float32)
-        bufs = []  # masks the kernel zeroes at the decoded positions (0: none, or done below)
-        for i in kouts:
-            buf = masks[i]
-            ok = buf is not None and buf.numel() == out[i].numel() and \
-                buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
-            if buf is not None and not ok:
-                mask_dense.append(i)
-            bufs.append(buf.data_ptr() if ok else 0)
-        if any(bufs):
-            rc = lib.sbc_scatter_add_mask_groups(len(first), g.ctypes.data, addr.ctypes.data,
-                                                 np.array(bufs, np.int64).ctypes.data,
-                                                 numel.ctypes.data, off.ctypes.data,
-                                                 cnt.ctypes.data, val.ctypes.data, int(zeroed))
-        elif any(kalso):  # (also comes without zero_out)
-            rc = lib.sbc_scatter_add_also_groups(len(first), g.ctypes.data, addr.ctypes.data,
-                                                 np.array(kalso, np.int64).ctypes.data,
-                                                 numel.ctypes.data, off.ctypes.data,
-                                                 cnt.ctypes.data, val.ctypes.data)
-        else:
-            rc = lib.sbc_scatter_add_groups(len(first), g.ctypes.data, addr.ctypes.data,
-                                            numel.ctypes.data, off.ctypes.data, cnt.ctypes.data,
-                                            val.ctypes.data, int(zero_out and not zeroed))
-        if rc != kernels.OK:
-            raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
+    if groups:
+        mask_dense += _scatter_groups(ks, flat, groups, out, masks, seconds, scale,
+                                      zero_out and not zeroed, zeroed)
     for i in mask_dense:
         if masks[i] is not None:
             _zero_where_nonzero(masks[i], out[i])
     return out
+
+
+def _padded(xs, n: int) -> list:
+    xs = list(xs or [])
+    return xs + [None] * (n - len(xs))
+
+
+def _scatter_groups(ks: _KernelStreams, flat, groups, out, masks, seconds, scale: float,
+                    zero_first: bool, zeroed: bool) -> List[int]:
+    """One scatter kernel call adds every group's messages, in rank order, to its output (and to
+    its second output, or masks its momentum buffer, in the same walk). Returns the outputs
+    whose mask the kernel could not take (masked afterwards with tensor ops)."""
+    import numpy as np
+    lib = ks.lib
+    kmsgs = [(i, k) for i, msgs in groups for k in msgs]
+    g = np.cumsum([0] + [len(msgs) for _, msgs in groups]).astype(np.int64)
+    addr = np.array([out[i].data_ptr() for i, _ in groups], np.int64)
+    numel = np.array([out[i].numel() for i, _ in groups], np.int64)
+    js = [ks.slot[k] for _, k in kmsgs]
+    off = ks.offset[js].astype(np.int64)
+    cnt = ks.count[js].astype(np.int64)
+    # the value each position gets: the Python float product rounded once to float32
+    val = np.array([flat[k][2].signed_value * scale for _, k in kmsgs], np.float32)
+    bufs, not_taken = [], []  # masks the kernel zeroes at the decoded positions (0: none)
+    for i, _ in groups:
+        buf = masks[i]
+        ok = buf is not None and buf.numel() == out[i].numel() and \
+            buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
+        if buf is not None and not ok:
+            not_taken.append(i)
+        bufs.append(buf.data_ptr() if ok else 0)
+    kalso = [0 if seconds[i] is None else seconds[i].data_ptr() for i, _ in groups]
+    n = len(groups)
+    if any(bufs):
+        rc = lib.sbc_scatter_add_mask_groups(n, g.ctypes.data, addr.ctypes.data,
+                                             np.array(bufs, np.int64).ctypes.data,
+                                             numel.ctypes.data, off.ctypes.data,
+                                             cnt.ctypes.data, val.ctypes.data, int(zeroed))
+    elif any(kalso):  # (also comes without zero_out)
+        rc = lib.sbc_scatter_add_also_groups(n, g.ctypes.data, addr.ctypes.data,
+                                             np.array(kalso, np.int64).ctypes.data,
+                                             numel.ctypes.data, off.ctypes.data,
+                                             cnt.ctypes.data, val.ctypes.data)
+    else:
+        rc = lib.sbc_scatter_add_groups(n, g.ctypes.data, addr.ctypes.data, numel.ctypes.data,
+                                        off.ctypes.data, cnt.ctypes.data, val.ctypes.data,
+                                        int(zero_first))
+    if rc != kernels.OK:
+        raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
+    return not_taken
 
 
 def _add_batch(out, flat, order, batch, scale: float, dev) -> None:
