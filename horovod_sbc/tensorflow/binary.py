@@ -110,6 +110,161 @@ def _read_fields30(buf: tf.Tensor, bit_start: tf.Tensor, width: tf.Tensor) -> tf
     return tf.bitwise.bitwise_and(v, tf.bitwise.left_shift(tf.constant(1, tf.int64), width) - 1)
 
 
+class _Messages:
+    """The host parse's columns of every message (canonical (rank, tensor) order), and the
+    offsets that place each message's stream and tensor."""
+
+    def __init__(self, buf: tf.Tensor, table: tf.Tensor, numels: Sequence[int], n_ranks: int):
+        self.n_t, self.n_ranks = len(numels), n_ranks
+        self.m = n_ranks * self.n_t
+        col = lambda c: table[:, c]  # noqa: E731
+        self.count, self.b = col(_t.C_COUNT), col(_t.C_B)
+        self.ustart, self.ubytes = col(_t.C_USTART), col(_t.C_UBYTES)
+        self.rstart, self.rbytes = col(_t.C_RSTART), col(_t.C_RBYTES)
+        self.slack = tf.concat([buf, tf.zeros([8], tf.uint8)], 0)
+        self.ucum = _excl(self.ubytes)
+        self.first = _excl(self.count)  # each message's first element
+        self.c_total = tf.reduce_sum(self.count)
+        self.offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
+        self.toff = tf.tile(tf.constant(self.offs, tf.int64), [n_ranks])  # tensor offset
+
+
+class _Elements:
+    """Every decoded element: its message, quotient, remainder and key (tensor offset +
+    position), and per message the one bits of its unary stream."""
+    msg: tf.Tensor
+    q: tf.Tensor
+    r: tf.Tensor
+    key: tf.Tensor
+    ones: tf.Tensor
+    unary_last_zero: tf.Tensor
+
+    def per(self, x: tf.Tensor) -> tf.Tensor:
+        """A per-message constant, per element."""
+        return tf.gather(x, self.msg)
+
+
+def _unary_ones(buf: tf.Tensor, ms: _Messages, el: _Elements):
+    """The offset of every one bit in the concatenated unary streams (int64, increasing), and
+    (in ``el``) each message's one bits and whether its last unary byte is zero; returns
+    ``(offsets, owner message of each unary byte or None)``."""
+    n_ub = tf.reduce_sum(ms.ubytes)
+    u_own = None
+    if ms.m > 1:
+        u_own = _owner(ms.ucum, n_ub, ms.m)
+        u_src = tf.range(n_ub, dtype=tf.int64) + tf.gather(ms.ustart - ms.ucum, u_own)
+    else:
+        u_src = tf.range(n_ub, dtype=tf.int64) + ms.ustart[0]
+    ub = tf.gather(buf, u_src)
+    bitmask = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.uint8)
+    g = tf.reshape(tf.raw_ops.Where(condition=tf.reshape(
+        tf.bitwise.bitwise_and(ub[:, None], bitmask), [-1])), [-1])
+    # one bits per message: where each message's stream ends among the sorted offsets
+    ends = tf.searchsorted(g, 8 * (ms.ucum + ms.ubytes), side="left", out_type=tf.int64)
+    el.ones = ends - tf.concat([[tf.constant(0, tf.int64)], ends[:-1]], 0)
+    last_u = tf.gather(ms.slack, tf.where(ms.ubytes > 0, ms.ustart + ms.ubytes - 1, 0))
+    el.unary_last_zero = tf.logical_and(ms.ubytes > 0, tf.equal(last_u, 0))
+    return g, u_own
+
+
+def _elements(buf: tf.Tensor, ms: _Messages) -> _Elements:
+    """Element i of message m takes the i-th one bit of m's unary stream: its quotient, its
+    remainder field, and its key (tensor offset + position) from one running sum of the gaps."""
+    el = _Elements()
+    g, u_own = _unary_ones(buf, ms, el)
+
+    def matched():  # valid input: the one bits are the elements, in order
+        if ms.m == 1:
+            return g, tf.zeros(tf.shape(g), tf.int32)
+        return g, tf.gather(u_own, tf.bitwise.right_shift(g, 3))
+
+    def remap():  # corrupt input only (the verdict rejects it); keeps the shapes valid
+        i = tf.range(ms.c_total, dtype=tf.int64)
+        e = _owner(ms.first, ms.c_total, ms.m) if ms.m > 1 else tf.zeros_like(i, tf.int32)
+        j = tf.gather(_excl(el.ones) - ms.first, e) + i
+        padded = tf.concat([g, tf.zeros([1], tf.int64)], 0)
+        return tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64))), e
+
+    gi, el.msg = tf.cond(tf.reduce_all(tf.equal(el.ones, ms.count)), matched, remap)
+    nonempty = tf.reshape(tf.where(ms.count > 0), [-1])
+    first_ne = tf.gather(ms.first, nonempty)
+    # quotients: zero bits between consecutive one bits; a message's first one counts from the
+    # start of its stream
+    q = gi - tf.concat([tf.constant([-1], tf.int64), gi[:-1]], 0) - 1
+    el.q = tf.tensor_scatter_nd_update(q, first_ne[:, None], tf.gather(gi, first_ne)
+                                       - 8 * tf.gather(ms.ucum, nonempty))
+    # remainders: b and the field offset's base packed into one per-message constant
+    packed = el.per((8 * ms.rstart - ms.first * ms.b) * 64 + ms.b)
+    b_e = tf.bitwise.bitwise_and(packed, 63)
+    i = tf.range(ms.c_total, dtype=tf.int64)
+    el.r = _read_fields30(buf, tf.bitwise.right_shift(packed, 6) + i * b_e, b_e)
+    s = tf.cumsum(tf.bitwise.left_shift(el.q, b_e) + el.r + 1)  # positions + 1, running
+    s_before = tf.gather(tf.concat([[tf.constant(0, tf.int64)], s], 0), ms.first)
+    el.key = s + el.per(ms.toff - s_before - 1)
+    return el
+
+
+def _stream_stats(ms: _Messages, el: _Elements) -> tf.Tensor:
+    """int64 ``[M, 8]`` :class:`horovod_sbc.protocol.StreamStats` rows, one per message."""
+    def seg_max(x):  # per message, 0 for empty ones (segments sorted by message)
+        mx = tf.math.segment_max(x, el.msg)
+        mx = tf.concat([mx, tf.zeros(tf.reshape(ms.m - tf.size(mx), [1]), x.dtype)], 0)
+        return tf.maximum(mx, 0)
+
+    has = ms.count > 0
+    max_q, max_r = seg_max(el.q), seg_max(el.r)
+    last = tf.gather(tf.concat([el.key, [tf.constant(0, tf.int64)]], 0),
+                     tf.where(has, ms.first + ms.count - 1, ms.c_total))
+    pos_max = tf.where(has, last - ms.toff, -1)
+    pad = 8 * ms.rbytes - ms.count * ms.b
+    last_r = tf.cast(tf.gather(ms.slack, tf.where(ms.rbytes > 0, ms.rstart + ms.rbytes - 1, 0)),
+                     tf.int64)
+    mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.clip_by_value(pad, 0, 8)) - 1
+    rem_pad = tf.logical_and(pad > 0, tf.not_equal(tf.bitwise.bitwise_and(last_r, mask), 0))
+    zero = tf.zeros_like(ms.count)
+    return tf.stack([el.ones, tf.cast(el.unary_last_zero, tf.int64), max_q, max_r,
+                     tf.cast(rem_pad, tf.int64), pos_max, zero, zero], 1)
+
+
+def _dense_masks(ms: _Messages, el: _Elements, key32: tf.Tensor, total: int):
+    """Many positions: a dense uint8 mask per rank, OR-ed as words; each element reads its
+    position's mask back. Returns (keys, table index of each key)."""
+    padded = -(-max(total, 1) // 8) * 8
+    bounds = tf.cast(tf.concat([ms.first[::ms.n_t], [ms.c_total]], 0), tf.int32)
+    words = None
+    for rk in range(ms.n_ranks):  # rank rk's elements are bounds[rk]:bounds[rk + 1]
+        d = tf.raw_ops.SparseToDense(
+            sparse_indices=key32[bounds[rk]:bounds[rk + 1]], output_shape=[padded],
+            sparse_values=tf.constant(1 << rk, tf.uint8),
+            default_value=tf.constant(0, tf.uint8), validate_indices=False)
+        w = tf.bitcast(tf.reshape(d, [padded // 8, 8]), tf.uint64)
+        words = w if words is None else tf.bitwise.bitwise_or(words, w)
+    masks = tf.reshape(tf.bitcast(words, tf.uint8), [padded])
+    m = tf.cast(tf.gather(masks, key32), tf.int64)
+    if ms.n_t > 1:
+        t_of = tf.tile(tf.range(ms.n_t, dtype=tf.int64), [ms.n_ranks])  # tensor of each message
+        m = m + el.per(tf.bitwise.left_shift(t_of, ms.n_ranks))
+    return key32, m
+
+
+def _sorted_masks(ms: _Messages, el: _Elements, key32: tf.Tensor):
+    """Few positions: the (key, rank) pairs sorted, one mask per distinct key."""
+    rank_of = tf.repeat(tf.range(ms.n_ranks, dtype=tf.int64), ms.n_t)  # rank of each message
+    sk = tf.sort(tf.cast(key32, tf.int64) * 8 + el.per(rank_of))
+    k = tf.bitwise.right_shift(sk, 3)
+    first_one = tf.fill(tf.reshape(tf.minimum(tf.size(k), 1), [1]), True)  # [] if none
+    new = tf.concat([first_one, tf.not_equal(k[1:], k[:-1])], 0)
+    seg = tf.cumsum(tf.cast(new, tf.int32)) - 1
+    m = tf.math.segment_sum(tf.bitwise.left_shift(tf.constant(1, tf.int64),
+                                                  tf.bitwise.bitwise_and(sk, 7)), seg)
+    uk = tf.cast(tf.boolean_mask(k, new), tf.int32)
+    if ms.n_t > 1:
+        t = tf.searchsorted(tf.constant(ms.offs[1:], tf.int32), uk, side="right",
+                            out_type=tf.int64)
+        m = m + tf.bitwise.left_shift(t, ms.n_ranks)
+    return uk, m
+
+
 def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
            n_ranks: int, scale: float, check_fn) -> List[tf.Tensor]:
     """Flat float32 results (zeros plus ``float32(float64(value) * scale)`` at every rank's
@@ -120,137 +275,26 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
     :class:`horovod_sbc.protocol.StreamStats` rows and returns an op that must run (and pass)
     before anything is written.
     """
-    n_t = len(layout)
-    m_count = n_ranks * n_t
-    col = lambda c: table[:, c]  # noqa: E731
-    count, b = col(_t.C_COUNT), col(_t.C_B)
-    ustart, ubytes = col(_t.C_USTART), col(_t.C_UBYTES)
-    rstart, rbytes = col(_t.C_RSTART), col(_t.C_RBYTES)
-    slack = tf.concat([buf, tf.zeros([8], tf.uint8)], 0)
-
-    # --- unary streams: the offset of every one bit in their concatenation -------------------
-    ucum = _excl(ubytes)
-    n_ub = tf.reduce_sum(ubytes)
-    if m_count > 1:
-        u_own = _owner(ucum, n_ub, m_count)
-        u_src = tf.range(n_ub, dtype=tf.int64) + tf.gather(ustart - ucum, u_own)
-    else:
-        u_src = tf.range(n_ub, dtype=tf.int64) + ustart[0]
-    ub = tf.gather(buf, u_src)
-    bitmask = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.uint8)
-    g = tf.reshape(tf.raw_ops.Where(condition=tf.reshape(
-        tf.bitwise.bitwise_and(ub[:, None], bitmask), [-1])), [-1])  # int64, increasing
-    # one bits per message: where each message's stream ends among the sorted offsets
-    ends = tf.searchsorted(g, 8 * (ucum + ubytes), side="left", out_type=tf.int64)
-    ones = ends - tf.concat([[tf.constant(0, tf.int64)], ends[:-1]], 0)
-    last_u = tf.gather(slack, tf.where(ubytes > 0, ustart + ubytes - 1, 0))
-    unary_last_zero = tf.logical_and(ubytes > 0, tf.equal(last_u, 0))
-
-    # --- elements: element i of message m takes the i-th one bit of m's stream ----------------
-    first = _excl(count)
-    c_total = tf.reduce_sum(count)
-
-    def matched():  # valid input: the one bits are the elements, in order
-        if m_count == 1:
-            return g, tf.zeros(tf.shape(g), tf.int32)
-        return g, tf.gather(u_own, tf.bitwise.right_shift(g, 3))
-
-    def remap():  # corrupt input only (the verdict rejects it); keeps the shapes valid
-        i = tf.range(c_total, dtype=tf.int64)
-        e = _owner(first, c_total, m_count) if m_count > 1 else tf.zeros_like(i, tf.int32)
-        j = tf.gather(_excl(ones) - first, e) + i
-        padded = tf.concat([g, tf.zeros([1], tf.int64)], 0)
-        return tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64))), e
-
-    gi, e_msg = tf.cond(tf.reduce_all(tf.equal(ones, count)), matched, remap)
-    per = lambda x: tf.gather(x, e_msg)  # noqa: E731  (a per-message constant per element)
-    has = count > 0
-    nonempty = tf.reshape(tf.where(has), [-1])
-    first_ne = tf.gather(first, nonempty)
-    # quotients: zero bits between consecutive one bits; a message's first one counts from the
-    # start of its stream
-    q = gi - tf.concat([tf.constant([-1], tf.int64), gi[:-1]], 0) - 1
-    q = tf.tensor_scatter_nd_update(q, first_ne[:, None], tf.gather(gi, first_ne)
-                                    - 8 * tf.gather(ucum, nonempty))
-    # remainders: b and the field offset's base packed into one per-message constant
-    packed = per((8 * rstart - first * b) * 64 + b)
-    b_e = tf.bitwise.bitwise_and(packed, 63)
-    i = tf.range(c_total, dtype=tf.int64)
-    r = _read_fields30(buf, tf.bitwise.right_shift(packed, 6) + i * b_e, b_e)
-    s = tf.cumsum(tf.bitwise.left_shift(q, b_e) + r + 1)  # positions + 1, running over messages
-    offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
-    toff = tf.tile(tf.constant(offs, tf.int64), [n_ranks])  # tensor offset of each message
-    s_before = tf.gather(tf.concat([[tf.constant(0, tf.int64)], s], 0), first)
-    key = s + per(toff - s_before - 1)  # tensor offset + position
-
-    # --- statistics (protocol.StreamStats rows) ------------------------------------------------
-    def seg_max(x):  # per message, 0 for empty ones (segments sorted by message)
-        mx = tf.math.segment_max(x, e_msg)
-        mx = tf.concat([mx, tf.zeros(tf.reshape(m_count - tf.size(mx), [1]), x.dtype)], 0)
-        return tf.maximum(mx, 0)
-
-    max_q, max_r = seg_max(q), seg_max(r)
-    last = tf.gather(tf.concat([key, [tf.constant(0, tf.int64)]], 0),
-                     tf.where(has, first + count - 1, c_total))
-    pos_max = tf.where(has, last - toff, -1)
-    pad = 8 * rbytes - count * b
-    last_r = tf.cast(tf.gather(slack, tf.where(rbytes > 0, rstart + rbytes - 1, 0)), tf.int64)
-    mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.clip_by_value(pad, 0, 8)) - 1
-    rem_pad = tf.logical_and(pad > 0, tf.not_equal(tf.bitwise.bitwise_and(last_r, mask), 0))
-    zero = tf.zeros_like(count)
-    stats = tf.stack([ones, tf.cast(unary_last_zero, tf.int64), max_q, max_r,
-                      tf.cast(rem_pad, tf.int64), pos_max, zero, zero], 1)
-    ok = check_fn(stats)
-
-    # --- accumulation: rank masks, then the exact rank-ordered sums from a table ---------------
+    ms = _Messages(buf, table, numels, n_ranks)
+    el = _elements(buf, ms)
+    ok = check_fn(_stream_stats(ms, el))
     with tf.control_dependencies([ok]):  # nothing is written before the verdict passed
-        key32 = tf.cast(key, tf.int32)
+        key32 = tf.cast(el.key, tf.int32)
+    # the exact rank-ordered sums from a table indexed by which ranks sent a position
     total = int(sum(numels))
-    table_bits = _sum_table(table, n_ranks, n_t, scale)  # int32 [n_t << n_ranks]
+    table_bits = _sum_table(table, n_ranks, ms.n_t, scale)  # int32 [n_t << n_ranks]
     if n_ranks == 1:
-        keys, idx = key32, per(tf.range(n_t, dtype=tf.int64) * 2 + 1)  # mask 1
+        keys, idx = key32, el.per(tf.range(ms.n_t, dtype=tf.int64) * 2 + 1)  # mask 1
     else:
-        def dense_masks():  # many positions: a dense uint8 mask per rank, OR-ed as words
-            padded = -(-max(total, 1) // 8) * 8
-            bounds = tf.cast(tf.concat([first[::n_t], [c_total]], 0), tf.int32)
-            words = None
-            for rk in range(n_ranks):  # rank rk's elements are bounds[rk]:bounds[rk + 1]
-                d = tf.raw_ops.SparseToDense(
-                    sparse_indices=key32[bounds[rk]:bounds[rk + 1]], output_shape=[padded],
-                    sparse_values=tf.constant(1 << rk, tf.uint8),
-                    default_value=tf.constant(0, tf.uint8), validate_indices=False)
-                w = tf.bitcast(tf.reshape(d, [padded // 8, 8]), tf.uint64)
-                words = w if words is None else tf.bitwise.bitwise_or(words, w)
-            masks = tf.reshape(tf.bitcast(words, tf.uint8), [padded])
-            m = tf.cast(tf.gather(masks, key32), tf.int64)
-            if n_t > 1:
-                m = m + per(tf.bitwise.left_shift(t_of, n_ranks))
-            return key32, m
-
-        def sorted_masks():  # few positions: sort (key, rank) pairs, one mask per distinct key
-            sk = tf.sort(tf.cast(key32, tf.int64) * 8 + per(rank_of))
-            k = tf.bitwise.right_shift(sk, 3)
-            first_one = tf.fill(tf.reshape(tf.minimum(tf.size(k), 1), [1]), True)  # [] if none
-            new = tf.concat([first_one, tf.not_equal(k[1:], k[:-1])], 0)
-            seg = tf.cumsum(tf.cast(new, tf.int32)) - 1
-            m = tf.math.segment_sum(tf.bitwise.left_shift(tf.constant(1, tf.int64),
-                                                          tf.bitwise.bitwise_and(sk, 7)), seg)
-            uk = tf.cast(tf.boolean_mask(k, new), tf.int32)
-            if n_t > 1:
-                t = tf.searchsorted(tf.constant(offs[1:], tf.int32), uk, side="right",
-                                    out_type=tf.int64)
-                m = m + tf.bitwise.left_shift(t, n_ranks)
-            return uk, m
-
-        t_of = tf.tile(tf.range(n_t, dtype=tf.int64), [n_ranks])  # tensor of each message
-        rank_of = tf.repeat(tf.range(n_ranks, dtype=tf.int64), n_t)  # rank of each message
-        keys, idx = tf.cond(c_total * SORT_FACTOR < total, sorted_masks, dense_masks)
+        keys, idx = tf.cond(ms.c_total * SORT_FACTOR < total,
+                            lambda: _sorted_masks(ms, el, key32),
+                            lambda: _dense_masks(ms, el, key32, total))
     bits = tf.gather(table_bits, idx)
     dense = tf.raw_ops.SparseToDense(sparse_indices=keys, output_shape=[max(total, 1)],
                                      sparse_values=bits, default_value=tf.constant(0, tf.int32),
                                      validate_indices=False)
     dense = tf.bitcast(dense, tf.float32)
-    if n_t == 1:
+    if ms.n_t == 1:
         return [dense[:total]]
     return tf.split(dense[:total], list(numels)) if total else [dense[:0] for _ in numels]
 
