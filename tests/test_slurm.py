@@ -1,6 +1,6 @@
 """examples/slurm/sbc_job.sbatch run for real: a one-node SLURM cluster on localhost
 (scripts/slurm_local.sh: slurmctld + slurmd + munged on a config in a temporary folder) runs the
-batch script with 2 tasks launched by ``srun --mpi=pmix``; the SBC job must finish, its ranks
+batch script with 2 tasks launched by ``srun --mpi=pmix`` and by ``mpirun``; the SBC job must finish, its ranks
 end bit-identical and its compression accounting must be printed and written.
 
 Skipped only where SLURM is not installed (scripts/install.sh installs it) or not as root."""
@@ -56,13 +56,16 @@ def run_local_cluster(env_extra: dict, timeout: float = 420):
     return p.returncode, out
 
 
-def test_sbatch_example_runs_sbc_on_two_srun_tasks(tmp_path):
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_sbatch_example_runs_sbc_on_two_tasks(tmp_path, launcher):
+    """srun: the tasks find each other through Slurm's PMIx plugin; mpirun: Open MPI reads the
+    allocation (its hostfile is written from it) and starts the ranks itself."""
     res_file = tmp_path / "runs.json"
     args = f"--methods sbc --density 0.01 --delay 4 --epochs 3 --no-progress --json {res_file}"
-    rc, out = run_local_cluster({"ARGS": args, "LAUNCHER": "srun"})
+    rc, out = run_local_cluster({"ARGS": args, "LAUNCHER": launcher})
     assert rc == 0, f"job failed (exit {rc}):\n{out[-6000:]}"
     assert "state COMPLETED, exit code 0:0" in out, out[-3000:]
-    assert "horovod_sbc: 2 ranks, 2 per node, launcher srun" in out, out[-3000:]
+    assert f"horovod_sbc: 2 ranks, 2 per node, launcher {launcher}" in out, out[-3000:]
     # the accounting the example prints on rank 0
     assert "ratio" in out and "ranks identical" in out, out[-3000:]
     sbc_lines = [ln.split() for ln in out.splitlines() if ln.startswith("sbc ")]
