@@ -146,3 +146,24 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     assert dense == pytest.approx(0.005 + 2 * 7 / 8 * 32 * 2030 / 1e9 + 14 * 1e-5)
     assert res["rows"][2]["allgather_download_bits"] == 1023 * c.message_bits
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validation_rows_from_a_committed_benchmark_run():
+    """benchmarks/validate_advise's table, recomputed from its committed JSON: every shaped
+    link and method has a row per bandwidth reading, and the error is predicted / measured - 1."""
+    from pathlib import Path
+    from benchmarks import validate_advise as va
+    saved = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                        "advise_validation_2ranks.json").read_text())
+    res = saved["bench_net"]
+    c = ad.CodecCost(**res["codec"])
+    rows = va.predictions(res, c, saved["args"]["latency"], "one_way")
+    assert {(r["network"], r["method"]) for r in rows} == {
+        (n, m) for n in ("1gbit", "100mbit") for m in ("none", "sbc p=0.01")}
+    local = next(r for r in res["runs"] if r["method"] == "local")["step_time_s"]
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        if r["method"] == "none":  # compute + 2(N-1)/N * 32 * numel / B + 2(N-1) L at N=2
+            bps = r["link_mbit"] * 1e6
+            assert r["predicted_s"] == pytest.approx(local + 32 * c.numel / bps
+                                                     + 2 * saved["args"]["latency"])
