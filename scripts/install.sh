@@ -3,7 +3,8 @@
 # used by `make install`, `make demo`, `make test`, CI (.ci/run) and the Dockerfile.
 #
 # What it does, each step skipped when already done (idempotent, fast on a re-run):
-#   1. Debian packages: Open MPI (libopenmpi-dev, openmpi-bin) and iproute2 (network benchmarks).
+#   1. Debian packages: Open MPI (libopenmpi-dev, openmpi-bin) and iproute2 (network benchmarks);
+#      SLURM (slurmctld, slurmd, slurm-client, munge) for the local-cluster test, if apt has it.
 #   2. A virtual environment .venv in the repo with torch, TensorFlow (CPU), numpy, mpi4py, cmake<4.
 #   3. Horovod 0.28.1 built with PyTorch + TensorFlow + MPI + Gloo. The wheel is cached under
 #      ~/.cache/horovod_sbc/ keyed by the Horovod, torch and TF versions, so a second clean clone
@@ -41,6 +42,18 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# ---- 1b. SLURM, for tests/test_slurm.py (a one-node cluster: scripts/slurm_local.sh) ----------
+need_slurm=()
+for c in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
+  command -v "${c%%:*}" >/dev/null 2>&1 || need_slurm+=("${c#*:}")
+done
+if [ ${#need_slurm[@]} -gt 0 ]; then
+  log "apt-get install ${need_slurm[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need_slurm[@]}" >/dev/null; } \
+    || log "SLURM not installed: tests/test_slurm.py will be skipped"
 fi
 
 # ---- 2. virtual environment --------------------------------------------------------------

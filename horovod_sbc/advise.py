@@ -1,0 +1,465 @@
+"""When does SBC pay? A step-time model fed with this machine's codec speed.
+
+    python -m horovod_sbc.advise --layout resnet50 --bandwidth 10gbit --latency 20us \\
+        --compute-ms 150 --density 0.01 --json advise.json --plot advise.png
+
+It measures the torch codec here (encode of one rank's sync, decode of N ranks' messages, the
+message size) for a layout: ``resnet50``, ``gpt2-small``, a comma list of tensor sizes
+(``4194304,4096,10``) or the user's model as ``package.module:function`` (a callable returning a
+``torch.nn.Module`` or a list of ``(name, shape)``). Then it predicts the step time of dense ring
+allreduce, SBC over allgather, SBC's server topology and a hierarchical exchange (dense inside a
+node of G ranks, SBC across nodes) for N = 2 ... 1024, and the bandwidth below which SBC's
+allgather beats dense allreduce. Every assumption is stated in docs/advise.md.
+
+Each communication pattern costs ``bits / bandwidth + seconds`` (:class:`Cost`): linear in
+1 / bandwidth, so two patterns cross at one bandwidth (:func:`crossover_bps`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+Layout = List[Tuple[str, Tuple[int, ...]]]
+WORKERS = tuple(2 ** i for i in range(1, 11))  # 2 ... 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# layouts
+# ------------------------------------------------------------------------------------------------
+def _bn(pre: str, c: int) -> Layout:
+    return [(pre + ".weight", (c,)), (pre + ".bias", (c,))]
+
+
+def resnet50_layout() -> Layout:
+    """torchvision's ResNet-50 parameters (161 tensors, 25,557,032 elements)."""
+    out: Layout = [("conv1.weight", (64, 3, 7, 7))] + _bn("bn1", 64)
+    cin = 64
+    for li, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3)), start=1):
+        for b in range(blocks):
+            pre, c_in = f"layer{li}.{b}.", cin if b == 0 else 4 * width
+            out += [(pre + "conv1.weight", (width, c_in, 1, 1))] + _bn(pre + "bn1", width)
+            out += [(pre + "conv2.weight", (width, width, 3, 3))] + _bn(pre + "bn2", width)
+            out += [(pre + "conv3.weight", (4 * width, width, 1, 1))] + _bn(pre + "bn3", 4 * width)
+            if b == 0:
+                out += [(pre + "downsample.0.weight", (4 * width, c_in, 1, 1))]
+                out += _bn(pre + "downsample.1", 4 * width)
+        cin = 4 * width
+    return out + [("fc.weight", (1000, 2048)), ("fc.bias", (1000,))]
+
+
+def gpt2_small_layout() -> Layout:
+    """GPT-2 small (Hugging Face's ``GPT2Model``, 148 tensors, 124,439,808 elements)."""
+    d, out = 768, [("wte.weight", (50257, 768)), ("wpe.weight", (1024, 768))]
+    for i in range(12):
+        p = f"h.{i}."
+        out += _bn(p + "ln_1", d) + [(p + "attn.c_attn.weight", (d, 3 * d)),
+                                      (p + "attn.c_attn.bias", (3 * d,)),
+                                      (p + "attn.c_proj.weight", (d, d)),
+                                      (p + "attn.c_proj.bias", (d,))]
+        out += _bn(p + "ln_2", d) + [(p + "mlp.c_fc.weight", (d, 4 * d)),
+                                      (p + "mlp.c_fc.bias", (4 * d,)),
+                                      (p + "mlp.c_proj.weight", (4 * d, d)),
+                                      (p + "mlp.c_proj.bias", (d,))]
+    return out + _bn("ln_f", d)
+
+
+NAMED = {"resnet50": resnet50_layout, "gpt2-small": gpt2_small_layout}
+
+
+def _numel(shape) -> int:
+    return int(math.prod(shape)) if len(shape) else 1
+
+
+def parse_layout(spec: str) -> Layout:
+    """A named layout, a comma list of tensor sizes, or ``module:callable`` (see the module
+    docstring)."""
+    if spec in NAMED:
+        return NAMED[spec]()
+    if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", spec):
+        sizes = [int(x) for x in spec.split(",")]
+        if min(sizes) <= 0:
+            raise ValueError(f"layout {spec!r}: tensor sizes must be positive")
+        return [(f"t{i}", (n,)) for i, n in enumerate(sizes)]
+    if ":" in spec:
+        mod, _, fn = spec.partition(":")
+        obj = getattr(importlib.import_module(mod), fn)()
+        if hasattr(obj, "named_parameters"):
+            return [(n, tuple(p.shape)) for n, p in obj.named_parameters() if p.requires_grad]
+        return [(str(n), tuple(int(x) for x in s)) for n, s in obj]
+    raise ValueError(f"layout {spec!r}: use one of {sorted(NAMED)}, a comma list of sizes, or "
+                     "package.module:function")
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring the codec
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class CodecCost:
+    """This machine's codec on one layout (seconds, bits). Decoding N ranks' messages costs
+    ``decode_fixed_s + N * decode_per_message_s``."""
+    numel: int
+    tensors: int
+    density: float
+    encode_s: float             # one rank's sync: R += g, select, binarize, encode, frame, R -= sent
+    decode_fixed_s: float       # the pass over the dense output, whatever N
+    decode_per_message_s: float  # one more rank's step message decoded and added
+    message_bits: int           # one rank's step message (headers included)
+    downlink_encode_s: float    # server: the average re-encoded (dense or top-k with values)
+    downlink_decode_s: float    # every worker: the server's one message decoded
+    downlink_bits: int
+    # the same costs split per tensor and per element, from a layout of tiny tensors
+    encode_per_tensor_s: float = 0.0
+    encode_per_element_s: float = 0.0
+    decode_per_tensor_s: float = 0.0
+    decode_per_position_s: float = 0.0
+
+    def decode_s(self, n_messages: int) -> float:
+        return self.decode_fixed_s + n_messages * self.decode_per_message_s
+
+    @property
+    def dense_bits(self) -> int:
+        return 32 * self.numel
+
+
+def min_time(fn: Callable[[], object], reps: int) -> float:
+    """Fastest of ``reps`` runs after one warm-up run (the machine may be shared)."""
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _encoder(layout: Layout, density: float, seed: int):
+    """A zero-argument callable doing one rank's compress step; returns its step message."""
+    import torch
+    from horovod_sbc import wire
+    from horovod_sbc.torch import codec, exchange
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(_numel(s), generator=g) for _, s in layout]
+    res = [torch.zeros_like(x) for x in grads]
+    bufs = [codec.PositionBuffer() for _ in layout]
+    fp = wire.layout_fingerprint(layout)
+
+    def step():
+        msgs, commits = [], []
+        for (name, _), x, r, b in zip(layout, grads, res, bufs):
+            m, pos, sent = codec.encode_update(r, density, "sbc", name, addend=x, positions=b)
+            msgs.append(m)
+            commits.append((r, pos, sent))
+        out = exchange.frame(msgs, fp, grads[0].device)
+        for r, pos, sent in commits:
+            codec.subtract_sent_(r, pos, sent)
+        return out
+    return step
+
+
+def _time_decode(layout: Layout, steps, reps: int) -> float:
+    import torch
+    from horovod_sbc.torch import exchange
+    gathered = torch.cat(steps)
+    outs = [torch.zeros(_numel(s)) for _, s in layout]
+    return min_time(lambda: exchange.decode_gathered(gathered, layout, len(steps), outs,
+                                                     1.0 / len(steps)), reps)
+
+
+def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[float, float, int]:
+    """Server: (encode s, decode s, bits) of the downlink for an average of ``layout``: dense
+    fp32 values (``density`` None, the package's default) or top-k with values."""
+    import torch
+    from horovod_sbc import wire
+    from horovod_sbc.torch import codec, exchange
+    g = torch.Generator().manual_seed(7)
+    avg = [torch.randn(_numel(s), generator=g) for _, s in layout]
+    fp = wire.layout_fingerprint(layout)
+    p = 1.0 if density is None else density
+
+    def enc():
+        return exchange.frame([codec.encode_update(a, p, "values", n)[0]
+                               for (n, _), a in zip(layout, avg)], fp, avg[0].device)
+    t_enc = min_time(enc, reps)
+    msg = enc()
+    return t_enc, _time_decode(layout, [msg], reps), 8 * int(msg.numel())
+
+
+def measure_codec(layout: Layout, density: float, downlink_density: Optional[float] = None,
+                  reps: int = 3, decode_ranks: int = 4) -> CodecCost:
+    """Encode one sync, decode 1 and ``decode_ranks`` ranks' messages (the difference gives the
+    cost per message), on this machine with the torch codec as configured (C kernels on the CPU
+    unless HOROVOD_SBC_KERNELS=0)."""
+    enc = _encoder(layout, density, 0)
+    t_enc = min_time(enc, reps)
+    steps = [_encoder(layout, density, 100 + r)() for r in range(decode_ranks)]
+    t1 = _time_decode(layout, steps[:1], reps)
+    tn = _time_decode(layout, steps, reps)
+    per_msg = max(0.0, (tn - t1) / (decode_ranks - 1))
+    d_enc, d_dec, d_bits = _downlink(layout, downlink_density, reps)
+    cost = CodecCost(sum(_numel(s) for _, s in layout), len(layout), density, t_enc,
+                     max(0.0, t1 - per_msg), per_msg, 8 * int(steps[0].numel()),
+                     d_enc, d_dec, d_bits)
+    return _split_per_tensor(cost, density, reps)
+
+
+def _split_per_tensor(cost: CodecCost, density: float, reps: int) -> CodecCost:
+    """The per-tensor share from 256 tensors of 64 elements; the rest is per element
+    (encode) or per position sent (decode)."""
+    tiny = [(f"t{i}", (64,)) for i in range(256)]
+    t_enc = min_time(_encoder(tiny, density, 0), reps) / len(tiny)
+    steps = [_encoder(tiny, density, 100 + r)() for r in range(2)]
+    t_dec = max(0.0, _time_decode(tiny, steps, reps) - _time_decode(tiny, steps[:1], reps))
+    t_dec /= len(tiny)
+    positions = max(1.0, density * cost.numel)
+    cost.encode_per_tensor_s = min(t_enc, cost.encode_s / cost.tensors)
+    cost.encode_per_element_s = (cost.encode_s - cost.tensors * cost.encode_per_tensor_s) / cost.numel
+    cost.decode_per_tensor_s = min(t_dec, cost.decode_per_message_s / cost.tensors)
+    cost.decode_per_position_s = (cost.decode_per_message_s
+                                  - cost.tensors * cost.decode_per_tensor_s) / positions
+    return cost
+
+
+# ------------------------------------------------------------------------------------------------
+# the model
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cost:
+    """Time of a communication pattern: ``bits / bandwidth + seconds``."""
+    bits: float
+    seconds: float
+
+    def at(self, bps: float) -> float:
+        return self.bits / bps + self.seconds
+
+    def __add__(self, o: "Cost") -> "Cost":
+        return Cost(self.bits + o.bits, self.seconds + o.seconds)
+
+    def scaled(self, f: float) -> "Cost":
+        return Cost(self.bits * f, self.seconds * f)
+
+
+@dataclass(frozen=True)
+class Net:
+    """Link bandwidth (bit/s) and latency (s) between nodes and inside a node."""
+    bps: float
+    latency_s: float
+    intra_bps: float = 800e9
+    intra_latency_s: float = 5e-6
+
+
+def ring_allreduce(bits: float, n: int, latency_s: float) -> Cost:
+    """Ring allreduce of ``bits`` over ``n`` ranks: 2(n-1)/n * bits on the slowest link,
+    2(n-1) latencies."""
+    if n <= 1:
+        return Cost(0.0, 0.0)
+    return Cost(2 * (n - 1) / n * bits, 2 * (n - 1) * latency_s)
+
+
+def ring_allgather(bits_each: float, n: int, latency_s: float) -> Cost:
+    """Ring allgather of one message of ``bits_each`` per rank: each rank receives n-1."""
+    return Cost((n - 1) * bits_each, (n - 1) * latency_s)
+
+
+def broadcast(bits: float, n: int, latency_s: float) -> Cost:
+    """Large-message broadcast as scatter + ring allgather (van de Geijn)."""
+    if n <= 1:
+        return Cost(0.0, 0.0)
+    return Cost(2 * (n - 1) / n * bits, (math.ceil(math.log2(n)) + n - 1) * latency_s)
+
+
+def dense_step(c: CodecCost, n: int, net: Net) -> Cost:
+    return ring_allreduce(c.dense_bits, n, net.latency_s)
+
+
+def sbc_allgather_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
+    """Encode, allgather of every rank's message, decode all n (the package decodes its own
+    too, so every rank adds the same values in the same order); once per ``delay`` steps."""
+    work = Cost(0.0, c.encode_s + c.decode_s(n))
+    return (work + ring_allgather(c.message_bits, n, net.latency_s)).scaled(1 / delay)
+
+
+def sbc_server_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
+    """Rank 0 gathers n-1 messages over its one link, decodes n, re-encodes the average and
+    broadcasts it; every rank decodes that one message."""
+    work = Cost(0.0, c.encode_s + c.decode_s(n) + c.downlink_encode_s + c.downlink_decode_s)
+    gather = Cost((n - 1) * c.message_bits, net.latency_s)
+    return (work + gather + broadcast(c.downlink_bits, n, net.latency_s)).scaled(1 / delay)
+
+
+def hierarchical_step(c: CodecCost, n: int, g: int, net: Net, delay: int = 1) -> Cost:
+    """Dense allreduce inside each node of ``g`` ranks (intra-node link), then SBC over
+    allgather among the n/g nodes (one message per node, inter-node link). The intra-node part
+    is converted to bits at the inter-node bandwidth so that the whole stays one Cost."""
+    g = min(g, n)
+    nodes = math.ceil(n / g)
+    intra = ring_allreduce(c.dense_bits, g, net.intra_latency_s)
+    intra = Cost(0.0, intra.at(net.intra_bps) / delay)  # once per sync; the intra link is given
+    if nodes == 1:
+        return intra
+    return intra + sbc_allgather_step(c, nodes, net, delay)
+
+
+def crossover_bps(a: Cost, b: Cost) -> Tuple[Optional[float], str]:
+    """Bandwidth where ``b`` and ``a`` take equal time, and on which side ``b`` is faster:
+    ``(B, "below")`` b is faster below B; ``(B, "above")`` faster above B; ``(None,
+    "always")`` / ``(None, "never")`` at every bandwidth / at none."""
+    db, ds = a.bits - b.bits, b.seconds - a.seconds  # b faster iff db / B > ds
+    if db > 0:
+        return (db / ds, "below") if ds > 0 else (None, "always")
+    if db < 0:
+        return (db / ds, "above") if ds < 0 else (None, "never")
+    return (None, "always") if ds < 0 else (None, "never")
+
+
+def predict(c: CodecCost, net: Net, compute_s: float, workers: Sequence[int] = WORKERS,
+            gpus_per_node: int = 8, delay: int = 1) -> List[Dict[str, object]]:
+    """One row per worker count: step seconds per topology (compute + communication + codec,
+    no overlap), the fastest, and the crossover of SBC's allgather against dense."""
+    rows = []
+    for n in workers:
+        costs = {"dense": dense_step(c, n, net), "sbc_allgather": sbc_allgather_step(c, n, net, delay),
+                 "sbc_server": sbc_server_step(c, n, net, delay),
+                 "hierarchical": hierarchical_step(c, n, gpus_per_node, net, delay)}
+        step = {k: compute_s + v.at(net.bps) for k, v in costs.items()}
+        x, side = crossover_bps(costs["dense"], costs["sbc_allgather"])
+        rows.append({"workers": n, "step_s": step, "best": min(step, key=step.get),
+                     "crossover_bps": x, "sbc_pays": side,
+                     "allgather_decode_s": c.decode_s(n) / delay,
+                     "allgather_download_bits": (n - 1) * c.message_bits / delay,
+                     "dense_download_bits": 2 * (n - 1) / n * c.dense_bits})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line
+# ------------------------------------------------------------------------------------------------
+_UNIT = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bps(s: str) -> float:
+    """'10gbit', '100mbit', '25g', '1e9' -> bit/s (powers of 1000, as tc)."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kmgtKMGT]?)(?:bit|b)?(?:/s|ps)?\s*", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bandwidth {s!r}: e.g. 100mbit, 10gbit, 1e9")
+    v = float(m.group(1)) * _UNIT[m.group(2).lower()]
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"bandwidth {s!r} must be positive")
+    return v
+
+
+def parse_seconds(s: str) -> float:
+    """'20us', '0.5ms', '1e-5' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"time {s!r}: e.g. 20us, 0.5ms, 1e-5")
+    return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[m.group(2) or "s"]
+
+
+def _fmt_bps(x: Optional[float], side: str) -> str:
+    if x is None:
+        return side
+    return f"{side} {x / 1e9:.3g} Gbit/s"
+
+
+def format_table(rows: List[Dict[str, object]]) -> str:
+    head = (f"{'N':>5} {'dense':>10} {'sbc allgather':>14} {'sbc server':>11} {'hierarch.':>10}"
+            f"  {'best':<13} {'decode':>9} {'download':>10}  SBC allgather pays")
+    lines = [head, f"{'':>5} {'ms/step':>10} {'ms/step':>14} {'ms/step':>11} {'ms/step':>10}"
+                   f"  {'':<13} {'ms/step':>9} {'Mbit/step':>10}"]
+    for r in rows:
+        s = r["step_s"]
+        lines.append(f"{r['workers']:>5} {1e3 * s['dense']:>10.1f} {1e3 * s['sbc_allgather']:>14.1f}"
+                     f" {1e3 * s['sbc_server']:>11.1f} {1e3 * s['hierarchical']:>10.1f}"
+                     f"  {r['best']:<13} {1e3 * r['allgather_decode_s']:>9.1f}"
+                     f" {r['allgather_download_bits'] / 1e6:>10.1f}"
+                     f"  {_fmt_bps(r['crossover_bps'], r['sbc_pays'])}")
+    return "\n".join(lines)
+
+
+def plot(rows: List[Dict[str, object]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ns = [r["workers"] for r in rows]
+    for key, label in (("dense", "dense ring allreduce"), ("sbc_allgather", "SBC allgather"),
+                       ("sbc_server", "SBC server"), ("hierarchical", "hierarchical")):
+        ax.plot(ns, [1e3 * r["step_s"][key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m horovod_sbc.advise", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layout", default="resnet50",
+                    help="resnet50 | gpt2-small | sizes '1000,20' | package.module:function")
+    ap.add_argument("--density", type=float, default=0.01, help="SBC's p (default 0.01)")
+    ap.add_argument("--delay", type=int, default=1, help="steps between syncs (default 1)")
+    ap.add_argument("--downlink-density", type=float, default=None,
+                    help="server topology: top-k density of the downlink (default dense)")
+    ap.add_argument("--bandwidth", type=parse_bps, default=parse_bps("10gbit"),
+                    help="each rank's (node's) link, e.g. 10gbit (default)")
+    ap.add_argument("--latency", type=parse_seconds, default=parse_seconds("20us"),
+                    help="per message, e.g. 20us (default)")
+    ap.add_argument("--intra-bandwidth", type=parse_bps, default=parse_bps("800gbit"),
+                    help="inside a node (hierarchical), default 800gbit")
+    ap.add_argument("--intra-latency", type=parse_seconds, default=parse_seconds("5us"))
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="G of the hierarchical variant")
+    ap.add_argument("--compute-ms", type=float, default=100.0,
+                    help="forward + backward + optimizer step of one rank, ms (default 100)")
+    ap.add_argument("--workers", default=",".join(map(str, WORKERS)),
+                    help="comma list of N (default 2,4,...,1024)")
+    ap.add_argument("--reps", type=int, default=3, help="timing repetitions (fastest kept)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
+    ap.add_argument("--json", help="write inputs, measured codec and predictions here")
+    ap.add_argument("--plot", help="write a PNG of step time against N here")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
+    layout = parse_layout(args.layout)
+    workers = [int(x) for x in args.workers.split(",") if x]
+    net = Net(args.bandwidth, args.latency, args.intra_bandwidth, args.intra_latency)
+    cost = measure_codec(layout, args.density, args.downlink_density, args.reps)
+    rows = predict(cost, net, args.compute_ms / 1e3, workers, args.gpus_per_node, args.delay)
+    print(f"layout {args.layout}: {cost.tensors} tensors, {cost.numel:,} elements; SBC p="
+          f"{args.density:g}, delay {args.delay}; message {cost.message_bits / 8e3:.1f} kB "
+          f"(dense {cost.dense_bits / 8e6:.1f} MB)")
+    print(f"codec here ({args.threads} thread): encode {1e3 * cost.encode_s:.2f} ms per sync, "
+          f"decode {1e3 * cost.decode_fixed_s:.2f} ms + {1e3 * cost.decode_per_message_s:.3f} ms "
+          f"per rank's message")
+    print(f"link {args.bandwidth / 1e9:g} Gbit/s, latency {1e6 * args.latency:g} us; compute "
+          f"{args.compute_ms:g} ms; hierarchical: {args.gpus_per_node} ranks per node at "
+          f"{args.intra_bandwidth / 1e9:g} Gbit/s\n")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "codec": asdict(cost),
+                       "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, f"{args.layout}, p={args.density:g}, "
+                              f"{args.bandwidth / 1e9:g} Gbit/s, compute {args.compute_ms:g} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
