@@ -6,7 +6,8 @@ On CUDA tensors the C kernels do not run; the tensor-op codec does (the path
 benchmark runs that path on the CPU (the kernels switched off with
 :func:`horovod_sbc.kernels.disabled`) and counts, per sync step:
 
-* ``ops``: aten ops dispatched (a :class:`TorchDispatchMode` sees each one);
+* ``ops``: aten ops dispatched (a :class:`TorchDispatchMode` sees each one); ``kernels``: those
+  that are not mere views (``view``, ``reshape``, ``slice``, ``split``, ...: no kernel launch);
 * ``reads``: host reads of tensor data, device to host: ``aten::_local_scalar_dense``
   (``item()``, ``bool()``, ``int()``, ``float()``), ``aten::nonzero``, ``aten::masked_select``,
   ``aten::unique*``, boolean-mask ``aten::index``/``index_put``, ``repeat_interleave`` without
@@ -120,6 +121,11 @@ def layout(name: str) -> List[Tuple[str, Shape]]:
 # ------------------------------------------------------------------------------------------------
 _READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
              "unique_dim", "unique_consecutive"}
+# ops that only make a new view of existing memory: dispatched, but no kernel on a GPU
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "alias",
+             "detach", "slice", "select", "split", "split_with_sizes", "expand", "t",
+             "permute", "squeeze", "unsqueeze", "transpose", "unbind", "narrow", "lift_fresh",
+             "view_as_real", "_to_copy_view"}
 _PY_READS = ("tolist", "numpy")
 _PY_SCALARS = ("item", "__bool__", "__int__", "__float__", "__index__")
 _UPLOADS = ("tensor", "as_tensor", "frombuffer", "from_numpy")
@@ -153,6 +159,7 @@ class Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.views = 0
         self.reads: Dict[str, int] = collections.Counter()
         self.uploads = 0
         self.collectives = 0
@@ -164,7 +171,9 @@ class Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self._pause:
             self.ops += 1
-            self.by_op[func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            self.by_op[name] += 1
+            self.views += name in _VIEW_OPS
             kind = host_read_kind(func, args, kwargs)
             if kind and not self._inside_read:
                 self.reads[kind] += 1
@@ -180,9 +189,9 @@ class Counter(TorchDispatchMode):
 
     def snapshot(self) -> Dict[str, object]:
         reads = sum(self.reads.values())
-        return {"ops": self.ops, "reads": reads, "uploads": self.uploads,
-                "syncs": reads + self.uploads, "collectives": self.collectives,
-                "reads_by_kind": dict(self.reads)}
+        return {"ops": self.ops, "kernels": self.ops - self.views, "reads": reads,
+                "uploads": self.uploads, "syncs": reads + self.uploads,
+                "collectives": self.collectives, "reads_by_kind": dict(self.reads)}
 
 
 def _wrap_read(counter: Counter, orig, kind: str):
@@ -459,7 +468,7 @@ def run_cell(layout_name: str, shapes, path: str, size: int, density: float, noi
     gc.collect()
     row = {"layout": layout_name, "path": path, "ranks": size, "density": density,
            "tensors": len(shapes), "steps": steps}
-    for key in ("ops", "reads", "uploads", "syncs", "collectives"):
+    for key in ("ops", "kernels", "reads", "uploads", "syncs", "collectives"):
         row[key] = sum(p[key] for p in per_step) / max(1, steps)
         row[key + "_max"] = max(p[key] for p in per_step) if per_step else 0
     kinds = collections.Counter()
@@ -492,8 +501,8 @@ def run(layouts=LAYOUTS, paths=PATHS, ranks=RANKS, densities=DENSITIES, steps: i
                                          "kernels": "off (tensor-op path)"}}
 
 
-COLUMNS = ("layout", "path", "ranks", "density", "tensors", "ops", "reads", "uploads", "syncs",
-           "collectives")
+COLUMNS = ("layout", "path", "ranks", "density", "tensors", "ops", "kernels", "reads", "uploads",
+           "syncs", "collectives")
 
 
 def _fmt(v) -> str:

@@ -173,3 +173,96 @@ def test_rejects_what_it_cannot_encode():
             assert "encode_fused" in str(e)
         else:
             raise AssertionError("accepted")
+
+
+# -- the drop-in optimizer's sync on the device path ----------------------------------------------
+class _Replay:
+    """A transport for one process: this rank's step message first, then this rank's earlier
+    step messages standing in for the other ranks (valid, and different from each other)."""
+
+    def __init__(self, size: int):
+        self.size, self.history = size, []
+
+    def world(self):
+        return self.size, 0
+
+    def allgather(self, step, tag):
+        self.history.append(step.clone())
+        others = [self.history[max(0, len(self.history) - 1 - j)] for j in range(1, self.size)]
+        return torch.cat([step] + others)
+
+
+def _dropin_run(shapes, density, ranks, steps, device_path: bool):
+    from horovod_sbc.torch import SBC, DistributedOptimizer
+    g = torch.Generator().manual_seed(5)
+    named = [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=g)))
+             for i, s in enumerate(shapes)]
+    comp = SBC(density=density)
+    comp.transport = _Replay(ranks)
+    opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
+                               named_parameters=named, compression=comp)
+    trace = []
+    with kernels.disabled() if device_path else _nullcontext():
+        for s in range(steps):
+            for _, p in named:
+                p.grad = torch.randn(p.shape, generator=g) * (1 + s)
+                if p.numel() > 3:
+                    p.grad.view(-1)[:3] = torch.tensor([2.0, 2.0, -2.0])  # ties
+            opt.step()
+            trace.append([p.detach().clone() for _, p in named] +
+                         [comp.manager.reference[n].clone() for n, _ in named])
+    return trace, comp
+
+
+def test_dropin_sync_on_the_device_path_matches_the_kernels():
+    from horovod_sbc.torch import fused_sync
+    shapes = [(30, 20), (20,), (), (0,), (1,), (5, 5, 3), (4000,), (7,)]
+    calls = []
+    orig = fused_sync.encode
+    fused_sync.encode = lambda *a: calls.append(1) or orig(*a)
+    try:
+        for density, ranks in ((0.05, 3), (0.3, 2), (1.0, 2)):
+            dev, comp_d = _dropin_run(shapes, density, ranks, 4, True)
+            ref, comp_r = _dropin_run(shapes, density, ranks, 4, False)
+            steps_d = comp_d.transport.history
+            assert [s.numpy().tobytes() for s in steps_d] == \
+                [s.numpy().tobytes() for s in comp_r.transport.history]
+            for a, b in zip(dev, ref):
+                for x, y in zip(a, b):
+                    assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+            assert comp_d.stats() == comp_r.stats()
+    finally:
+        fused_sync.encode = orig
+    assert len(calls) == 12  # every sync of the device runs took the fused path
+
+
+def test_dropin_device_path_nonfinite_names_the_parameter():
+    from horovod_sbc.torch import SBC, DistributedOptimizer
+    named = [("a", torch.nn.Parameter(torch.randn(10))), ("b", torch.nn.Parameter(torch.randn(8)))]
+    comp = SBC(density=0.1)
+    comp.transport = _Replay(2)
+    opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
+                               named_parameters=named, compression=comp)
+    with kernels.disabled():
+        for _, p in named:
+            p.grad = torch.ones_like(p)
+        named[1][1].grad[3] = float("inf")
+        try:
+            opt.step()
+        except ValueError as e:
+            assert "'b'" in str(e) and "NaN or Inf" in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+
+
+def test_dropin_job_with_the_kernels_off_gives_the_kernels_bytes():
+    """A real 2-rank drop-in job on the device path (kernels off, as on CUDA): every rank's
+    weights after every sync are those of the same job with the kernels on."""
+    import pytest
+    from harness import run_ranks
+    pytest.importorskip("horovod.torch")
+    args = ["train", "api=dropin", "delay=2", "steps=8", "density=0.05"]
+    on, _ = run_ranks("torch_sbc.py", 2, args, timeout=180)
+    off, _ = run_ranks("torch_sbc.py", 2, args, timeout=180, env={"HOROVOD_SBC_KERNELS": "0"})
+    assert [r["digests"] for r in off] == [r["digests"] for r in on]
+    assert [r["stats"] for r in off] == [r["stats"] for r in on]

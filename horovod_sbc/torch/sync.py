@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import torch
 
 from .. import wire
-from . import exchange
+from . import exchange, fused_sync
 from ..core import keep_count
 from .codec import (Difference, NonFiniteError, _scratch, encode_positions, encode_update,
                     subtract_sent_)
@@ -220,8 +220,13 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
         step = exchange.error_frame(f"the update of {bad.name!r} contains NaN or Inf", fp,
                                     cfg.nonfinite == "skip", dev, rank)
         local_error = True
+    fused = bad is None and fused_sync.eligible(state, updates)  # the device path, all at once
     for u in updates if bad is None else []:
         try:
+            if fused:
+                encoded.append(fused_sync.encode(state, updates, fp))
+                step = encoded[0].step
+                break
             encoded.append(_encode(state, u))
         except NonFiniteError as e:
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
@@ -242,8 +247,10 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
             gathered = state.transport.allgather(step, tag)
             state.manager.add(upstream_bits=8 * step.numel(),
                               downstream_bits=8 * (gathered.numel() - step.numel()))
-            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
-                                           also=also)
+            if not (fused and fused_sync.decode_gathered(gathered, layout, size, [out, also],
+                                                         1.0 / size)):
+                out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
+                                               also=also)
     except wire.PeerError as e:
         if e.skip:
             warnings.warn(f"horovod_sbc: skipping this sync: {e}")
