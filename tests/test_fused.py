@@ -266,3 +266,52 @@ def test_dropin_job_with_the_kernels_off_gives_the_kernels_bytes():
     off, _ = run_ranks("torch_sbc.py", 2, args, timeout=180, env={"HOROVOD_SBC_KERNELS": "0"})
     assert [r["digests"] for r in off] == [r["digests"] for r in on]
     assert [r["stats"] for r in off] == [r["stats"] for r in on]
+
+
+def _exchange_run(shapes, density, ranks, steps, device_path: bool, nan_step=None):
+    """``SBC.exchange`` of plain updates added to residuals (what the DDP hook hands it)."""
+    import warnings
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.sync import Update
+    g = torch.Generator().manual_seed(9)
+    comp = SBC(density=density, nonfinite="skip")
+    comp.transport = _Replay(ranks)
+    trace = []
+    with kernels.disabled() if device_path else _nullcontext():
+        for s in range(steps):
+            vals = [torch.randn(sh, generator=g) for sh in shapes]
+            if s == nan_step:
+                vals[-1].view(-1)[0] = float("nan")
+            outs = [torch.zeros(v.numel()) for v in vals]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res = comp.exchange([Update(f"t{i}", v, tuple(v.shape))
+                                     for i, v in enumerate(vals)], out=outs)
+            trace.append((res is None, [o.clone() for o in outs],
+                          [comp.manager.residuals[f"t{i}"].clone() for i in range(len(vals))]))
+    return trace, comp
+
+
+def test_residual_sync_on_the_device_path_matches_the_kernels():
+    from horovod_sbc.torch import fused_sync
+    shapes = [(40, 10), (0,), (), (3,), (2000,), (9, 9)]
+    calls = []
+    orig = fused_sync.encode
+    fused_sync.encode = lambda *a: calls.append(1) or orig(*a)
+    try:
+        for density, ranks, nan_step in ((0.02, 3, None), (0.2, 2, 2), (1.0, 4, None)):
+            dev, comp_d = _exchange_run(shapes, density, ranks, 4, True, nan_step)
+            ref, comp_r = _exchange_run(shapes, density, ranks, 4, False, nan_step)
+            assert [s.numpy().tobytes() for s in comp_d.transport.history] == \
+                [s.numpy().tobytes() for s in comp_r.transport.history]
+            for (skip_d, out_d, res_d), (skip_r, out_r, res_r) in zip(dev, ref):
+                assert skip_d == skip_r
+                for x, y in zip(out_d + res_d, out_r + res_r):
+                    assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+            assert comp_d.stats() == comp_r.stats()
+            # skipped: the NaN's sync (and later ones that replay its SKIP as another rank's)
+            assert [skip for skip, _, _ in dev][:nan_step or 4] == [False] * (nan_step or 4)
+            assert nan_step is None or dev[nan_step][0]
+    finally:
+        fused_sync.encode = orig
+    assert len(calls) == 12

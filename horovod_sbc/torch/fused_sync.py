@@ -3,10 +3,12 @@ kernels do not take (CUDA tensors, or the kernels off): every update encoded by 
 (:mod:`horovod_sbc.torch.fused`), and every rank's binary messages decoded and added together,
 so that the host reads, uploads and tensor ops of a sync do not grow with the number of tensors.
 
-Used for SBC (``mode="sbc"``, ``selection="paper"``) when every update keeps its residual in the
-weights (the drop-in optimizer's default, ``Update.in_weights``): float32, one device. The
-messages, the decoded sums and the weights afterwards are bit for bit those of the per-tensor
-path (``tests/test_fused.py``).
+Used for SBC (``mode="sbc"``, ``selection="paper"``) on float32 updates on one device, when every
+update keeps its residual in the weights (the drop-in optimizer's default, ``Update.in_weights``)
+or every update is a plain value added to its residual (the DDP hook). The messages, the decoded
+sums and the weights and residuals afterwards are bit for bit those of the per-tensor path
+(``tests/test_fused.py``). An update with NaN/Inf leaves everything untouched here and is
+handed to the per-tensor path, which reports it.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 from .. import protocol, wire
 from . import decoder, exchange
-from .codec import _kernels_for
+from .codec import NonFiniteError, _kernels_for
 from .fused import FusedEncoding, encode_fused
 
 
@@ -28,10 +30,14 @@ def eligible(state, updates) -> bool:
     if not updates or cfg.mode != "sbc" or cfg.selection != "paper":
         return False
     dev = updates[0].value.device
+    in_weights = updates[0].in_weights
     for u in updates:
-        v = u.value
-        if not u.in_weights or v.dtype != torch.float32 or v.device != dev or \
-                u.base is None or u.base.dtype != torch.float32 or u.base_offset is not None:
+        if u.value.dtype != torch.float32 or u.value.device != dev or \
+                u.base_offset is not None or u.in_weights != in_weights:
+            return False
+        if in_weights and (u.base is None or u.base.dtype != torch.float32):
+            return False
+        if not in_weights and u.base is not None:
             return False
     return _kernels_for(updates[0].value.reshape(-1)[:1]) is None
 
@@ -39,10 +45,11 @@ def eligible(state, updates) -> bool:
 @dataclass
 class FusedStep:
     """One encoded sync: the framed step message, and the error feedback to commit once every
-    rank's message decoded (``positions``/``residual`` sized as the per-tensor path's)."""
+    rank's message decoded (``positions``/``residual`` sized as the per-tensor path's).
+    ``targets``: the flat tensors that hold the residual (the weights, or the residuals)."""
     step: torch.Tensor
     encoding: FusedEncoding
-    weights: List[torch.Tensor]
+    targets: List[torch.Tensor]
 
     @property
     def positions(self) -> torch.Tensor:
@@ -53,25 +60,37 @@ class FusedStep:
         return self.encoding.flat
 
     def commit(self) -> None:
-        """What was sent leaves the weights: ``W[pos] -= mu`` (``W - 0`` elsewhere, exact)."""
+        """What was sent leaves the residual: ``R[pos] -= mu`` (``R - 0`` elsewhere, exact)."""
         enc = self.encoding
         if not enc.positions.numel():
             return
         sent = torch.zeros_like(enc.flat).index_add_(0, enc.positions, enc.values)
-        torch._foreach_sub_(self.weights, list(torch.split(sent, [w.numel() for w in
-                                                                  self.weights])))
+        torch._foreach_sub_(self.targets, list(torch.split(sent, [t.numel() for t in
+                                                                  self.targets])))
 
 
-def encode(state, updates, layout_crc: int) -> FusedStep:
-    """Encode every update (``W - W_ref``) at once and frame the step message; raises
-    :class:`~horovod_sbc.torch.codec.NonFiniteError` (nothing written) like the per-tensor
-    path."""
-    weights = [u.weights_flat() for u in updates]
-    refs = [u.base.reshape(-1) for u in updates]
-    flat = torch.cat(weights) - torch.cat(refs)
-    enc = encode_fused(flat, [w.numel() for w in weights], state.config.density,
-                       [u.name for u in updates])
-    return FusedStep(frame(enc.body, layout_crc, len(updates)), enc, weights)
+def encode(state, updates, layout_crc: int) -> Optional[FusedStep]:
+    """Encode every update at once and frame the step message, or None (nothing written)
+    when an update holds NaN/Inf: the per-tensor path then reports it with its own rules for
+    the residuals. Kept in the weights, the update is ``W - W_ref``; otherwise ``R + dW``,
+    which becomes the residuals (as the per-tensor path's ``R += dW``) once it encoded."""
+    if updates[0].in_weights:
+        targets = [u.weights_flat() for u in updates]
+        flat = torch.cat(targets) - torch.cat([u.base.reshape(-1) for u in updates])
+    else:
+        targets = [state.residual(u.name, u.value) for u in updates]
+        for u, r in zip(updates, targets):
+            if r.numel() != u.value.numel() or r.dtype != torch.float32:
+                return None  # the per-tensor path explains the mismatch
+        flat = torch.cat(targets) + torch.cat([u.value.reshape(-1) for u in updates])
+    try:
+        enc = encode_fused(flat, [t.numel() for t in targets], state.config.density,
+                           [u.name for u in updates])
+    except NonFiniteError:
+        return None
+    if not updates[0].in_weights:
+        torch._foreach_copy_(targets, list(torch.split(flat, [t.numel() for t in targets])))
+    return FusedStep(frame(enc.body, layout_crc, len(updates)), enc, targets)
 
 
 def frame(body: torch.Tensor, layout_crc: int, n_tensors: int) -> torch.Tensor:

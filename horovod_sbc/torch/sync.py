@@ -220,13 +220,13 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
         step = exchange.error_frame(f"the update of {bad.name!r} contains NaN or Inf", fp,
                                     cfg.nonfinite == "skip", dev, rank)
         local_error = True
-    fused = bad is None and fused_sync.eligible(state, updates)  # the device path, all at once
-    for u in updates if bad is None else []:
+    # the device path encodes all at once (None on NaN/Inf: the loop then finds it as usual)
+    fused = fused_sync.encode(state, updates, fp) if bad is None and \
+        fused_sync.eligible(state, updates) else None
+    if fused is not None:
+        encoded, step = [fused], fused.step
+    for u in updates if bad is None and fused is None else []:
         try:
-            if fused:
-                encoded.append(fused_sync.encode(state, updates, fp))
-                step = encoded[0].step
-                break
             encoded.append(_encode(state, u))
         except NonFiniteError as e:
             step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
@@ -247,8 +247,8 @@ def synchronize(state: "SBC", items, out: Optional[List[torch.Tensor]] = None,
             gathered = state.transport.allgather(step, tag)
             state.manager.add(upstream_bits=8 * step.numel(),
                               downstream_bits=8 * (gathered.numel() - step.numel()))
-            if not (fused and fused_sync.decode_gathered(gathered, layout, size, [out, also],
-                                                         1.0 / size)):
+            if fused is None or out is None or not fused_sync.decode_gathered(
+                    gathered, layout, size, [out] if also is None else [out, also], 1.0 / size):
                 out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
                                                also=also)
     except wire.PeerError as e:
