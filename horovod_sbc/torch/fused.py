@@ -116,6 +116,17 @@ class FusedEncoding:
             self.flat.index_add_(0, self.positions, self.values, alpha=-1)
 
 
+def compact(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 indices of the ``size`` True entries of 1-D ``mask``, ascending, when the host
+    knows ``size`` (``torch.nonzero`` would read it from the device): each True entry
+    scattered to its rank among them; the False ones to a spare slot that is dropped."""
+    rank = torch.cumsum(mask, 0) - 1
+    out = torch.empty(size + 1, dtype=torch.int64, device=mask.device)
+    dest = torch.where(mask, rank, size)
+    out.scatter_(0, dest, torch.arange(mask.numel(), device=mask.device))
+    return out[:size]
+
+
 def _seg_ids(lay: Layout, dev) -> torch.Tensor:
     """int64 [total]: the tensor each element belongs to."""
     m = len(lay.numels)
@@ -151,7 +162,7 @@ def _candidates(flat: torch.Tensor, lay: Layout, names: Optional[Sequence[str]])
     c_host = [min(n, lay.ks[g >> 1]) for g, n in enumerate(row[:2 * m])]
     total = sum(row[4 * m:])
     keep = (bucket >= beta.gather(0, grp)) & (flat != 0)
-    cidx = torch.nonzero_static(keep, size=total).squeeze(1)
+    cidx = compact(keep, total)
     return cidx, grp.gather(0, cidx), mag.gather(0, cidx), c, c_host
 
 
@@ -167,7 +178,7 @@ def _select(cidx, cgrp, cmag, c, c_host, lay: Layout):
         0, cgrp, torch.ones_like(cgrp))
     start = torch.cumsum(n_cand, 0) - n_cand
     rank = torch.arange(order.numel(), device=dev) - start.gather(0, g_sorted)
-    kept = order.gather(0, torch.nonzero_static(rank < c.gather(0, g_sorted), size=s).squeeze(1))
+    kept = order.gather(0, compact(rank < c.gather(0, g_sorted), s))
     pos_key = torch.sort((cgrp.gather(0, kept) << _POS_SHIFT) | cidx.gather(0, kept)).values
     return pos_key & ((1 << _POS_SHIFT) - 1), pos_key >> _POS_SHIFT
 
@@ -318,7 +329,7 @@ def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, ga
     b_t, ubit, rbit, start = (plan_dev[2 * m + r * m:3 * m + r * m] for r in range(4))
     signed = plan_dev[6 * m:7 * m].view(torch.float64)
     n_sent = sum(p.counts)
-    take = torch.nonzero_static(gflag.gather(0, gsel) != 0, size=n_sent).squeeze(1)
+    take = compact(gflag.gather(0, gsel) != 0, n_sent)
     wpos, t = pos.gather(0, take), gsel.gather(0, take) >> 1
     gap = gaps.gather(0, take)
     b = b_t.gather(0, t)
