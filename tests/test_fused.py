@@ -46,12 +46,12 @@ def _random_layout(rng, n_tensors: int):
     return [_tensor(rng, str(rng.choice(KINDS)), n) for n in sizes]
 
 
-def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels")):
+def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels"), mode="sbc"):
     """Fused encode + commit vs encode_update + subtract_sent_ per tensor: bytes, positions
     sent and the residual afterwards, bit for bit."""
     numels = [x.numel() for x in xs]
     flat = torch.cat(xs) if xs else torch.zeros(0)
-    enc = fused.encode_fused(flat, numels, density)
+    enc = fused.encode_fused(flat, numels, density, mode=mode)
     enc.commit()
     after = torch.split(flat, numels)
     for path in paths:
@@ -59,7 +59,7 @@ def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels")):
         with ctx:
             for i, x in enumerate(xs):
                 ref = x.clone()
-                msg, pos, sent = codec.encode_update(ref, density)
+                msg, pos, sent = codec.encode_update(ref, density, mode)
                 codec.subtract_sent_(ref, pos, sent)
                 got = enc.message(i)
                 assert got.numpy().tobytes() == msg.numpy().tobytes(), (path, density, i, numels[i])
@@ -83,6 +83,19 @@ def test_many_random_layouts_match_the_per_tensor_encoder():
         density = float(rng.choice([1e-4, 1e-3, 1e-2, 5e-2, 0.3, 1.0]))
         _check_against_per_tensor(xs, density, ("tensor-op",) if trial % 2 else
                                   ("tensor-op", "kernels"))
+
+
+def test_values_mode_matches_the_per_tensor_encoder():
+    rng = np.random.default_rng(4)
+    for trial in range(25):
+        xs = _random_layout(rng, int(rng.integers(1, 10)))
+        density = float(rng.choice([1e-3, 1e-2, 5e-2, 0.5, 1.0]))
+        _check_against_per_tensor(xs, density, ("tensor-op",) if trial % 2 else
+                                  ("tensor-op", "kernels"), mode="values")
+    for xs in ([torch.zeros(0)], [torch.zeros(1), torch.zeros(5), torch.ones(3)],
+               [torch.full((40,), -1.5), torch.tensor([0.0, -0.0, 2.0])]):
+        for density in (0.01, 0.3, 1.0):  # zeros are kept when k exceeds the non-zeros
+            _check_against_per_tensor(xs, density, mode="values")
 
 
 def test_edge_layouts():
@@ -120,15 +133,24 @@ def test_numpy_reference_agrees():
     xs = _random_layout(rng, 10)
     flat = torch.cat(xs)
     enc = fused.encode_fused(flat.clone(), [x.numel() for x in xs], 0.02)
+    top = fused.encode_fused(flat.clone(), [x.numel() for x in xs], 0.02, mode="values")
     for i, x in enumerate(xs):
         msg, _ = core.compress_np(x.numpy(), None, 0.02, selection="paper")
         assert enc.message(i).numpy().tobytes() == msg, i
+        msg, _ = core.compress_np(x.numpy(), None, 0.02, binarize=False)
+        assert top.message(i).numpy().tobytes() == msg, i
 
 
 def test_golden_vectors_in_one_fused_call():
-    cases = [c for c in GOLDEN if c["selection"] == "paper" and c["binarize"] is True
-             and c["dtype"] in ("float32", "float16")]
-    assert len(cases) >= 8
+    sbc = [c for c in GOLDEN if c["selection"] == "paper" and c["binarize"] is True
+           and c["dtype"] in ("float32", "float16")]
+    values = [c for c in GOLDEN if c["binarize"] is False and c["dtype"] == "float32"]
+    assert len(sbc) >= 8 and len(values) >= 2
+    for mode, cases in (("sbc", sbc), ("values", values)):
+        _golden_in_one_call(cases, mode)
+
+
+def _golden_in_one_call(cases, mode):
     for density in sorted({c["density"] for c in cases}):
         group = [c for c in cases if c["density"] == density]
         xs = []
@@ -137,7 +159,7 @@ def test_golden_vectors_in_one_fused_call():
             u, r = make_golden.make_inputs(c["index"], c["numel"], dt, c["kind"])
             xs.append(torch.from_numpy(r.astype(np.float32)) + torch.from_numpy(u).float())
         flat = torch.cat(xs)
-        enc = fused.encode_fused(flat, [x.numel() for x in xs], density)
+        enc = fused.encode_fused(flat, [x.numel() for x in xs], density, mode=mode)
         enc.commit()
         for i, (c, after) in enumerate(zip(group, torch.split(flat, [x.numel() for x in xs]))):
             assert enc.message(i).numpy().tobytes() == bytes.fromhex(c["message_hex"]), c["name"]

@@ -134,35 +134,39 @@ def _seg_ids(lay: Layout, dev) -> torch.Tensor:
                                    output_size=lay.total)
 
 
-def _candidates(flat: torch.Tensor, lay: Layout, names: Optional[Sequence[str]]):
+def _candidates(flat: torch.Tensor, lay: Layout, names: Optional[Sequence[str]], sides: int = 2):
     """Step 1: (candidate flat indices ascending, their group ids, their magnitude bits, c per
-    group on the device, c per group on the host)."""
+    group on the device, c per group on the host). ``sides`` 2: the paper's groups (positive,
+    negative; zeros in neither); 1: one group of all entries per tensor (by magnitude, zeros
+    too: the top-k values mode)."""
     dev = flat.device
     m = len(lay.numels)
+    n_groups = sides * m
     mag = flat.view(torch.int32) & 0x7FFFFFFF
-    grp = _seg_ids(lay, dev) * 2 + (flat < 0)
+    seg = _seg_ids(lay, dev)
+    grp = seg * 2 + (flat < 0) if sides == 2 else seg
     bucket = mag >> _MAG_SHIFT
-    hist = torch.zeros(2 * m * _NB, dtype=torch.int64, device=dev)
-    hist.index_add_(0, grp * _NB + bucket, (flat != 0).to(torch.int64))
-    hist = hist.view(2 * m, _NB)
+    counted = flat != 0 if sides == 2 else torch.ones_like(flat, dtype=torch.bool)
+    hist = torch.zeros(n_groups * _NB, dtype=torch.int64, device=dev)
+    hist.index_add_(0, grp * _NB + bucket, counted.to(torch.int64))
+    hist = hist.view(n_groups, _NB)
     # from the top: cum[g, b] = entries of group g in bucket b or above
     cum = hist.flip(1).cumsum(1).flip(1)
     n_side = cum[:, 0]
     nonfinite = cum[:, _NONFINITE_BUCKET]
-    c = torch.minimum(n_side, lay.k_dev.repeat_interleave(2))
+    c = torch.minimum(n_side, lay.k_dev.repeat_interleave(sides))
     beta = (cum >= c[:, None]).sum(1) - 1  # highest bucket whose cumulative count reaches c
     beta = torch.where(c > 0, beta, torch.full_like(beta, _NB))
     n_cand = torch.where(c > 0, cum.gather(1, beta.clamp(max=_NB - 1)[:, None])[:, 0], 0)
     row = torch.cat([n_side, nonfinite, n_cand]).tolist()  # host read 1
-    nf = row[2 * m:4 * m]
-    bad = next((i for i in range(m) if nf[2 * i] or nf[2 * i + 1]), None)
+    nf = row[n_groups:2 * n_groups]
+    bad = next((g // sides for g in range(n_groups) if nf[g]), None)
     if bad is not None:
         name = names[bad] if names is not None else f"tensor {bad}"
         raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
-    c_host = [min(n, lay.ks[g >> 1]) for g, n in enumerate(row[:2 * m])]
-    total = sum(row[4 * m:])
-    keep = (bucket >= beta.gather(0, grp)) & (flat != 0)
-    cidx = compact(keep, total)
+    c_host = [min(n, lay.ks[g // sides]) for g, n in enumerate(row[:n_groups])]
+    keep = (bucket >= beta.gather(0, grp)) & counted
+    cidx = compact(keep, sum(row[2 * n_groups:]))
     return cidx, grp.gather(0, cidx), mag.gather(0, cidx), c, c_host
 
 
@@ -217,19 +221,19 @@ def _tree_sums(vals: torch.Tensor, gsel: torch.Tensor, c: torch.Tensor, c_host: 
     return torch.where(c > 0, x.gather(0, slot0.clamp(max=size)), 0.0)
 
 
-def _rice_range(c_host: List[int], lay: Layout) -> Tuple[int, int]:
+def _rice_range(c_host: List[int], lay: Layout, sides: int = 2) -> Tuple[int, int]:
     """The b that :func:`horovod_sbc.wire.choose_rice_b` may consider for any group."""
     bs = []
     for g, cnt in enumerate(c_host):
         if cnt:
-            b0 = wire.rice_parameter(cnt / lay.numels[g >> 1])
+            b0 = wire.rice_parameter(cnt / lay.numels[g // sides])
             bs += [b for b in (b0 - 1, b0, b0 + 1) if 0 <= b <= wire.MAX_RICE_B]
     return (min(bs), max(bs)) if bs else (0, 0)
 
 
-def _gaps(pos: torch.Tensor, gsel: torch.Tensor, lay: Layout) -> torch.Tensor:
+def _gaps(pos: torch.Tensor, gsel: torch.Tensor, lay: Layout, sides: int = 2) -> torch.Tensor:
     """Gaps ``p_i - p_{i-1} - 1`` of each group's local positions (``p_{-1} = -1``)."""
-    seg = gsel >> 1
+    seg = gsel // sides
     start = torch.cumsum(lay.numel_dev, 0) - lay.numel_dev
     local = pos - start.gather(0, seg)
     prev = torch.cat([local.new_full((1,), -1), local[:-1]])
@@ -237,19 +241,20 @@ def _gaps(pos: torch.Tensor, gsel: torch.Tensor, lay: Layout) -> torch.Tensor:
     return local - torch.where(same, prev, -1) - 1
 
 
-def _stats(vals, pos, gsel, c, c_host, lay: Layout):
-    """Steps 3 and 4 and host read 2: (sums per group, {group: {b: sum(gap >> b)}}, gaps)."""
-    sums = _tree_sums(vals, gsel, c, c_host)
-    gaps = _gaps(pos, gsel, lay)
-    lo, hi = _rice_range(c_host, lay)
+def _stats(vals, pos, gsel, c, c_host, lay: Layout, sides: int = 2):
+    """Steps 3 and 4 and host read 2: (sums per group, or () without ``vals``; {group: {b:
+    sum(gap >> b)}}; gaps)."""
+    sums = _tree_sums(vals, gsel, c, c_host) if vals is not None else c[:0].double()
+    gaps = _gaps(pos, gsel, lay, sides)
+    lo, hi = _rice_range(c_host, lay, sides)
     shifts = torch.arange(lo, hi + 1, device=pos.device)
     table = torch.zeros(c.numel(), hi - lo + 1, dtype=torch.int64, device=pos.device)
     table.index_add_(0, gsel, gaps[:, None] >> shifts[None, :])
     row = torch.cat([sums.view(torch.int64), table.view(-1)]).tolist()  # host read 2
-    n_groups = c.numel()
-    sums_host = struct.unpack(f"<{n_groups}d", struct.pack(f"<{n_groups}q", *row[:n_groups]))
+    n_sums, n_groups = sums.numel(), c.numel()
+    sums_host = struct.unpack(f"<{n_sums}d", struct.pack(f"<{n_sums}q", *row[:n_sums]))
     width = hi - lo + 1
-    tables = {g: {lo + i: row[n_groups + g * width + i] for i in range(width)}
+    tables = {g: {lo + i: row[n_sums + g * width + i] for i in range(width)}
               for g in range(n_groups) if c_host[g]}
     return sums_host, tables, gaps
 
@@ -268,6 +273,13 @@ class _Plan:
     counts: List[int]
     means: List[float]
     negative: List[bool]
+    streams: List[int]          # 1: position streams to write; 0: ALL (values only) or none
+    value_byte: List[int]       # byte offset of the float32 values (values mode)
+
+    @classmethod
+    def empty(cls, m: int, n_groups: int) -> "_Plan":
+        return cls([0] * n_groups, [0] * m, [0] * m, [0] * m, [0] * m, [0.0] * m, bytearray(),
+                   [], [0] * m, [0.0] * m, [False] * m, [1] * m, [0] * m)
 
 
 def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
@@ -275,8 +287,7 @@ def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
     (:func:`horovod_sbc.core.choose_side`, :func:`horovod_sbc.wire.choose_rice_b`), and every
     tensor header."""
     m = len(lay.numels)
-    p = _Plan([0] * (2 * m), [0] * m, [0] * m, [0] * m, [0] * m, [0.0] * m, bytearray(), [],
-              [0] * m, [0.0] * m, [False] * m)
+    p = _Plan.empty(m, 2 * m)
     sent = 0
     for i, numel in enumerate(lay.numels):
         np_, nn_ = c_host[2 * i], c_host[2 * i + 1]
@@ -307,11 +318,50 @@ def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
     return p
 
 
+def _plan_values(c_host, tables, lay: Layout) -> _Plan:
+    """Per tensor: top-k positions with their float32 values (flag VALUES; ALL when k = numel),
+    the headers as :func:`horovod_sbc.torch.codec.encode_positions` writes them."""
+    m = len(lay.numels)
+    p = _Plan.empty(m, m)
+    sent = 0
+    for i, numel in enumerate(lay.numels):
+        count = c_host[i]
+        at = len(p.template)
+        p.start[i] = sent
+        if count == 0:
+            p.template += wire.tensor_header(numel, 0, 0, 0, 0.0, False)
+            p.bounds.append((at, len(p.template)))
+            p.streams[i] = 0
+            continue
+        if count == numel:
+            head = wire.tensor_header(numel, numel, 0, 0, 0.0, False, True, False, True)
+            ubytes = rbytes = b = 0
+            p.streams[i] = 0
+        else:
+            table = tables[i]
+            b = wire.choose_rice_b(count, numel, table.__getitem__)
+            if b > _MAX_FUSED_B:
+                raise ValueError(f"SBC: tensor {i} needs Rice parameter {b} > {_MAX_FUSED_B}, "
+                                 "beyond the fused encoder")
+            ubytes, rbytes = -(-(table[b] + count) // 8), -(-(count * b) // 8)
+            head = wire.tensor_header(numel, count, b, ubytes, 0.0, False, True)
+        p.template += head + bytes(ubytes + rbytes + 4 * count)
+        p.bounds.append((at, len(p.template)))
+        p.group_flag[i] = 1
+        p.b[i], p.counts[i] = b, count
+        p.unary_bit[i] = 8 * (at + len(head))
+        p.rem_bit[i] = 8 * (at + len(head) + ubytes)
+        p.value_byte[i] = at + len(head) + ubytes + rbytes
+        sent += count
+    return p
+
+
 def _upload(p: _Plan, dev) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One host-to-device copy: (int64 plan rows [6, m] as described by :class:`_Plan`, the
-    body template with 8 spare zero bytes for the remainder window)."""
+    """One host-to-device copy: (the int64 plan: group flags, then per tensor b, unary and
+    remainder bit offsets, first index, streams flag, values offset, and the signed value as
+    float64; the body template with 8 spare zero bytes for the remainder window)."""
     m = len(p.b)
-    ints = p.group_flag + p.b + p.unary_bit + p.rem_bit + p.start
+    ints = p.group_flag + p.b + p.unary_bit + p.rem_bit + p.start + p.streams + p.value_byte
     raw = struct.pack(f"<{len(ints)}q{m}d", *ints, *p.signed) + bytes(p.template) + bytes(8)
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if buf.device != torch.device(dev):
@@ -320,17 +370,19 @@ def _upload(p: _Plan, dev) -> Tuple[torch.Tensor, torch.Tensor]:
     return buf[:8 * n_ints].view(torch.int64), buf[8 * n_ints:]
 
 
-def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, gaps):
+def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, gaps,
+             sides: int = 2):
     """Step 5: write every sent tensor's unary and remainder streams into ``body``; returns
-    (flat positions sent, value sent at each)."""
+    (flat positions sent, tensor of each, index of each within its tensor)."""
     m = len(p.b)
+    n_groups = len(p.group_flag)
     dev = body.device
-    gflag = plan_dev[:2 * m]
-    b_t, ubit, rbit, start = (plan_dev[2 * m + r * m:3 * m + r * m] for r in range(4))
-    signed = plan_dev[6 * m:7 * m].view(torch.float64)
+    gflag = plan_dev[:n_groups]
+    b_t, ubit, rbit, start, streams = (plan_dev[n_groups + r * m:n_groups + (r + 1) * m]
+                                       for r in range(5))
     n_sent = sum(p.counts)
     take = compact(gflag.gather(0, gsel) != 0, n_sent)
-    wpos, t = pos.gather(0, take), gsel.gather(0, take) >> 1
+    wpos, t = pos.gather(0, take), gsel.gather(0, take) // sides
     gap = gaps.gather(0, take)
     b = b_t.gather(0, t)
     q1 = (gap >> b) + 1
@@ -338,41 +390,61 @@ def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, ga
     first = start.gather(0, t)
     before = (cs - q1).gather(0, first)  # the cumulative sum where the tensor's stream starts
     bit = ubit.gather(0, t) + (cs - before) - 1
-    body.index_add_(0, bit >> 3, (128 >> (bit & 7)).to(torch.uint8))
-    off = rbit.gather(0, t) + (torch.arange(n_sent, device=dev) - first) * b
+    on = streams.gather(0, t) != 0  # ALL messages have no position streams
+    body.index_add_(0, torch.where(on, bit >> 3, 0),
+                    torch.where(on, 128 >> (bit & 7), 0).to(torch.uint8))
+    j = torch.arange(n_sent, device=dev) - first
+    off = rbit.gather(0, t) + j * b
     r = gap & ((1 << b) - 1)
     word = r << (64 - b - (off & 7)).clamp(max=63)
     at = off >> 3
-    for j in range((7 + max(p.b + [0]) + 7) // 8):
-        body.index_add_(0, at + j, ((word >> (56 - 8 * j)) & 255).to(torch.uint8))
-    vals = signed.gather(0, t).to(torch.float32)
-    return wpos, vals
+    for k in range((7 + max(p.b + [0]) + 7) // 8):
+        body.index_add_(0, at + k, ((word >> (56 - 8 * k)) & 255).to(torch.uint8))
+    return wpos, t, j
 
 
 def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
-                 names: Optional[Sequence[str]] = None) -> FusedEncoding:
-    """SBC messages (mode ``"sbc"``, selection ``"paper"``) of every tensor of ``flat`` (float32,
-    contiguous; tensor ``i`` the ``numels[i]`` elements after the previous ones), byte for byte
-    those of :func:`horovod_sbc.torch.codec.encode_update` per tensor. ``flat`` is not changed;
-    :meth:`FusedEncoding.commit` applies the error feedback. Raises
+                 names: Optional[Sequence[str]] = None, mode: str = "sbc") -> FusedEncoding:
+    """Messages of every tensor of ``flat`` (float32, contiguous; tensor ``i`` the
+    ``numels[i]`` elements after the previous ones), byte for byte those of
+    :func:`horovod_sbc.torch.codec.encode_update` per tensor: ``mode="sbc"`` (selection
+    ``"paper"``) or ``"values"`` (top-k by magnitude with float32 values). ``flat`` is not
+    changed; :meth:`FusedEncoding.commit` applies the error feedback. Raises
     :class:`~horovod_sbc.torch.codec.NonFiniteError` naming the first tensor with NaN/Inf
     (``names``, else its index). Two host reads and one upload, whatever the number of
     tensors."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("encode_fused needs a contiguous 1-D float32 buffer, got "
                          f"{flat.dtype} of shape {tuple(flat.shape)}")
+    if mode not in ("sbc", "values"):
+        raise ValueError(f"encode_fused: mode must be 'sbc' or 'values', got {mode!r}")
     lay = layout_for(numels, density, flat.device)
     if lay.total != flat.numel():
         raise ValueError(f"encode_fused: the layout has {lay.total} elements, the buffer "
                          f"{flat.numel()}")
-    cidx, cgrp, cmag, c, c_host = _candidates(flat, lay, names)
+    sides = 2 if mode == "sbc" else 1
+    cidx, cgrp, cmag, c, c_host = _candidates(flat, lay, names, sides)
     pos, gsel = _select(cidx, cgrp, cmag, c, c_host, lay)
-    vals = flat.gather(0, pos).to(torch.float64)
-    vals = torch.where((gsel & 1) == 1, -vals, vals)
-    sums, tables, gaps = _stats(vals, pos, gsel, c, c_host, lay)
-    p = _plan(c_host, sums, tables, lay)
-    plan_dev, template = _upload(p, flat.device)
-    wpos, sent = _streams(template, plan_dev, p, pos, gsel, gaps)
+    vals = flat.gather(0, pos)
+    if sides == 2:
+        v64 = vals.to(torch.float64)
+        sums, tables, gaps = _stats(torch.where((gsel & 1) == 1, -v64, v64), pos, gsel, c,
+                                    c_host, lay)
+        p = _plan(c_host, sums, tables, lay)
+    else:
+        _, tables, gaps = _stats(None, pos, gsel, c, c_host, lay, 1)
+        p = _plan_values(c_host, tables, lay)
+    plan_dev, body = _upload(p, flat.device)
+    wpos, t, j = _streams(body, plan_dev, p, pos, gsel, gaps, sides)
+    m, g0 = len(lay.numels), len(p.group_flag)  # the plan's rows: see _upload
+    if sides == 2:
+        sent = plan_dev[g0 + 6 * m:g0 + 7 * m].view(torch.float64).gather(0, t).to(
+            torch.float32)
+    else:
+        sent = vals  # every entry of a values tensor is sent
+        vbyte = plan_dev[g0 + 5 * m:g0 + 6 * m].gather(0, t) + 4 * j
+        dest = (vbyte[:, None] + torch.arange(4, device=flat.device)).view(-1)
+        body.index_copy_(0, dest, sent.contiguous().view(torch.uint8))
     size = len(p.template)
-    return FusedEncoding(flat, template[:size], p.bounds, wpos, sent, p.counts, p.means,
+    return FusedEncoding(flat, body[:size], p.bounds, wpos, sent, p.counts, p.means,
                          p.negative)
