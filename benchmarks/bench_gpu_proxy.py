@@ -88,7 +88,8 @@ def resnet50_layout() -> List[Tuple[str, Shape]]:
 def gpt2_layout() -> List[Tuple[str, Shape]]:
     """GPT-2 small's parameters (Hugging Face ``GPT2LMHeadModel``, the LM head tied to
     ``wte``): 148 tensors."""
-    d, out = 768, [("transformer.wte.weight", (50257, 768)), ("transformer.wpe.weight", (1024, 768))]
+    d = 768
+    out = [("transformer.wte.weight", (50257, d)), ("transformer.wpe.weight", (1024, d))]
     for i in range(12):
         pre = f"transformer.h.{i}."
         out += [(pre + "ln_1.weight", (d,)), (pre + "ln_1.bias", (d,)),
