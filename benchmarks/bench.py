@@ -14,6 +14,9 @@ net     step time of dense/fp16/top-K/SBC on a 10.5M-parameter MLP with every ra
 all     codec + train + grid + tasks + net (10mbit, 100mbit, 1gbit): ``make bench``
 downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 8 ranks:
         per-worker downlink bits per sync and accuracy (:mod:`benchmarks.bench_downlink`)
+gpu-proxy  aten ops and host reads per sync step on the tensor-op path (C kernels off: what CUDA
+        tensors run), ResNet-50 and GPT-2 small layouts, drop-in / stock hook / DDP hook, 2 and 8
+        ranks, counted on the CPU (:mod:`benchmarks.bench_gpu_proxy`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
 (default: the JSON's directory).
 
@@ -445,6 +448,9 @@ def main(argv=None) -> int:
     if _ARGV[:1] == ["downlink"]:  # issue #6: its own module and options
         from . import bench_downlink
         return bench_downlink.main(_ARGV[1:])
+    if _ARGV[:1] == ["gpu-proxy"]:  # its own module and options
+        from . import bench_gpu_proxy
+        return bench_gpu_proxy.main(_ARGV[1:])
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():

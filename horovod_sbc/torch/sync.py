@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import wire
-from . import exchange
+from . import exchange, fused_sync
 from .state import SyncState
 from ..reference import keep_count
 from .codec import (Difference, NonFiniteError, _scratch, encode_positions, encode_update,
@@ -218,7 +218,12 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
         step = exchange.error_frame(f"the update of {bad.name!r} contains NaN or Inf", fp,
                                     cfg.nonfinite == "skip", dev, rank)
         local_error = True
-    for u in updates if bad is None else []:
+    # the device path encodes all at once (None on NaN/Inf: the loop then finds it as usual)
+    fused = fused_sync.encode(state, updates, fp) if bad is None and \
+        fused_sync.eligible(state, updates) else None
+    if fused is not None:
+        encoded, step = [fused], fused.step
+    for u in updates if bad is None and fused is None else []:
         try:
             encoded.append(_encode(state, u))
         except NonFiniteError as e:
@@ -240,8 +245,10 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
             gathered = state.transport.allgather(step, tag)
             state.manager.add(upstream_bits=8 * step.numel(),
                               downstream_bits=8 * (gathered.numel() - step.numel()))
-            out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
-                                           also=also)
+            if fused is None or out is None or not fused_sync.decode_gathered(
+                    gathered, layout, size, [out] if also is None else [out, also], 1.0 / size):
+                out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
+                                               also=also)
     except wire.PeerError as e:
         if e.skip:
             warnings.warn(f"horovod_sbc: skipping this sync: {e}")

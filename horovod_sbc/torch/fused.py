@@ -1,0 +1,450 @@
+"""One encoder for every tensor of a sync: SBC's selection, means, binarization, Golomb-Rice
+streams and residual update for all tensors at once, in a number of tensor ops and host reads
+that does not grow with the number of tensors.
+
+The bytes are those of :func:`horovod_sbc.torch.codec.encode_update` (mode ``"sbc"``, selection
+``"paper"``), tensor by tensor, and so of the numpy reference (:mod:`horovod_sbc.reference`,
+:mod:`horovod_sbc.wire`); the residual afterwards is the same too. The tensors' flat updates
+lie in one float32 buffer, tensor ``i`` at ``[offsets[i], offsets[i+1])``; each tensor (a
+*segment*) has two *groups*, its positive side ``2 i`` and its negative side ``2 i + 1``.
+
+How, per sync (everything segmented, nothing per tensor in Python):
+
+1. **Exact candidates without a sort of the tensor.** A histogram per group of the top 12
+   magnitude bits (8 exponent, 4 mantissa bits) of every non-zero entry, one ``index_add_``;
+   per group the bucket that holds its ``c = min(k, #side)``-th largest magnitude; the
+   candidates are the entries of that bucket and above (at least ``c``, at most ``c`` plus one
+   bucket). **Host read 1**: the per-group counts and non-finite counts (NaN/Inf: the top
+   buckets).
+2. **Exact top-c.** One stable sort of the candidates by (group, magnitude descending): stable,
+   so ties at the c-th value go to the lower flat index; the first ``c`` of each group are kept,
+   then sorted back by (group, position).
+3. **Means.** The fixed-order float64 tree sum of :func:`horovod_sbc.reference.tree_sum_np` for every
+   group at once: each group padded with zeros to its power of two ``W``, then level by level
+   ``x[j] += x[j + W / 2**(l+1)]`` on the slots still active (``log2(max W)`` levels of a few
+   elementwise ops).
+4. **Rice parameter.** ``sum(gap >> b)`` per group for every ``b`` the rule may consider (the
+   candidates ``b* - 1 .. b* + 1`` of all groups lie in one small range). **Host read 2**: the
+   sums and these tables; the host then applies :func:`horovod_sbc.reference.choose_side` and
+   :func:`horovod_sbc.wire.choose_rice_b` exactly as the per-tensor encoder does and builds
+   every tensor header.
+5. **Streams.** **One upload**: the body with its headers in place (streams zero) and the
+   per-tensor plan (side, ``b``, stream offsets, mean). The unary bits are set at segmented
+   cumulative sums of ``q + 1``, the remainder fields through a 64-bit window at their bit
+   offsets, ``index_add_`` on bytes (the bits are disjoint, so adding is OR-ing).
+
+The residual update (``a[pos] -= mu``) is :meth:`FusedEncoding.commit`, one ``index_add_``,
+called once the exchange succeeded.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import wire
+from ..reference import choose_side, keep_count
+from .codec import NonFiniteError, _f32
+
+_BUCKET_BITS = 12
+_NB = 1 << _BUCKET_BITS
+_MAG_SHIFT = 31 - _BUCKET_BITS          # float32 magnitude bits (31) -> bucket
+_NONFINITE_BUCKET = 0x7F800000 >> _MAG_SHIFT
+_MAX_FUSED_B = 57                       # a field plus its bit offset fits a 64-bit window
+_POS_SHIFT = 40                         # (group << 40) | position sort keys
+
+
+@dataclass
+class Layout:
+    """Host facts of a set of flat tensors: element counts, offsets, k per tensor, and their
+    device copies (built once per layout, density and device; see :func:`layout_for`)."""
+    numels: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    ks: Tuple[int, ...]
+    numel_dev: torch.Tensor     # int64 [m]
+    k_dev: torch.Tensor         # int64 [m]
+    total: int
+
+
+_LAYOUTS: Dict[tuple, Layout] = {}
+
+
+def layout_for(numels: Sequence[int], density: float, device) -> Layout:
+    """The :class:`Layout` of ``numels`` at ``density`` on ``device`` (cached: its two small
+    device tensors are uploaded once, not every sync)."""
+    key = (tuple(int(n) for n in numels), float(density), str(device))
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        ns = key[0]
+        offs = [0]
+        for n in ns:
+            offs.append(offs[-1] + n)
+        ks = tuple(keep_count(n, density) for n in ns)
+        lay = _LAYOUTS[key] = Layout(ns, tuple(offs), ks,
+                                     torch.tensor(ns, dtype=torch.int64, device=device),
+                                     torch.tensor(ks, dtype=torch.int64, device=device), offs[-1])
+    return lay
+
+
+@dataclass
+class FusedEncoding:
+    """Every tensor's message and what to subtract from the residual once the sync succeeded.
+
+    ``body``: the tensor messages back to back (uint8, on the device), tensor ``i`` at
+    ``bounds[i]``; ``positions``: flat positions into the encoded buffer of every position sent
+    (int64, tensor by tensor, ascending); ``values``: the value sent there (the tensor's signed
+    mean); ``counts``/``means``/``negative``: per tensor, on the host."""
+    flat: torch.Tensor
+    body: torch.Tensor
+    bounds: List[Tuple[int, int]]
+    positions: torch.Tensor
+    values: torch.Tensor
+    counts: List[int]
+    means: List[float]
+    negative: List[bool]
+
+    def message(self, i: int) -> torch.Tensor:
+        lo, hi = self.bounds[i]
+        return self.body[lo:hi]
+
+    def commit(self) -> None:
+        """Error feedback: ``flat[positions] -= values`` (positions are unique)."""
+        if self.positions.numel():
+            self.flat.index_add_(0, self.positions, self.values, alpha=-1)
+
+
+def compact(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 indices of the ``size`` True entries of 1-D ``mask``, ascending, when the host
+    knows ``size`` (``torch.nonzero`` would read it from the device): each True entry
+    scattered to its rank among them; the False ones to a spare slot that is dropped."""
+    rank = torch.cumsum(mask, 0) - 1
+    out = torch.empty(size + 1, dtype=torch.int64, device=mask.device)
+    dest = torch.where(mask, rank, size)
+    out.scatter_(0, dest, torch.arange(mask.numel(), device=mask.device))
+    return out[:size]
+
+
+def _seg_ids(lay: Layout, dev) -> torch.Tensor:
+    """int64 [total]: the tensor each element belongs to."""
+    m = len(lay.numels)
+    return torch.repeat_interleave(torch.arange(m, device=dev), lay.numel_dev,
+                                   output_size=lay.total)
+
+
+def _candidates(flat: torch.Tensor, lay: Layout, names: Optional[Sequence[str]], sides: int = 2):
+    """Step 1: (candidate flat indices ascending, their group ids, their magnitude bits, c per
+    group on the device, c per group on the host). ``sides`` 2: the paper's groups (positive,
+    negative; zeros in neither); 1: one group of all entries per tensor (by magnitude, zeros
+    too: the top-k values mode)."""
+    dev = flat.device
+    m = len(lay.numels)
+    n_groups = sides * m
+    mag = flat.view(torch.int32) & 0x7FFFFFFF
+    seg = _seg_ids(lay, dev)
+    grp = seg * 2 + (flat < 0) if sides == 2 else seg
+    bucket = mag >> _MAG_SHIFT
+    counted = flat != 0 if sides == 2 else torch.ones_like(flat, dtype=torch.bool)
+    hist = torch.zeros(n_groups * _NB, dtype=torch.int64, device=dev)
+    hist.index_add_(0, grp * _NB + bucket, counted.to(torch.int64))
+    hist = hist.view(n_groups, _NB)
+    # from the top: cum[g, b] = entries of group g in bucket b or above
+    cum = hist.flip(1).cumsum(1).flip(1)
+    n_side = cum[:, 0]
+    nonfinite = cum[:, _NONFINITE_BUCKET]
+    c = torch.minimum(n_side, lay.k_dev.repeat_interleave(sides))
+    beta = (cum >= c[:, None]).sum(1) - 1  # highest bucket whose cumulative count reaches c
+    beta = torch.where(c > 0, beta, torch.full_like(beta, _NB))
+    n_cand = torch.where(c > 0, cum.gather(1, beta.clamp(max=_NB - 1)[:, None])[:, 0], 0)
+    row = torch.cat([n_side, nonfinite, n_cand]).tolist()  # host read 1
+    nf = row[n_groups:2 * n_groups]
+    bad = next((g // sides for g in range(n_groups) if nf[g]), None)
+    if bad is not None:
+        name = names[bad] if names is not None else f"tensor {bad}"
+        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+    c_host = [min(n, lay.ks[g // sides]) for g, n in enumerate(row[:n_groups])]
+    keep = (bucket >= beta.gather(0, grp)) & counted
+    cidx = compact(keep, sum(row[2 * n_groups:]))
+    return cidx, grp.gather(0, cidx), mag.gather(0, cidx), c, c_host
+
+
+def _select(cidx, cgrp, cmag, c, c_host, lay: Layout):
+    """Step 2: (flat positions, group ids) of the c largest magnitudes of every group, sorted by
+    (group, position); ties at the c-th value to the lower position."""
+    dev = cidx.device
+    s = sum(c_host)
+    key = (cgrp << 31) | (0x7FFFFFFF - cmag)
+    order = torch.sort(key, stable=True).indices
+    g_sorted = cgrp.gather(0, order)
+    n_cand = torch.zeros(c.numel(), dtype=torch.int64, device=dev).index_add_(
+        0, cgrp, torch.ones_like(cgrp))
+    start = torch.cumsum(n_cand, 0) - n_cand
+    rank = torch.arange(order.numel(), device=dev) - start.gather(0, g_sorted)
+    kept = order.gather(0, compact(rank < c.gather(0, g_sorted), s))
+    pos_key = torch.sort((cgrp.gather(0, kept) << _POS_SHIFT) | cidx.gather(0, kept)).values
+    return pos_key & ((1 << _POS_SHIFT) - 1), pos_key >> _POS_SHIFT
+
+
+def _next_pow2(c: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= c, elementwise (int64; 0 for 0)."""
+    v = c - 1
+    for s in (1, 2, 4, 8, 16, 32):
+        v = v | (v >> s)
+    return v + 1
+
+
+def _tree_sums(vals: torch.Tensor, gsel: torch.Tensor, c: torch.Tensor, c_host: List[int]
+               ) -> torch.Tensor:
+    """Step 3: float64 [groups]: :func:`horovod_sbc.reference.tree_sum_np` of each group's values
+    (``vals`` in (group, position) order), all groups level by level."""
+    dev = vals.device
+    n_groups = c.numel()
+    w = _next_pow2(c)
+    w_host = [1 << (n - 1).bit_length() if n else 0 for n in c_host]
+    size = sum(w_host)
+    slot0 = torch.cumsum(w, 0) - w
+    cstart = torch.cumsum(c, 0) - c
+    x = torch.zeros(size + 1, dtype=torch.float64, device=dev)
+    rank = torch.arange(vals.numel(), device=dev) - cstart.gather(0, gsel)
+    x.index_copy_(0, slot0.gather(0, gsel) + rank, vals)
+    g_slot = torch.repeat_interleave(torch.arange(n_groups, device=dev), w, output_size=size)
+    e = torch.arange(size, device=dev)
+    j = e - slot0.gather(0, g_slot)
+    w_slot = w.gather(0, g_slot)
+    zero = torch.full_like(e, size)  # x[size] stays 0: inactive slots add an exact zero
+    for level in range(max(w_host + [1]).bit_length() - 1):
+        h = w_slot >> (level + 1)
+        src = torch.where(j < h, e + h, zero)
+        x = torch.cat([x[:size] + x.gather(0, src), x[size:]])
+    return torch.where(c > 0, x.gather(0, slot0.clamp(max=size)), 0.0)
+
+
+def _rice_range(c_host: List[int], lay: Layout, sides: int = 2) -> Tuple[int, int]:
+    """The b that :func:`horovod_sbc.wire.choose_rice_b` may consider for any group."""
+    bs = []
+    for g, cnt in enumerate(c_host):
+        if cnt:
+            b0 = wire.rice_parameter(cnt / lay.numels[g // sides])
+            bs += [b for b in (b0 - 1, b0, b0 + 1) if 0 <= b <= wire.MAX_RICE_B]
+    return (min(bs), max(bs)) if bs else (0, 0)
+
+
+def _gaps(pos: torch.Tensor, gsel: torch.Tensor, lay: Layout, sides: int = 2) -> torch.Tensor:
+    """Gaps ``p_i - p_{i-1} - 1`` of each group's local positions (``p_{-1} = -1``)."""
+    seg = gsel // sides
+    start = torch.cumsum(lay.numel_dev, 0) - lay.numel_dev
+    local = pos - start.gather(0, seg)
+    prev = torch.cat([local.new_full((1,), -1), local[:-1]])
+    same = torch.cat([gsel.new_zeros(1, dtype=torch.bool), gsel[1:] == gsel[:-1]])
+    return local - torch.where(same, prev, -1) - 1
+
+
+def _stats(vals, pos, gsel, c, c_host, lay: Layout, sides: int = 2):
+    """Steps 3 and 4 and host read 2: (sums per group, or () without ``vals``; {group: {b:
+    sum(gap >> b)}}; gaps)."""
+    sums = _tree_sums(vals, gsel, c, c_host) if vals is not None else c[:0].double()
+    gaps = _gaps(pos, gsel, lay, sides)
+    lo, hi = _rice_range(c_host, lay, sides)
+    shifts = torch.arange(lo, hi + 1, device=pos.device)
+    table = torch.zeros(c.numel(), hi - lo + 1, dtype=torch.int64, device=pos.device)
+    table.index_add_(0, gsel, gaps[:, None] >> shifts[None, :])
+    row = torch.cat([sums.view(torch.int64), table.view(-1)]).tolist()  # host read 2
+    n_sums, n_groups = sums.numel(), c.numel()
+    sums_host = struct.unpack(f"<{n_sums}d", struct.pack(f"<{n_sums}q", *row[:n_sums]))
+    width = hi - lo + 1
+    tables = {g: {lo + i: row[n_sums + g * width + i] for i in range(width)}
+              for g in range(n_groups) if c_host[g]}
+    return sums_host, tables, gaps
+
+
+@dataclass
+class _Plan:
+    """The host's verdicts for every tensor (step 4), ready to upload."""
+    group_flag: List[int]       # per group: 1 if it is its tensor's side sent
+    b: List[int]
+    unary_bit: List[int]        # bit offset of each tensor's unary stream in the body
+    rem_bit: List[int]
+    start: List[int]            # index of each tensor's first sent position among all sent
+    signed: List[float]         # the value sent (-mu for the negative side)
+    template: bytearray         # the body: headers in place, streams zero
+    bounds: List[Tuple[int, int]]
+    counts: List[int]
+    means: List[float]
+    negative: List[bool]
+    streams: List[int]          # 1: position streams to write; 0: ALL (values only) or none
+    value_byte: List[int]       # byte offset of the float32 values (values mode)
+
+    @classmethod
+    def empty(cls, m: int, n_groups: int) -> "_Plan":
+        return cls([0] * n_groups, [0] * m, [0] * m, [0] * m, [0] * m, [0.0] * m, bytearray(),
+                   [], [0] * m, [0.0] * m, [False] * m, [1] * m, [0] * m)
+
+
+def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
+    """Binarization and Rice parameter per tensor, exactly as the per-tensor encoder decides
+    (:func:`horovod_sbc.reference.choose_side`, :func:`horovod_sbc.wire.choose_rice_b`), and every
+    tensor header."""
+    m = len(lay.numels)
+    p = _Plan.empty(m, 2 * m)
+    sent = 0
+    for i, numel in enumerate(lay.numels):
+        np_, nn_ = c_host[2 * i], c_host[2 * i + 1]
+        side, mu = choose_side(_f32(sums[2 * i] / np_) if np_ else 0.0,
+                               _f32(sums[2 * i + 1] / nn_) if nn_ else 0.0)
+        at = len(p.template)
+        p.start[i] = sent
+        if side == 0:
+            p.template += wire.tensor_header(numel, 0, 0, 0, 0.0, False)
+            p.bounds.append((at, len(p.template)))
+            continue
+        g = 2 * i + (side < 0)
+        count, table = c_host[g], tables[g]
+        b = wire.choose_rice_b(count, numel, table.__getitem__)
+        if b > _MAX_FUSED_B:
+            raise ValueError(f"SBC: tensor {i} needs Rice parameter {b} > {_MAX_FUSED_B}, "
+                             "beyond the fused encoder")
+        ubytes, rbytes = -(-(table[b] + count) // 8), -(-(count * b) // 8)
+        head = wire.tensor_header(numel, count, b, ubytes, mu, side < 0)
+        p.template += head + bytes(ubytes + rbytes)
+        p.bounds.append((at, len(p.template)))
+        p.group_flag[g] = 1
+        p.b[i], p.counts[i], p.means[i], p.negative[i] = b, count, mu, side < 0
+        p.unary_bit[i] = 8 * (at + len(head))
+        p.rem_bit[i] = 8 * (at + len(head) + ubytes)
+        p.signed[i] = -mu if side < 0 else mu
+        sent += count
+    return p
+
+
+def _plan_values(c_host, tables, lay: Layout) -> _Plan:
+    """Per tensor: top-k positions with their float32 values (flag VALUES; ALL when k = numel),
+    the headers as :func:`horovod_sbc.torch.codec.encode_positions` writes them."""
+    m = len(lay.numels)
+    p = _Plan.empty(m, m)
+    sent = 0
+    for i, numel in enumerate(lay.numels):
+        count = c_host[i]
+        at = len(p.template)
+        p.start[i] = sent
+        if count == 0:
+            p.template += wire.tensor_header(numel, 0, 0, 0, 0.0, False)
+            p.bounds.append((at, len(p.template)))
+            p.streams[i] = 0
+            continue
+        if count == numel:
+            head = wire.tensor_header(numel, numel, 0, 0, 0.0, False, True, False, True)
+            ubytes = rbytes = b = 0
+            p.streams[i] = 0
+        else:
+            table = tables[i]
+            b = wire.choose_rice_b(count, numel, table.__getitem__)
+            if b > _MAX_FUSED_B:
+                raise ValueError(f"SBC: tensor {i} needs Rice parameter {b} > {_MAX_FUSED_B}, "
+                                 "beyond the fused encoder")
+            ubytes, rbytes = -(-(table[b] + count) // 8), -(-(count * b) // 8)
+            head = wire.tensor_header(numel, count, b, ubytes, 0.0, False, True)
+        p.template += head + bytes(ubytes + rbytes + 4 * count)
+        p.bounds.append((at, len(p.template)))
+        p.group_flag[i] = 1
+        p.b[i], p.counts[i] = b, count
+        p.unary_bit[i] = 8 * (at + len(head))
+        p.rem_bit[i] = 8 * (at + len(head) + ubytes)
+        p.value_byte[i] = at + len(head) + ubytes + rbytes
+        sent += count
+    return p
+
+
+def _upload(p: _Plan, dev) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One host-to-device copy: (the int64 plan: group flags, then per tensor b, unary and
+    remainder bit offsets, first index, streams flag, values offset, and the signed value as
+    float64; the body template with 8 spare zero bytes for the remainder window)."""
+    m = len(p.b)
+    ints = p.group_flag + p.b + p.unary_bit + p.rem_bit + p.start + p.streams + p.value_byte
+    raw = struct.pack(f"<{len(ints)}q{m}d", *ints, *p.signed) + bytes(p.template) + bytes(8)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if buf.device != torch.device(dev):
+        buf = buf.to(dev)
+    n_ints = len(ints) + m
+    return buf[:8 * n_ints].view(torch.int64), buf[8 * n_ints:]
+
+
+def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, gaps,
+             sides: int = 2):
+    """Step 5: write every sent tensor's unary and remainder streams into ``body``; returns
+    (flat positions sent, tensor of each, index of each within its tensor)."""
+    m = len(p.b)
+    n_groups = len(p.group_flag)
+    dev = body.device
+    gflag = plan_dev[:n_groups]
+    b_t, ubit, rbit, start, streams = (plan_dev[n_groups + r * m:n_groups + (r + 1) * m]
+                                       for r in range(5))
+    n_sent = sum(p.counts)
+    take = compact(gflag.gather(0, gsel) != 0, n_sent)
+    wpos, t = pos.gather(0, take), gsel.gather(0, take) // sides
+    gap = gaps.gather(0, take)
+    b = b_t.gather(0, t)
+    q1 = (gap >> b) + 1
+    cs = torch.cumsum(q1, 0)
+    first = start.gather(0, t)
+    before = (cs - q1).gather(0, first)  # the cumulative sum where the tensor's stream starts
+    bit = ubit.gather(0, t) + (cs - before) - 1
+    on = streams.gather(0, t) != 0  # ALL messages have no position streams
+    body.index_add_(0, torch.where(on, bit >> 3, 0),
+                    torch.where(on, 128 >> (bit & 7), 0).to(torch.uint8))
+    j = torch.arange(n_sent, device=dev) - first
+    off = rbit.gather(0, t) + j * b
+    r = gap & ((1 << b) - 1)
+    word = r << (64 - b - (off & 7)).clamp(max=63)
+    at = off >> 3
+    for k in range((7 + max(p.b + [0]) + 7) // 8):
+        body.index_add_(0, at + k, ((word >> (56 - 8 * k)) & 255).to(torch.uint8))
+    return wpos, t, j
+
+
+def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
+                 names: Optional[Sequence[str]] = None, mode: str = "sbc") -> FusedEncoding:
+    """Messages of every tensor of ``flat`` (float32, contiguous; tensor ``i`` the
+    ``numels[i]`` elements after the previous ones), byte for byte those of
+    :func:`horovod_sbc.torch.codec.encode_update` per tensor: ``mode="sbc"`` (selection
+    ``"paper"``) or ``"values"`` (top-k by magnitude with float32 values). ``flat`` is not
+    changed; :meth:`FusedEncoding.commit` applies the error feedback. Raises
+    :class:`~horovod_sbc.torch.codec.NonFiniteError` naming the first tensor with NaN/Inf
+    (``names``, else its index). Two host reads and one upload, whatever the number of
+    tensors."""
+    if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError("encode_fused needs a contiguous 1-D float32 buffer, got "
+                         f"{flat.dtype} of shape {tuple(flat.shape)}")
+    if mode not in ("sbc", "values"):
+        raise ValueError(f"encode_fused: mode must be 'sbc' or 'values', got {mode!r}")
+    lay = layout_for(numels, density, flat.device)
+    if lay.total != flat.numel():
+        raise ValueError(f"encode_fused: the layout has {lay.total} elements, the buffer "
+                         f"{flat.numel()}")
+    sides = 2 if mode == "sbc" else 1
+    cidx, cgrp, cmag, c, c_host = _candidates(flat, lay, names, sides)
+    pos, gsel = _select(cidx, cgrp, cmag, c, c_host, lay)
+    vals = flat.gather(0, pos)
+    if sides == 2:
+        v64 = vals.to(torch.float64)
+        sums, tables, gaps = _stats(torch.where((gsel & 1) == 1, -v64, v64), pos, gsel, c,
+                                    c_host, lay)
+        p = _plan(c_host, sums, tables, lay)
+    else:
+        _, tables, gaps = _stats(None, pos, gsel, c, c_host, lay, 1)
+        p = _plan_values(c_host, tables, lay)
+    plan_dev, body = _upload(p, flat.device)
+    wpos, t, j = _streams(body, plan_dev, p, pos, gsel, gaps, sides)
+    m, g0 = len(lay.numels), len(p.group_flag)  # the plan's rows: see _upload
+    if sides == 2:
+        sent = plan_dev[g0 + 6 * m:g0 + 7 * m].view(torch.float64).gather(0, t).to(
+            torch.float32)
+    else:
+        sent = vals  # every entry of a values tensor is sent
+        vbyte = plan_dev[g0 + 5 * m:g0 + 6 * m].gather(0, t) + 4 * j
+        dest = (vbyte[:, None] + torch.arange(4, device=flat.device)).view(-1)
+        body.index_copy_(0, dest, sent.contiguous().view(torch.uint8))
+    size = len(p.template)
+    return FusedEncoding(flat, body[:size], p.bounds, wpos, sent, p.counts, p.means,
+                         p.negative)
