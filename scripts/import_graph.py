@@ -27,7 +27,7 @@ LAYERS = [
     ("kernels", ["kernels"]),
     ("backends", ["torch.codec", "torch.decoder", "torch.exchange", "torch.fused",
                   "tensorflow.bits", "tensorflow.table", "tensorflow.native", "tensorflow.binary",
-                  "tensorflow.decoder", "tensorflow.codec", "tensorflow.bridge"]),
+                  "tensorflow.decoder", "tensorflow.codec"]),
     ("sync", ["torch.state", "torch.sync", "torch.fused_sync", "torch.server",
               "tensorflow.exchange"]),
     ("integrations", ["torch", "tensorflow", "advise"]),
