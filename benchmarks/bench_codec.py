@@ -33,10 +33,11 @@ time over add, bits per step (one rank's upload) and the one-step relative error
 from __future__ import annotations
 
 import math
-import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
+
+from horovod_sbc.advise import min_time  # noqa: F401 (the benchmarks' timer)
 
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 WORKLOADS = ("flat25m", "resnet18")
@@ -73,18 +74,6 @@ def workload_layout(workload: str, n_flat: int = 25_000_000):
 
 def _numel(shape) -> int:
     return int(np.prod(shape)) if len(shape) else 1
-
-
-def min_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    """Minimum wall time of ``fn`` over ``reps`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def entropy_bits(p: float) -> float:

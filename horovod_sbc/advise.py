@@ -128,9 +128,10 @@ class CodecCost:
         return 32 * self.numel
 
 
-def min_time(fn: Callable[[], object], reps: int) -> float:
-    """Fastest of ``reps`` runs after one warm-up run (the machine may be shared)."""
-    fn()
+def min_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Fastest of ``reps`` runs after ``warmup`` runs (the machine may be shared)."""
+    for _ in range(warmup):
+        fn()
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
