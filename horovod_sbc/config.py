@@ -53,17 +53,42 @@ def validate_nonfinite(nonfinite) -> str:
 
 @dataclass(frozen=True)
 class SBCConfig:
-    """The knobs of SBC and of its baselines (each documented on ``horovod_sbc.torch.SBC``).
+    """The knobs of SBC and of its baselines, documented here once for both adapters.
 
-    density           the paper's p, in (0, 1]
-    delay             the paper's n: local steps between syncs (>= 1)
-    mode              one of :data:`MODES`
-    selection         ``"paper"`` or ``"magnitude"`` (binarized SBC only)
-    nonfinite         ``"raise"`` or ``"skip"``
-    topology          ``"allgather"`` or ``"server"``
-    downlink_density  the server's top-k fraction of the average (``None``: dense downlink)
-    downlink_binarize the server binarizes its downlink like SBC
-    seed              TernGrad's random stream (``seed + rank``)
+    density: the paper's *p*, in (0, 1]. With the default ``selection="paper"`` each rank sends
+        ``k = round(p * numel)`` positions per tensor (at least 1; fewer only when the winning
+        sign has fewer than k entries), so ``stats()["positions_sent"] /
+        stats()["elements_synced"]`` is about p; about 8 bits per position after Golomb coding.
+        With error feedback lower densities usually still converge; the paper goes down to
+        0.001-0.0001 combined with ``delay``.
+    delay: the paper's *n*, communication delay: every rank runs ``delay`` local optimizer steps,
+        then the accumulated weight update is compressed and exchanged. Only the drop-in
+        optimizers (torch ``DistributedOptimizer``, TF ``DistributedGradientTape`` with
+        ``SBC.step`` or ``SBCCallback``) can delay; through Horovod's stock optimizer or tape it
+        must be 1 (gradients are compressed every step).
+    mode: what a tensor message carries (:data:`MODES`): ``"sbc"`` (positions and one mean),
+        ``"values"`` (top-k: the kept entries' own float32 values, ~32 more bits per position),
+        ``"sign"`` (error-feedback signSGD, Karimireddy et al. 2019: every element's sign and one
+        scale), ``"terngrad"`` (stochastic ternary, Wen et al. 2017, with error feedback).
+    selection: SBC's candidate sets. ``"paper"`` (the SBC paper's Algorithm 1): the k largest
+        positive and the k most negative entries; the side with the larger mean is sent.
+        ``"magnitude"``: the top-k by magnitude split by sign (the side sent then has only about
+        half of k positions). Binarized SBC only; top-k always ranks magnitudes.
+    nonfinite: an update holding NaN/Inf. ``"raise"``: every rank raises ``ValueError`` naming
+        the rank and the tensor. ``"skip"``: every rank skips the sync (a warning names the
+        tensor); the shared weights stay as they were, healthy ranks keep their update in the
+        residual, and the failing rank drops its non-finite part (see each adapter for what
+        that means where the update is used up before it is found non-finite).
+    topology: ``"allgather"``: every rank receives every rank's message (download grows with the
+        number of workers). ``"server"``: rank 0 gathers, averages, compresses the average again
+        with its own residual at ``downlink_density`` and broadcasts one message (Zou et al.,
+        arXiv 2209.15203), so download stays flat in the number of workers.
+    downlink_density: the server's top-k fraction of the average (``None``: a dense downlink).
+    downlink_binarize: the server binarizes its downlink like SBC instead of sending values.
+    seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
+
+    Each adapter adds its own knobs (torch: ``named_parameters``, ``momentum_masking``; TF:
+    ``local_residual``, ``name``) and says which of these it supports.
     """
     density: float = 0.01
     delay: int = 1

@@ -80,37 +80,26 @@ class SBC(tf.Module):
     adapter's.
 
     Args:
-        density: the paper's *p*, fraction of entries kept per tensor, in (0, 1]; at least one
-            entry of every non-empty tensor is kept. 0.01 keeps 1 %; about 8 bits per kept
-            position after Golomb coding. Lower is smaller and, with error feedback, usually
-            still converges; the paper goes down to 0.001-0.0001 combined with ``delay``.
-        delay: the paper's *n*, communication delay: every rank runs ``delay`` local optimizer
-            steps, then the accumulated weight update is compressed and exchanged. Needs
-            :func:`horovod_sbc.tensorflow.DistributedGradientTape` plus :meth:`step`, or
-            :class:`horovod_sbc.tensorflow.SBCCallback`; with stock
-            ``hvd.DistributedGradientTape`` it must be 1 (gradients are compressed every step).
-        binarize: True (SBC) sends one mean per tensor; False sends the kept entries' own float32
-            values (top-k sparsification with error feedback, ~32 more bits per position).
-        nonfinite: what to do when an update holds NaN/Inf. ``"raise"``: every rank raises
-            ``ValueError`` naming the rank and variable (inside ``tf.function`` TensorFlow
-            delivers it as ``tf.errors.InvalidArgumentError`` with the same text). ``"skip"``:
-            every rank skips the sync (a warning names the variable); healthy ranks keep their
-            update in the residual, the failing rank drops its non-finite one; in weight mode the
-            weights go back to the last shared state, in gradient modes the returned gradients
-            are zeros for that step.
-        selection: SBC's candidate sets: ``"paper"`` (default; the SBC paper's Algorithm 1: the
-            k largest positive and the k most negative entries, the side with the larger mean
-            is sent) or ``"magnitude"`` (top-k by |A|, split by sign). See
-            :mod:`horovod_sbc.reference`. Top-k (``binarize=False``) always ranks magnitudes.
+        density, delay, nonfinite, selection: the knobs of
+            :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
+            needs :func:`horovod_sbc.tensorflow.DistributedGradientTape` plus :meth:`step`, or
+            :class:`horovod_sbc.tensorflow.SBCCallback`. With ``nonfinite="skip"`` in weight mode
+            the weights go back to the last shared state; in gradient modes the returned
+            gradients are zeros for that step. Inside ``tf.function`` a ``ValueError`` arrives
+            as ``tf.errors.InvalidArgumentError`` with the same text.
+        binarize: True (SBC, ``mode="sbc"``) or False (top-k, ``mode="values"``). The other
+            modes (signSGD, TernGrad), the server topology and momentum masking are torch-only
+            so far.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
             own steps at once (the default of :func:`horovod_sbc.torch.DistributedOptimizer`;
             see :mod:`horovod_sbc.torch.optimizer` for why); ranks' weights then differ by
             their residuals until :meth:`finish`. False (default here): every rank continues
-            from the shared weights, bit-identical after every sync; with momentum and a small delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much
-            worse on IID data, but it is the right choice on non-IID shards. Gradient modes
-            (delay 1 tape, stock tape) exchange gradients and are not affected.
+            from the shared weights, bit-identical after every sync; with momentum and a small
+            delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much worse on IID data,
+            but it is the right choice on non-IID shards. Gradient modes (delay 1 tape, stock
+            tape) exchange gradients and are not affected.
         name: the ``tf.Module`` name.
     """
 

@@ -31,54 +31,26 @@ class SBC(StockHook):
 
     Each rank sends, per tensor, the positions of the ``density`` fraction of its largest positive
     or of its most negative residual-corrected update entries, whichever side has the larger mean
-    (Golomb-Rice coded), and one float: that mean. What is not sent stays in a residual and is added next time (error
-    feedback), so nothing is lost, only delayed. Messages travel by ``allgather``; every rank
-    decodes all of them and averages, so all ranks apply bit-identical updates.
+    (Golomb-Rice coded), and one float: that mean. What is not sent stays in a residual and is
+    added next time (error feedback), so nothing is lost, only delayed. Messages travel by
+    ``allgather``; every rank decodes all of them and averages, so all ranks apply bit-identical
+    updates.
 
     Args:
-        density: the paper's *p*, in (0, 1]: with the default ``selection="paper"`` each rank
-            sends ``k = round(p * numel)`` positions per tensor (at least 1; fewer only when the
-            winning sign has fewer than k entries), so ``stats()["positions_sent"] /
-            stats()["elements_synced"]`` is about p. 0.01 sends 1 %; about 8 bits per position
-            after Golomb coding. Lower is smaller and, with error feedback, usually
-            still converges; the paper goes down to 0.001-0.0001 combined with ``delay``.
-        delay: the paper's *n*, communication delay: every rank runs ``delay`` local optimizer
-            steps, then the accumulated weight update is compressed and exchanged. Only the
-            drop-in :func:`horovod_sbc.torch.DistributedOptimizer` can delay; with stock
-            ``hvd.DistributedOptimizer`` it must be 1 (gradients are compressed every step).
-        binarize: True (SBC) sends one mean per tensor; False sends the kept entries' own float32
-            values (top-k sparsification with error feedback, ~32 more bits per position).
-        selection: ``"paper"`` (default; SBC paper's Algorithm 1): the top-k positive and the
-            top-k negative entries are the two candidate sides. ``"magnitude"``: the top-k by
-            magnitude split by sign (the side sent then has only ~0.5-0.65 k positions, so the
-            effective density is about half of ``density``). Binarized SBC only.
-        topology: ``"allgather"`` (default): every rank receives every rank's message, so the
-            download per rank grows with the number of workers. ``"server"``: rank 0 gathers the
-            messages, averages, compresses the average again with its own residual at
-            ``downlink_density`` and broadcasts one message (Zou et al., arXiv 2209.15203);
-            downlink bytes then stay flat in the number of workers. Needs Horovod's MPI
-            controller (``horovodrun --mpi``, ``mpirun``) and the drop-in optimizer.
-        downlink_density: fraction kept by the server's top-k of the average (``"server"`` only);
-            ``None`` sends the average dense (32 bits per element), for comparison.
-        downlink_binarize: binarize the downlink like SBC (one mean) instead of sending the kept
-            values (plain top-k, as in the paper).
-        nonfinite: what to do when an update holds NaN/Inf. ``"raise"``: every rank raises
-            ``ValueError`` naming the rank and parameter. ``"skip"``: every rank skips the sync
-            (a warning names the parameter); the shared weights stay as they were, healthy
-            ranks keep their update in the residual, the failing rank drops its non-finite one
-            (where the update is used up by the time it is found non-finite, the rest of it
-            stays and only its non-finite entries restart: the drop-in with
-            ``local_residual=True``, whose residual lives in the weights, resets them to the
-            shared weights; the stock hook, whose gradient the selection's pass zeroes, resets
-            those residual entries to 0).
+        density, delay, mode, selection, nonfinite, topology, downlink_density,
+        downlink_binarize, seed: the knobs of :class:`horovod_sbc.config.SBCConfig`, documented
+            there once. Here ``delay > 1`` needs the drop-in
+            :func:`horovod_sbc.torch.DistributedOptimizer`, ``topology="server"`` needs it and
+            Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``). With ``nonfinite="skip"``
+            an update used up before it is found non-finite keeps its finite rest: the drop-in
+            with ``local_residual=True`` resets the non-finite weights to the shared weights,
+            the stock hook (whose gradient the selection's pass zeroes) resets those residual
+            entries to 0.
+        binarize: ``False`` is ``mode="values"`` (top-k); the presets :func:`TopK`,
+            :func:`FedAvg`, :func:`SignSGD`, :func:`TernGrad` set ``mode`` for you.
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; these names are looked up first, then the name Horovod's optimizer
             that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).
-        mode: what a tensor message carries (:data:`horovod_sbc.config.MODES`): ``"sbc"``
-            (default), ``"values"`` (top-k), ``"sign"`` (signSGD), ``"terngrad"``; the
-            baselines :func:`TopK`, :func:`FedAvg`, :func:`SignSGD`, :func:`TernGrad` are presets.
-            ``binarize=False`` is ``mode="values"``.
-        seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
         momentum_masking: stock ``hvd.DistributedOptimizer`` only (the drop-in keeps the
             residual in the local weights instead, see :mod:`horovod_sbc.torch.optimizer`).
             There the optimizer's momentum acts on the averaged sparse update ("global"
