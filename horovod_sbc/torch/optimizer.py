@@ -79,6 +79,7 @@ import torch
 
 from ..core import resolve_compression
 from .compressor import SBC
+from .outer import resolve_outer
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
 
@@ -109,11 +110,14 @@ class _SBCOptimizer:
     # delay windows of all ranks stay aligned (a skipped step() call would hang the next sync)
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, named_parameters, compression: SBC, local_residual: bool = True):
+    def __init__(self, params, named_parameters, compression: SBC, local_residual: bool = True,
+                 outer=None):
         super(self.__class__, self).__init__(params)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
         self._sbc_local_residual = local_residual
+        self._sbc_outer = resolve_outer(outer)
+        self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
         if named_parameters is None:
             named_parameters = [(f"param.{gi}.{i}", p) for gi, g in enumerate(self.param_groups)
                                 for i, p in enumerate(g["params"])]
@@ -138,6 +142,11 @@ class _SBCOptimizer:
     @property
     def compression(self) -> SBC:
         return self._sbc
+
+    @property
+    def outer(self):
+        """The outer step (:mod:`horovod_sbc.torch.outer`) applied to each sync's average."""
+        return self._sbc_outer
 
     def stats(self):
         """Cumulative traffic figures of this rank (see :meth:`SBC.stats`)."""
@@ -231,7 +240,10 @@ class _SBCOptimizer:
                         base_offset=res[name] if local and name in res and name not in kept
                         else None)
                  for name, p in self._sbc_params]
-        self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
+        if self._sbc_outer.needs_buffer:
+            self._outer_exchange(items, kept)
+        else:
+            self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
             if name in kept:
                 continue
@@ -246,6 +258,45 @@ class _SBCOptimizer:
             else:
                 p.copy_(ref[name])
         self._sbc_local_steps = 0
+
+    def _outer_buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The reused dense buffer ``name``'s average is decoded into (float32; float64 for
+        float64 weights); its contents are overwritten by every decode."""
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        buf = self._sbc_outer_scratch.get(name)
+        if buf is None or buf.numel() != p.numel() or buf.dtype != dtype or \
+                buf.device != p.device:
+            buf = self._sbc_outer_scratch[name] = torch.empty(p.numel(), dtype=dtype,
+                                                              device=p.device)
+        return buf
+
+    def _outer_exchange(self, items, kept) -> None:
+        """One sync through the outer step: the average ``U`` is decoded into dense buffers,
+        the outer step turns it into ``D`` (in place), ``D`` is added to ``W_ref`` and to the
+        weights that hold their residual, and then this rank's sent update leaves those
+        weights (the commit); the outer step may then act on the residuals (ErrorDecay)."""
+        ref, res = self._sbc.manager.reference, self._sbc.manager.residuals
+        names = [name for name, _ in self._sbc_params]
+        bufs = [self._outer_buffer(name, p) for name, p in self._sbc_params]
+        refs = [ref[name].view(-1) for name in names]
+        moved = [(p.detach().view(-1), b) for (name, p), b in zip(self._sbc_params, bufs)
+                 if name in kept]
+
+        def apply(us):
+            self._sbc_outer.delta_(names, us)
+            if us:
+                torch._foreach_add_(refs, us)
+            if moved:
+                torch._foreach_add_([w for w, _ in moved], [d for _, d in moved])
+
+        if self._sbc.exchange(items, out=bufs, apply=apply) is None:
+            return  # skipped: nothing was applied
+        pairs = [(p.detach().view(-1), r, True) for (name, p), r in zip(self._sbc_params, refs)
+                 if name in kept]
+        pairs += [(res[name], r, False) for name, r in zip(names, refs)
+                  if name not in kept and name in res]
+        self._sbc_outer.after_commit([a for a, _, _ in pairs], [b for _, b, _ in pairs],
+                                     [k for _, _, k in pairs])
 
     def residuals(self):
         """``{name: flat residual}`` of this rank: the update not sent yet. Weights that hold
@@ -315,6 +366,7 @@ class _SBCOptimizer:
         st = self._sbc.state_dict()
         st["residuals"] = dict(st["residuals"], **self.residuals())  # W - W_ref where kept
         st["local_steps"] = self._sbc_local_steps
+        st["outer"] = self._sbc_outer.state_dict()
         sd[_STATE_KEY] = st
         return sd
 
@@ -323,6 +375,8 @@ class _SBCOptimizer:
         st = state_dict.pop(_STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
         if st is not None:
+            if "outer" in st:  # before any state changes: a mismatched outer step raises
+                self._sbc_outer.load_state_dict(st["outer"])
             self._sbc.load_state_dict(st)
             self._sbc_local_steps = int(st.get("local_steps", 0))
             ref = self._sbc.manager.reference
@@ -331,11 +385,16 @@ class _SBCOptimizer:
                     ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
                 if self._in_weights(name, p):  # the residual is W - W_ref of the loaded weights
                     self._sbc.manager.residuals.pop(name, None)
+            bufs = self._sbc_outer.buffers()
+            for name, p in self._sbc_params:
+                if name in bufs:
+                    bufs[name] = bufs[name].to(p.device)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: Optional[SBC] = None, delay: Optional[int] = None,
-                         density: Optional[float] = None, local_residual: bool = True):
+                         density: Optional[float] = None, local_residual: bool = True,
+                         outer=None):
     """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
 
     Args:
@@ -351,6 +410,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             ranks' weights differ by their residuals until :meth:`finish`). False: every rank
             continues from the shared weights (bit-identical after every sync; with momentum
             and a small delay this trains much worse, see the module docstring).
+        outer: the outer step that turns each sync's averaged update ``U`` into the change of
+            the shared weights (:mod:`horovod_sbc.torch.outer`): ``None`` or ``Plain()``
+            (default): ``W_ref += U``, as in the SBC paper; ``Nesterov(lr=0.7, momentum=0.9)``:
+            DiLoCo's outer Nesterov momentum on the pseudo-gradient ``-U`` (arXiv
+            2311.08105); ``ErrorDecay(decay, lr)``: SparseLoCo's decayed error feedback (arXiv
+            2508.15706). The live weights of a rank whose residual lives in them move by the
+            same change, so its unsent residual stays. Its state (momentum buffers) is
+            identical on every rank and saved in ``state_dict()``.
 
     Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
@@ -367,7 +434,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression, local_residual)
+    return cls(optimizer.param_groups, named_parameters, compression, local_residual, outer)
 
 
 def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:
