@@ -1,6 +1,7 @@
-"""The drop-in's outer step on real multi-rank Horovod jobs: the shared weights and the outer
-state are identical on every rank, a checkpoint resumes bit-identically, and the outer step
-changes the result (negative control). Worker: tests/workers/torch_outer.py."""
+"""The drop-in's outer step and checkpoints on real multi-rank Horovod jobs: the shared weights
+and the outer state are identical on every rank, per-rank checkpoints resume bit-identically,
+every rank resumes from rank 0's file alone, and the outer step changes the result (negative
+control). Worker: tests/workers/torch_outer.py."""
 import tempfile
 
 import pytest
@@ -54,3 +55,30 @@ def test_checkpoint_with_outer_state_resumes_bit_identically(trained):
         assert res["shared"] == ref["shared"][FIRST // 3:]
         assert res["outer"] == ref["outer"][FIRST // 3:]
         assert res["losses"] == ref["losses"][FIRST:]
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint(trained):
+    """Horovod's habit: rank 0 saves, every rank loads that file. Rank 0 continues from its
+    own state; rank 1 starts from the shared weights with no residual; the ranks agree on the shared
+    weights and the outer state after the load and after every sync, and the loss keeps
+    falling."""
+    ckpt, saved = trained
+    loaded, _ = run_ranks("torch_outer.py", 2, ["resume", f"ckpt={ckpt}", "outer=nesterov",
+                                                "src=0", f"first={FIRST}", f"steps={STEPS}"],
+                          timeout=180)
+    a, b = (r["result"] for r in loaded)
+    ref = saved[0]["nesterov"]
+    # rank 0 loaded its own file: its local steps up to the next sync are exactly as before
+    local = 3 - FIRST % 3 - 1
+    assert a["digests"][:local] == ref["digests"][FIRST:FIRST + local]
+    assert a["digests"][local] != ref["digests"][FIRST + local]  # rank 1's residual is gone
+    for r in (a, b):
+        assert r["after_load"]["shared"] == ref["at_checkpoint"]["shared"]
+        assert r["after_load"]["outer"] == ref["at_checkpoint"]["outer"]
+        assert r["after_load"]["local_steps"] == FIRST % 3  # the delay windows stay aligned
+    assert b["after_load"]["on_shared_weights"] and not a["after_load"]["on_shared_weights"]
+    assert a["shared"] == b["shared"] and a["outer"] == b["outer"]
+    assert len(set(a["shared"])) == len(a["shared"]) == (FIRST + STEPS) // 3 - FIRST // 3
+    for r in (a, b):
+        first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
+        assert last < 0.8 * first, r["losses"]

@@ -79,7 +79,7 @@ import torch
 
 from ..core import resolve_compression
 from .compressor import SBC
-from .outer import resolve_outer
+from .outer import check_kind, resolve_outer
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
 
@@ -371,24 +371,59 @@ class _SBCOptimizer:
         return sd
 
     def load_state_dict(self, state_dict):
+        """Restore a state saved by :meth:`state_dict`. This rank's own state resumes exactly.
+        A state saved by another rank of a job of the same size (Horovod's habit: rank 0
+        saves, every rank loads that file) gives this rank only what all ranks share: the
+        shared weights ``W_ref``, the outer step's state, the step counter within the delay
+        window (and the saved rank's optimizer state and counters); its weights are set to
+        ``W_ref`` and its residual starts at zero (the saved rank's unsent update is not
+        this rank's). Load the model's weights first, then this."""
         state_dict = dict(state_dict)
         st = state_dict.pop(_STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
-        if st is not None:
-            if "outer" in st:  # before any state changes: a mismatched outer step raises
-                self._sbc_outer.load_state_dict(st["outer"])
-            self._sbc.load_state_dict(st)
-            self._sbc_local_steps = int(st.get("local_steps", 0))
-            ref = self._sbc.manager.reference
+        if st is None:
+            return
+        if "outer" in st:  # a mismatched outer step raises before any state changes
+            check_kind(self._sbc_outer, st["outer"])
+        rank = self._rank_if_saved_elsewhere(st)
+        if rank is not None:
+            st = _shared_part(st, rank)
+        self._sbc.load_state_dict(st)
+        if "outer" in st:
+            self._sbc_outer.load_state_dict(st["outer"])
+        self._sbc_local_steps = int(st.get("local_steps", 0))
+        ref = self._sbc.manager.reference
+        bufs = self._sbc_outer.buffers()
+        with torch.no_grad():
             for name, p in self._sbc_params:
                 if name in ref:
                     ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
+                    if rank is not None:  # start from the shared weights
+                        p.copy_(ref[name])
                 if self._in_weights(name, p):  # the residual is W - W_ref of the loaded weights
                     self._sbc.manager.residuals.pop(name, None)
-            bufs = self._sbc_outer.buffers()
-            for name, p in self._sbc_params:
                 if name in bufs:
                     bufs[name] = bufs[name].to(p.device)
+
+    def _rank_if_saved_elsewhere(self, st) -> Optional[int]:
+        """This rank, if ``st`` was saved by another rank of a job of this size; else None
+        (a job of another size is refused by the residual manager)."""
+        saved = st.get("config", {}) if isinstance(st, dict) else {}
+        try:
+            size, rank = self._sbc.world()
+        except (RuntimeError, ImportError, ValueError):  # no job: nothing to compare with
+            return None
+        if saved.get("world_size", size) != size or saved.get("rank", rank) == rank:
+            return None
+        return rank
+
+
+def _shared_part(st, rank: int):
+    """What of another rank's saved state every rank shares: no residuals (theirs, not ours),
+    no server residuals (rank 0's), no random stream (TernGrad's is seeded by the rank)."""
+    st = dict(st, residuals={}, server_residuals={}, config=dict(st["config"], rank=rank))
+    st.pop("generator", None)
+    return st
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -426,9 +461,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     weights mid-training (a broadcast or a load of model weights only), call
     :meth:`reset_reference` on every rank afterwards.
 
-    Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights
-    and the step counter within the delay window; save it **on every rank** (residuals differ per
-    rank) and ``load_state_dict`` it to continue exactly.
+    Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights,
+    the outer step's state and the step counter within the delay window. Saved **on every rank**
+    (residuals differ per rank) and loaded by the same rank, training continues exactly. Saved
+    on rank 0 only and loaded by every rank (``model.load_state_dict`` first, then
+    ``optimizer.load_state_dict``), every other rank starts from the shared weights with a zero
+    residual (see :meth:`load_state_dict`): the ranks agree on ``W_ref`` and the outer state,
+    only the other ranks' unsent updates are lost.
     """
     compression = resolve_compression(SBC, compression, density, delay, "horovod_sbc.torch.SBC")
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()

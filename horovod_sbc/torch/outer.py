@@ -58,14 +58,15 @@ class Plain:
         return {"kind": self.kind}
 
     def load_state_dict(self, state: Dict) -> None:
-        _check_kind(self, state)
+        check_kind(self, state)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         """The state tensors (identical on every rank), by parameter name."""
         return {}
 
 
-def _check_kind(outer, state) -> None:
+def check_kind(outer, state) -> None:
+    """Raise ValueError unless ``state`` was saved by an outer step of the same kind."""
     kind = state.get("kind") if isinstance(state, dict) else None
     if kind != outer.kind:
         raise ValueError(f"the checkpoint's outer step is {kind!r} but this optimizer uses "
@@ -135,7 +136,7 @@ class Nesterov(Plain):
                 "buffers": {k: v.detach().clone() for k, v in self._v.items()}}
 
     def load_state_dict(self, state: Dict) -> None:
-        _check_kind(self, state)
+        check_kind(self, state)
         self._v = {k: v.detach().clone() for k, v in state.get("buffers", {}).items()}
 
     def buffers(self) -> Dict[str, torch.Tensor]:

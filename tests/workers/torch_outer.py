@@ -115,9 +115,12 @@ def run_resume():
     state = torch.load(ckpt(outer, src), weights_only=False)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
+    ref = opt.compression.manager.reference
+    on_shared = all(torch.equal(p, ref[n]) for n, p in model.named_parameters())
     rec = {"losses": [], "digests": [], "shared": [], "outer": [],
            "after_load": {"weights": digest(model.parameters()), "shared": shared(opt),
-                          "outer": outer_state(opt)}}
+                          "outer": outer_state(opt), "on_shared_weights": on_shared,
+                          "local_steps": opt.local_steps_pending}}
     train(model, opt, first, steps, rec)
     return rec
 
