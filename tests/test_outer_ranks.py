@@ -82,3 +82,16 @@ def test_every_rank_resumes_from_rank_0s_checkpoint(trained):
     for r in (a, b):
         first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
         assert last < 0.8 * first, r["losses"]
+
+
+def test_rank_0_loads_and_broadcasts_the_outer_state(trained):
+    """Horovod's other habit: rank 0 alone loads, broadcast_state makes the ranks equal, the
+    Nesterov momentum included (the ranks would otherwise diverge at the next sync)."""
+    ckpt, saved = trained
+    loaded, _ = run_ranks("torch_outer.py", 2, ["rank0_loads", f"ckpt={ckpt}", "outer=nesterov",
+                                                f"first={FIRST}", f"steps={STEPS}"],
+                          timeout=180)
+    a, b = (r["result"] for r in loaded)
+    assert a["after_load"] == b["after_load"]
+    assert a["after_load"]["outer"] == saved[0]["nesterov"]["at_checkpoint"]["outer"]
+    assert a["shared"] == b["shared"] and a["outer"] == b["outer"]

@@ -298,6 +298,17 @@ class _SBCOptimizer:
         self._sbc_outer.after_commit([a for a, _, _ in pairs], [b for _, b, _ in pairs],
                                      [k for _, _, k in pairs])
 
+    def _broadcast_outer_state(self, root_rank: int) -> None:
+        """The outer step's state from ``root_rank`` (e.g. the one rank that loaded a
+        checkpoint): every rank creates its buffers (zeros) first, so all broadcast the same
+        set."""
+        if not self._sbc_outer.buffers() and not self._sbc_outer.needs_buffer:
+            return
+        self._sbc_outer.init_state([n for n, _ in self._sbc_params],
+                                   [self._outer_buffer(n, p) for n, p in self._sbc_params])
+        bufs = self._sbc_outer.buffers()
+        _broadcast_tensors([(f"outer.{n}", t) for n, t in bufs.items()], root_rank)
+
     def residuals(self):
         """``{name: flat residual}`` of this rank: the update not sent yet. Weights that hold
         their residual give ``W - W_ref`` (a new tensor); the others their stored residual."""
@@ -492,6 +503,7 @@ def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:
         with optimizer.local_only():
             hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
         optimizer.reset_reference()
+        optimizer._broadcast_outer_state(root_rank)
     else:
         hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
 

@@ -54,6 +54,9 @@ class Plain:
                      in_weights: List[bool]) -> None:
         """Act on this rank's residuals once the sync's error feedback is committed."""
 
+    def init_state(self, names: Sequence[str], likes: List[torch.Tensor]) -> None:
+        """Create the state of every tensor not holding one yet (shaped like ``likes``)."""
+
     def state_dict(self) -> Dict:
         return {"kind": self.kind}
 
@@ -130,6 +133,9 @@ class Nesterov(Plain):
         torch._foreach_add_(v, updates)
         torch._foreach_add_(updates, v, alpha=self.momentum)
         torch._foreach_mul_(updates, self.lr)
+
+    def init_state(self, names: Sequence[str], likes: List[torch.Tensor]) -> None:
+        self._velocity(names, likes)
 
     def state_dict(self) -> Dict:
         return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum,

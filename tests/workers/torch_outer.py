@@ -12,6 +12,7 @@ Modes:
   resume  a new process: load ``ckpt/<outer>/rank<src>.pt`` (``src=self``: this rank's own
           file; ``src=0``: rank 0's, as with Horovod's save-on-rank-0 habit), record the
           digests right after the load, continue ``steps`` steps and record as ``train``.
+  rank0_loads  only rank 0 loads its file, then ``broadcast_state``; continue as ``resume``.
 """
 import hashlib
 import os
@@ -125,6 +126,22 @@ def run_resume():
     return rec
 
 
-result = {"train": run_train, "resume": run_resume}[MODE]()
+def run_rank0_loads():
+    """Horovod's other habit: only rank 0 loads its file, then broadcast_state makes every rank
+    equal (weights, optimizer state, the outer step's momentum)."""
+    first, steps, outer = int(KW.get("first", 7)), int(KW.get("steps", 20)), KW["outer"]
+    model, opt = build(outer)
+    if RANK == 0:
+        state = torch.load(ckpt(outer, 0), weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    sbc.broadcast_state(model, opt)  # the weights become the shared weights at the next step
+    rec = {"losses": [], "digests": [], "shared": [], "outer": [],
+           "after_load": {"weights": digest(model.parameters()), "outer": outer_state(opt)}}
+    train(model, opt, first, steps, rec)
+    return rec
+
+
+result = {"train": run_train, "resume": run_resume, "rank0_loads": run_rank0_loads}[MODE]()
 result = {"result": result, "rank": RANK, "size": SIZE}
 write_result(RANK, result)
