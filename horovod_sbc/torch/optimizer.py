@@ -11,7 +11,8 @@ How a step works (``delay = n``):
    this rank's optimizer did since the shared weights ``W_ref`` and has not sent yet) is
    SBC-compressed; all tensors' messages go in one allgather; every rank decodes and averages all
    ranks' messages ``U`` and sets ``W_ref += U`` (bit-identical on every rank). The residual is
-   ``R = A - sent``.
+   ``R = A - sent``. ``outer=`` replaces ``W_ref += U`` by another outer step, e.g. DiLoCo's
+   Nesterov momentum on the pseudo-gradient ``-U`` (:mod:`horovod_sbc.torch.outer`).
 3. With ``local_residual=True`` (default) every rank continues from ``W_local = W_ref + R``: its
    own unsent update stays **in its weights** (error feedback in weight space, as in CSER's
    "error reset", Xie et al., NeurIPS 2020), so the next gradients are taken where this rank's
