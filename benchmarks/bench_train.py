@@ -760,6 +760,17 @@ def _task_compressor(spec: dict, seed: int):
     return make_compressor(m, spec.get("density", 1.0), spec.get("delay", 1), seed)
 
 
+def _task_outer(spec: dict):
+    """The drop-in's outer step of ``spec["outer"]``: ``[kind, *args]`` with kind ``"plain"``,
+    ``"nesterov"`` (lr, momentum) or ``"error_decay"`` (decay, lr); None: the default."""
+    if spec.get("outer") is None:
+        return None
+    import horovod_sbc.torch as sbc
+    kind, *args = spec["outer"]
+    return {"plain": sbc.Plain, "nesterov": sbc.Nesterov, "error_decay": sbc.ErrorDecay}[kind](
+        *args)
+
+
 def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     import hashlib
 
@@ -789,7 +800,8 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     else:
         comp = _task_compressor(spec, seed)
         kw = {k: spec[k] for k in ("local_residual",) if k in spec}
-        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp, **kw)
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp,
+                                       outer=_task_outer(spec), **kw)
         sbc.broadcast_state(model, opt, root_rank=0)
     xs, ys = task.shard(rank, size, partition)
     bs = spec.get("batch_size", task.recipe.batch_size)
@@ -896,6 +908,8 @@ def spec_label(s: dict) -> str:
         lab += " server" + (f" down={dd:g}" if dd is not None else " down=dense")
     if s.get("local_residual") is False:
         lab += " shared"
+    if s.get("outer") is not None:
+        lab += " outer=" + ",".join(str(a) for a in s["outer"])
     if "momentum_masking" in s:
         lab += " masking" if s["momentum_masking"] else " no-masking"
     for k in ("optimizer", "nesterov", "weight_decay"):

@@ -49,17 +49,18 @@ def test_different_parameter_order_across_ranks_is_handled():
     assert a["values"]["a"] == pytest.approx([0.85] * 3 + [1.0] * 3)
 
 
-def test_checkpoint_from_another_world_size_or_rank_is_refused():
+def test_checkpoint_from_another_world_size_is_refused():
     ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
     run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", "first=4"], timeout=120)
     results, _ = run_ranks("torch_sbc.py", 3, ["world_size", f"ckpt={ckpt}", "src_rank=0"],
                            timeout=120)
     for res in results:
         assert "saved with world_size=2 but this run uses world_size=3" in res["error"]
+    # another rank's file of a job of this size is taken (its shared part; see
+    # tests/test_outer_ranks.py): Horovod's save-on-rank-0 habit
     results, _ = run_ranks("torch_sbc.py", 2, ["world_size", f"ckpt={ckpt}", "src_rank=1"],
                            timeout=120)
-    assert "saved with rank=1 but this run uses rank=0" in results[0]["error"]
-    assert results[1]["error"] is None
+    assert results[0]["error"] is None and results[1]["error"] is None
     # another density is allowed: the residuals are still the update mass not sent yet
     results, _ = run_ranks("torch_sbc.py", 2, ["redensity", f"ckpt={ckpt}", "density=0.2"],
                            timeout=120)

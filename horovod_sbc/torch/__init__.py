@@ -8,6 +8,9 @@
   exchange (values instead of one mean; dense with communication delay; 1 bit per element;
   stochastic ternary).
 * :func:`broadcast_state` — start all ranks equal (parameters, optimizer state, reference weights).
+* :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — the drop-in's outer step
+  (``DistributedOptimizer(..., outer=Nesterov(lr=0.7, momentum=0.9))``, see
+  :mod:`horovod_sbc.torch.outer`).
 * :mod:`horovod_sbc.torch.ddp` — without Horovod: a DistributedDataParallel comm hook
   (``SBCState``, ``sbc_hook``) and ``SBCModelAverager`` for ``torch.distributed``.
 """
@@ -19,5 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
 
 from .compressor import SBC, FedAvg, SignSGD, TernGrad, TopK
 from .optimizer import DistributedOptimizer, broadcast_state
+from .outer import ErrorDecay, Nesterov, Plain
 
-__all__ = ["SBC", "TopK", "FedAvg", "SignSGD", "TernGrad", "DistributedOptimizer", "broadcast_state"]
+__all__ = ["SBC", "TopK", "FedAvg", "SignSGD", "TernGrad", "DistributedOptimizer", "broadcast_state",
+           "Plain", "Nesterov", "ErrorDecay"]

@@ -11,7 +11,8 @@ How a step works (``delay = n``):
    this rank's optimizer did since the shared weights ``W_ref`` and has not sent yet) is
    SBC-compressed; all tensors' messages go in one allgather; every rank decodes and averages all
    ranks' messages ``U`` and sets ``W_ref += U`` (bit-identical on every rank). The residual is
-   ``R = A - sent``.
+   ``R = A - sent``. ``outer=`` replaces ``W_ref += U`` by another outer step, e.g. DiLoCo's
+   Nesterov momentum on the pseudo-gradient ``-U`` (:mod:`horovod_sbc.torch.outer`).
 3. With ``local_residual=True`` (default) every rank continues from ``W_local = W_ref + R``: its
    own unsent update stays **in its weights** (error feedback in weight space, as in CSER's
    "error reset", Xie et al., NeurIPS 2020), so the next gradients are taken where this rank's
@@ -78,6 +79,7 @@ import torch
 
 from ..config import resolve_compression
 from .compressor import SBC
+from .outer import check_kind, resolve_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
@@ -93,11 +95,14 @@ class _SBCOptimizer:
     # delay windows of all ranks stay aligned (a skipped step() call would hang the next sync)
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, named_parameters, compression: SBC, local_residual: bool = True):
+    def __init__(self, params, named_parameters, compression: SBC, local_residual: bool = True,
+                 outer=None):
         super(self.__class__, self).__init__(params)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
         self._sbc_local_residual = local_residual
+        self._sbc_outer = resolve_outer(outer)
+        self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
         if named_parameters is None:
             named_parameters = [(f"param.{gi}.{i}", p) for gi, g in enumerate(self.param_groups)
                                 for i, p in enumerate(g["params"])]
@@ -122,6 +127,11 @@ class _SBCOptimizer:
     @property
     def compression(self) -> SBC:
         return self._sbc
+
+    @property
+    def outer(self):
+        """The outer step (:mod:`horovod_sbc.torch.outer`) applied to each sync's average."""
+        return self._sbc_outer
 
     def stats(self):
         """Cumulative traffic figures of this rank (see :meth:`SBC.stats`)."""
@@ -215,7 +225,10 @@ class _SBCOptimizer:
                         base_offset=res[name] if local and name in res and name not in kept
                         else None)
                  for name, p in self._sbc_params]
-        self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
+        if self._sbc_outer.needs_buffer:
+            self._outer_exchange(items, kept)
+        else:
+            self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
         for name, p in self._sbc_params:
             if name in kept:
                 continue
@@ -230,6 +243,56 @@ class _SBCOptimizer:
             else:
                 p.copy_(ref[name])
         self._sbc_local_steps = 0
+
+    def _outer_buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The reused dense buffer ``name``'s average is decoded into (float32; float64 for
+        float64 weights); its contents are overwritten by every decode."""
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        buf = self._sbc_outer_scratch.get(name)
+        if buf is None or buf.numel() != p.numel() or buf.dtype != dtype or \
+                buf.device != p.device:
+            buf = self._sbc_outer_scratch[name] = torch.empty(p.numel(), dtype=dtype,
+                                                              device=p.device)
+        return buf
+
+    def _outer_exchange(self, items, kept) -> None:
+        """One sync through the outer step: the average ``U`` is decoded into dense buffers,
+        the outer step turns it into ``D`` (in place), ``D`` is added to ``W_ref`` and to the
+        weights that hold their residual, and then this rank's sent update leaves those
+        weights (the commit); the outer step may then act on the residuals (ErrorDecay)."""
+        ref, res = self._sbc.manager.reference, self._sbc.manager.residuals
+        names = [name for name, _ in self._sbc_params]
+        bufs = [self._outer_buffer(name, p) for name, p in self._sbc_params]
+        refs = [ref[name].view(-1) for name in names]
+        moved = [(p.detach().view(-1), b) for (name, p), b in zip(self._sbc_params, bufs)
+                 if name in kept]
+
+        def apply(us):
+            self._sbc_outer.delta_(names, us)
+            if us:
+                torch._foreach_add_(refs, us)
+            if moved:
+                torch._foreach_add_([w for w, _ in moved], [d for _, d in moved])
+
+        if self._sbc.exchange(items, out=bufs, apply=apply) is None:
+            return  # skipped: nothing was applied
+        pairs = [(p.detach().view(-1), r, True) for (name, p), r in zip(self._sbc_params, refs)
+                 if name in kept]
+        pairs += [(res[name], r, False) for name, r in zip(names, refs)
+                  if name not in kept and name in res]
+        self._sbc_outer.after_commit([a for a, _, _ in pairs], [b for _, b, _ in pairs],
+                                     [k for _, _, k in pairs])
+
+    def _broadcast_outer_state(self, root_rank: int) -> None:
+        """The outer step's state from ``root_rank`` (e.g. the one rank that loaded a
+        checkpoint): every rank creates its buffers (zeros) first, so all broadcast the same
+        set."""
+        if not self._sbc_outer.buffers() and not self._sbc_outer.needs_buffer:
+            return
+        self._sbc_outer.init_state([n for n, _ in self._sbc_params],
+                                   [self._outer_buffer(n, p) for n, p in self._sbc_params])
+        bufs = self._sbc_outer.buffers()
+        _broadcast_tensors([(f"outer.{n}", t) for n, t in bufs.items()], root_rank)
 
     def residuals(self):
         """``{name: flat residual}`` of this rank: the update not sent yet. Weights that hold
@@ -299,27 +362,70 @@ class _SBCOptimizer:
         st = self._sbc.state_dict()
         st["residuals"] = dict(st["residuals"], **self.residuals())  # W - W_ref where kept
         st["local_steps"] = self._sbc_local_steps
+        st["outer"] = self._sbc_outer.state_dict()
         sd[_STATE_KEY] = st
         return sd
 
     def load_state_dict(self, state_dict):
+        """Restore a state saved by :meth:`state_dict`. This rank's own state resumes exactly.
+        A state saved by another rank of a job of the same size (Horovod's habit: rank 0
+        saves, every rank loads that file) gives this rank only what all ranks share: the
+        shared weights ``W_ref``, the outer step's state, the step counter within the delay
+        window (and the saved rank's optimizer state and counters); its weights are set to
+        ``W_ref`` and its residual starts at zero (the saved rank's unsent update is not
+        this rank's). Load the model's weights first, then this."""
         state_dict = dict(state_dict)
         st = state_dict.pop(_STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
-        if st is not None:
-            self._sbc.load_state_dict(st)
-            self._sbc_local_steps = int(st.get("local_steps", 0))
-            ref = self._sbc.manager.reference
+        if st is None:
+            return
+        if "outer" in st:  # a mismatched outer step raises before any state changes
+            check_kind(self._sbc_outer, st["outer"])
+        rank = self._rank_if_saved_elsewhere(st)
+        if rank is not None:
+            st = _shared_part(st, rank)
+        self._sbc.load_state_dict(st)
+        if "outer" in st:
+            self._sbc_outer.load_state_dict(st["outer"])
+        self._sbc_local_steps = int(st.get("local_steps", 0))
+        ref = self._sbc.manager.reference
+        bufs = self._sbc_outer.buffers()
+        with torch.no_grad():
             for name, p in self._sbc_params:
                 if name in ref:
                     ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
+                    if rank is not None:  # start from the shared weights
+                        p.copy_(ref[name])
                 if self._in_weights(name, p):  # the residual is W - W_ref of the loaded weights
                     self._sbc.manager.residuals.pop(name, None)
+                if name in bufs:
+                    bufs[name] = bufs[name].to(p.device)
+
+    def _rank_if_saved_elsewhere(self, st) -> Optional[int]:
+        """This rank, if ``st`` was saved by another rank of a job of this size; else None
+        (a job of another size is refused by the residual manager)."""
+        saved = st.get("config", {}) if isinstance(st, dict) else {}
+        try:
+            size, rank = self._sbc.world()
+        except (RuntimeError, ImportError, ValueError):  # no job: nothing to compare with
+            return None
+        if saved.get("world_size", size) != size or saved.get("rank", rank) == rank:
+            return None
+        return rank
+
+
+def _shared_part(st, rank: int):
+    """What of another rank's saved state every rank shares: no residuals (theirs, not ours),
+    no server residuals (rank 0's), no random stream (TernGrad's is seeded by the rank)."""
+    st = dict(st, residuals={}, server_residuals={}, config=dict(st["config"], rank=rank))
+    st.pop("generator", None)
+    return st
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: Optional[SBC] = None, delay: Optional[int] = None,
-                         density: Optional[float] = None, local_residual: bool = True):
+                         density: Optional[float] = None, local_residual: bool = True,
+                         outer=None):
     """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
 
     Args:
@@ -335,6 +441,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             ranks' weights differ by their residuals until :meth:`finish`). False: every rank
             continues from the shared weights (bit-identical after every sync; with momentum
             and a small delay this trains much worse, see the module docstring).
+        outer: the outer step that turns each sync's averaged update ``U`` into the change of
+            the shared weights (:mod:`horovod_sbc.torch.outer`): ``None`` or ``Plain()``
+            (default): ``W_ref += U``, as in the SBC paper; ``Nesterov(lr=0.7, momentum=0.9)``:
+            DiLoCo's outer Nesterov momentum on the pseudo-gradient ``-U`` (arXiv
+            2311.08105); ``ErrorDecay(decay, lr)``: SparseLoCo's decayed error feedback (arXiv
+            2508.15706). The live weights of a rank whose residual lives in them move by the
+            same change, so its unsent residual stays. Its state (momentum buffers) is
+            identical on every rank and saved in ``state_dict()``.
 
     Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
@@ -343,15 +457,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     weights mid-training (a broadcast or a load of model weights only), call
     :meth:`reset_reference` on every rank afterwards.
 
-    Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights
-    and the step counter within the delay window; save it **on every rank** (residuals differ per
-    rank) and ``load_state_dict`` it to continue exactly.
+    Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights,
+    the outer step's state and the step counter within the delay window. Saved **on every rank**
+    (residuals differ per rank) and loaded by the same rank, training continues exactly. Saved
+    on rank 0 only and loaded by every rank (``model.load_state_dict`` first, then
+    ``optimizer.load_state_dict``), every other rank starts from the shared weights with a zero
+    residual (see :meth:`load_state_dict`): the ranks agree on ``W_ref`` and the outer state,
+    only the other ranks' unsent updates are lost.
     """
     compression = resolve_compression(SBC, compression, density, delay, "horovod_sbc.torch.SBC")
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression, local_residual)
+    return cls(optimizer.param_groups, named_parameters, compression, local_residual, outer)
 
 
 def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:
@@ -370,6 +488,7 @@ def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:
         with optimizer.local_only():
             hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
         optimizer.reset_reference()
+        optimizer._broadcast_outer_state(root_rank)
     else:
         hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
 

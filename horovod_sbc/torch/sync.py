@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -196,12 +196,20 @@ def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
 
 
 def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = None,
-                tag: str = "sbc.sync", count_sync: bool = True) -> Optional[List[torch.Tensor]]:
+                tag: str = "sbc.sync", count_sync: bool = True,
+                apply: Optional[Callable[[List[torch.Tensor]], None]] = None
+                ) -> Optional[List[torch.Tensor]]:
     """Compress, exchange (one fused message), decode and average ``items``
     (:class:`Update` or tuples, see :meth:`Update.of`). Returns ``out`` (flat tensors, e.g. the
     reference weights) or new zero tensors plus the average of all ranks' decoded updates; None
     if the sync was skipped (``nonfinite="skip"``); raises ``ValueError`` on every rank if any
-    rank failed. ``count_sync=False`` leaves the ``syncs`` counter to the caller."""
+    rank failed. ``count_sync=False`` leaves the ``syncs`` counter to the caller.
+
+    ``apply`` (the drop-in's outer step): ``out`` are dense buffers that receive the average
+    alone (whatever they held is overwritten), and ``apply(out)`` runs once the step is
+    accepted and before the error feedback is committed; it must move the reference weights
+    (each ``base``) and the weights of updates kept in the weights (``in_weights``) by the same
+    change, which the commit then takes this rank's sent update out of."""
     updates = [Update.of(it) for it in items]
     cfg = state.config
     size, rank = state.world()
@@ -235,20 +243,23 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     acc = sum_dtype(updates)
     # the weights that hold their residual move with the shared weights
     also = [u.weights_flat() if u.in_weights else None for u in updates] \
-        if any(u.in_weights for u in updates) else None
-    if also is not None and out is None:
-        raise ValueError("SBC: updates kept in the weights need out= (the shared weights)")
+        if apply is None and any(u.in_weights for u in updates) else None
+    if (also is not None or apply is not None) and out is None:
+        raise ValueError("SBC: updates kept in the weights or an outer step need out=")
+    dense = apply is not None  # out receives the average alone
     try:
         if cfg.topology == "server":
-            out = server_exchange(state, step, layout, size, rank, out, acc, also)
+            out = server_exchange(state, step, layout, size, rank, out, acc, also, dense)
         else:
             gathered = state.transport.allgather(step, tag)
             state.manager.add(upstream_bits=8 * step.numel(),
                               downstream_bits=8 * (gathered.numel() - step.numel()))
-            if fused is None or out is None or not fused_sync.decode_gathered(
+            # the batched device decode adds to its targets; an outer step's buffers take the
+            # average alone, which the general decoder writes without a separate zeroing pass
+            if fused is None or out is None or dense or not fused_sync.decode_gathered(
                     gathered, layout, size, [out] if also is None else [out, also], 1.0 / size):
                 out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
-                                               also=also)
+                                               also=also, zero_out=dense)
     except wire.PeerError as e:
         if e.skip:
             warnings.warn(f"horovod_sbc: skipping this sync: {e}")
@@ -263,6 +274,8 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
             # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
             return None
         raise ValueError(f"SBC: {e}") from None
+    if apply is not None:
+        apply(out)
     for enc in encoded:  # commit error feedback only after success
         enc.commit()
     state.manager.add(syncs=int(count_sync),
@@ -275,13 +288,14 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
 # topology "server"
 # ----------------------------------------------------------------------------------------------
 def server_exchange(state: SyncState, step: torch.Tensor, layout, size: int, rank: int, out,
-                    acc_dtype, also=None) -> List[torch.Tensor]:
+                    acc_dtype, also=None, zero_out: bool = False) -> List[torch.Tensor]:
     """Server topology (Zou, De Sterck, Liu, "Downlink Compression Improves TopK
     Sparsification", arXiv 2209.15203): rank 0 gathers every rank's step message (a real MPI
     gather: nothing goes to the other workers), decodes and averages them, adds its own server
     residual, compresses the average at ``downlink_density`` and broadcasts that one message;
     every rank, rank 0 included, applies the same decoded downlink (to ``out`` and ``also``, see
-    :func:`horovod_sbc.torch.exchange.decode_gathered`)."""
+    :func:`horovod_sbc.torch.exchange.decode_gathered`; ``zero_out``: ``out`` receives the
+    downlink alone)."""
     from . import server
     root = 0
     gathered = server.gather(step, root)
@@ -295,7 +309,8 @@ def server_exchange(state: SyncState, step: torch.Tensor, layout, size: int, ran
         state.manager.add(server_out_bits=8 * down.numel() * (size - 1))
     else:
         state.manager.add(downstream_bits=8 * down.numel())
-    return exchange.decode_gathered(down, layout, 1, out, 1.0, acc_dtype, also=also)
+    return exchange.decode_gathered(down, layout, 1, out, 1.0, acc_dtype, also=also,
+                                    zero_out=zero_out)
 
 
 def server_step(state: SyncState, gathered, layout, size, acc_dtype, dev) -> torch.Tensor:
