@@ -29,21 +29,17 @@ is an open loop: a coordinate is sent only every ~1/p syncs, meanwhile the rank 
 its gradient at ``W_ref``, where nothing has moved, so the velocity keeps pushing the same way and
 the residual grows until it is sent in one large, stale burst (momentum acts twice: once in the
 velocity, once in the accumulated residual). DGC's remedy is *momentum factor masking* (zero the
-velocity where an update was sent). Measured on mnist1d (4 workers, SGD lr 0.05 momentum 0.9,
-1,500 steps, density 0.01, delay 1; docs/benchmarks.md): dense 94.6 %, no communication 87.8 %,
-``local_residual=False`` 77.5 %, the same with factor masking 87.3 %, resetting the optimizer state
-at every sync 58.4 %, ``local_residual=True`` 93.5 % (with masking too: 93.3 %, so masking is not
-offered). Keeping the residual in the local weights closes the loop: the velocity sees the effect
-of its own steps at once, exactly as in dense training, and only the *exchange* is sparse.
+velocity where an update was sent); on momentum SGD it recovers only part of the loss
+(docs/benchmarks.md §0 compares the variants). Keeping the residual in the local weights closes
+the loop: the velocity sees the effect of its own steps at once, exactly as in dense training,
+and only the *exchange* is sparse.
 
 Where the residual lives: with ``local_residual=True`` and float32/float64 weights, nowhere but
 in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
 kernels select on their difference in the same pass, without storing it), adds the decoded
 average to both and takes what this rank sent out of its weights (a position whose whole update
-was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor, no write-back: one
-pass over ``W`` and ``W_ref`` where there were three (a NaN check of the weights, the update
-and selection over ``W``, ``W_ref`` and ``R``, then ``W = W_ref + R``; docs/benchmarks.md §4b).
-``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``. fp16/bf16 weights keep a
+was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor and no write-back, so
+a sync costs one pass over ``W`` and ``W_ref``. ``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``. fp16/bf16 weights keep a
 float32 residual beside them (small updates would vanish in 16 bits) and are set to
 ``W_ref + R`` after each sync.
 
@@ -53,18 +49,11 @@ every rank the same weights (``W_ref`` + the average of all ranks' residuals, on
 allreduce), or evaluate :meth:`shared_weights`.
 
 **Label-skewed (non-IID) data.** When each rank sees only its own classes, the residual kept
-in the weights can let every rank drift towards its own classes: in the same screening with
-each of the 4 workers holding its own classes, ``local_residual=True`` reached 53.9 % (delay 1)
-and 40.5 % (delay 4) after :meth:`finish`, ``False`` 91.0 % and 79.3 % (dense 94.4 %). The
-multi-rank benchmark (500 steps; docs/benchmarks.md) found the opposite order in all three of its
-non-IID settings: label-skewed mnist1d with 4 workers 35.1 % vs 31.4 % and with 2 workers
-63.6 % vs 32.4 % (dense 85.0 / 83.8 %), text split by topic perplexity 9.35 vs 12.28 (dense
-7.71). After 1,500 steps with 3 seeds (``mnist1d_long``) ``False`` was ahead again, and neither
-came near dense: 4 workers 52.4 % (``True``) vs 83.1 % (``False``), 2 workers 79.5 % vs 84.3 %
-(dense 94.6 / 93.8 %), while SBC through the stock Horovod hook (identical weights on every rank,
-momentum on the averaged update) reached 92.2 % and 91.1 %. So on label-skewed data prefer the
-stock hook. Horovod's usual setting, every rank drawing from the same shuffled data, is the IID
-case, hence the default.
+in the weights can let every rank drift towards its own classes, and the shared weights then
+average models that disagree; ``local_residual=False`` and the stock Horovod hook (identical
+weights on every rank) hold up better there, and an outer Nesterov step (``outer=``) counteracts
+the drift. The README's recommendation table gives the measured settings for each case; the
+default serves Horovod's usual setting, every rank drawing from the same shuffled data.
 
 Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
 so such a parameter simply contributes ``dW = 0``. Parameters with ``requires_grad=False`` and
