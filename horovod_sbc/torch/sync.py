@@ -211,69 +211,27 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     (each ``base``) and the weights of updates kept in the weights (``in_weights``) by the same
     change, which the commit then takes this rank's sent update out of."""
     updates = [Update.of(it) for it in items]
-    cfg = state.config
     size, rank = state.world()
     layout = [(u.name, u.shape) for u in updates]
     fp = wire.layout_fingerprint(layout)
     dev = updates[0].value.device if updates else torch.device("cpu")
-    encoded: List[Encoded] = []
-    step = None
-    local_error = False
-    # weights with NaN/Inf are reported before any residual changes (see Update.weights_finite)
-    bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
-               None)
-    if bad is not None:
-        step = exchange.error_frame(f"the update of {bad.name!r} contains NaN or Inf", fp,
-                                    cfg.nonfinite == "skip", dev, rank)
-        local_error = True
-    # the device path encodes all at once (None on NaN/Inf: the loop then finds it as usual)
-    fused = fused_sync.encode(state, updates, fp) if bad is None and \
-        fused_sync.eligible(state, updates) else None
-    if fused is not None:
-        encoded, step = [fused], fused.step
-    for u in updates if bad is None and fused is None else []:
-        try:
-            encoded.append(_encode(state, u))
-        except NonFiniteError as e:
-            step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", dev, rank)
-            local_error = True
-            break
-    if step is None:
-        step = exchange.frame([e.message for e in encoded], fp, dev)
-    acc = sum_dtype(updates)
+    encoded, step, fused, local_error = _encode_all(state, updates, fp, dev, rank)
     # the weights that hold their residual move with the shared weights
     also = [u.weights_flat() if u.in_weights else None for u in updates] \
         if apply is None and any(u.in_weights for u in updates) else None
     if (also is not None or apply is not None) and out is None:
         raise ValueError("SBC: updates kept in the weights or an outer step need out=")
-    dense = apply is not None  # out receives the average alone
     try:
-        if cfg.topology == "server":
-            out = server_exchange(state, step, layout, size, rank, out, acc, also, dense)
-        else:
-            gathered = state.transport.allgather(step, tag)
-            state.manager.add(upstream_bits=8 * step.numel(),
-                              downstream_bits=8 * (gathered.numel() - step.numel()))
-            # the batched device decode adds to its targets; an outer step's buffers take the
-            # average alone, which the general decoder writes without a separate zeroing pass
-            if fused is None or out is None or dense or not fused_sync.decode_gathered(
-                    gathered, layout, size, [out] if also is None else [out, also], 1.0 / size):
-                out = exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc,
-                                               also=also, zero_out=dense)
+        out = _exchange(state, step, layout, size, rank, out, sum_dtype(updates), also,
+                        apply is not None, fused, tag)
     except wire.PeerError as e:
-        if e.skip:
-            warnings.warn(f"horovod_sbc: skipping this sync: {e}")
-            if local_error:  # the failing rank drops this window's update
-                for enc in encoded:
-                    if not enc.update.in_weights:
-                        _undo(enc.residual, enc.update, None)
-                for u in updates:  # kept in the weights: its non-finite entries restart from
-                    if u.in_weights:  # the shared weights (the rest of its update stays)
-                        w, base = u.weights_flat(), u.base.reshape(-1)
-                        torch.where(torch.isfinite(w), w, base, out=w)
-            # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
-            return None
-        raise ValueError(f"SBC: {e}") from None
+        if not e.skip:
+            raise ValueError(f"SBC: {e}") from None
+        warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+        if local_error:
+            _drop_failed_update(encoded, updates)
+        # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
+        return None
     if apply is not None:
         apply(out)
     for enc in encoded:  # commit error feedback only after success
@@ -282,6 +240,61 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
                       positions_sent=sum(e.positions.numel() for e in encoded),
                       elements_synced=sum(e.residual.numel() for e in encoded))
     return out
+
+
+def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int):
+    """``(encoded, step message, fused encoding or None, this rank failed)``: every update
+    encoded (on the device path all at once), or an ERROR/SKIP step message naming the first
+    update that is not finite (weights checked before any residual changes, see
+    :meth:`Update.weights_finite`)."""
+    skip = state.config.nonfinite == "skip"
+    bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
+               None)
+    if bad is not None:
+        reason = f"the update of {bad.name!r} contains NaN or Inf"
+        return [], exchange.error_frame(reason, fp, skip, dev, rank), None, True
+    # the device path encodes all at once (None on NaN/Inf: the loop then finds it as usual)
+    fused = fused_sync.encode(state, updates, fp) if fused_sync.eligible(state, updates) \
+        else None
+    if fused is not None:
+        return [fused], fused.step, fused, False
+    encoded: List[Encoded] = []
+    for u in updates:
+        try:
+            encoded.append(_encode(state, u))
+        except NonFiniteError as e:
+            return encoded, exchange.error_frame(str(e), fp, skip, dev, rank), None, True
+    return encoded, exchange.frame([e.message for e in encoded], fp, dev), None, False
+
+
+def _exchange(state: SyncState, step: torch.Tensor, layout, size: int, rank: int, out,
+              acc_dtype, also, dense: bool, fused, tag: str) -> List[torch.Tensor]:
+    """Gather every rank's step message (or go through the server), decode and add the
+    average to ``out`` (``dense``: ``out`` receives the average alone) and ``also``."""
+    if state.config.topology == "server":
+        return server_exchange(state, step, layout, size, rank, out, acc_dtype, also, dense)
+    gathered = state.transport.allgather(step, tag)
+    state.manager.add(upstream_bits=8 * step.numel(),
+                      downstream_bits=8 * (gathered.numel() - step.numel()))
+    # the batched device decode adds to its targets; an outer step's buffers take the average
+    # alone, which the general decoder writes without a separate zeroing pass
+    if fused is not None and out is not None and not dense and fused_sync.decode_gathered(
+            gathered, layout, size, [out] if also is None else [out, also], 1.0 / size):
+        return out
+    return exchange.decode_gathered(gathered, layout, size, out, 1.0 / size, acc_dtype,
+                                    also=also, zero_out=dense)
+
+
+def _drop_failed_update(encoded: Sequence[Encoded], updates: Sequence[Update]) -> None:
+    """A skipped sync on the rank that failed to encode: it drops this window's update. Kept in
+    the weights, only its non-finite entries restart from the shared weights (the rest stays)."""
+    for enc in encoded:
+        if not enc.update.in_weights:
+            _undo(enc.residual, enc.update, None)
+    for u in updates:
+        if u.in_weights:
+            w, base = u.weights_flat(), u.base.reshape(-1)
+            torch.where(torch.isfinite(w), w, base, out=w)
 
 
 # ----------------------------------------------------------------------------------------------
