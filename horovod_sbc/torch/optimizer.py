@@ -395,7 +395,7 @@ class _SBCOptimizer:
         (a job of another size is refused by the residual manager)."""
         saved = st.get("config", {}) if isinstance(st, dict) else {}
         try:
-            size, rank = self._sbc.world()
+            size, rank = self._sbc.state.world()
         except (RuntimeError, ImportError, ValueError):  # no job: nothing to compare with
             return None
         if saved.get("world_size", size) != size or saved.get("rank", rank) == rank:
