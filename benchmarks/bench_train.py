@@ -736,14 +736,14 @@ def _task_optimizer(task, params, spec: dict):
     r = task.recipe
     name = spec.get("optimizer", r.optimizer)
     lr = spec.get("lr", r.lr)
-    wd = spec.get("weight_decay", 0.0)
+    wd = spec.get("weight_decay", r.weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=spec.get("momentum", r.momentum),
                                nesterov=spec.get("nesterov", False), weight_decay=wd)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+        return torch.optim.Adam(params, lr=lr, betas=r.betas, weight_decay=wd)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd or 0.01)
+        return torch.optim.AdamW(params, lr=lr, betas=r.betas, weight_decay=wd or 0.01)
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -806,6 +806,10 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     xs, ys = task.shard(rank, size, partition)
     bs = spec.get("batch_size", task.recipe.batch_size)
     batches = task.batches(len(xs), bs, seed * 1000 + rank)
+    # the recipe's warm-up and decay, on the optimizer the user steps (the drop-in subclasses
+    # the user's optimizer class, so a scheduler drives it as it would the plain one)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: task.recipe.lr_factor(s, steps))
     times, losses = [], []
     for step in range(steps):
         b = next(batches)
@@ -814,6 +818,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         loss = task.loss(model, xs[b], ys[b])
         loss.backward()
         opt.step()
+        sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     if hasattr(opt, "finish"):

@@ -26,7 +26,16 @@ DECAY = ["error_decay", 0.9, 1.0]
 def study_jobs(workers: int = 4, which: str = "main"):
     """``main``: plain vs Nesterov at two (density, delay) points, IID and label-skewed;
     ``residual``: the same with every rank restarting from the shared weights
-    (``local_residual=False``, DiLoCo's and SparseLoCo's setting) and SparseLoCo's decay."""
+    (``local_residual=False``, DiLoCo's and SparseLoCo's setting) and SparseLoCo's decay;
+    ``adamw`` (for ``--task transformer``): dense, no communication, the stock hook, the
+    drop-in at delays 1/4/16 with and without Nesterov, and FedAvg."""
+    if which == "adamw":
+        runs = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
+                _s("sbc", 0.01, 1), _s("sbc", 0.01, 4), _s("sbc", 0.01, 16),
+                _s("sbc", 0.001, 16), _s("fedavg", 1.0, 4),
+                _s("sbc", 0.01, 4, outer=NESTEROV), _s("sbc", 0.01, 16, outer=NESTEROV),
+                _s("sbc", 0.001, 16, outer=NESTEROV)]
+        return [{"workers": workers, "partition": p, "runs": runs} for p in ("iid", "by_class")]
     if which == "main":
         runs = [_s("none"), _s("sbc", 0.01, 4), _s("sbc", 0.01, 4, outer=NESTEROV),
                 _s("sbc", 0.01, 4, outer=MILD), _s("sbc", 0.001, 16),
@@ -43,13 +52,13 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="mnist1d")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--set", default="main", choices=("main", "residual"))
+    ap.add_argument("--set", default="main", choices=("main", "residual", "adamw"))
     ap.add_argument("--json", default="benchmarks/results/outer_study.json")
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
     t0 = time.perf_counter()
-    res = run_task_jobs(a.task, study_jobs(a.workers, a.set), seeds, progress=False,
-                        title=f"outer step study ({a.task})")
+    res = run_task_jobs(a.task, study_jobs(a.workers, a.set), seeds, timeout=5400,
+                        progress=False, title=f"outer step study ({a.task})")
     for r in res["runs"]:
         ratio = r.get("compression_ratio")
         print(f"{r['partition']:9s} {r['label']:45s} score {r['score']:.4f}  "

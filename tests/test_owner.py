@@ -101,3 +101,33 @@ def test_tf_owner_reads_horovods_locals_only():
     outside = _run_as("my_training_script", src, compress=compress)
     with pytest.raises(ValueError, match="could not tell which variable"):
         outside["allreduce_grads"]([g], [v], htf.Average)
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "AdamW: Adam-style optimizers normalise"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "Adam: Adam-style optimizers normalise"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "SGD: the optimizer's momentum"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), None),
+])
+def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, expect):
+    """The one-line change names the drop-in setting when the optimizer it finds is one the
+    stock path trains worse with (momentum, Adam family), once per compressor; plain SGD is
+    quiet."""
+    import warnings
+
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.hook import warn_momentum
+    p = torch.nn.Parameter(torch.zeros(3))
+    hook = SBC(0.01)
+    owner = towner.Owner("w", make([p]), p)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_momentum(hook, owner)
+        warn_momentum(hook, owner)
+    msgs = [str(w.message) for w in seen]
+    if expect is None:
+        assert msgs == []
+        return
+    assert len(msgs) == 1 and expect in msgs[0], msgs
+    assert "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, " \
+           "compression=SBC(..., delay=4))" in msgs[0]

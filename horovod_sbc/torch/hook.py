@@ -163,16 +163,27 @@ def momentum_buffer(owner: Owner, numel: int) -> Optional[torch.Tensor]:
 
 
 def warn_momentum(hook, owner: Owner) -> None:
-    """Once per compressor: the stock hook with an SGD-style optimizer with momentum."""
+    """Once per compressor: the stock hook under an optimizer that reshapes the averaged sparse
+    update — SGD with momentum, or the Adam family — names the drop-in setting instead."""
     if hook._warned_momentum or owner.optimizer is None:
         return
     hook._warned_momentum = True
-    if any(g.get("momentum", 0) for g in getattr(owner.optimizer, "param_groups", [])):
-        warnings.warn(
-            "horovod_sbc: SBC through stock hvd.DistributedOptimizer with momentum: the "
-            "optimizer's momentum then acts on the averaged sparse update, in which each "
-            "coordinate arrives late and in bursts, so it trains below dense. The drop-in "
-            "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, "
-            "compression=SBC(...)) keeps momentum on each rank's own gradients; the README's "
-            "recommendation table compares both.",
-            stacklevel=4)
+    groups = getattr(owner.optimizer, "param_groups", [])
+    if any("betas" in g for g in groups):
+        why = ("Adam-style optimizers normalise each coordinate by its own history, so a "
+               "coordinate's delayed update, arriving in one burst every ~1/density steps, moves "
+               "the weight by about one learning rate instead of the sum of the steps it "
+               "stands for: training runs as if at a far smaller learning rate, and can end "
+               "worse than each rank training alone")
+    elif any(g.get("momentum", 0) for g in groups):
+        why = ("the optimizer's momentum then acts on the averaged sparse update, in which "
+               "each coordinate arrives late and in bursts, so it trains below dense")
+    else:
+        return
+    warnings.warn(
+        f"horovod_sbc: SBC through stock hvd.DistributedOptimizer with "
+        f"{type(owner.optimizer).__name__}: {why}. The drop-in "
+        "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, "
+        "compression=SBC(..., delay=4)) runs the optimizer on each rank's own gradients and "
+        "compresses the weight change; the README's recommendation table compares both.",
+        stacklevel=4)
