@@ -62,6 +62,44 @@ def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: floa
     return results, output
 
 
+def run_scenarios(worker: str, np_: int, scenarios: Sequence[Sequence[str]], **kw):
+    """Run several scenarios of ``tests/workers/<worker>`` in ONE job (one process start-up):
+    each scenario is the argument list the worker takes for a job of its own (``MODE
+    key=value ...``); returns, per scenario, the results per rank (as :func:`run_ranks`)."""
+    results, _ = run_ranks(worker, np_, ["--scenarios", json.dumps([list(s) for s in scenarios])],
+                           **kw)
+    return [[r["scenarios"][i] for r in results] for i in range(len(scenarios))]
+
+
+class SharedJob:
+    """A multi-rank job shared by the tests of one module: every scenario any of them needs
+    runs in one job, started by the first test that asks and kept for the others. A failed job
+    fails each test that uses it with the same error, without running it again.
+
+        JOB = SharedJob("torch_sbc.py", 2, {"train-stock": ["train", "api=stock"], ...})
+        def test_x():
+            per_rank = JOB["train-stock"]
+    """
+
+    def __init__(self, worker: str, np_: int, scenarios: dict, **kw):
+        self.worker, self.np_, self.scenarios, self.kw = worker, np_, dict(scenarios), kw
+        self._results: Optional[dict] = None
+        self._error: Optional[BaseException] = None
+
+    def __getitem__(self, key: str) -> list:
+        if self._results is None and self._error is None:
+            keys = list(self.scenarios)
+            try:
+                out = run_scenarios(self.worker, self.np_, [self.scenarios[k] for k in keys],
+                                    **self.kw)
+                self._results = dict(zip(keys, out))
+            except BaseException as e:  # noqa: B902 (kept and re-raised for every user)
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._results[key]
+
+
 # the decoder memory probe: one valid ~1.5 MiB step message (2M positions at density 0.05)
 # decoded in a fresh process, its peak resident memory beyond what it had just before (Linux
 # /proc: clear_refs resets VmHWM). ``setup`` imports a framework and defines

@@ -1,27 +1,61 @@
-"""PyTorch integration on real multi-rank jobs: both entry points, delay, state, accounting."""
+"""PyTorch integration on real multi-rank jobs: both entry points, delay, state, accounting.
+
+The scenarios run in a few shared jobs (one per world size and controller, plus the checkpoint
+load in fresh processes): a job's start-up costs more than most scenarios."""
 import json
 import os
 import tempfile
 
 import pytest
 
-from harness import ROOT, run_ranks
+from harness import ROOT, SharedJob, run_ranks
 
 pytestmark = pytest.mark.multirank
 
 # parameters of tests/workers/torch_sbc.py's Net with requires_grad: fc1, fc2, aux
 TRAINABLE = 20 * 64 + 64 + 64 * 5 + 5 + 64 * 5 + 5
 N_TENSORS = 6
+STEPS = 12
+TRAIN = [("stock", 2, 1, "mpi"), ("stock", 3, 1, "mpi"), ("dropin", 2, 1, "mpi"),
+         ("dropin", 3, 3, "mpi"), ("stock", 2, 1, "gloo"), ("dropin", 3, 3, "gloo")]
+CKPT = [("sbc", 0), ("terngrad", 0), ("sbc", 1)]
+CKPT_DIR = {c: tempfile.mkdtemp(prefix="sbc-ckpt-") for c in CKPT}
 
 
-@pytest.mark.parametrize("api,np_,delay,controller", [
-    ("stock", 2, 1, "mpi"), ("stock", 3, 1, "mpi"), ("dropin", 2, 1, "mpi"), ("dropin", 3, 3, "mpi"),
-    ("stock", 2, 1, "gloo"), ("dropin", 3, 3, "gloo")])
+def _ckpt_args(c):
+    return [f"ckpt={CKPT_DIR[c]}", f"method={c[0]}", f"local_residual={c[1]}"]
+
+
+def _train_args(api, delay):
+    return ["train", f"api={api}", f"delay={delay}", f"steps={STEPS}", "density=0.05"]
+
+
+def _jobs():
+    per_world = {}
+    for api, np_, delay, controller in TRAIN:
+        per_world.setdefault((np_, controller), {})[("train", api, delay)] = \
+            _train_args(api, delay)
+    two = per_world[(2, "mpi")]
+    two.update({("dense_equiv", api): ["dense_equiv", f"api={api}"]
+                for api in ("stock", "dropin")})
+    two.update({("errors", lr): ["errors", f"local_residual={lr}"] for lr in (0, 1)})
+    two[("baselines",)] = ["baselines"]
+    two.update({("save", *c): ["save", *_ckpt_args(c)] for c in CKPT})
+    jobs = {w: SharedJob("torch_sbc.py", w[0], sc, controller=w[1], timeout=900)
+            for w, sc in per_world.items()}
+    # resuming happens in new processes, after the save
+    jobs["load"] = SharedJob("torch_sbc.py", 2, {c: ["load", *_ckpt_args(c)] for c in CKPT},
+                             timeout=400)
+    return jobs
+
+
+JOBS = _jobs()
+
+
+@pytest.mark.parametrize("api,np_,delay,controller", TRAIN)
 def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, delay, controller):
-    steps = 12
-    results, _ = run_ranks("torch_sbc.py", np_, ["train", f"api={api}", f"delay={delay}",
-                                                 f"steps={steps}", "density=0.05"], timeout=180,
-                           controller=controller)
+    steps = STEPS
+    results = JOBS[(np_, controller)][("train", api, delay)]
     digests = [r["digests"] for r in results]
     for s in range(0, steps + 1, delay):  # after the broadcast and after every sync
         assert len({d[s] for d in digests}) == 1, f"ranks differ after step {s}"
@@ -43,23 +77,20 @@ def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, de
 
 @pytest.mark.parametrize("api", ["stock", "dropin"])
 def test_density_one_without_binarization_equals_dense_averaging(api):
-    results, _ = run_ranks("torch_sbc.py", 2, ["dense_equiv", f"api={api}"], timeout=120)
+    results = JOBS[(2, "mpi")][("dense_equiv", api)]
     for r in results:
         assert r["max_abs_diff"] <= 1e-6  # fp32 rounding of the update path only
     assert results[0]["digest"] == results[1]["digest"]
 
 
-@pytest.mark.parametrize("method,local_residual", [("sbc", 0), ("terngrad", 0), ("sbc", 1)])
+@pytest.mark.parametrize("method,local_residual", CKPT)
 def test_checkpoint_mid_delay_resumes_bit_identically(method, local_residual):
     """local_residual=1 (the default): the residual lives in the weights, the checkpoint is the
     model's weights plus the optimizer's reference weights."""
-    ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
-    lr = f"local_residual={local_residual}"
-    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", f"method={method}", lr],
-                         timeout=120)
-    assert sorted(os.listdir(ckpt)) == ["ckpt_rank0.pt", "ckpt_rank1.pt"]
-    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", f"method={method}", lr],
-                          timeout=120)
+    c = (method, local_residual)
+    saved = JOBS[(2, "mpi")][("save", *c)]
+    assert sorted(os.listdir(CKPT_DIR[c])) == ["ckpt_rank0.pt", "ckpt_rank1.pt"]
+    loaded = JOBS["load"][c]
     for r in range(2):
         assert loaded[r]["digests"] == saved[r]["digests"]  # next 20 steps bit-identical
         assert loaded[r]["stats_at_checkpoint"] == saved[r]["stats_at_checkpoint"]
@@ -68,8 +99,7 @@ def test_checkpoint_mid_delay_resumes_bit_identically(method, local_residual):
 
 @pytest.mark.parametrize("local_residual", [0, 1])
 def test_errors_are_clear_and_raised_on_every_rank(local_residual):
-    results, _ = run_ranks("torch_sbc.py", 2, ["errors", f"local_residual={local_residual}"],
-                           timeout=120)
+    results = JOBS[(2, "mpi")][("errors", local_residual)]
     for r in results:
         assert "use horovod_sbc.torch.DistributedOptimizer" in r["delay_stock"]
         assert "op=hvd.Adasum" in r["adasum"]
@@ -108,7 +138,7 @@ def test_digits_accuracy_within_one_point_of_dense(api, delay):
 
 
 def test_baseline_compressors_keep_ranks_identical_and_count_their_bits():
-    results, _ = run_ranks("torch_sbc.py", 2, ["baselines"], timeout=180)
+    results = JOBS[(2, "mpi")][("baselines",)]
     a, b = results
     dense_per_step = 32 * TRAINABLE
     for name in ("topk", "fedavg", "signsgd", "terngrad"):

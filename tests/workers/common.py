@@ -10,3 +10,13 @@ def write_result(rank, result):
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, os.path.join(out, f"rank{rank}.json"))
+
+
+def scenarios(argv, run):
+    """The scenarios of this job: ``argv[2:]`` is one ``MODE key=value ...``, or
+    ``--scenarios JSON`` with a list of them (tests/harness.py ``run_scenarios``). ``run(mode,
+    kw)`` runs one; returns what the job writes: that one result, or ``{"scenarios": [...]}``."""
+    if argv[2] != "--scenarios":
+        return run(argv[2], dict(a.split("=", 1) for a in argv[3:]))
+    return {"scenarios": [run(s[0], dict(a.split("=", 1) for a in s[1:]))
+                          for s in json.loads(argv[3])]}

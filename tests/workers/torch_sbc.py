@@ -1,4 +1,5 @@
-"""Torch SBC worker. argv: OUT MODE [key=value ...]; writes OUT/rank<R>.json.
+"""Torch SBC worker. argv: OUT MODE [key=value ...] (or OUT --scenarios JSON: several in one
+job, see tests/workers/common.py); writes OUT/rank<R>.json.
 
 Modes:
   train        train a small model for `steps` steps through api=stock|dropin, record the sha256
@@ -13,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_result  # noqa: E402
+from common import scenarios, write_result  # noqa: E402
 
 import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
@@ -21,8 +22,7 @@ import horovod.torch as hvd  # noqa: E402
 import horovod_sbc.torch as sbc  # noqa: E402
 from horovod_sbc.torch import exchange  # noqa: E402
 
-OUT, MODE = sys.argv[1], sys.argv[2]
-KW = dict(a.split("=", 1) for a in sys.argv[3:])
+MODE, KW = None, {}  # of the scenario running (set by run_scenario)
 hvd.init()
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -96,7 +96,7 @@ def digest(model):
 # errors, checkpoints. Bit-identical *weights* after a sync is the local_residual=False mode; the
 # default (local_residual=True: each rank continues from the shared weights + its own residual)
 # is covered by tests/test_training.py. "local_residual=1" on the command line selects it.
-LOCAL_RESIDUAL = KW.get("local_residual", "0") == "1"
+LOCAL_RESIDUAL = False
 
 
 def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
@@ -158,7 +158,7 @@ def run_train():
         losses.append(train_step(model, opt, s))
         digests.append(digest(model))
     st = stats()
-    return {"digests": digests, "losses": losses, "stats": st, "gathered": GATHERED,
+    return {"digests": digests, "losses": losses, "stats": st, "gathered": dict(GATHERED),
             "sync_every": delay}
 
 
@@ -395,9 +395,19 @@ def run_world_size():
     return {"error": catch(lambda: opt.load_state_dict(state["opt"]))}
 
 
-result = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
-          "load": run_save_load, "errors": run_errors, "odd": run_odd, "baselines": run_baselines,
-          "mismatch": run_mismatch, "world_size": run_world_size,
-          "redensity": run_redensity}[MODE]()
-result.update(rank=RANK, size=SIZE)
-write_result(RANK, result)
+MODES = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
+         "load": run_save_load, "errors": run_errors, "odd": run_odd, "baselines": run_baselines,
+         "mismatch": run_mismatch, "world_size": run_world_size, "redensity": run_redensity}
+
+
+def run_scenario(mode, kw):
+    global MODE, KW, LOCAL_RESIDUAL
+    MODE, KW = mode, kw
+    LOCAL_RESIDUAL = KW.get("local_residual", "0") == "1"
+    GATHERED.update(sent=0, received=0)
+    result = MODES[mode]()
+    result.update(rank=RANK, size=SIZE)
+    return result
+
+
+write_result(RANK, scenarios(sys.argv, run_scenario))
