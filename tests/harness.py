@@ -81,22 +81,31 @@ class SharedJob:
             per_rank = JOB["train-stock"]
     """
 
-    def __init__(self, worker: str, np_: int, scenarios: dict, **kw):
+    def __init__(self, worker: str, np_: int, scenarios: dict, after=(), **kw):
+        """``after``: jobs that must have run first (e.g. the one that writes the checkpoints
+        this one loads)."""
         self.worker, self.np_, self.scenarios, self.kw = worker, np_, dict(scenarios), kw
+        self.after = tuple(after)
         self._results: Optional[dict] = None
         self._error: Optional[BaseException] = None
 
-    def __getitem__(self, key: str) -> list:
+    def run(self) -> None:
+        """Run the job now unless it has run (its dependencies first)."""
+        for job in self.after:
+            job.run()
         if self._results is None and self._error is None:
             keys = list(self.scenarios)
             try:
                 out = run_scenarios(self.worker, self.np_, [self.scenarios[k] for k in keys],
                                     **self.kw)
                 self._results = dict(zip(keys, out))
-            except BaseException as e:  # noqa: B902 (kept and re-raised for every user)
+            except Exception as e:  # kept, and raised again for every test that asks
                 self._error = e
         if self._error is not None:
             raise self._error
+
+    def __getitem__(self, key) -> list:
+        self.run()
         return self._results[key]
 
 

@@ -4,9 +4,18 @@ import time
 
 import pytest
 
-from harness import ROOT, run_ranks
+from harness import ROOT, SharedJob, run_ranks
 
 pytestmark = pytest.mark.multirank
+CKPT = tempfile.mkdtemp(prefix="sbc-ddp-ckpt-")
+# the scenarios of 2 ranks in one job; 3 ranks; the checkpoint load in fresh processes
+JOBS = {2: SharedJob("ddp_sbc.py", 2, {"train": ["train"], "nan": ["nan"],
+                                        "save": ["save", f"ckpt={CKPT}"]},
+                     controller="torchrun", timeout=600),
+        3: SharedJob("ddp_sbc.py", 3, {"train": ["train"]}, controller="torchrun",
+                     timeout=300)}
+JOBS["load"] = SharedJob("ddp_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"]}, after=[JOBS[2]],
+                         controller="torchrun", timeout=300)
 
 
 def _job(mode, np_=2, args=(), timeout=120, **kw):
@@ -16,7 +25,7 @@ def _job(mode, np_=2, args=(), timeout=120, **kw):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_hook_and_averager_train_a_non_iid_task_with_identical_ranks(np_):
-    results, _ = _job("train", np_, timeout=180)
+    results = JOBS[np_]["train"]
     # the hook: bit-identical parameters on every rank after DDP's broadcast and every step
     hook = [r["hook"] for r in results]
     steps = len(hook[0]["digests"]) - 1
@@ -52,7 +61,7 @@ def test_hook_and_averager_train_a_non_iid_task_with_identical_ranks(np_):
 
 
 def test_nonfinite_gradient_on_one_rank_raises_or_skips_on_every_rank():
-    results, _ = _job("nan")
+    results = JOBS[2]["nan"]
     for res in results:
         for key, param in (("hook_raise", "'2.bias'"), ("averager_raise", "'0.bias'")):
             msg = res[key]
@@ -76,9 +85,7 @@ def test_killed_rank_ends_the_job_with_a_clear_error():
 
 
 def test_checkpoint_resumes_hook_and_averager_bit_identically():
-    ckpt = tempfile.mkdtemp(prefix="sbc-ddp-ckpt-")
-    saved, _ = _job("save", args=[f"ckpt={ckpt}"])
-    loaded, _ = _job("load", args=[f"ckpt={ckpt}"])
+    saved, loaded = JOBS[2]["save"], JOBS["load"]["load"]
     for r in range(2):
         for kind in ("hook", "averager"):
             s, lo = saved[r][kind], loaded[r][kind]

@@ -6,19 +6,28 @@ import tempfile
 
 import pytest
 
-from harness import run_ranks
+from harness import SharedJob
 
 pytestmark = pytest.mark.multirank
 FIRST, STEPS = 7, 20  # the checkpoint falls mid-delay (delay 3: syncs after steps 3, 6, 9, ...)
+CKPT = tempfile.mkdtemp(prefix="sbc-outer-")
+_RUN = [f"ckpt={CKPT}", f"first={FIRST}", f"steps={STEPS}"]
+TRAIN = SharedJob("torch_outer.py", 2, {"train": ["train", "outers=plain,nesterov", *_RUN]},
+                  timeout=300)
+# the three ways of resuming, each from the checkpoint in a fresh process, in one job
+RESUME = SharedJob("torch_outer.py", 2, {
+    "self": ["resume", "outer=nesterov", "src=self", *_RUN],
+    "rank0_file": ["resume", "outer=nesterov", "src=0", *_RUN],
+    "rank0_loads": ["rank0_loads", "outer=nesterov", *_RUN]}, after=[TRAIN], timeout=400)
+
+
+def _results(job, key):
+    return [r["result"] for r in job[key]]
 
 
 @pytest.fixture(scope="module")
 def trained():
-    ckpt = tempfile.mkdtemp(prefix="sbc-outer-")
-    results, _ = run_ranks("torch_outer.py", 2, ["train", f"ckpt={ckpt}", "outers=plain,nesterov",
-                                                 f"first={FIRST}", f"steps={STEPS}"],
-                           timeout=180)
-    return ckpt, [r["result"] for r in results]
+    return CKPT, _results(TRAIN, "train")
 
 
 def test_shared_weights_and_outer_state_identical_on_every_rank(trained):
@@ -43,12 +52,9 @@ def test_outer_step_changes_the_shared_weights(trained):
 
 
 def test_checkpoint_with_outer_state_resumes_bit_identically(trained):
-    ckpt, saved = trained
-    loaded, _ = run_ranks("torch_outer.py", 2, ["resume", f"ckpt={ckpt}", "outer=nesterov",
-                                                "src=self", f"first={FIRST}", f"steps={STEPS}"],
-                          timeout=180)
-    for r, res in enumerate(loaded):
-        res, ref = res["result"], saved[r]["nesterov"]
+    _, saved = trained
+    for r, res in enumerate(_results(RESUME, "self")):
+        ref = saved[r]["nesterov"]
         assert res["after_load"]["shared"] == ref["at_checkpoint"]["shared"]
         assert res["after_load"]["outer"] == ref["at_checkpoint"]["outer"]
         assert res["digests"] == ref["digests"][FIRST:]  # every step after the load
@@ -62,11 +68,8 @@ def test_every_rank_resumes_from_rank_0s_checkpoint(trained):
     own state; rank 1 starts from the shared weights with no residual; the ranks agree on the shared
     weights and the outer state after the load and after every sync, and the loss keeps
     falling."""
-    ckpt, saved = trained
-    loaded, _ = run_ranks("torch_outer.py", 2, ["resume", f"ckpt={ckpt}", "outer=nesterov",
-                                                "src=0", f"first={FIRST}", f"steps={STEPS}"],
-                          timeout=180)
-    a, b = (r["result"] for r in loaded)
+    _, saved = trained
+    a, b = _results(RESUME, "rank0_file")
     ref = saved[0]["nesterov"]
     # rank 0 loaded its own file: its local steps up to the next sync are exactly as before
     local = 3 - FIRST % 3 - 1
@@ -87,11 +90,8 @@ def test_every_rank_resumes_from_rank_0s_checkpoint(trained):
 def test_rank_0_loads_and_broadcasts_the_outer_state(trained):
     """Horovod's other habit: rank 0 alone loads, broadcast_state makes the ranks equal, the
     Nesterov momentum included (the ranks would otherwise diverge at the next sync)."""
-    ckpt, saved = trained
-    loaded, _ = run_ranks("torch_outer.py", 2, ["rank0_loads", f"ckpt={ckpt}", "outer=nesterov",
-                                                f"first={FIRST}", f"steps={STEPS}"],
-                          timeout=180)
-    a, b = (r["result"] for r in loaded)
+    _, saved = trained
+    a, b = _results(RESUME, "rank0_loads")
     assert a["after_load"] == b["after_load"]
     assert a["after_load"]["outer"] == saved[0]["nesterov"]["at_checkpoint"]["outer"]
     assert a["shared"] == b["shared"] and a["outer"] == b["outer"]

@@ -1,14 +1,19 @@
 """Tutorial recipes with SBC on real multi-rank jobs: the stock Horovod helpers around the drop-in
 optimizer, AMP's step skipping, every option of stock hvd.DistributedOptimizer, a training task
-that fails without the exchange (negative control), and a rank killed inside a sync."""
+that fails without the exchange (negative control), and a rank killed inside a sync. All but
+the killed-rank jobs are scenarios of one shared job."""
 import time
 
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import SharedJob, run_ranks
 
 pytestmark = pytest.mark.multirank
+
+
+JOB = SharedJob("torch_recipes.py", 2, {m: [m, *a] for m, *a in (
+    ("broadcasts", "steps=160"), ("amp",), ("stock_options",), ("noniid",))}, timeout=900)
 
 
 def _identical(results, key="digests"):
@@ -17,7 +22,7 @@ def _identical(results, key="digests"):
 
 
 def test_stock_broadcasts_and_scheduler_keep_the_delay_window():
-    results, _ = run_ranks("torch_recipes.py", 2, ["broadcasts", "steps=160"], timeout=240)
+    results = JOB["broadcasts"]
     for r in results:
         assert r["stats"]["steps"] == 160 and r["stats"]["syncs"] == 160 // 4
         assert r["epoch"] == 7 and r["lr"] == pytest.approx(0.1 * 0.5 ** 4)
@@ -29,7 +34,7 @@ def test_stock_broadcasts_and_scheduler_keep_the_delay_window():
 
 
 def test_gradscaler_overflow_on_one_rank_keeps_ranks_together():
-    results, _ = run_ranks("torch_recipes.py", 2, ["amp"], timeout=120)
+    results = JOB["amp"]
     a, b = results
     for r in results:
         assert r["stats"]["steps"] == 12 and r["stats"]["syncs"] == 6
@@ -44,8 +49,7 @@ OPTIONS = ("sparse_as_dense", "backward_passes", "predivide", "op_sum", "groups"
 
 @pytest.fixture(scope="module")
 def stock_options():
-    results, _ = run_ranks("torch_recipes.py", 2, ["stock_options"], timeout=300)
-    return results
+    return JOB["stock_options"]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -76,7 +80,7 @@ def test_stock_options_apply_the_same_update_as_dense_horovod(stock_options, opt
 def test_training_needs_the_exchange_negative_control():
     """Each rank sees only half of the classes: without communication a rank cannot classify
     the others, with SBC every rank learns all ten."""
-    results, _ = run_ranks("torch_recipes.py", 2, ["noniid"], timeout=240)
+    results = JOB["noniid"]
     assert results[0]["sbc"]["digest"] == results[1]["sbc"]["digest"]
     for r in results:
         assert r["alone"]["accuracy"] < 0.6, r  # the control fails the bar ...

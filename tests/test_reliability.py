@@ -1,10 +1,8 @@
-"""Reliability on real multi-rank jobs: odd tensors, rank disagreement, rank failure, resume."""
-import os
-import tempfile
-
+"""Reliability on real multi-rank jobs: odd tensors, rank disagreement, rank failure, resume.
+The scenarios run in the shared jobs of tests/torch_jobs.py."""
 import pytest
 
-from harness import run_ranks
+from torch_jobs import JOBS
 
 pytestmark = pytest.mark.multirank
 
@@ -14,8 +12,7 @@ def test_odd_parameters_train_and_stay_identical(local_residual):
     """0-d, empty, 1-element, fp16/bf16/fp64, sparse-gradient embedding, frozen, integer buffer.
     local_residual=1: float32/float64 weights hold their residual, fp16/bf16 ones keep a
     float32 residual beside them; the shared weights are identical after every sync."""
-    results, _ = run_ranks("torch_sbc.py", 2, ["odd", f"local_residual={local_residual}"],
-                           timeout=120)
+    results = JOBS[(2, "mpi")][("odd", local_residual)]
     a, b = results
     for s in (1, 3, 5):  # delay 2: after every sync
         assert a["shared_digests"][s] == b["shared_digests"][s]
@@ -35,13 +32,13 @@ def test_odd_parameters_train_and_stay_identical(local_residual):
 
 @pytest.mark.parametrize("kind", ["shape", "set"])
 def test_rank_disagreement_fails_on_every_rank_without_hanging(kind):
-    results, _ = run_ranks("torch_sbc.py", 2, ["mismatch", f"kind={kind}"], timeout=90)
+    results = JOBS[(2, "mpi")][("mismatch", kind)]
     for r, res in enumerate(results):
         assert res["error"].startswith(f"ValueError: rank {1 - r} sent a different tensor layout")
 
 
 def test_different_parameter_order_across_ranks_is_handled():
-    results, _ = run_ranks("torch_sbc.py", 2, ["mismatch", "kind=order"], timeout=90)
+    results = JOBS[(2, "mpi")][("mismatch", "order")]
     a, b = results
     assert a["error"] is None and b["error"] is None
     assert a["values"] == b["values"]
@@ -50,20 +47,16 @@ def test_different_parameter_order_across_ranks_is_handled():
 
 
 def test_checkpoint_from_another_world_size_is_refused():
-    ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
-    run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", "first=4"], timeout=120)
-    results, _ = run_ranks("torch_sbc.py", 3, ["world_size", f"ckpt={ckpt}", "src_rank=0"],
-                           timeout=120)
+    JOBS[(2, "mpi")][("save", "world")]  # saved after step 4 by a job of 2 ranks
+    results = JOBS["load3"][("world_size", 0)]
     for res in results:
         assert "saved with world_size=2 but this run uses world_size=3" in res["error"]
     # another rank's file of a job of this size is taken (its shared part; see
     # tests/test_outer_ranks.py): Horovod's save-on-rank-0 habit
-    results, _ = run_ranks("torch_sbc.py", 2, ["world_size", f"ckpt={ckpt}", "src_rank=1"],
-                           timeout=120)
+    results = JOBS["load"][("world_size", 1)]
     assert results[0]["error"] is None and results[1]["error"] is None
     # another density is allowed: the residuals are still the update mass not sent yet
-    results, _ = run_ranks("torch_sbc.py", 2, ["redensity", f"ckpt={ckpt}", "density=0.2"],
-                           timeout=120)
+    results = JOBS["load"][("redensity",)]
     a, b = results
     assert a["error"] is None and b["error"] is None and a["finite"] and b["finite"]
     assert a["stats"]["steps"] == 4 + 6 and a["stats"]["syncs"] == 1 + 2  # continued counters

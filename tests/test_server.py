@@ -1,4 +1,5 @@
-"""Server topology (downlink compression, Zou et al. arXiv 2209.15203) on real multi-rank jobs."""
+"""Server topology (downlink compression, Zou et al. arXiv 2209.15203) on real multi-rank jobs.
+Most scenarios run in the shared jobs of tests/torch_jobs.py."""
 import json
 import os
 import tempfile
@@ -7,16 +8,15 @@ import pytest
 
 from harness import ROOT, run_ranks
 from test_torch import TRAINABLE
+from torch_jobs import JOBS, SERVER_CKPT, SERVER_STEPS, SERVER_TRAIN
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("np_,downlink,delay", [(2, "0.1", 2), (3, "0.1", 1), (3, "none", 1)])
+@pytest.mark.parametrize("np_,downlink,delay", SERVER_TRAIN)
 def test_server_topology_identical_parameters_and_accounting(np_, downlink, delay):
-    steps = 8
-    results, _ = run_ranks("torch_sbc.py", np_, ["train", "topology=server",
-                                                 f"downlink={downlink}", f"delay={delay}",
-                                                 f"steps={steps}"], timeout=180)
+    steps = SERVER_STEPS
+    results = JOBS[(np_, "mpi")][("server", np_, downlink, delay)]
     for s in range(0, steps + 1, delay):
         assert len({r["digests"][s] for r in results}) == 1, f"ranks differ after step {s}"
     assert len(set(results[0]["digests"][::delay])) == steps // delay + 1
@@ -36,13 +36,11 @@ def test_server_topology_identical_parameters_and_accounting(np_, downlink, dela
         assert 32 * 0.1 * TRAINABLE < per_sync < 0.5 * 32 * TRAINABLE
 
 
-@pytest.mark.parametrize("local_residual", [0, 1])
+@pytest.mark.parametrize("local_residual", SERVER_CKPT)
 def test_server_topology_checkpoint_resumes_bit_identically(local_residual):
     """local_residual=1: the residual lives in the weights, which move with the downlink."""
-    ckpt = tempfile.mkdtemp(prefix="sbc-ckpt-")
-    args = ["topology=server", f"local_residual={local_residual}"]
-    saved, _ = run_ranks("torch_sbc.py", 2, ["save", f"ckpt={ckpt}", *args], timeout=120)
-    loaded, _ = run_ranks("torch_sbc.py", 2, ["load", f"ckpt={ckpt}", *args], timeout=120)
+    saved = JOBS[(2, "mpi")][("save", "server", local_residual)]
+    loaded = JOBS["load"][("server", local_residual)]
     for r in range(2):
         assert loaded[r]["digests"] == saved[r]["digests"]
     if local_residual:  # the ranks' weights differ by their residuals

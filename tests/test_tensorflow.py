@@ -1,7 +1,8 @@
 """TensorFlow 2 integration on real multi-rank jobs: stock and drop-in tape (eager and
 tf.function), delay, Keras model.fit, checkpoints, accounting, errors, interop with PyTorch.
 
-Few jobs, each checking a lot: a horovodrun job with TensorFlow takes ~10 s just to start.
+Few jobs, each checking a lot: a horovodrun job with TensorFlow takes ~10 s just to start, so
+the 2-rank scenarios share one job (and the checkpoint load, in fresh processes, another).
 """
 import json
 import os
@@ -9,7 +10,7 @@ import tempfile
 
 import pytest
 
-from harness import ROOT, run_ranks
+from harness import ROOT, SharedJob, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -46,12 +47,19 @@ def check_run(results, spec, steps):
 
 
 RUNS_2 = ["stock-eager-1", "stock-fn-1", "dropin-eager-1", "dropin-fn-1", "dropin-fn-3"]
+STEPS_2 = 8
+CKPT = tempfile.mkdtemp(prefix="sbc-tf-ckpt-")
+# "save" first: Keras numbers layer names per process, and the load runs in a fresh one
+TWO = SharedJob("tf_sbc.py", 2, {
+    "save": ["save", f"ckpt={CKPT}"],
+    "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1"],
+    "errors": ["errors"]}, timeout=1200)
+LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"]}, after=[TWO], timeout=400)
 
 
 def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
-    steps = 8
-    results, _ = run_ranks("tf_sbc.py", 2, ["train", f"steps={steps}", "runs=" + ",".join(RUNS_2),
-                                            "equiv=1"], timeout=600)
+    steps = STEPS_2
+    results = TWO["train"]
     runs = {spec: check_run(results, spec, steps) for spec in RUNS_2}
     # eager and tf.function compute the same thing, bit for bit
     for api in ("stock", "dropin"):
@@ -76,13 +84,12 @@ def test_three_ranks_and_pytorch_decodes_tensorflow_messages():
 
 
 def test_checkpoint_mid_delay_window_resumes_bit_identically():
-    ckpt = tempfile.mkdtemp(prefix="sbc-tf-ckpt-")
-    saved, _ = run_ranks("tf_sbc.py", 2, ["save", f"ckpt={ckpt}"], timeout=400)
-    assert sorted(os.listdir(ckpt)) == ["rank0", "rank1"]
+    saved = TWO["save"]
+    assert sorted(os.listdir(CKPT)) == ["rank0", "rank1"]
     names = saved[0]["saved"]
     assert any(n.startswith("sbc/residuals/") for n in names)
     assert any(n.startswith("sbc/reference/") for n in names)
-    loaded, _ = run_ranks("tf_sbc.py", 2, ["load", f"ckpt={ckpt}"], timeout=400)
+    loaded = LOAD["load"]
     for r in range(2):
         # restored in a new process: same weights, stats and window position, and the next 10
         # steps (crossing 3 syncs) bit-identical to the uninterrupted run
@@ -98,7 +105,7 @@ def test_checkpoint_mid_delay_window_resumes_bit_identically():
 
 
 def test_errors_are_clear_and_raised_on_every_rank():
-    results, _ = run_ranks("tf_sbc.py", 2, ["errors"], timeout=600)
+    results = TWO["errors"]
     nan = "SBC: rank 1 could not encode this sync: the update of 'fc"
     for r in results:
         assert "use horovod_sbc.tensorflow.DistributedGradientTape" in r["delay_stock"]

@@ -1,55 +1,20 @@
 """PyTorch integration on real multi-rank jobs: both entry points, delay, state, accounting.
 
-The scenarios run in a few shared jobs (one per world size and controller, plus the checkpoint
-load in fresh processes): a job's start-up costs more than most scenarios."""
+The scenarios run in the shared jobs of tests/torch_jobs.py."""
 import json
 import os
 import tempfile
 
 import pytest
 
-from harness import ROOT, SharedJob, run_ranks
+from harness import ROOT, run_ranks
+from torch_jobs import CKPT, CKPT_DIR, JOBS, STEPS, TRAIN
 
 pytestmark = pytest.mark.multirank
 
 # parameters of tests/workers/torch_sbc.py's Net with requires_grad: fc1, fc2, aux
 TRAINABLE = 20 * 64 + 64 + 64 * 5 + 5 + 64 * 5 + 5
 N_TENSORS = 6
-STEPS = 12
-TRAIN = [("stock", 2, 1, "mpi"), ("stock", 3, 1, "mpi"), ("dropin", 2, 1, "mpi"),
-         ("dropin", 3, 3, "mpi"), ("stock", 2, 1, "gloo"), ("dropin", 3, 3, "gloo")]
-CKPT = [("sbc", 0), ("terngrad", 0), ("sbc", 1)]
-CKPT_DIR = {c: tempfile.mkdtemp(prefix="sbc-ckpt-") for c in CKPT}
-
-
-def _ckpt_args(c):
-    return [f"ckpt={CKPT_DIR[c]}", f"method={c[0]}", f"local_residual={c[1]}"]
-
-
-def _train_args(api, delay):
-    return ["train", f"api={api}", f"delay={delay}", f"steps={STEPS}", "density=0.05"]
-
-
-def _jobs():
-    per_world = {}
-    for api, np_, delay, controller in TRAIN:
-        per_world.setdefault((np_, controller), {})[("train", api, delay)] = \
-            _train_args(api, delay)
-    two = per_world[(2, "mpi")]
-    two.update({("dense_equiv", api): ["dense_equiv", f"api={api}"]
-                for api in ("stock", "dropin")})
-    two.update({("errors", lr): ["errors", f"local_residual={lr}"] for lr in (0, 1)})
-    two[("baselines",)] = ["baselines"]
-    two.update({("save", *c): ["save", *_ckpt_args(c)] for c in CKPT})
-    jobs = {w: SharedJob("torch_sbc.py", w[0], sc, controller=w[1], timeout=900)
-            for w, sc in per_world.items()}
-    # resuming happens in new processes, after the save
-    jobs["load"] = SharedJob("torch_sbc.py", 2, {c: ["load", *_ckpt_args(c)] for c in CKPT},
-                             timeout=400)
-    return jobs
-
-
-JOBS = _jobs()
 
 
 @pytest.mark.parametrize("api,np_,delay,controller", TRAIN)

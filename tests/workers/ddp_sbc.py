@@ -1,4 +1,5 @@
 """DDP worker (torchrun, gloo): SBC comm hook and SBC model averager. argv: OUT MODE [key=value]
+(or OUT --scenarios JSON: several in one job, see tests/workers/common.py).
 
 Writes OUT/rank<R>.json. Modes:
   train  non-IID digits (rank r sees only the labels = r mod size): the SBC hook, a no-op hook
@@ -16,7 +17,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_result  # noqa: E402
+from common import scenarios, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -30,8 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from horovod_sbc.torch import SBC  # noqa: E402
 from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook  # noqa: E402
 
-OUT, MODE = sys.argv[1], sys.argv[2]
-KW = dict(a.split("=", 1) for a in sys.argv[3:])
+MODE, KW = None, {}  # of the scenario running
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
@@ -221,9 +221,18 @@ def run_save_load():
     return out
 
 
-result = {"train": run_train, "nan": run_nan, "kill": run_kill, "save": run_save_load,
-          "load": run_save_load}[MODE]()
-result.update(rank=RANK, size=SIZE)
-write_result(RANK, result)
+MODES = {"train": run_train, "nan": run_nan, "kill": run_kill, "save": run_save_load,
+         "load": run_save_load}
+
+
+def run_scenario(mode, kw):
+    global MODE, KW
+    MODE, KW = mode, kw
+    result = MODES[mode]()
+    result.update(rank=RANK, size=SIZE)
+    return result
+
+
+write_result(RANK, scenarios(sys.argv, run_scenario))
 dist.barrier()
 dist.destroy_process_group()

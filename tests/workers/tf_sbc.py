@@ -1,4 +1,5 @@
-"""TensorFlow SBC worker. argv: OUT MODE [key=value ...]; writes OUT/rank<R>.json.
+"""TensorFlow SBC worker. argv: OUT MODE [key=value ...] (or OUT --scenarios JSON: several in
+one job, see tests/workers/common.py); writes OUT/rank<R>.json.
 
 Modes:
   train   several training runs in one job (api=stock|dropin, eager or tf.function, delay), each
@@ -17,7 +18,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_result  # noqa: E402
+from common import scenarios, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -27,8 +28,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
 from horovod_sbc.tensorflow import exchange  # noqa: E402
 
-OUT, MODE = sys.argv[1], sys.argv[2]
-KW = dict(a.split("=", 1) for a in sys.argv[3:])
+MODE, KW = None, {}  # of the scenario running
 hvd.init()
 tf.config.threading.set_inter_op_parallelism_threads(2)
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -371,7 +371,17 @@ def run_save_load():
     return out
 
 
-result = {"train": run_train, "errors": run_errors, "save": run_save_load,
-          "load": run_save_load}[MODE]()
-result.update(rank=RANK, size=SIZE)
-write_result(RANK, result)
+MODES = {"train": run_train, "errors": run_errors, "save": run_save_load,
+         "load": run_save_load}
+
+
+def run_scenario(mode, kw):
+    global MODE, KW
+    MODE, KW = mode, kw
+    rec_reset()
+    result = MODES[mode]()
+    result.update(rank=RANK, size=SIZE)
+    return result
+
+
+write_result(RANK, scenarios(sys.argv, run_scenario))

@@ -1,5 +1,6 @@
-"""The drop-in's outer step and checkpoints on a real multi-rank job. argv: OUT MODE [k=v ...];
-writes OUT/rank<R>.json.
+"""The drop-in's outer step and checkpoints on a real multi-rank job. argv: OUT MODE [k=v ...]
+(or OUT --scenarios JSON: several in one job, see tests/workers/common.py); writes
+OUT/rank<R>.json.
 
 A small MLP learns a fixed linear teacher (every rank draws its own samples), SGD momentum 0.9,
 ``SBC(density=0.05, delay=3)``, the residual in the weights (the drop-in's default).
@@ -19,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_result  # noqa: E402
+from common import scenarios, write_result  # noqa: E402
 
 import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
@@ -27,8 +28,7 @@ import horovod.torch as hvd  # noqa: E402
 import horovod_sbc.torch as sbc  # noqa: E402
 from horovod_sbc.torch.outer import Nesterov  # noqa: E402
 
-OUT, MODE = sys.argv[1], sys.argv[2]
-KW = dict(a.split("=", 1) for a in sys.argv[3:])
+KW = {}  # of the scenario running
 hvd.init()
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -142,6 +142,13 @@ def run_rank0_loads():
     return rec
 
 
-result = {"train": run_train, "resume": run_resume, "rank0_loads": run_rank0_loads}[MODE]()
-result = {"result": result, "rank": RANK, "size": SIZE}
-write_result(RANK, result)
+MODES = {"train": run_train, "resume": run_resume, "rank0_loads": run_rank0_loads}
+
+
+def run_scenario(mode, kw):
+    global KW
+    KW = kw
+    return {"result": MODES[mode](), "rank": RANK, "size": SIZE}
+
+
+write_result(RANK, scenarios(sys.argv, run_scenario))

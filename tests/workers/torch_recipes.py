@@ -1,4 +1,5 @@
-"""What users copy from Horovod tutorials, with SBC. argv: OUT MODE [key=value ...].
+"""What users copy from Horovod tutorials, with SBC. argv: OUT MODE [key=value ...] (or OUT
+--scenarios JSON, see tests/workers/common.py).
 
 Modes:
   broadcasts    drop-in optimizer (delay 4) with the stock helpers: hvd.broadcast_parameters,
@@ -20,7 +21,7 @@ import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_result  # noqa: E402
+from common import scenarios, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -28,12 +29,11 @@ import horovod.torch as hvd  # noqa: E402
 
 import horovod_sbc.torch as sbc  # noqa: E402
 
-OUT, MODE = sys.argv[1], sys.argv[2]
-KW = dict(a.split("=", 1) for a in sys.argv[3:])
+KW = {}  # of the scenario running
 # These recipes check bit-identical weights after every sync (and the non-IID negative control
 # trains on class-split shards): the drop-in's local_residual=False mode. The default
 # (local_residual=True) is covered by tests/test_training.py.
-LOCAL_RESIDUAL = KW.get("local_residual", "0") == "1"
+LOCAL_RESIDUAL = False
 hvd.init()
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -248,7 +248,16 @@ def run_kill_in_sync():
     return {"finished": True}
 
 
+MODES = {"broadcasts": run_broadcasts, "amp": run_amp, "stock_options": run_stock_options,
+         "noniid": run_noniid, "kill_in_sync": run_kill_in_sync}
+
+
+def run_scenario(mode, kw):
+    global KW, LOCAL_RESIDUAL
+    KW = kw
+    LOCAL_RESIDUAL = KW.get("local_residual", "0") == "1"
+    return MODES[mode]()
+
+
 if __name__ == "__main__":
-    res = {"broadcasts": run_broadcasts, "amp": run_amp, "stock_options": run_stock_options,
-           "noniid": run_noniid, "kill_in_sync": run_kill_in_sync}[MODE]()
-    write_result(RANK, res)
+    write_result(RANK, scenarios(sys.argv, run_scenario))
