@@ -11,7 +11,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize("name", ["digits_conv", "text", "mnist1d"])
+@pytest.mark.parametrize("name", ["digits_conv", "text", "transformer", "mnist1d"])
 def test_task_is_deterministic_partitions_cover_and_model_runs(name):
     if name == "mnist1d":
         pytest.importorskip("mnist1d")
@@ -57,6 +57,26 @@ def test_text_records_its_corpus():
     assert t.info["python"] == sys.version and len(t.info["sha256"]) == 64
     assert t.metric == "perplexity" and not t.higher_is_better
     assert int(t.groups.max()) + 1 <= t.info["topics"]
+
+
+def test_transformer_is_causal_and_its_recipe_warms_up_then_decays():
+    t = make_task("transformer")
+    assert t.recipe.optimizer == "adamw" and t.recipe.betas == (0.9, 0.95)
+    r, steps = t.recipe, t.recipe.steps
+    f = [r.lr_factor(s, steps) for s in range(steps)]
+    assert f[0] == pytest.approx(1 / r.warmup) and f[r.warmup - 1] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[r.warmup:], f[r.warmup + 1:]))  # cosine: decreasing
+    assert f[-1] < 1e-4
+    torch.manual_seed(0)
+    model = t.build_model().eval()
+    x = t.x_train[:2].clone()
+    with torch.no_grad():
+        before = model(x)
+        x[:, 40:] = (x[:, 40:] + 1) % t.info["vocab"]  # change only the later characters
+        after = model(x)
+    # the prediction at position i sees characters 0..i only
+    assert torch.equal(before[:, :40], after[:, :40])
+    assert not torch.allclose(before[:, 40:], after[:, 40:])
 
 
 def test_unknown_task_and_partition_are_rejected():
