@@ -1,6 +1,6 @@
 """Elastic Horovod with SBC (``horovod_sbc.torch.elastic.SBCState``) on one real ``horovodrun``
-elastic job on localhost (Gloo): 2 ranks grow to 3, shrink to 2, grow to 3 again, and then the
-third rank dies inside a drop-in sync and its host is blacklisted; the job ends on 2 ranks.
+elastic job on localhost (Gloo): 3 ranks shrink to 2, grow to 3 again, and then the third rank
+dies inside a drop-in sync and its host is blacklisted; the job ends on 2 ranks.
 
 The discovery script is a file this test rewrites whenever rank 0 reports that it waits for a
 host change ("localhost" holds 2 slots; "127.0.0.1", a second name for this machine, is the
@@ -20,10 +20,11 @@ from harness import ROOT, WORKERS, launch
 
 pytestmark = pytest.mark.multirank
 TIMEOUT = 240  # a hang fails; the job takes about 100 s
-HOSTS = {"grow": ["localhost:2", "127.0.0.1:1"], "shrink": ["localhost:2"],
-         "grow2": ["localhost:2", "127.0.0.1:1"]}
-#: (step, world size) of each start of the training function, in order
-ENTRIES = [(0, 2), (8, 3), (16, 2), (24, 3), (None, 2)]
+THREE, TWO = ["localhost:2", "127.0.0.1:1"], ["localhost:2"]
+HOSTS = {"shrink": TWO, "grow": THREE}
+#: (step, world size) of each start of the training function before the kill, in order
+ENTRIES = [(0, 3), (8, 2), (16, 3)]
+KILL = 24
 
 
 def write_discovery(path: str, hosts) -> None:
@@ -37,7 +38,7 @@ def write_discovery(path: str, hosts) -> None:
 @pytest.fixture(scope="module")
 def job():
     script = os.path.join(tempfile.mkdtemp(prefix="sbc-elastic-"), "discover.sh")
-    write_discovery(script, ["localhost:2"])
+    write_discovery(script, THREE)
     events = []
 
     def on_line(line):
@@ -49,7 +50,7 @@ def job():
             write_discovery(script, HOSTS[ev["name"]])
 
     hr = str(launch.BIN / "horovodrun")
-    cmd = [hr, "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
+    cmd = [hr, "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
            "--gloo", "--network-interface", "lo", sys.executable,
            str(WORKERS / "torch_elastic.py")]
     # HOROVOD_GLOO_TIMEOUT_SECONDS (30 s) bounds both how long the survivors wait for a new
@@ -79,8 +80,8 @@ def groups(events):
 def test_the_job_grows_shrinks_survives_a_kill_and_ends_with_identical_weights(job):
     events, _ = job
     gs = groups(events)
-    assert [(g[0]["step"], g[0]["size"]) for g in gs][:4] == ENTRIES[:4]
-    assert len(gs) == 5 and gs[4][0]["size"] == 2 and gs[4][0]["step"] >= 28, \
+    assert [(g[0]["step"], g[0]["size"]) for g in gs][:3] == ENTRIES
+    assert len(gs) == 4 and gs[3][0]["size"] == 2 and gs[3][0]["step"] >= KILL, \
         [(g[0]["step"], g[0]["size"]) for g in gs]
     for g in gs:
         assert sorted(e["rank"] for e in g) == list(range(g[0]["size"]))
@@ -120,8 +121,8 @@ def test_survivors_keep_their_residuals_and_new_workers_start_from_zero(job):
                 assert e["weights"] == e["wref"]
                 assert e["stats"][0]["syncs"] == 0 and e["stats"][1]["syncs"] == 0
         seen |= {e["wid"] for e in g}
-    # 2 at the start, 1 per grow; survivors: 2 + 2 + 2 + 2 after the four resets
-    assert (newcomers, survivors) == (4, 8)
+    # 3 at the start, 1 at the grow; survivors: 2 + 2 + 2 after the three resets
+    assert (newcomers, survivors) == (4, 6)
     # the survivors' residuals differ (each rank keeps its own, none is rank 0's)
     for g in gs[1:]:
         old = [e for e in g if e["last"] is not None]
@@ -140,7 +141,7 @@ def test_the_loss_keeps_falling(job):
     events = job[0]
     ready = [e["loss"] for e in events if e["ev"] == "ready"]
     done = [e["loss"] for e in events if e["ev"] == "done"]
-    assert len(ready) == 3 and len(done) == 2
+    assert len(ready) == 2 and len(done) == 2
     for k in (0, 1):  # drop-in (shared weights), stock hook
         seq = [loss[k] for loss in ready] + [done[0][k]]
         assert all(b < a for a, b in zip(seq, seq[1:])), (k, seq)

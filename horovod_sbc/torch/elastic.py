@@ -127,7 +127,10 @@ class SBCHandler:
         self.save()
 
     def set_value(self, value) -> None:
+        """``state.optimizer = new_optimizer`` (``TorchState.__setattr__``): own it instead."""
+        joined = self.joined
         self.__init__(value, self.models)
+        self.joined = joined
 
     # -- what the handler owns -------------------------------------------------------------------
     def owned(self) -> List[Tuple[str, torch.Tensor]]:

@@ -6,11 +6,12 @@ samples): one through the drop-in ``horovod_sbc.torch.DistributedOptimizer`` (SG
 ``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (plain SGD), both in one
 ``SBCState``, committed after every step. Every worker starts from its own random weights.
 
-The schedule, by the step counter that ``SBCState`` carries across resets: at step ``grow`` with
-2 ranks, ``shrink`` with 3 and ``grow2`` with 2, rank 0 prints a ``ready`` event and all ranks
-commit in a loop until the driver reports the new hosts (the test rewrites the discovery
-script when it reads ``ready``); from step ``kill`` with 3 ranks the worker on host 127.0.0.1
-exits (``os._exit(1)``) inside the drop-in's allgather, mid-sync, and its host is blacklisted.
+The schedule, by the step counter that ``SBCState`` carries across resets (the job starts on
+3 ranks): at step ``shrink`` with 3 ranks and ``grow`` with 2, rank 0 prints a ``ready`` event
+and all ranks commit in a loop until the driver reports the new hosts (the test rewrites the
+discovery script when it reads ``ready``); from step ``kill`` with 3 ranks the worker on host
+127.0.0.1 exits (``os._exit(1)``) inside the drop-in's allgather, mid-sync, and its host is
+blacklisted.
 
 Events, one ``EL {json}`` line each: ``entry`` (each time the training function starts, after
 Horovod's sync: digests of the shared weights, residuals, the world SBC records, and the
@@ -34,9 +35,8 @@ import horovod_sbc.torch as sbc
 from horovod_sbc.torch.elastic import SBCState, compression_of
 
 KW = dict(a.split("=", 1) for a in sys.argv[1:])
-STEPS, KILL = int(KW.get("steps", 40)), int(KW.get("kill", 28))
-WAITS = {int(KW.get("grow", 8)): ("grow", 2), int(KW.get("shrink", 16)): ("shrink", 3),
-         int(KW.get("grow2", 24)): ("grow2", 2)}
+STEPS, KILL = int(KW.get("steps", 32)), int(KW.get("kill", 24))
+WAITS = {int(KW.get("shrink", 8)): ("shrink", 3), int(KW.get("grow", 16)): ("grow", 2)}
 WAIT_S = float(KW.get("wait", 60))
 HOST, WID = os.environ.get("HOROVOD_HOSTNAME"), os.getpid()
 hvd.init()
