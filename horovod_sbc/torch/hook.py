@@ -70,6 +70,12 @@ class StockHook:
                              "horovod_sbc.torch.DistributedOptimizer; stock "
                              "hvd.DistributedOptimizer sends one message per tensor")
 
+    def realign_steps(self) -> None:
+        """Count the next ``compress()`` of any tensor as the first of a new step. A step that
+        failed part-way (a peer died inside Horovod's collectives, and elastic Horovod rolled
+        the state back) left some tensors compressed once more than others."""
+        self._calls = {name: self._max_calls for name in self._calls}
+
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, StockContext]:
         """Horovod hook: start the allgather of this gradient's message; returns a 1-element
         dummy for Horovod's allreduce (the real data travels by allgather) and the context."""
