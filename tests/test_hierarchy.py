@@ -80,7 +80,7 @@ def job():
     xtr, ytr, xte, yte = mnist1d_arrays(6000, 2 / 3, 0)  # made once, read by every rank
     np.savez(f"{tmp}/mnist1d.npz", x_train=xtr, y_train=ytr, x_test=xte, y_test=yte)
     results, _ = run_ranks("torch_hier.py", 4, [f"ckpt={tmp}", f"data={tmp}/mnist1d.npz",
-                                                "steps=400"], timeout=400)
+                                                "steps=400"], timeout=900)
     return results
 
 

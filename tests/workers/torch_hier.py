@@ -13,7 +13,7 @@ Parts (each recorded under its own key):
   nonfinite  a NaN on rank 3 (``nonfinite="raise"``: every rank's error) and on rank 1
              (``"skip"``: every rank skips, then syncs again)
   mnist1d    test accuracy after ``steps`` steps of flat and of hierarchical SBC on mnist1d
-             (data from ``data=<npz>``, made once by the test)
+             (p = 0.01, delay 4; data from ``data=<npz>``, made once by the test)
 """
 import hashlib
 import os
@@ -185,7 +185,8 @@ def part_mnist1d():
         model = mnist1d_cnn(32, xtr.shape[1])
         opt = sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                        model.named_parameters(),
-                                       compression=sbc.SBC(density=0.01, hierarchy=hierarchy))
+                                       compression=sbc.SBC(density=0.01, delay=4,
+                                                           hierarchy=hierarchy))
         sbc.broadcast_state(model, opt)
         g = torch.Generator().manual_seed(RANK)
         for _ in range(steps):
