@@ -42,7 +42,8 @@ Composition with the drop-in's knobs (:func:`horovod_sbc.torch.DistributedOptimi
 * Not supported (``ValueError`` at construction): ``topology="server"``, the stock Horovod
   hook and the DDP hook (they exchange per gradient or per bucket, not per sync), and
   parameters other than float32/float64 (a residual kept in 16-bit weights would lose the
-  small updates error feedback is for).
+  small updates error feedback is for), parameters of several dtypes or devices, and
+  non-contiguous parameters (one flat buffer holds every update).
 
 Horovod process sets (Horovod >= 0.23): the node sets and the cross-node sets must exist on
 every rank. Either declare them at initialisation::
@@ -55,6 +56,7 @@ since the nodes are known only after ``hvd.init``).
 """
 from __future__ import annotations
 
+import itertools
 import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -105,7 +107,8 @@ def describe(spec) -> str:
 
 
 def check_parameters(named: Sequence[Tuple[str, torch.Tensor]], rank: int) -> None:
-    """One flat buffer holds every update: one dtype (float32 or float64), one device."""
+    """One flat buffer holds every update: one dtype (float32 or float64), one device,
+    contiguous parameters."""
     kinds = {(p.dtype, p.device) for _, p in named}
     bad = [(n, p.dtype) for n, p in named if p.dtype not in (torch.float32, torch.float64)]
     if bad:
@@ -115,6 +118,10 @@ def check_parameters(named: Sequence[Tuple[str, torch.Tensor]], rank: int) -> No
     if len(kinds) > 1:
         raise ValueError(f"SBC(hierarchy=...) on rank {rank}: the parameters must share one "
                          f"dtype and device, got {sorted(map(str, kinds))}")
+    strided = [n for n, p in named if not p.is_contiguous()]
+    if strided:
+        raise ValueError(f"SBC(hierarchy=...) on rank {rank}: parameter {strided[0]!r} is not "
+                         "contiguous (the sync writes the weights through flat views)")
 
 
 def check(groups: Groups, size: int, what: str) -> Groups:
@@ -235,7 +242,7 @@ def layout(named: Sequence[Tuple[str, torch.Tensor]], shards: int, index: int) -
     is sent as one piece per shard (each piece a tensor message with its own SBC mean)."""
     names = [n for n, _ in named]
     numels = [p.numel() for _, p in named]
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    offsets = [0, *itertools.accumulate(numels)][:-1]
     size = -(-sum(numels) // shards)
     lo, hi = index * size, (index + 1) * size
     pieces = [(i, max(lo, o) - o, min(hi, o + n) - o) for i, (o, n) in
@@ -256,9 +263,6 @@ class Hierarchy:
     def __init__(self, sbc, spec, named: Sequence[Tuple[str, torch.Tensor]]):
         import horovod.torch as hvd
         what = describe(spec)
-        if sbc.config.topology != "allgather":
-            raise ValueError(f"{what}: topology={sbc.config.topology!r} cannot be combined "
-                             "with a hierarchy (the cross-node exchange is an allgather)")
         size, rank = sbc.state.world()  # records the job's size and rank for checkpoints
         check_parameters(named, rank)
         groups = horovod_nodes(hvd) if spec == "node" else spec
@@ -273,6 +277,7 @@ class Hierarchy:
         self.state = NodeState(sbc.config, ProcessSetTransport(sets[cross]), sbc.manager)
         sbc.manager.config.update(hierarchy=[list(g) for g in self.groups])
         self._buffers: Dict[str, torch.Tensor] = {}
+        self._layout_key, self._lay = None, None  # the shard layout of the last sync
 
     def _agree(self, hvd, rank: int, what: str) -> None:
         """Every rank must have been given the same grouping (one allgather of a checksum)."""
@@ -295,6 +300,12 @@ class Hierarchy:
             buf = self._buffers[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
         return buf
 
+    def _layout(self, named) -> Layout:
+        key = tuple((n, p.numel()) for n, p in named)
+        if self._layout_key != key:
+            self._layout_key, self._lay = key, layout(named, self.local_size, self.local)
+        return self._lay
+
     @torch.no_grad()
     def synchronize(self, named: Sequence[Tuple[str, torch.Tensor]], ref: Dict[str, torch.Tensor],
                     local_residual: bool, outer) -> bool:
@@ -302,7 +313,7 @@ class Hierarchy:
         weights ``ref`` (updated in place). Returns False if the sync was skipped
         (``nonfinite="skip"``); raises ValueError on every rank if any rank failed."""
         import horovod.torch as hvd
-        lay = layout(named, self.local_size, self.local)
+        lay = self._layout(named)
         flat = self._updates(named, ref, lay)
         error = self._node_error(hvd, lay, flat)
         avg = hvd.reducescatter(flat, name="sbc.hierarchy.reduce", op=hvd.Average,
@@ -324,10 +335,10 @@ class Hierarchy:
 
     def _updates(self, named, ref, lay: Layout) -> torch.Tensor:
         """Every tensor's ``W - W_ref`` in one flat buffer (its zero padding never written)."""
-        like = named[0][1]
-        flat = self._buffer("update", self.local_size * lay.shard, like)
-        for (name, p), o, n in zip(named, lay.offsets, lay.numels):
-            torch.sub(p.detach().reshape(-1), ref[name].reshape(-1), out=flat[o:o + n])
+        flat = self._buffer("update", self.local_size * lay.shard, named[0][1])
+        head = flat[:lay.numel]  # 3 kernels whatever the number of tensors
+        torch.cat([p.detach().reshape(-1) for _, p in named], out=head)
+        head.sub_(torch.cat([ref[name].reshape(-1) for name, _ in named]))
         return flat
 
     def _node_error(self, hvd, lay: Layout, flat: torch.Tensor) -> Optional[Tuple[int, str]]:
@@ -373,22 +384,32 @@ class Hierarchy:
         outcome flag; one row per local rank."""
         parts = [self._buffer("average", lay.shard, avg)]
         if local_residual:
-            r = self._buffer("residual", lay.shard, avg)
-            lo = self.local * lay.shard
-            for (i, a, b), t in zip(lay.pieces, self._stored(lay)):
-                s = lay.offsets[i] + a - lo
-                if t is None:
-                    r[s:s + b - a].zero_()
-                else:
-                    r[s:s + b - a].copy_(t)
-                    t.zero_()  # it moves into the weights of every rank of the node
-            parts.append(r)
+            parts.append(self._residual_shard(lay, avg))
         parts.append(torch.full((1,), float(code), dtype=avg.dtype, device=avg.device))
         payload = torch.cat(parts)
         self.state.manager.add(intra_node_bits=8 * payload.element_size() *
                                (payload.numel() + lay.shard) * (self.local_size - 1))
         return hvd.allgather(payload, name="sbc.hierarchy.share",
                              process_set=self.intra).view(self.local_size, -1)
+
+    def _residual_shard(self, lay: Layout, like: torch.Tensor) -> torch.Tensor:
+        """This rank's pieces of the node's residual, one after the other as in the shard;
+        the stored pieces are zeroed: the residual moves into the weights of every rank of
+        the node."""
+        r = self._buffer("residual", lay.shard, like)
+        stored = self._stored(lay)
+        covered = sum(b - a for _, a, b in lay.pieces)
+        if all(t is not None for t in stored):
+            torch.cat(stored, out=r[:covered])
+            torch._foreach_zero_(stored)
+            return r
+        s = 0  # some pieces were never encoded (a failed first sync): zeros there
+        for (_, a, b), t in zip(lay.pieces, stored):
+            r[s:s + b - a].copy_(t) if t is not None else r[s:s + b - a].zero_()
+            if t is not None:
+                t.zero_()
+            s += b - a
+        return r
 
     def _apply(self, named, ref, lay: Layout, shared: torch.Tensor, local_residual: bool,
                outer) -> None:
@@ -403,13 +424,12 @@ class Hierarchy:
         torch._foreach_add_(refs, us)
         if local_residual:
             r = shared[:, s:2 * s].reshape(-1)[:n]
-            for (_, p), w_ref, o, k in zip(named, refs, lay.offsets, lay.numels):
-                p.copy_((w_ref + r[o:o + k]).view_as(p))
+            rs = [r[o:o + k] for o, k in zip(lay.offsets, lay.numels)]
+            _set_weights(named, torch._foreach_add(refs, rs))
             outer.after_commit([p.detach().view(-1) for _, p in named], refs,
                                [True] * len(named))
             return
-        for (name, p) in named:
-            p.copy_(ref[name].view_as(p))
+        _set_weights(named, refs)
         kept = [(t, refs[i][a:b]) for (i, a, b), t in zip(lay.pieces, self._stored(lay))
                 if t is not None]
         outer.after_commit([t for t, _ in kept], [r for _, r in kept], [False] * len(kept))
@@ -442,3 +462,8 @@ class Hierarchy:
             if t is not None:
                 out[lay.names[i]][a:b] = t * self.local_size
         return out
+
+
+def _set_weights(named, values: List[torch.Tensor]) -> None:
+    """``p = value`` for every (contiguous) parameter, in one multi-tensor copy."""
+    torch._foreach_copy_([p.detach().view(-1) for _, p in named], values)

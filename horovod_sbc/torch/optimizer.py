@@ -434,7 +434,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters: ``model.named_parameters()``; names key the residuals and checkpoint
             state and fix the message order (sorted by name on every rank).
         compression: an :class:`SBC` (default ``SBC()``); its ``delay`` is the number of local
-            steps between syncs.
+            steps between syncs; ``SBC(hierarchy=...)`` exchanges densely inside each node
+            and compresses between nodes (:mod:`horovod_sbc.torch.hierarchy`; built on every
+            rank, it checks the grouping and adds Horovod's process sets here).
         delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
             ``compression`` is not given.
         local_residual: True (default): after a sync every rank continues from the shared
