@@ -405,10 +405,12 @@ class Hierarchy:
             return r
         s = 0  # some pieces were never encoded (a failed first sync): zeros there
         for (_, a, b), t in zip(lay.pieces, stored):
-            r[s:s + b - a].copy_(t) if t is not None else r[s:s + b - a].zero_()
-            if t is not None:
+            piece, s = r[s:s + b - a], s + b - a
+            if t is None:
+                piece.zero_()
+            else:
+                piece.copy_(t)
                 t.zero_()
-            s += b - a
         return r
 
     def _apply(self, named, ref, lay: Layout, shared: torch.Tensor, local_residual: bool,
