@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict
 
 COUNTER_KEYS = ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "steps",
-                "server_in_bits", "server_out_bits", "positions_sent", "elements_synced")
+                "server_in_bits", "server_out_bits", "positions_sent", "elements_synced",
+                "intra_node_bits")
 STATE_FORMAT = 1
 
 
@@ -54,6 +55,9 @@ class ResidualManager:
         positions_sent  positions this rank's uplink messages carried (committed syncs)
         elements_synced elements those messages described (numel x syncs): the measured
                         density is positions_sent / elements_synced
+        intra_node_bits hierarchical exchange: bits this rank sent to the other ranks of its
+                        node (dense reduce-scatter, the decoded shard shared, status flags;
+                        each collective counted as a direct exchange)
         syncs           number of exchanges
         steps           number of optimizer steps (local steps count, delay > 1)
         """
@@ -70,7 +74,7 @@ class ResidualManager:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError("not a horovod_sbc residual state (missing or unknown 'format')")
         saved_cfg = state.get("config", {})
-        for key in ("world_size", "rank"):
+        for key in ("world_size", "rank", "hierarchy"):
             if key in saved_cfg and key in self.config and saved_cfg[key] != self.config[key]:
                 raise ValueError(
                     f"checkpoint was saved with {key}={saved_cfg[key]!r} but this run uses "

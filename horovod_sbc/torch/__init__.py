@@ -11,6 +11,8 @@
 * :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — the drop-in's outer step
   (``DistributedOptimizer(..., outer=Nesterov(lr=0.7, momentum=0.9))``, see
   :mod:`horovod_sbc.torch.outer`).
+* :func:`hierarchy_process_sets` — the Horovod process sets ``SBC(hierarchy=[[0, 1], [2, 3]])``
+  needs, to declare at ``hvd.init`` (see :mod:`horovod_sbc.torch.hierarchy`).
 * :mod:`horovod_sbc.torch.ddp` — without Horovod: a DistributedDataParallel comm hook
   (``SBCState``, ``sbc_hook``) and ``SBCModelAverager`` for ``torch.distributed``.
 """
@@ -21,8 +23,9 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
                       "(and Horovod built with HOROVOD_WITH_PYTORCH=1; see scripts/install.sh)") from e
 
 from .compressor import SBC, FedAvg, SignSGD, TernGrad, TopK
+from .hierarchy import hierarchy_process_sets
 from .optimizer import DistributedOptimizer, broadcast_state
 from .outer import ErrorDecay, Nesterov, Plain
 
 __all__ = ["SBC", "TopK", "FedAvg", "SignSGD", "TernGrad", "DistributedOptimizer", "broadcast_state",
-           "Plain", "Nesterov", "ErrorDecay"]
+           "Plain", "Nesterov", "ErrorDecay", "hierarchy_process_sets"]

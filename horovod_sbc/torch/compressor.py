@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..config import SBCConfig
-from . import exchange, sync
+from . import exchange, hierarchy as hierarchy_, sync
 from .hook import StockHook
 from .state import SyncState
 
@@ -63,6 +63,12 @@ class SBC(StockHook):
             step (:func:`horovod_sbc.torch.hook.momentum_buffer`). It helps, but the stock path
             with momentum stays behind the drop-in optimizer (docs/benchmarks.md §0), so the
             hook warns once when the optimizer has momentum.
+        hierarchy: ``None`` (flat: every rank compresses and allgathers to every rank),
+            ``"node"`` (Horovod's nodes) or explicit groups of global ranks such as
+            ``[[0, 1], [2, 3]]``: a dense reduce inside each node, SBC with error feedback
+            between nodes, the result shared inside the node
+            (:mod:`horovod_sbc.torch.hierarchy`, which says what ``hvd.init`` needs). The
+            drop-in :func:`horovod_sbc.torch.DistributedOptimizer` only.
 
     Attribute ``transport``: the collective :meth:`exchange` gathers step messages with;
     :class:`~horovod_sbc.torch.exchange.HorovodTransport` by default. The DDP hook and averager
@@ -74,7 +80,7 @@ class SBC(StockHook):
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
                  downlink_density: Optional[float] = None, downlink_binarize: bool = False,
                  selection: str = "paper", mode: Optional[str] = None, seed: int = 0,
-                 momentum_masking: bool = True):
+                 momentum_masking: bool = True, hierarchy=None):
         if mode is None:
             mode = "sbc" if binarize else "values"
         elif not binarize and mode == "sbc":
@@ -83,6 +89,10 @@ class SBC(StockHook):
                                 nonfinite=nonfinite, topology=topology,
                                 downlink_density=downlink_density,
                                 downlink_binarize=downlink_binarize, seed=seed)
+        self.hierarchy = hierarchy_.parse(hierarchy)
+        if self.hierarchy is not None and topology != "allgather":
+            raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
+                             f"topology={topology!r}: the cross-node exchange is an allgather")
         self.state = SyncState(self.config, exchange.HorovodTransport())
         StockHook.__init__(self, named_parameters, momentum_masking)
 

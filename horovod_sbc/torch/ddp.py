@@ -63,6 +63,9 @@ def _copy_into(dst, src):
 
 def _make_compression(compression, density, what: str) -> SBC:
     comp = resolve_compression(SBC, compression, density, None, "horovod_sbc.torch.SBC")
+    if comp.hierarchy is not None:
+        raise ValueError(f"{what}: SBC(hierarchy={comp.hierarchy!r}) needs the drop-in "
+                         "horovod_sbc.torch.DistributedOptimizer (Horovod process sets)")
     if comp.topology != "allgather":
         raise ValueError(f"{what}: SBC(topology={comp.topology!r}) needs Horovod's MPI gather; "
                          "torch.distributed supports topology='allgather' only")

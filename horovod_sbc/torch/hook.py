@@ -60,6 +60,10 @@ class StockHook:
 
     def _check_stock(self) -> None:
         cfg = self.state.config
+        if getattr(self, "hierarchy", None) is not None:
+            raise ValueError(f"SBC(hierarchy={self.hierarchy!r}) needs the per-sync exchange of "
+                             "horovod_sbc.torch.DistributedOptimizer; stock "
+                             "hvd.DistributedOptimizer sends one message per tensor")
         if cfg.delay != 1:
             raise ValueError(
                 f"SBC(delay={cfg.delay}) needs local steps between syncs, which stock "

@@ -68,6 +68,7 @@ import torch
 
 from ..config import resolve_compression
 from .compressor import SBC
+from .hierarchy import Hierarchy
 from .outer import check_kind, resolve_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
@@ -111,6 +112,9 @@ class _SBCOptimizer:
         self._sbc_local_steps = 0
         self._sbc_bypass = False
         compression.manager.config.update(delay=compression.delay, local_residual=local_residual)
+        self._sbc_hier = None  # the hierarchical exchange (SBC(hierarchy=...)), built on every rank
+        if compression.hierarchy is not None:
+            self._sbc_hier = Hierarchy(compression, compression.hierarchy, self._sbc_params)
 
     # -- public extras ----------------------------------------------------------------------------
     @property
@@ -204,6 +208,10 @@ class _SBCOptimizer:
         self._capture_reference()
         res = self._sbc.manager.residuals
         local = self._sbc_local_residual
+        if self._sbc_hier is not None:  # dense in the node, SBC between nodes
+            self._sbc_hier.synchronize(self._sbc_params, ref, local, self._sbc_outer)
+            self._sbc_local_steps = 0
+            return
         # local_residual=True: float32/float64 weights hold W_ref + R themselves, so the update
         # is W - W_ref, read once in the selection's pass; the decoded average moves W with
         # W_ref, and what this rank sent leaves W (sync.Update.in_weights, Encoded.commit).
@@ -311,6 +319,8 @@ class _SBCOptimizer:
         ref = self._sbc.manager.reference
         res = self._sbc.manager.residuals
         current = self.residuals()
+        if self._sbc_hier is not None and not self._sbc_local_residual:
+            current = self._sbc_hier.residual_shares(self._sbc_params)
         for name, p in self._sbc_params:
             r = current.get(name)
             if average_residuals and r is not None:
@@ -322,6 +332,8 @@ class _SBCOptimizer:
             if name in res:
                 res[name].zero_()
             ref[name].copy_(p)
+        for t in self._sbc_hier.stored_residuals(self._sbc_params) if self._sbc_hier else ():
+            t.zero_()
         if average_residuals:
             _broadcast_tensors(self._sbc_params, 0)
             for name, p in self._sbc_params:
@@ -422,11 +434,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters: ``model.named_parameters()``; names key the residuals and checkpoint
             state and fix the message order (sorted by name on every rank).
         compression: an :class:`SBC` (default ``SBC()``); its ``delay`` is the number of local
-            steps between syncs.
+            steps between syncs; ``SBC(hierarchy=...)`` exchanges densely inside each node
+            and compresses between nodes (:mod:`horovod_sbc.torch.hierarchy`; built on every
+            rank, it checks the grouping and adds Horovod's process sets here).
         delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
             ``compression`` is not given.
         local_residual: True (default): after a sync every rank continues from the shared
-            weights plus its own unsent residual (stable with momentum and Adam at any delay;
+            weights plus its own unsent residual (with ``SBC(hierarchy=...)``: its node's) (stable with momentum and Adam at any delay;
             ranks' weights differ by their residuals until :meth:`finish`). False: every rank
             continues from the shared weights (bit-identical after every sync; with momentum
             and a small delay this trains much worse, see the module docstring).

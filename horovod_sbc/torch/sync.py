@@ -197,8 +197,8 @@ def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
 
 def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = None,
                 tag: str = "sbc.sync", count_sync: bool = True,
-                apply: Optional[Callable[[List[torch.Tensor]], None]] = None
-                ) -> Optional[List[torch.Tensor]]:
+                apply: Optional[Callable[[List[torch.Tensor]], None]] = None,
+                error: Optional[Tuple[int, str]] = None) -> Optional[List[torch.Tensor]]:
     """Compress, exchange (one fused message), decode and average ``items``
     (:class:`Update` or tuples, see :meth:`Update.of`). Returns ``out`` (flat tensors, e.g. the
     reference weights) or new zero tensors plus the average of all ranks' decoded updates; None
@@ -209,13 +209,17 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     alone (whatever they held is overwritten), and ``apply(out)`` runs once the step is
     accepted and before the error feedback is committed; it must move the reference weights
     (each ``base``) and the weights of updates kept in the weights (``in_weights``) by the same
-    change, which the commit then takes this rank's sent update out of."""
+    change, which the commit then takes this rank's sent update out of.
+
+    ``error``: ``(origin rank, reason)`` known before encoding (the hierarchical exchange's
+    node-level check, :mod:`horovod_sbc.torch.hierarchy`): nothing is encoded, this rank
+    frames the ERROR/SKIP step naming ``origin`` and every rank raises or skips with it."""
     updates = [Update.of(it) for it in items]
     size, rank = state.world()
     layout = [(u.name, u.shape) for u in updates]
     fp = wire.layout_fingerprint(layout)
     dev = updates[0].value.device if updates else torch.device("cpu")
-    encoded, step, fused, local_error = _encode_all(state, updates, fp, dev, rank)
+    encoded, step, fused, local_error = _encode_all(state, updates, fp, dev, rank, error)
     # the weights that hold their residual move with the shared weights
     also = [u.weights_flat() if u.in_weights else None for u in updates] \
         if apply is None and any(u.in_weights for u in updates) else None
@@ -242,12 +246,15 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     return out
 
 
-def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int):
+def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int,
+                error: Optional[Tuple[int, str]] = None):
     """``(encoded, step message, fused encoding or None, this rank failed)``: every update
     encoded (on the device path all at once), or an ERROR/SKIP step message naming the first
     update that is not finite (weights checked before any residual changes, see
     :meth:`Update.weights_finite`)."""
     skip = state.config.nonfinite == "skip"
+    if error is not None:
+        return [], exchange.error_frame(error[1], fp, skip, dev, error[0]), None, True
     bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
                None)
     if bad is not None:
