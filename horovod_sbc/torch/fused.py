@@ -668,3 +668,22 @@ def encode_fixed(a: torch.Tensor, plan: FixedPlan):
                    ((word[:, None] >> (56 - 8 * span)) & 255).to(torch.uint8).view(-1))
     signed = torch.where(neg_wins, -value, value)
     return buf[:plan.capacity], torch.where(m, p, 0), torch.where(m, signed, 0.0), bad
+
+
+_HEADS: Dict[tuple, torch.Tensor] = {}
+
+
+def frame_fixed(body: torch.Tensor, layout_crc: int, n_tensors: int,
+                origin: int = 0, flags: int = 0) -> torch.Tensor:
+    """A PADDED step message around ``body`` (uint8 on its device, content and padding): the
+    first 20 header bytes are uploaded once per (length, layout, device), the CRC is
+    :func:`crc32_device`; no host read."""
+    key = (body.numel(), layout_crc, n_tensors, origin, flags, str(body.device))
+    head = _HEADS.get(key)
+    if head is None:
+        raw = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags | wire.STEP_FLAG_PADDED,
+                                    origin, body.numel(), layout_crc, n_tensors, 0)[:20]
+        head = _HEADS[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(body.device)
+    crc = crc32_device(body)
+    crc_bytes = ((crc >> (8 * torch.arange(4, device=body.device))) & 255).to(torch.uint8)
+    return torch.cat([head, crc_bytes, body])
