@@ -548,6 +548,7 @@ class FixedPlan:
     thresholds: torch.Tensor    # int64: b*(count) = b1 - #{thresholds <= count}
     b1: int
     window: int                 # bytes a remainder field and its bit offset can span
+    consts: Dict[str, torch.Tensor]  # small constants on the device (uploaded once)
 
 
 _FIXED: Dict[tuple, FixedPlan] = {}
@@ -560,10 +561,16 @@ def fixed_plan(numel: int, density: float, dev) -> FixedPlan:
         k = keep_count(numel, density)
         b1, ts = wire.rice_table(numel)
         varint = torch.frombuffer(bytearray(wire.uvarint(numel)), dtype=torch.uint8).to(dev)
+        window = (7 + min(wire.MAX_RICE_B, b1 + 1) + 7) // 8
+        consts = {"sign": torch.tensor([[1.0], [-1.0]], dtype=torch.float64, device=dev),
+                  "magic": torch.tensor([0x53, 0x42, wire.VERSION], dtype=torch.uint8,
+                                        device=dev),
+                  "k": torch.arange(k, device=dev), "nine": torch.arange(9, device=dev),
+                  "four": torch.arange(4, device=dev), "three": torch.arange(-1, 2, device=dev),
+                  "span": torch.arange(window, device=dev)}
         plan = _FIXED[key] = FixedPlan(
             numel, k, wire.tensor_capacity(numel, k), varint,
-            torch.tensor(ts, dtype=torch.int64, device=dev), b1,
-            (7 + min(wire.MAX_RICE_B, b1 + 1) + 7) // 8)
+            torch.tensor(ts, dtype=torch.int64, device=dev), b1, window, consts)
     return plan
 
 
@@ -582,7 +589,7 @@ def _varint_bytes(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return ((groups & 127) | (more.long() << 7)).to(torch.uint8), length
 
 
-def _sides_fixed(a: torch.Tensor, k: int):
+def _sides_fixed(a: torch.Tensor, k: int, sign: torch.Tensor):
     """Per side (positive, negative): the c = min(k, #side) largest magnitudes' positions
     sorted, padded with ``numel`` to k, and the side's float32 mean (0 when c = 0), as
     :func:`horovod_sbc.reference.select_sides_np` and ``mean_f32`` define them (ties to the
@@ -596,7 +603,6 @@ def _sides_fixed(a: torch.Tensor, k: int):
     pos = torch.sort(torch.where(top >= 0, (n - 1) - (top & 0xFFFFFFFF), n), dim=1).values
     ok = pos < n
     c = ok.sum(1)
-    sign = torch.tensor([[1.0], [-1.0]], dtype=torch.float64, device=dev)
     x = torch.where(ok, a.gather(0, pos.clamp(max=n - 1).view(-1)).view(2, k).double() * sign,
                     0.0)
     w = 1 << (k - 1).bit_length()
@@ -618,18 +624,19 @@ def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     and the caller sends an ERROR/SKIP step instead."""
     n, k, dev = plan.numel, plan.k, a.device
     bad = ((a.view(torch.int32) & 0x7F800000) == 0x7F800000).any()
-    pos, c, mu = _sides_fixed(a, k)
+    cst = plan.consts
+    pos, c, mu = _sides_fixed(a, k, cst["sign"])
     pos_wins = (mu[0] >= mu[1]) & (mu[0] > 0)
     neg_wins = ~pos_wins & (mu[1] > 0)
     s = neg_wins.long().view(1)
     count = c.gather(0, s)[0] * (pos_wins | neg_wins)
     value = mu.gather(0, s)[0] * (pos_wins | neg_wins)
     p = pos.index_select(0, s).view(k)
-    m = torch.arange(k, device=dev) < count
+    m = cst["k"] < count
     gap = torch.where(m, p - torch.cat([p.new_full((1,), -1), p[:-1]]) - 1, 0)
     # the Rice parameter: wire.choose_rice_b among b* - 1 .. b* + 1
     b0 = plan.b1 - (plan.thresholds <= count).sum()
-    cand = b0 + torch.arange(-1, 2, device=dev)
+    cand = b0 + cst["three"]
     cb = cand.clamp(0, wire.MAX_RICE_B)
     sq = (gap[None, :] >> cb[:, None]).sum(1)
     cost = (sq + count + 7) // 8 + (count * cb + 7) // 8
@@ -641,18 +648,17 @@ def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     vc, lc = _varint_bytes(count)
     vu, lu = _varint_bytes(unary)
     ln = plan.numel_varint.numel()
-    nine = torch.arange(9, device=dev)
+    nine, four = cst["nine"], cst["four"]
     vbits = value.view(1).view(torch.int32).long() & 0xFFFFFFFF
-    vbytes = ((vbits >> (8 * torch.arange(4, device=dev))) & 255).to(torch.uint8)
-    fixed = torch.tensor([0x53, 0x42, wire.VERSION], dtype=torch.uint8, device=dev)
-    head = torch.cat([fixed, neg_wins.view(1).to(torch.uint8), b.view(1).to(torch.uint8),
+    vbytes = ((vbits >> (8 * four)) & 255).to(torch.uint8)
+    head = torch.cat([cst["magic"], neg_wins.view(1).to(torch.uint8), b.view(1).to(torch.uint8),
                       plan.numel_varint, vc, vu, vbytes])
     dump = plan.capacity + 15
     at_u = 5 + ln + lc
     at_v = at_u + lu
     dest = torch.cat([torch.arange(5 + ln, device=dev),
                       torch.where(nine < lc, 5 + ln + nine, dump),
-                      torch.where(nine < lu, at_u + nine, dump), at_v + torch.arange(4, device=dev)])
+                      torch.where(nine < lu, at_u + nine, dump), at_v + four])
     buf = torch.zeros(plan.capacity + 16, dtype=torch.uint8, device=dev)
     buf.index_add_(0, dest, head)
     # unary stream: one bit at each cumulative sum of q + 1; remainders by a 64-bit window
@@ -661,9 +667,9 @@ def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     bit = 8 * h_end + torch.cumsum(q1, 0) - 1
     buf.index_add_(0, torch.where(m, bit >> 3, dump),
                    torch.where(m, 128 >> (bit & 7), 0).to(torch.uint8))
-    off = 8 * (h_end + unary) + torch.arange(k, device=dev) * b
+    off = 8 * (h_end + unary) + cst["k"] * b
     word = (gap & ((1 << b) - 1)) << (64 - b - (off & 7)).clamp(max=63)
-    span = torch.arange(plan.window, device=dev)
+    span = cst["span"]
     buf.index_add_(0, torch.where(m[:, None], (off >> 3)[:, None] + span, dump).view(-1),
                    ((word[:, None] >> (56 - 8 * span)) & 255).to(torch.uint8).view(-1))
     signed = torch.where(neg_wins, -value, value)
