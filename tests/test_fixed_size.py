@@ -186,3 +186,29 @@ def test_fixed_size_is_validated():
         SBC(fixed_size=1)
     with pytest.raises(ValueError, match="topology='allgather'"):
         SBC(fixed_size=True, topology="server")
+
+
+def test_golden_padded_steps_are_the_references_and_decode_everywhere():
+    import json
+    import os
+    import sys
+    here = os.path.join(os.path.dirname(__file__), "golden")
+    sys.path.insert(0, here)
+    import make_golden
+    vectors = json.load(open(os.path.join(here, "vectors.json")))
+    golden = json.load(open(os.path.join(here, "padded.json")))
+    assert make_golden.padded_steps(vectors) == golden
+    for g in golden:
+        layout = [("t", (g["numel"],))]
+        step = bytes.fromhex(g["step_hex"])
+        assert len(step) == g["capacity"] and step[5] & wire.STEP_FLAG_PADDED
+        verdicts = _all_verdicts(layout, 1, step)
+        assert len(set(verdicts.values())) == 1, (g["name"], verdicts)
+        v = verdicts["numpy"]
+        if g["name"] == "error":
+            assert v == ("error", 1, "the update of 't' contains NaN or Inf")
+            continue
+        case = next(c for c in vectors if c["name"] == g["name"])
+        plain = wire.step_message_bytes(bytes.fromhex(case["message_hex"]),
+                                        wire.layout_fingerprint(layout), 1)
+        assert v == _all_verdicts(layout, 1, plain)["numpy"] and v[0] == "ok", g["name"]
