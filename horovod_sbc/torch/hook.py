@@ -108,7 +108,8 @@ class StockHook:
         if device_fixed:
             step, pos, sent = self._encode_fixed(res.view(-1), upd, consumed, name, fp, rank)
         else:
-            step, pos, sent, res = self._encode(res, upd, consumed, name, fp, rank, cap)
+            step, pos, sent, res, padding = self._encode(res, upd, consumed, name, fp, rank,
+                                                         cap)
         handle = exchange.allgather_async(step, f"sbc.{name}")
         calls = self._calls[name] = self._calls.get(name, 0) + 1
         if calls > self._max_calls:  # the first tensor of a new step (stock path: sync = step)
@@ -117,7 +118,7 @@ class StockHook:
         ctx = StockContext(name, handle, step.numel(), layout, res, pos, sent, tensor, size,
                            owner, consumed, rank, batched, device_fixed)
         if cap is not None and not device_fixed:  # framed on the host: its padding is known
-            ctx.padding = cap - len(_content(step))
+            ctx.padding = padding
         if batched:
             self._pending.append(ctx)
         dummy = tensor.new_zeros(1)
@@ -127,7 +128,7 @@ class StockHook:
 
     def _encode(self, res, upd, consumed: bool, name: str, fp: int, rank: int, cap):
         """The per-tensor encoder (host reads on the device path): (step, positions, values,
-        residual or None when this rank failed)."""
+        residual or None when this rank failed, padding bytes of a fixed-size step)."""
         cfg = self.state.config
         pos = sent = None
         try:
@@ -136,14 +137,17 @@ class StockHook:
                                            addend=Consumed(upd) if consumed else upd,
                                            positions=self.state.position_buffer(name))
             step = exchange.frame([msg], fp, res.device, cap)
+            padding = step.numel() - wire.STEP_HEADER_SIZE - msg.numel()
         except NonFiniteError as e:
             # the failing rank keeps the finite entries of R + g (nothing was sent) and
             # restarts the non-finite ones at 0, as the drop-in does with its weights
             reset_nonfinite_(res)
-            step = exchange.error_frame(str(e), fp, cfg.nonfinite == "skip", res.device, rank,
-                                        cap)
+            skip = cfg.nonfinite == "skip"
+            step = exchange.error_frame(str(e), fp, skip, res.device, rank, cap)
+            raw = wire.error_step_message(str(e), fp, skip, rank, cap)
+            padding = len(raw) - len(raw.rstrip(b"\0"))  # a padded reason holds no zero byte
             res = None
-        return step, pos, sent, res
+        return step, pos, sent, res, padding
 
     def _encode_fixed(self, res, upd, consumed: bool, name: str, fp: int, rank: int):
         """The fixed-size device encoder: tensor ops only, no host read. A rank whose
@@ -161,12 +165,13 @@ class StockHook:
         return step, pos, sent
 
     def _error_step(self, name: str, fp: int, rank: int, body: int, dev) -> torch.Tensor:
+        """This gradient's padded ERROR/SKIP step (built once). Its reason is short enough for
+        the smallest capacity; receivers name the gradient themselves (decompress())."""
         skip = self.state.config.nonfinite == "skip"
         key = (name, fp, rank, body, skip, str(dev))
         if key not in self._errors:
             self._errors[key] = exchange.error_frame(
-                f"the update of {name!r} contains NaN or Inf", fp, skip, dev, rank,
-                wire.STEP_HEADER_SIZE + body)
+                "NaN or Inf", fp, skip, dev, rank, wire.STEP_HEADER_SIZE + body)
         return self._errors[key]
 
     def decompress(self, output: torch.Tensor, ctx: StockContext) -> torch.Tensor:
@@ -200,7 +205,7 @@ class StockHook:
             count = ctx.own_count
         except wire.PeerError as e:
             if not e.skip:
-                raise ValueError(f"SBC: {e}") from None
+                raise ValueError(f"SBC: {e} (the update of {ctx.name!r})") from None
             warnings.warn(f"horovod_sbc: skipping this step for {ctx.name!r}: {e}")
             # healthy ranks keep the gradient in the residual for next time
             return flat.zero_().view(grad.shape)
@@ -213,13 +218,6 @@ class StockHook:
             count = ctx.positions.numel()
         self.state.manager.add(positions_sent=count, elements_synced=ctx.residual.numel())
         return out
-
-
-def _content(step: torch.Tensor) -> bytes:
-    """A host-framed step message (on the host or just uploaded: its bytes were host bytes a
-    moment ago) without its trailing zero padding: what the header declares minus padding."""
-    raw = exchange._host_bytes(step)
-    return raw.rstrip(b"\0") if raw[5] & wire.STEP_FLAG_PADDED else raw
 
 
 def _own_message(buf, ctx: StockContext) -> Tuple[int, int]:
