@@ -562,12 +562,17 @@ def fixed_plan(numel: int, density: float, dev) -> FixedPlan:
         b1, ts = wire.rice_table(numel)
         varint = torch.frombuffer(bytearray(wire.uvarint(numel)), dtype=torch.uint8).to(dev)
         window = (7 + min(wire.MAX_RICE_B, b1 + 1) + 7) // 8
+        ln = len(wire.uvarint(numel))
         consts = {"sign": torch.tensor([[1.0], [-1.0]], dtype=torch.float64, device=dev),
+                  "sign32": torch.tensor([[1.0], [-1.0]], device=dev),
                   "magic": torch.tensor([0x53, 0x42, wire.VERSION], dtype=torch.uint8,
                                         device=dev),
                   "k": torch.arange(k, device=dev), "nine": torch.arange(9, device=dev),
                   "four": torch.arange(4, device=dev), "three": torch.arange(-1, 2, device=dev),
-                  "span": torch.arange(window, device=dev)}
+                  "span": torch.arange(window, device=dev),
+                  "prefix": torch.arange(5 + ln, device=dev),
+                  "byte_shift": 8 * torch.arange(4, device=dev),
+                  "minus1": torch.full((1,), -1, dtype=torch.int64, device=dev)}
         plan = _FIXED[key] = FixedPlan(
             numel, k, wire.tensor_capacity(numel, k), varint,
             torch.tensor(ts, dtype=torch.int64, device=dev), b1, window, consts)
@@ -581,37 +586,37 @@ def fixed_eligible(a: torch.Tensor) -> bool:
         0 < a.numel() < 1 << 31
 
 
-def _varint_bytes(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(9 uint8 bytes of the minimal LEB128 of 0-d int64 ``v``, its length in bytes)."""
-    groups = v >> (7 * torch.arange(9, device=v.device))
-    length = 1 + (groups[1:] > 0).sum()
-    more = torch.arange(9, device=v.device) < length - 1
+def _varint_bytes(v: torch.Tensor, nine: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [len(v), 9]: the minimal LEB128 of each int64 of ``v``, zero after its end; the
+    lengths in bytes). ``nine``: ``arange(9)`` on the device."""
+    groups = v[:, None] >> (7 * nine)
+    length = 1 + (groups[:, 1:] > 0).sum(1)
+    more = nine < (length - 1)[:, None]
     return ((groups & 127) | (more.long() << 7)).to(torch.uint8), length
 
 
-def _sides_fixed(a: torch.Tensor, k: int, sign: torch.Tensor):
+def _sides_fixed(a: torch.Tensor, k: int, cst: Dict[str, torch.Tensor]):
     """Per side (positive, negative): the c = min(k, #side) largest magnitudes' positions
-    sorted, padded with ``numel`` to k, and the side's float32 mean (0 when c = 0), as
-    :func:`horovod_sbc.reference.select_sides_np` and ``mean_f32`` define them (ties to the
-    lower position; the tree sum padded to a larger power of two adds exact zeros)."""
+    sorted, padded with ``numel`` to k, and the side's float32 mean (only meaningful when
+    c > 0), as :func:`horovod_sbc.reference.select_sides_np` and ``mean_f32`` define them
+    (ties to the lower position: keys ``magnitude << 32 - position``; the tree sum padded to
+    a larger power of two adds exact zeros)."""
     n = a.numel()
-    dev = a.device
     mag = a.view(torch.int32).long() & 0x7FFFFFFF
-    key = (mag << 32) | (n - 1 - torch.arange(n, device=dev))
-    keys = torch.stack([torch.where(a > 0, key, -1), torch.where(a < 0, key, -1)])
+    key = (mag << 32) - torch.arange(n, device=a.device)
+    keys = torch.where(a * cst["sign32"] > 0, key, -1)  # [2, n]: a > 0, -a > 0
     top = torch.topk(keys, k, dim=1, sorted=False).values
-    pos = torch.sort(torch.where(top >= 0, (n - 1) - (top & 0xFFFFFFFF), n), dim=1).values
+    pos = torch.sort(torch.where(top >= 0, (-top) & 0xFFFFFFFF, n), dim=1).values
     ok = pos < n
     c = ok.sum(1)
-    x = torch.where(ok, a.gather(0, pos.clamp(max=n - 1).view(-1)).view(2, k).double() * sign,
-                    0.0)
+    # unsent slots: some entry times 0 (an exact zero of either sign, which the sums ignore)
+    x = a.gather(0, pos.clamp(max=n - 1).view(-1)).view(2, k).double() * (ok * cst["sign"])
     w = 1 << (k - 1).bit_length()
     x = torch.nn.functional.pad(x, (0, w - k))
     while w > 1:
         w //= 2
-        x = x[:, :w] + x[:, w:]
-    mu = torch.where(c > 0, (x[:, 0] / c.clamp(min=1)).float(), 0.0)
-    return pos, c, mu
+        x = x.view(2, 2, w).sum(1)  # x[:, j] + x[:, j + w]: one rounding, as the reference
+    return pos, c, (x[:, 0] / c.clamp(min=1)).float()
 
 
 def encode_fixed(a: torch.Tensor, plan: FixedPlan):
@@ -621,59 +626,50 @@ def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     Returns (message uint8 [capacity], positions int64 [k], values [k], not finite 0-d bool):
     error feedback is ``a.index_add_(0, positions, values, alpha=-1)`` (the unsent slots
     point at 0 with value 0, which adds -0.0: nothing). With NaN/Inf the message is garbage
-    and the caller sends an ERROR/SKIP step instead."""
-    n, k, dev = plan.numel, plan.k, a.device
+    and the caller sends an ERROR/SKIP step instead. Bytes whose value is 0 (unsent slots,
+    varint bytes past their length) are added at offset 0, which changes nothing."""
+    k, cst = plan.k, plan.consts
     bad = ((a.view(torch.int32) & 0x7F800000) == 0x7F800000).any()
-    cst = plan.consts
-    pos, c, mu = _sides_fixed(a, k, cst["sign"])
+    pos, c, mu = _sides_fixed(a, k, cst)
     pos_wins = (mu[0] >= mu[1]) & (mu[0] > 0)
     neg_wins = ~pos_wins & (mu[1] > 0)
+    sent = pos_wins | neg_wins
     s = neg_wins.long().view(1)
-    count = c.gather(0, s)[0] * (pos_wins | neg_wins)
-    value = mu.gather(0, s)[0] * (pos_wins | neg_wins)
+    count = c.gather(0, s)[0] * sent
+    value = torch.where(sent, mu.gather(0, s)[0], 0.0)
     p = pos.index_select(0, s).view(k)
     m = cst["k"] < count
-    gap = torch.where(m, p - torch.cat([p.new_full((1,), -1), p[:-1]]) - 1, 0)
-    # the Rice parameter: wire.choose_rice_b among b* - 1 .. b* + 1
-    b0 = plan.b1 - (plan.thresholds <= count).sum()
-    cand = b0 + cst["three"]
-    cb = cand.clamp(0, wire.MAX_RICE_B)
+    gap = (torch.diff(p, prepend=cst["minus1"]) - 1) * m
+    # the Rice parameter: wire.choose_rice_b among b* - 1 .. b* + 1 (clamped into 0..62: a
+    # clamped candidate repeats its neighbour, and argmin keeps the first of equal costs)
+    cb = (plan.b1 - (plan.thresholds <= count).sum() + cst["three"]).clamp(0, wire.MAX_RICE_B)
     sq = (gap[None, :] >> cb[:, None]).sum(1)
-    cost = (sq + count + 7) // 8 + (count * cb + 7) // 8
-    cost = torch.where((cand >= 0) & (cand <= wire.MAX_RICE_B), cost, 1 << 62)
-    j = torch.argmin(cost).view(1)
+    j = torch.argmin((sq + count + 7) // 8 + (count * cb + 7) // 8).view(1)
     b = cb.gather(0, j)[0] * (count > 0)
     unary = (sq.gather(0, j)[0] + count + 7) // 8
     # header: "SB" 1 flags b | numel | count | unary_nbytes | value
-    vc, lc = _varint_bytes(count)
-    vu, lu = _varint_bytes(unary)
-    ln = plan.numel_varint.numel()
-    nine, four = cst["nine"], cst["four"]
-    vbits = value.view(1).view(torch.int32).long() & 0xFFFFFFFF
-    vbytes = ((vbits >> (8 * four)) & 255).to(torch.uint8)
+    nine, ln = cst["nine"], plan.numel_varint.numel()
+    var, lens = _varint_bytes(torch.stack([count, unary]), nine)
+    at_u = 5 + ln + lens[0]
+    h_end = at_u + lens[1] + 4
+    vbytes = (((value.view(1).view(torch.int32).long() & 0xFFFFFFFF) >> cst["byte_shift"])
+              & 255).to(torch.uint8)
     head = torch.cat([cst["magic"], neg_wins.view(1).to(torch.uint8), b.view(1).to(torch.uint8),
-                      plan.numel_varint, vc, vu, vbytes])
-    dump = plan.capacity + 15
-    at_u = 5 + ln + lc
-    at_v = at_u + lu
-    dest = torch.cat([torch.arange(5 + ln, device=dev),
-                      torch.where(nine < lc, 5 + ln + nine, dump),
-                      torch.where(nine < lu, at_u + nine, dump), at_v + four])
-    buf = torch.zeros(plan.capacity + 16, dtype=torch.uint8, device=dev)
+                      plan.numel_varint, var.view(-1), vbytes])
+    dest = torch.cat([cst["prefix"], ((5 + ln + nine) * (nine < lens[0])),
+                      (at_u + nine) * (nine < lens[1]), h_end - 4 + cst["four"]])
+    buf = torch.zeros(plan.capacity + 8, dtype=torch.uint8, device=a.device)
     buf.index_add_(0, dest, head)
     # unary stream: one bit at each cumulative sum of q + 1; remainders by a 64-bit window
-    h_end = at_v + 4
-    q1 = torch.where(m, (gap >> b) + 1, 0)
-    bit = 8 * h_end + torch.cumsum(q1, 0) - 1
-    buf.index_add_(0, torch.where(m, bit >> 3, dump),
-                   torch.where(m, 128 >> (bit & 7), 0).to(torch.uint8))
+    bit = 8 * h_end + torch.cumsum(((gap >> b) + 1) * m, 0) - 1
+    buf.index_add_(0, (bit >> 3) * m, ((128 >> (bit & 7)) * m).to(torch.uint8))
     off = 8 * (h_end + unary) + cst["k"] * b
     word = (gap & ((1 << b) - 1)) << (64 - b - (off & 7)).clamp(max=63)
     span = cst["span"]
-    buf.index_add_(0, torch.where(m[:, None], (off >> 3)[:, None] + span, dump).view(-1),
+    buf.index_add_(0, (((off >> 3)[:, None] + span) * m[:, None]).view(-1),
                    ((word[:, None] >> (56 - 8 * span)) & 255).to(torch.uint8).view(-1))
     signed = torch.where(neg_wins, -value, value)
-    return buf[:plan.capacity], torch.where(m, p, 0), torch.where(m, signed, 0.0), bad
+    return buf[:plan.capacity], p * m, torch.where(m, signed, 0.0), bad
 
 
 _HEADS: Dict[tuple, torch.Tensor] = {}
