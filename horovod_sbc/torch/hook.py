@@ -9,6 +9,18 @@ others are copied), and ``decompress()`` scatters the average into that buffer, 
 then sets as ``p.grad``. Horovod passes no name: the parameter is found
 by :func:`horovod_sbc.torch.owner.identify` (``SBC(named_parameters=...)`` first, then the
 name Horovod's optimizer gives it). One gradient is one sync, so ``delay`` must be 1 here.
+
+On the tensor-op path (CUDA tensors, or the C kernels off) nothing in ``compress()`` — which
+Horovod calls inside backward — should wait for the device, and nothing per gradient should
+read device data on the host. With ``SBC(fixed_size=True)`` (SBC, the paper's selection,
+float32) ``compress()`` is tensor ops only: :func:`horovod_sbc.torch.fused.encode_fixed` writes
+the message into its capacity, the step header's CRC is computed on the device, and a rank
+whose update is not finite sends its ERROR/SKIP step, chosen by ``torch.where``, instead.
+Decoding waits for ``decompress()``, which Horovod calls from ``optimizer.synchronize()`` after
+every ``compress()`` of the step: its first call finishes every pending allgather and judges
+them together (:func:`decode_pending`: a constant number of host reads per step), and each call
+then adds its own gradient's positions. With the C kernels (CPU tensors) host reads cost
+nothing and each ``decompress()`` decodes its own gradient.
 """
 from __future__ import annotations
 
