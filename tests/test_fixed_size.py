@@ -244,3 +244,30 @@ def test_two_ranks_stock_and_dropin_fixed_size_kernels_on_and_off():
                 a, b = r[f"{api}/{kern}/1"], r[f"{api}/{kern}/0"]
                 assert a["stats"]["padding_bits"] == 8 * (a["sent"] - b["sent"]), (api, kern)
                 assert a["stats"]["positions_sent"] == b["stats"]["positions_sent"]
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_stock_fixed_nonfinite_sends_the_padded_error_chosen_on_the_device(nonfinite):
+    params = [("w", torch.nn.Parameter(torch.zeros(50))), ("b", torch.nn.Parameter(torch.zeros(3)))]
+    comp = SBC(density=0.1, named_parameters=params, fixed_size=True, nonfinite=nonfinite)
+    comp.transport = gp.FakeHorovodTransport(2, gp._active)
+    grads = [torch.arange(50.0) - 20, torch.tensor([1.0, float("nan"), -2.0])]
+    for (_, p), g in zip(params, grads):
+        p.grad = g
+    with kernels.disabled(), gp.fake_horovod_async(2):
+        with gp.counting() as c:
+            ctxs = [comp.compress(g) for g in grads]
+        assert c.snapshot()["reads"] == 0
+        cap = reference.step_capacity([3], 0.1)
+        assert ctxs[1][1].sent_bytes == cap
+        if nonfinite == "raise":
+            comp.decompress(*ctxs[0])  # 'w' itself is fine
+            with pytest.raises(ValueError, match=r"rank 0 could not encode this sync: NaN or "
+                                                 r"Inf \(the update of 'b'\)"):
+                comp.decompress(*ctxs[1])
+        else:
+            with pytest.warns(UserWarning, match="skipping this step for 'b'"):
+                out = comp.decompress(*ctxs[1])
+            assert out.tolist() == [0.0, 0.0, 0.0]
+            # R + g kept where finite, the NaN restarted at 0, nothing committed
+            assert comp.state.residual("b", grads[1]).tolist() == [1.0, 0.0, -2.0]
