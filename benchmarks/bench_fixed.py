@@ -129,8 +129,9 @@ def main(argv=None) -> int:
               f"{r['padding_pct_dropin']:.1f} % (drop-in) / {r['padding_pct_stock']:.1f} % "
               f"(stock hook)", flush=True)
     if not args.skip_negotiation:
+        import tempfile
         res["negotiation"] = negotiation(args.steps, args.warmup,
-                                         os.path.dirname(os.path.abspath(args.json)))
+                                         tempfile.mkdtemp(prefix="sbc-fixed-"))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
