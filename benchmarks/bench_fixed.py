@@ -32,20 +32,22 @@ def padding(densities=DENSITIES, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     rows = []
     for d in densities:
-        content = capacity = 0
+        content = 0
         for _, s in shapes:
             a = torch.randn(_numel(s), generator=g)
             msg = encode_update(a, d, "sbc", selection="paper")[0]
-            cap = reference.tensor_capacity(a.numel(), d, "sbc")
-            assert msg.numel() <= cap, (s, d, msg.numel(), cap)
+            assert msg.numel() <= reference.tensor_capacity(a.numel(), d, "sbc"), (s, d)
             content += msg.numel()
-            capacity += cap
         head = wire.STEP_HEADER_SIZE
         n = len(shapes)
+        dropin = reference.step_capacity([_numel(s) for _, s in shapes], d)
+        stock = sum(reference.step_capacity([_numel(s)], d) for _, s in shapes)
         rows.append({"density": d, "tensors": n, "content_bytes": content,
-                     "capacity_bytes": capacity, "padding_bytes": capacity - content,
-                     "padding_pct_dropin": 100.0 * (capacity - content) / (content + head),
-                     "padding_pct_stock": 100.0 * (capacity - content) / (content + n * head),
+                     "capacity_bytes": dropin - head - 1, "padding_bytes_dropin":
+                     dropin - head - content, "padding_bytes_stock": stock - n * head - content,
+                     "padding_pct_dropin": 100.0 * (dropin - head - content) / (content + head),
+                     "padding_pct_stock": 100.0 * (stock - n * head - content) / (
+                         content + n * head),
                      "bits_per_position": 8.0 * content / sum(
                          reference.keep_count(_numel(s), d) for _, s in shapes)})
     return rows
@@ -60,7 +62,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     from benchmarks.bench_gpu_proxy import resnet50_layout, _numel
     hvd.init()
     rank = hvd.rank()
-    caps = [reference.tensor_capacity(_numel(s), 0.01, "sbc") + 24 for _, s in resnet50_layout()]
+    caps = [reference.step_capacity([_numel(s)], 0.01, "sbc") for _, s in resnet50_layout()]
     rng = np.random.default_rng(1 + rank)
     times = []
     for step in range(warmup + steps):
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     res["padding"] = padding(args.densities)
     for r in res["padding"]:
         print(f"p={r['density']:g}: content {r['content_bytes']} B, capacity "
-              f"{r['capacity_bytes']} B, padding {r['padding_bytes']} B = "
+              f"{r['capacity_bytes']} B, padding {r['padding_bytes_dropin']} B = "
               f"{r['padding_pct_dropin']:.1f} % (drop-in) / {r['padding_pct_stock']:.1f} % "
               f"(stock hook)", flush=True)
     if not args.skip_negotiation:

@@ -156,7 +156,9 @@ def parse_step(buf, start: int, end: int, rank: int) -> StepHeader:
     if padded and kind is not StepKind.TENSORS:
         raw = bytes(body)
         zero = raw.find(0)
-        if zero >= 0 and not _all_zero(raw[zero:]):
+        if zero < 0:
+            raise ValueError(f"corrupt message: padded step message from {who} has no padding")
+        if not _all_zero(raw[zero:]):
             raise ValueError(f"corrupt message: padding of step message from {who} is not zero")
     return StepHeader(rank, start, end, kind, origin, layout, n_tensors, padded)
 
@@ -210,6 +212,9 @@ def parse_gathered(buf, layout: Layout, n_ranks: int) -> GatheredStep:
         if off != st.end and not st.padded:
             raise ValueError(f"corrupt message: {st.end - off} stray bytes in step message of "
                              f"rank {st.rank}")
+        if st.padded and off == st.end:
+            raise ValueError(f"corrupt message: padded step message from rank {st.rank} has "
+                             "no padding")
         if off != st.end and not _all_zero(bytes(mv[off:st.end])):
             raise ValueError(f"corrupt message: padding of step message from rank {st.rank} "
                              "is not zero")

@@ -34,8 +34,9 @@ instead of hanging.
 Fixed-size step messages
 ------------------------
 With PADDED set, the body is its content — the ``n_tensors`` tensor messages back to back, or
-for ERROR/SKIP the reason — followed by zero bytes up to ``body_length``; ``body_crc32`` covers
-the whole body, padding included. The reason of a padded ERROR/SKIP holds no zero byte and ends
+for ERROR/SKIP the reason — followed by at least one zero byte, up to ``body_length``;
+``body_crc32`` covers the whole body, padding included (the padding is never empty, so that a
+flipped PADDED bit is caught like any other corrupt header bit). The reason of a padded ERROR/SKIP holds no zero byte and ends
 at the first one. Receivers check that every padding byte is zero. A sender pads every step of
 one tensor layout to the same *capacity* (:func:`step_capacity`), so that the allgathered tensor
 has the same shape every step (collectives can cache it and need no per-rank sizes) and the
@@ -49,7 +50,8 @@ header with ``count = c_max`` and ``unary_nbytes = ceil(numel / 8)``, plus the s
 ``ceil((floor((numel - count) / 2**b) + count) / 8) + ceil(count * b / 8)`` (the gaps of
 ``count`` positions below ``numel`` sum to at most ``numel - count``, and the rule takes the b
 whose streams are shortest), plus the sign and value streams of the largest count. A step's
-capacity is the 24-byte header plus the sum of its tensors' capacities.
+capacity is the 24-byte header plus the sum of its tensors' capacities plus one byte (the
+padding's least).
 
 ``layout`` is ``crc32`` of the UTF-8 text ``"name:shape;"`` repeated over the tensors in order,
 ``shape`` being the dimensions joined by ``x`` (``"fc.weight:10x64;fc.bias:10;"``; a 0-d tensor
@@ -120,7 +122,7 @@ the unary stream holds exactly ``count`` one bits, its padding is zero and its l
 all padding; the remainder padding is zero; the last position ``< numel``; ``value`` finite and
 ``>= 0``; the expected ``numel`` and ``layout`` when the receiver knows them; ``body_length`` and
 ``body_crc32`` of the step; ``n_tensors`` messages exactly filling the body, or with PADDED
-followed by zero bytes only. Memory a decoder
+followed by at least one zero byte and zero bytes only. Memory a decoder
 allocates is proportional to the message length, never to the declared ``numel``.
 
 Choosing b: the encoder picks the b that minimises the stream length for the actual gaps among
@@ -320,9 +322,10 @@ def error_step_message(reason: str, layout_crc: int, skip: bool = False, origin:
     flags = STEP_FLAG_SKIP if skip else STEP_FLAG_ERROR
     if capacity is not None:
         room = capacity - STEP_HEADER_SIZE
-        if room < 0:
-            raise ValueError(f"step capacity {capacity} is below the {STEP_HEADER_SIZE}-byte header")
-        text = body.replace(b"\0", b"")[:room].decode("utf-8", "ignore").encode("utf-8")
+        if room < 1:
+            raise ValueError(f"step capacity {capacity} leaves no room for padding")
+        text = body.replace(b"\0", b"")[:max(0, room - 1)].decode("utf-8", "ignore").encode(
+            "utf-8")
         body = text + bytes(room - len(text))
         flags |= STEP_FLAG_PADDED
     head = STEP_HEADER.pack(STEP_MAGIC, VERSION, flags, origin & 0xFFFF, len(body), layout_crc, 0,
@@ -331,9 +334,10 @@ def error_step_message(reason: str, layout_crc: int, skip: bool = False, origin:
 
 
 def padded_step_message(body: bytes, layout_crc: int, n_tensors: int, capacity: int) -> bytes:
-    """A PADDED step message of exactly ``capacity`` bytes: ``body`` then zero bytes."""
+    """A PADDED step message of exactly ``capacity`` bytes: ``body`` then zero bytes (at
+    least one)."""
     room = capacity - STEP_HEADER_SIZE
-    if len(body) > room:
+    if len(body) >= room:
         raise ValueError(f"step body of {len(body)} bytes exceeds its capacity of {room}")
     body = bytes(body) + bytes(room - len(body))
     return step_header_bytes(body, layout_crc, n_tensors, STEP_FLAG_PADDED) + body
@@ -379,7 +383,7 @@ def tensor_capacity(numel: int, max_count: int, values: bool = False, signs: boo
 
 def step_capacity(tensor_capacities: Sequence[int]) -> int:
     """Bytes of a PADDED step message whose tensors have these capacities."""
-    return STEP_HEADER_SIZE + sum(int(c) for c in tensor_capacities)
+    return STEP_HEADER_SIZE + sum(int(c) for c in tensor_capacities) + 1
 
 
 class PeerError(ValueError):

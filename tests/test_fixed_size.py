@@ -48,6 +48,7 @@ def _padded_body(step: bytes, body: bytes) -> bytes:
     ("nonzero padding", "padding of step message from rank 0 is not zero"),
     ("truncated capacity", "truncated message"),
     ("padding without the flag", "stray bytes in step message of rank 0"),
+    ("flag without padding", "padded step message from rank 0 has no padding"),
     ("error padding", "padding of step message from rank 1 is not zero"),
 ])
 def test_mutated_padded_steps_get_one_verdict_everywhere(mutation, verdict):
@@ -59,6 +60,8 @@ def test_mutated_padded_steps_get_one_verdict_everywhere(mutation, verdict):
     elif mutation == "truncated capacity":
         content = len(b"".join(_messages(3)))
         step = _padded_body(step, body[:content - 3])
+    elif mutation == "flag without padding":
+        step = _padded_body(step, b"".join(_messages(3)))
     elif mutation == "padding without the flag":
         step = bytearray(step)
         step[5] = 0
@@ -78,8 +81,8 @@ def test_padded_error_reports_its_reason_and_has_the_capacity():
     ok = wire.padded_step_message(b"".join(_messages(4)), FP, 2, _cap())
     for v in _all_verdicts(LAYOUT, 2, ok + err).values():
         assert v == ("skip", 1, "the update of 'w' contains NaN or Inf")
-    tiny = wire.error_step_message("NaN in 'ü'", FP, False, 0, 24 + 9)  # cut: whole characters
-    assert tiny[24:] == b"NaN in '" + b"\0"
+    tiny = wire.error_step_message("NaN in 'ü'", FP, False, 0, 24 + 10)  # whole characters
+    assert tiny[24:] == b"NaN in '" + b"\0\0"
 
 
 @pytest.mark.parametrize("numel, density", [(1, 0.01), (64, 0.01), (1000, 0.05),
@@ -109,7 +112,7 @@ def test_capacity_per_mode():
     assert reference.tensor_capacity(1000, 1.0, "sign") == 5 + 2 + 2 + 1 + 4 + 125
     assert reference.tensor_capacity(300, 1.0, "values") == 5 + 2 + 2 + 1 + 4 + 1200
     assert reference.tensor_capacity(0, 0.01, "sbc") == 12
-    assert reference.step_capacity([1200, 7], 0.05) == 24 + sum(
+    assert reference.step_capacity([1200, 7], 0.05) == 24 + 1 + sum(
         reference.tensor_capacity(n, 0.05) for n in (1200, 7))
 
 
@@ -138,7 +141,7 @@ def test_encode_fixed_writes_encode_updates_bytes_and_residual():
         t = torch.from_numpy(a.copy())
         body, pos, vals, bad = fused.encode_fixed(t, plan)
         raw = body.numpy().tobytes()
-        assert raw == want + bytes(plan.capacity - len(want)), (n, d, kind)
+        assert raw == want + bytes(plan.capacity + 1 - len(want)), (n, d, kind)
         assert not bool(bad)
         t.index_add_(0, pos, vals, alpha=-1)
         assert t.numpy().view(np.int32).tolist() == res.view(np.int32).tolist(), (n, d, kind)
@@ -206,7 +209,7 @@ def test_golden_padded_steps_are_the_references_and_decode_everywhere():
         assert len(set(verdicts.values())) == 1, (g["name"], verdicts)
         v = verdicts["numpy"]
         if g["name"] == "error":  # the reason cut to the capacity
-            reason = "the update of 't' contains NaN or Inf"[:g["capacity"] - 24]
+            reason = "the update of 't' contains NaN or Inf"[:g["capacity"] - 25]
             assert v == ("error", 1, reason) and len(reason) < 38
             continue
         case = next(c for c in vectors if c["name"] == g["name"])

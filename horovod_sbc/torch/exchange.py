@@ -39,7 +39,7 @@ def frame(msgs: Sequence[torch.Tensor], layout_crc: int, device,
         head = wire.step_header_bytes(host, layout_crc, len(msgs))
         return torch.cat([_device_bytes(head, device), body])
     pad = capacity - wire.STEP_HEADER_SIZE - len(host)
-    if pad < 0:
+    if pad < 1:
         raise AssertionError(f"horovod_sbc: a step body of {len(host)} bytes exceeds its "
                              f"capacity of {capacity - wire.STEP_HEADER_SIZE}")
     crc = zlib.crc32(bytes(pad), zlib.crc32(host)) & 0xFFFFFFFF

@@ -622,8 +622,9 @@ def _sides_fixed(a: torch.Tensor, k: int, cst: Dict[str, torch.Tensor]):
 def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     """One SBC tensor message (mode ``"sbc"``, selection ``"paper"``) of flat float32 ``a``,
     byte for byte :func:`horovod_sbc.torch.codec.encode_update`'s, written into
-    ``plan.capacity`` zero bytes with tensor ops only: no host read, whatever the data.
-    Returns (message uint8 [capacity], positions int64 [k], values [k], not finite 0-d bool):
+    ``plan.capacity + 1`` zero bytes (the body of a one-tensor PADDED step, whose padding is
+    never empty) with tensor ops only: no host read, whatever the data.
+    Returns (body uint8 [capacity + 1], positions int64 [k], values [k], not finite 0-d bool):
     error feedback is ``a.index_add_(0, positions, values, alpha=-1)`` (the unsent slots
     point at 0 with value 0, which adds -0.0: nothing). With NaN/Inf the message is garbage
     and the caller sends an ERROR/SKIP step instead. Bytes whose value is 0 (unsent slots,
@@ -669,7 +670,7 @@ def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     buf.index_add_(0, (((off >> 3)[:, None] + span) * m[:, None]).view(-1),
                    ((word[:, None] >> (56 - 8 * span)) & 255).to(torch.uint8).view(-1))
     signed = torch.where(neg_wins, -value, value)
-    return buf[:plan.capacity], p * m, torch.where(m, signed, 0.0), bad
+    return buf[:plan.capacity + 1], p * m, torch.where(m, signed, 0.0), bad
 
 
 _HEADS: Dict[tuple, torch.Tensor] = {}

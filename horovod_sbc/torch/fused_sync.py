@@ -101,7 +101,7 @@ def frame(body: torch.Tensor, layout_crc: int, n_tensors: int,
     is computed on the device (:func:`horovod_sbc.torch.fused.frame_fixed`): no host read."""
     if capacity is not None:
         pad = capacity - wire.STEP_HEADER_SIZE - body.numel()
-        if pad < 0:
+        if pad < 1:
             raise AssertionError(f"horovod_sbc: a step body of {body.numel()} bytes exceeds "
                                  f"its capacity of {capacity - wire.STEP_HEADER_SIZE}")
         return frame_fixed(torch.cat([body, body.new_zeros(pad)]), layout_crc, n_tensors)
