@@ -17,6 +17,9 @@ downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 
 gpu-proxy  aten ops and host reads per sync step on the tensor-op path (C kernels off: what CUDA
         tensors run), ResNet-50 and GPT-2 small layouts, drop-in / stock hook / DDP hook, 2 and 8
         ranks, counted on the CPU (:mod:`benchmarks.bench_gpu_proxy`)
+fixed   fixed-size messages: padding per density on ResNet-50's shapes, and Horovod's
+        negotiation time with varying vs constant allgather sizes under MPI and Gloo
+        (:mod:`benchmarks.bench_fixed`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
 (default: the JSON's directory).
 
@@ -451,6 +454,9 @@ def main(argv=None) -> int:
     if _ARGV[:1] == ["gpu-proxy"]:  # its own module and options
         from . import bench_gpu_proxy
         return bench_gpu_proxy.main(_ARGV[1:])
+    if _ARGV[:1] == ["fixed"]:  # its own module and options
+        from . import bench_fixed
+        return bench_fixed.main(_ARGV[1:])
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():

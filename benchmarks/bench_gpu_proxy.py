@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -58,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Shape = Tuple[int, ...]
 LAYOUTS = ("resnet50", "gpt2")
-PATHS = ("dropin", "stock", "ddp")
+PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed")
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 RANKS = (2, 8)
 
@@ -332,11 +333,12 @@ def _params(shapes):
     return [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in shapes]
 
 
-def setup_dropin(shapes, density: float, size: int, noise: Noise):
-    """The drop-in optimizer (residual in the weights); a local step moves every weight."""
+def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed: bool = False):
+    """The drop-in optimizer (residual in the weights); a local step moves every weight.
+    ``fixed``: ``SBC(fixed_size=True)``."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
     named = _params(shapes)
-    comp = SBC(density=density)
+    comp = SBC(density=density, fixed_size=fixed)
     comp.transport = FakeHorovodTransport(size, _active)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
                                named_parameters=named, compression=comp)
@@ -349,14 +351,15 @@ def setup_dropin(shapes, density: float, size: int, noise: Noise):
     return perturb, opt.synchronize
 
 
-def setup_stock(shapes, density: float, size: int, noise: Noise):
+def setup_stock(shapes, density: float, size: int, noise: Noise, fixed: bool = False):
     """Stock ``hvd.DistributedOptimizer``'s calls: ``compress`` per gradient (backward), then
-    per gradient the allreduce of its placeholder (a collective) and ``decompress``."""
+    per gradient the allreduce of its placeholder (a collective) and ``decompress``.
+    ``fixed``: ``SBC(fixed_size=True)``."""
     from horovod_sbc.torch import SBC
     named = _params(shapes)
     for _, p in named:
         p.grad = torch.zeros_like(p)
-    comp = SBC(density=density, named_parameters=named)
+    comp = SBC(density=density, named_parameters=named, fixed_size=fixed)
     comp.transport = FakeHorovodTransport(size, _active)
 
     def perturb(step: int) -> None:
@@ -435,7 +438,9 @@ def setup_ddp(shapes, density: float, size: int, noise: Noise):
     return perturb, sync_step
 
 
-SETUPS = {"dropin": setup_dropin, "stock": setup_stock, "ddp": setup_ddp}
+SETUPS = {"dropin": setup_dropin, "stock": setup_stock, "ddp": setup_ddp,
+          "dropin-fixed": functools.partial(setup_dropin, fixed=True),
+          "stock-fixed": functools.partial(setup_stock, fixed=True)}
 
 
 # ------------------------------------------------------------------------------------------------

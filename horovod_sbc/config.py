@@ -86,6 +86,16 @@ class SBCConfig:
     downlink_density: the server's top-k fraction of the average (``None``: a dense downlink).
     downlink_binarize: the server binarizes its downlink like SBC instead of sending values.
     seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
+    fixed_size: every step message of a tensor layout is padded to one capacity known from the
+        layout, ``density`` and ``mode`` (the PADDED step messages of :mod:`horovod_sbc.wire`),
+        so the allgathered tensor has the same shape at every step: Horovod's response cache
+        then hits instead of negotiating every step, NCCL can use ``ncclAllGather`` instead of
+        one broadcast per rank, and a device encoder never reads a message length on the host
+        (the stock hook's ``compress()`` then reads no device data at all on the tensor-op
+        path). The cost is the padding between the streams' worst-case bound and their actual
+        length, counted in ``stats()["upstream_bits"]`` and separately in
+        ``stats()["padding_bits"]`` (docs/benchmarks.md measures both sides). The tensor
+        messages are the same bytes either way. ``topology="allgather"`` only.
 
     Each adapter adds its own knobs (torch: ``named_parameters``, ``momentum_masking``; TF:
     ``local_residual``, ``name``) and says which of these it supports.
@@ -99,6 +109,7 @@ class SBCConfig:
     downlink_density: Optional[float] = None
     downlink_binarize: bool = False
     seed: int = field(default=0)
+    fixed_size: bool = False
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -116,6 +127,11 @@ class SBCConfig:
             set_("downlink_density", validate_density(self.downlink_density))
         set_("downlink_binarize", bool(self.downlink_binarize))
         set_("seed", int(self.seed))
+        if not isinstance(self.fixed_size, bool):
+            raise ValueError(f"fixed_size must be True or False, got {self.fixed_size!r}")
+        if self.fixed_size and self.topology != "allgather":
+            raise ValueError("fixed_size applies to topology='allgather' (the server's "
+                             "messages are not padded)")
 
     @property
     def binarize(self) -> bool:

@@ -23,7 +23,8 @@ c. ERROR before SKIP: the lowest rank that sent ERROR raises :class:`~horovod_sb
    otherwise the lowest rank that sent SKIP raises a ``PeerError`` with ``skip=True``;
 d. layouts: rank by rank, the layout fingerprint and the number of tensors;
 e. tensor headers: rank by rank, tensor by tensor (:func:`horovod_sbc.wire.parse_tensor_header`),
-   and the body must end exactly after the last tensor message;
+   and the body must end exactly after the last tensor message, or with PADDED in zero bytes
+   only (a padded ERROR/SKIP's padding is checked with its step header, in b);
 f. streams: rank by rank, tensor by tensor (:func:`check_streams`).
 
 Decoded arithmetic (so that every rank, whatever its framework, ends with the same bits): the
@@ -68,6 +69,7 @@ class StepHeader:
     origin: int
     layout: int
     n_tensors: int
+    padded: bool = False   # PADDED: zero bytes may follow the content up to ``end``
 
     @property
     def body(self) -> Tuple[int, int]:
@@ -137,8 +139,9 @@ def parse_step(buf, start: int, end: int, rank: int) -> StepHeader:
     if version != wire.VERSION:
         raise ValueError(f"unsupported wire format version {version} from {who} "
                          f"(this is {wire.VERSION})")
-    known = wire.STEP_FLAG_ERROR | wire.STEP_FLAG_SKIP
-    if flags & ~known or flags == known or (origin and not flags):
+    kinds = flags & (wire.STEP_FLAG_ERROR | wire.STEP_FLAG_SKIP)
+    if flags & ~(wire.STEP_FLAG_ERROR | wire.STEP_FLAG_SKIP | wire.STEP_FLAG_PADDED) or \
+            kinds == wire.STEP_FLAG_ERROR | wire.STEP_FLAG_SKIP or (origin and not kinds):
         raise ValueError(f"corrupt message: reserved step header bits set from {who}")
     if start + wire.STEP_HEADER_SIZE + body_len != end:
         raise ValueError(f"corrupt message: step body length mismatch from {who}")
@@ -149,13 +152,26 @@ def parse_step(buf, start: int, end: int, rank: int) -> StepHeader:
             StepKind.SKIP if flags & wire.STEP_FLAG_SKIP else StepKind.TENSORS)
     if kind is not StepKind.TENSORS and n_tensors:
         raise ValueError(f"corrupt message: error step message with tensors from {who}")
-    return StepHeader(rank, start, end, kind, origin, layout, n_tensors)
+    padded = bool(flags & wire.STEP_FLAG_PADDED)
+    if padded and kind is not StepKind.TENSORS:
+        raw = bytes(body)
+        zero = raw.find(0)
+        if zero < 0:
+            raise ValueError(f"corrupt message: padded step message from {who} has no padding")
+        if not _all_zero(raw[zero:]):
+            raise ValueError(f"corrupt message: padding of step message from {who} is not zero")
+    return StepHeader(rank, start, end, kind, origin, layout, n_tensors, padded)
+
+
+def _all_zero(raw: bytes) -> bool:
+    return raw.count(0) == len(raw)
 
 
 def peer_error(buf, step: StepHeader) -> wire.PeerError:
     """The :class:`~horovod_sbc.wire.PeerError` an ERROR/SKIP step message reports."""
     s, e = step.body
-    reason = bytes(buf[s:e]).decode("utf-8", "replace")
+    body = bytes(buf[s:e])
+    reason = (body.split(b"\0", 1)[0] if step.padded else body).decode("utf-8", "replace")
     return wire.PeerError(step.origin, reason, step.kind is StepKind.SKIP)
 
 
@@ -193,9 +209,15 @@ def parse_gathered(buf, layout: Layout, n_ranks: int) -> GatheredStep:
             per.append(msg)
             names.append(who)
             off = msg.nbytes
-        if off != st.end:
+        if off != st.end and not st.padded:
             raise ValueError(f"corrupt message: {st.end - off} stray bytes in step message of "
                              f"rank {st.rank}")
+        if st.padded and off == st.end:
+            raise ValueError(f"corrupt message: padded step message from rank {st.rank} has "
+                             "no padding")
+        if off != st.end and not _all_zero(bytes(mv[off:st.end])):
+            raise ValueError(f"corrupt message: padding of step message from rank {st.rank} "
+                             "is not zero")
         messages.append(per)
         all_names.append(names)
     return GatheredStep(steps, messages, all_names)

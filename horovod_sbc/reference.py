@@ -54,6 +54,30 @@ def keep_count(numel: int, density: float) -> int:
     return int(min(numel, max(1, math.floor(density * numel + 0.5))))
 
 
+def tensor_capacity(numel: int, density: float, mode: str = "sbc") -> int:
+    """The bytes a tensor message of ``numel`` elements may take in ``mode`` at ``density``
+    (:func:`horovod_sbc.wire.tensor_capacity` with what the mode sends: SBC and top-k at most
+    k positions, top-k with ``k == numel`` every element and its value, signSGD every sign,
+    TernGrad up to every position and its sign)."""
+    if numel <= 0:
+        return len(protocol.empty_tensor_message())
+    k = keep_count(numel, density)
+    if mode == "sbc":
+        return wire.tensor_capacity(numel, k)
+    if mode == "values":
+        return wire.tensor_capacity(numel, k, values=True, all_positions=k == numel)
+    if mode == "sign":
+        return wire.tensor_capacity(numel, numel, signs=True, all_positions=True)
+    if mode == "terngrad":
+        return wire.tensor_capacity(numel, numel, signs=True)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def step_capacity(numels: Sequence[int], density: float, mode: str = "sbc") -> int:
+    """Bytes of every PADDED step message of a layout of these element counts."""
+    return wire.step_capacity([tensor_capacity(int(n), density, mode) for n in numels])
+
+
 def select_np(a_abs: np.ndarray, k: int) -> np.ndarray:
     """Sorted flat indices of the k largest values of ``a_abs`` (ties: lower index first)."""
     return top_k_np(a_abs, k)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict
 
 COUNTER_KEYS = ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "steps",
                 "server_in_bits", "server_out_bits", "positions_sent", "elements_synced",
-                "intra_node_bits")
+                "intra_node_bits", "padding_bits")
 STATE_FORMAT = 1
 
 
@@ -47,6 +47,8 @@ class ResidualManager:
         """Cumulative figures for this rank.
 
         upstream_bits   bits this rank sent (real message sizes, headers included)
+        padding_bits    of those, the zero padding of fixed-size step messages
+                        (``fixed_size``; the rest is the messages' content)
         downstream_bits bits this rank received from the other ranks (topology "server": the
                         downlink messages; 0 on the root, which makes them)
         server_in_bits  root of topology "server": uplink bits received from the other ranks

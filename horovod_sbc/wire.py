@@ -16,7 +16,9 @@ Step message
                                           is a UTF-8 reason and n_tensors is 0
                                    bit 1  SKIP: like ERROR, but the sender asks every rank to skip
                                           this sync instead of failing
-                                   at most one of ERROR and SKIP; bits 2..7 reserved, must be 0
+                                   at most one of ERROR and SKIP
+                                   bit 2  PADDED: the body ends in zero padding (see "Fixed-size
+                                          step messages"); bits 3..7 reserved, must be 0
     6       2     origin           uint16: 0, or for ERROR/SKIP the rank that failed (a server
                                    relaying another rank's failure keeps that rank)
     8       4     body_length      uint32: number of bytes after this 24-byte header
@@ -28,6 +30,28 @@ Step message
 A rank that cannot encode (e.g. a NaN in an update) still sends a step message, with ERROR or
 SKIP set, so every rank learns of it from the same allgather and fails (or skips) together
 instead of hanging.
+
+Fixed-size step messages
+------------------------
+With PADDED set, the body is its content — the ``n_tensors`` tensor messages back to back, or
+for ERROR/SKIP the reason — followed by at least one zero byte, up to ``body_length``;
+``body_crc32`` covers the whole body, padding included (the padding is never empty, so that a
+flipped PADDED bit is caught like any other corrupt header bit). The reason of a padded ERROR/SKIP holds no zero byte and ends
+at the first one. Receivers check that every padding byte is zero. A sender pads every step of
+one tensor layout to the same *capacity* (:func:`step_capacity`), so that the allgathered tensor
+has the same shape every step (collectives can cache it and need no per-rank sizes) and the
+sender never needs the length of its messages on the host. Without PADDED nothing may follow
+the content. The tensor messages themselves are the same bytes either way.
+
+Capacity (a sender's rule; any body_length is valid on the wire): a tensor message of ``numel``
+elements carrying at most ``c_max`` positions (:func:`tensor_capacity`) takes at most the
+header with ``count = c_max`` and ``unary_nbytes = ceil(numel / 8)``, plus the streams' bound
+``max over count <= c_max of min over the b the rule may choose`` of
+``ceil((floor((numel - count) / 2**b) + count) / 8) + ceil(count * b / 8)`` (the gaps of
+``count`` positions below ``numel`` sum to at most ``numel - count``, and the rule takes the b
+whose streams are shortest), plus the sign and value streams of the largest count. A step's
+capacity is the 24-byte header plus the sum of its tensors' capacities plus one byte (the
+padding's least).
 
 ``layout`` is ``crc32`` of the UTF-8 text ``"name:shape;"`` repeated over the tensors in order,
 ``shape`` being the dimensions joined by ``x`` (``"fc.weight:10x64;fc.bias:10;"``; a 0-d tensor
@@ -97,7 +121,8 @@ present (before allocating anything); canonical varints; ``count <= numel``; ``b
 the unary stream holds exactly ``count`` one bits, its padding is zero and its last byte is not
 all padding; the remainder padding is zero; the last position ``< numel``; ``value`` finite and
 ``>= 0``; the expected ``numel`` and ``layout`` when the receiver knows them; ``body_length`` and
-``body_crc32`` of the step; ``n_tensors`` messages exactly filling the body. Memory a decoder
+``body_crc32`` of the step; ``n_tensors`` messages exactly filling the body, or with PADDED
+followed by at least one zero byte and zero bytes only. Memory a decoder
 allocates is proportional to the message length, never to the declared ``numel``.
 
 Choosing b: the encoder picks the b that minimises the stream length for the actual gaps among
@@ -130,6 +155,7 @@ STEP_HEADER = struct.Struct("<4sBBHIIII")
 STEP_HEADER_SIZE = STEP_HEADER.size  # 24
 STEP_FLAG_ERROR = 1
 STEP_FLAG_SKIP = 2
+STEP_FLAG_PADDED = 4
 FLAG_NEGATIVE = 1
 FLAG_VALUES = 2
 FLAG_SIGNS = 4
@@ -287,13 +313,77 @@ def step_message_bytes(body: bytes, layout_crc: int, n_tensors: int, flags: int 
     return step_header_bytes(body, layout_crc, n_tensors, flags) + bytes(body)
 
 
-def error_step_message(reason: str, layout_crc: int, skip: bool = False, origin: int = 0) -> bytes:
-    """A step message that tells every rank that rank ``origin`` failed (or asks to skip)."""
+def error_step_message(reason: str, layout_crc: int, skip: bool = False, origin: int = 0,
+                       capacity: Optional[int] = None) -> bytes:
+    """A step message that tells every rank that rank ``origin`` failed (or asks to skip).
+    With ``capacity`` (bytes, header included) a PADDED step of exactly that length: the
+    reason, without zero bytes and cut to fit (whole UTF-8 characters), then zero padding."""
     body = reason.encode("utf-8")[:4096]
     flags = STEP_FLAG_SKIP if skip else STEP_FLAG_ERROR
+    if capacity is not None:
+        room = capacity - STEP_HEADER_SIZE
+        if room < 1:
+            raise ValueError(f"step capacity {capacity} leaves no room for padding")
+        text = body.replace(b"\0", b"")[:max(0, room - 1)].decode("utf-8", "ignore").encode(
+            "utf-8")
+        body = text + bytes(room - len(text))
+        flags |= STEP_FLAG_PADDED
     head = STEP_HEADER.pack(STEP_MAGIC, VERSION, flags, origin & 0xFFFF, len(body), layout_crc, 0,
                             zlib.crc32(body) & 0xFFFFFFFF)
     return head + body
+
+
+def padded_step_message(body: bytes, layout_crc: int, n_tensors: int, capacity: int) -> bytes:
+    """A PADDED step message of exactly ``capacity`` bytes: ``body`` then zero bytes (at
+    least one)."""
+    room = capacity - STEP_HEADER_SIZE
+    if len(body) >= room:
+        raise ValueError(f"step body of {len(body)} bytes exceeds its capacity of {room}")
+    body = bytes(body) + bytes(room - len(body))
+    return step_header_bytes(body, layout_crc, n_tensors, STEP_FLAG_PADDED) + body
+
+
+def _uvarint_len(n: int) -> int:
+    return max(1, -(-n.bit_length() // 7))
+
+
+def stream_capacity(numel: int, max_count: int) -> int:
+    """Bytes of the unary and remainder streams of at most ``max_count`` positions among
+    ``numel`` elements, whatever the positions, as :func:`choose_rice_b` encodes them (the
+    bound of "Fixed-size step messages")."""
+    if max_count <= 0 or numel <= 0:
+        return 0
+    # b*(count) is constant between the thresholds of rice_table, and for a fixed b the bound
+    # grows with count: each interval's bound is largest at its last count
+    b1, ts = rice_table(numel)
+    edges = [1] + [t for t in ts if 1 < t <= max_count] + [max_count + 1]
+    worst = 0
+    for lo, hi in zip(edges, edges[1:]):
+        if hi <= lo:
+            continue
+        c = hi - 1
+        b0 = b1 - sum(1 for t in ts if t <= c)
+        worst = max(worst, min(-(-(((numel - c) >> b) + c) // 8) + -(-(c * b) // 8)
+                               for b in (b0 - 1, b0, b0 + 1) if 0 <= b <= MAX_RICE_B))
+    return worst
+
+
+def tensor_capacity(numel: int, max_count: int, values: bool = False, signs: bool = False,
+                    all_positions: bool = False) -> int:
+    """Most bytes a tensor message of ``numel`` elements with at most ``max_count`` positions
+    (the flags as in :func:`tensor_header`) can take."""
+    count = numel if all_positions else min(max_count, numel)
+    head = 9 + _uvarint_len(numel) + _uvarint_len(count)
+    if all_positions:
+        streams, head = 0, head + 1
+    else:
+        streams, head = stream_capacity(numel, count), head + _uvarint_len(-(-numel // 8))
+    return head + streams + (-(-count // 8) if signs else 0) + (4 * count if values else 0)
+
+
+def step_capacity(tensor_capacities: Sequence[int]) -> int:
+    """Bytes of a PADDED step message whose tensors have these capacities."""
+    return STEP_HEADER_SIZE + sum(int(c) for c in tensor_capacities) + 1
 
 
 class PeerError(ValueError):

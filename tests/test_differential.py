@@ -475,3 +475,86 @@ def test_sign_mode_scale_is_order_independent_across_implementations():
     msg = reference.compress_np(u, None, 1.0, mode="sign")[0]
     t = torch.from_numpy(u.copy())
     assert tcodec.compress_(t, 1.0, "sign")[0].numpy().tobytes() == msg
+
+
+# ----------------------------------------------------------------------------------------------
+# PADDED step messages (wire.py, "Fixed-size step messages")
+# ----------------------------------------------------------------------------------------------
+def _padded(layout, parts, pad: int, flags=wire.STEP_FLAG_PADDED, fill=b"") -> bytes:
+    body = b"".join(parts) + fill + bytes(pad)
+    return wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags, 0, len(body),
+                                 wire.layout_fingerprint(layout), len(parts),
+                                 zlib.crc32(body) & 0xFFFFFFFF) + body
+
+
+def make_padded_case(seed: int):
+    """(layout, n_ranks, gathered bytes, class) of padded steps, valid or mutated: a nonzero
+    padding byte, a body cut inside its content ("truncated capacity"), padding without the
+    flag, a padded ERROR/SKIP (its padding sometimes dirty), or raw bit damage."""
+    r = random.Random(seed)
+    layout = LAYOUTS[r.randrange(len(LAYOUTS))]
+    n_ranks = r.randint(1, 3)
+    cls = r.choice(["valid", "valid", "dirty", "truncated", "unflagged", "peer", "raw"])
+    steps = []
+    for rank in range(n_ranks):
+        parts = [_tensor_message(r, wire.layout_numel(shape)) for _, shape in layout]
+        pad = r.choice([0, 1, 1, 7, 64, 300])  # 0: invalid (the padding is never empty)
+        hit = r.random() < 0.7
+        if cls == "dirty" and hit:
+            step = _padded(layout, parts, pad, fill=bytes([r.randrange(1, 256)]))
+        elif cls == "truncated" and hit:
+            body = b"".join(parts)
+            cut = body[:r.randrange(max(1, len(body)))]
+            step = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, wire.STEP_FLAG_PADDED,
+                                         0, len(cut), wire.layout_fingerprint(layout),
+                                         len(parts), zlib.crc32(cut) & 0xFFFFFFFF) + cut
+        elif cls == "unflagged" and hit:
+            step = _padded(layout, parts, max(1, pad), flags=0)
+        elif cls == "peer" and hit:
+            cap = wire.STEP_HEADER_SIZE + r.choice([9, 40, 200])
+            step = bytearray(wire.error_step_message("NaN in 'w'", 0, r.random() < 0.5, rank,
+                                                     cap))
+            if r.random() < 0.3:  # a dirty byte after the reason, CRC recomputed
+                step[-1] = r.randrange(1, 256)
+                body = bytes(step[24:])
+                step[20:24] = struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
+            step = bytes(step)
+        else:
+            step = _padded(layout, parts, pad)
+        steps.append(step)
+    gathered = b"".join(steps)
+    if cls == "raw":
+        gathered = bytes(_mutate_bytes(bytearray(gathered), r))
+    return layout, n_ranks, gathered, cls
+
+
+def _check_padded(seed, tf_dec=None, graph: bool = False):
+    layout, n_ranks, data, cls = make_padded_case(seed)
+    scale = 1.0 / n_ranks
+    got = _all_verdicts(layout, n_ranks, data, scale)
+    if tf_dec is not None:
+        got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, False)
+        got["tf eager (stock ops)"] = tf_dec.run(layout, n_ranks, data, scale, False, True)
+        if graph:  # a trace per (layout, ranks): every few cases
+            got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, True)
+    ref = got.pop("numpy")
+    for name, out in got.items():
+        assert out == ref, (f"padded case {seed} ({cls}): {name} disagrees with numpy:\n"
+                            f"  numpy: {str(ref)[:300]}\n  {name}: {str(out)[:300]}")
+    return cls, ref[0]
+
+
+def test_differential_padded_steps():
+    seen = {}
+    for seed in range(max(300, CASES // 100)):
+        key = _check_padded(seed)
+        seen[key] = seen.get(key, 0) + 1
+    assert seen.get(("valid", "ok"), 0) > 20 and seen.get(("valid", "invalid"), 0) > 0, seen
+    for cls in ("dirty", "truncated", "unflagged"):
+        assert seen.get((cls, "invalid"), 0) > 0, (cls, seen)
+    assert {"error", "skip", "invalid"} <= {v for c, v in seen if c == "peer"}, seen
+
+
+def test_differential_padded_steps_tensorflow(tf_decoders):
+    for seed in range(12):
+        _check_padded(seed, tf_decoders, graph=seed in (0, 7))

@@ -84,3 +84,10 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_tensors():
         # kernel launches too (only view ops, which launch nothing, grow with the tensors)
         assert many["kernels"] == few["kernels"], (path, few["kernels"], many["kernels"])
         assert _counts(path, 100, ranks=8)["reads"] == many["reads"]
+
+
+def test_stock_hook_fixed_size_reads_a_constant_number_per_step():
+    few, many = _counts("stock-fixed", 10), _counts("stock-fixed", 100)
+    assert few["reads"] == many["reads"] <= 4, (few["reads_by_kind"], many["reads_by_kind"])
+    # the batch decoder's index arrays and the values: per step, not per tensor
+    assert few["uploads"] == many["uploads"] <= 12, (few["uploads"], many["uploads"])

@@ -38,7 +38,7 @@ class SBC(StockHook):
 
     Args:
         density, delay, mode, selection, nonfinite, topology, downlink_density,
-        downlink_binarize, seed: the knobs of :class:`horovod_sbc.config.SBCConfig`, documented
+        downlink_binarize, seed, fixed_size: the knobs of :class:`horovod_sbc.config.SBCConfig`, documented
             there once. Here ``delay > 1`` needs the drop-in
             :func:`horovod_sbc.torch.DistributedOptimizer`, ``topology="server"`` needs it and
             Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``). With ``nonfinite="skip"``
@@ -80,7 +80,7 @@ class SBC(StockHook):
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
                  downlink_density: Optional[float] = None, downlink_binarize: bool = False,
                  selection: str = "paper", mode: Optional[str] = None, seed: int = 0,
-                 momentum_masking: bool = True, hierarchy=None):
+                 momentum_masking: bool = True, hierarchy=None, fixed_size: bool = False):
         if mode is None:
             mode = "sbc" if binarize else "values"
         elif not binarize and mode == "sbc":
@@ -88,7 +88,8 @@ class SBC(StockHook):
         self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                                 nonfinite=nonfinite, topology=topology,
                                 downlink_density=downlink_density,
-                                downlink_binarize=downlink_binarize, seed=seed)
+                                downlink_binarize=downlink_binarize, seed=seed,
+                                fixed_size=fixed_size)
         self.hierarchy = hierarchy_.parse(hierarchy)
         if self.hierarchy is not None and topology != "allgather":
             raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
@@ -111,6 +112,7 @@ class SBC(StockHook):
     topology = property(lambda self: self.config.topology)
     downlink_density = property(lambda self: self.config.downlink_density)
     seed = property(lambda self: self.config.seed)
+    fixed_size = property(lambda self: self.config.fixed_size)
 
     def __repr__(self) -> str:
         c = self.config

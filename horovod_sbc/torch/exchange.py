@@ -8,11 +8,13 @@ without a second allgather of sizes.
 """
 from __future__ import annotations
 
+import functools
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import kernels, protocol, wire
+from .. import kernels, protocol, reference, wire
 from . import decoder
 from .codec import stream_stats
 
@@ -26,15 +28,45 @@ def _device_bytes(b: bytes, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device)
 
 
-def frame(msgs: Sequence[torch.Tensor], layout_crc: int, device) -> torch.Tensor:
-    """One step message (uint8 tensor on ``device``) from tensor messages."""
+def frame(msgs: Sequence[torch.Tensor], layout_crc: int, device,
+          capacity: Optional[int] = None) -> torch.Tensor:
+    """One step message (uint8 tensor on ``device``) from tensor messages; with ``capacity``
+    a PADDED one of exactly that many bytes (the body's CRC continues over the zero bytes
+    without building them on the host)."""
     body = torch.cat(list(msgs)) if msgs else torch.zeros(0, dtype=torch.uint8, device=device)
-    head = wire.step_header_bytes(_host_bytes(body), layout_crc, len(msgs))
-    return torch.cat([_device_bytes(head, device), body])
+    host = _host_bytes(body)
+    if capacity is None:
+        head = wire.step_header_bytes(host, layout_crc, len(msgs))
+        return torch.cat([_device_bytes(head, device), body])
+    pad = capacity - wire.STEP_HEADER_SIZE - len(host)
+    if pad < 1:
+        raise AssertionError(f"horovod_sbc: a step body of {len(host)} bytes exceeds its "
+                             f"capacity of {capacity - wire.STEP_HEADER_SIZE}")
+    crc = zlib.crc32(bytes(pad), zlib.crc32(host)) & 0xFFFFFFFF
+    head = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, wire.STEP_FLAG_PADDED, 0,
+                                 len(host) + pad, layout_crc, len(msgs), crc)
+    return torch.cat([_device_bytes(head, device), body, body.new_zeros(pad)])
 
 
-def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int) -> torch.Tensor:
-    return _device_bytes(wire.error_step_message(reason, layout_crc, skip, origin), device)
+def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int,
+                capacity: Optional[int] = None) -> torch.Tensor:
+    return _device_bytes(wire.error_step_message(reason, layout_crc, skip, origin, capacity),
+                         device)
+
+
+def step_capacity(layout: Sequence[Tuple[str, Sequence[int]]], config) -> Optional[int]:
+    """The bytes of every step message of ``layout`` under ``config`` (an
+    :class:`~horovod_sbc.config.SBCConfig`) when it has ``fixed_size``, else None."""
+    if not config.fixed_size:
+        return None
+    return _step_capacity(tuple(wire.layout_numel(s) for _, s in layout), config.density,
+                          config.mode)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_capacity(numels: Tuple[int, ...], density: float, mode: str) -> int:
+    return reference.step_capacity(numels, density, mode)
+
 
 
 def decode_gathered(gathered: torch.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],

@@ -38,8 +38,10 @@ called once the exchange succeeded.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -448,3 +450,243 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
     size = len(p.template)
     return FusedEncoding(flat, body[:size], p.bounds, wpos, sent, p.counts, p.means,
                          p.negative)
+
+
+# ----------------------------------------------------------------------------------------------
+# fixed-size messages: CRC-32 and a whole step message without a host read
+# ----------------------------------------------------------------------------------------------
+_CRC_POLY = 0xEDB88320                  # zlib's CRC-32, reflected
+_CRC_CHUNK = 1024                       # bytes per row of the first matrix product
+_CRC_TABLES: Dict[str, tuple] = {}
+
+
+def _crc_step(r: int) -> int:
+    return (r >> 1) ^ (_CRC_POLY if r & 1 else 0)
+
+
+def _gf2_apply(cols, v):
+    """The GF(2) 32x32 matrix of column images ``cols`` applied to uint32 array ``v``."""
+    import numpy as np
+    out = np.zeros_like(v)
+    for i in range(32):
+        out ^= np.where((v >> np.uint64(i)) & np.uint64(1) != 0, cols[i], np.uint64(0))
+    return out
+
+
+def _crc_tables(n_chunks: int, dev) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(bit of each chunk bit's CRC contribution float32 [8 S, 32]; per chunk c of
+    ``C >= n_chunks``, the shift of its CRC past the chunks after it, float32 [32 C, 32],
+    rows of the last chunk last). CRC-32 is affine in the message bits: a one bit followed by
+    d more bits adds ``f(d)``, ``f(0) = P``, ``f(d + 1) = step(f(d))``; a chunk's CRC moves
+    past ``8 S`` more bits by a fixed GF(2) matrix Z."""
+    import numpy as np
+    key = str(dev)
+    have = _CRC_TABLES.get(key)
+    if have is not None and have[2] >= n_chunks:
+        return have[0], have[1][(have[2] - n_chunks) * 32:]
+    s8 = 8 * _CRC_CHUNK
+    f = [0] * s8
+    r = _CRC_POLY
+    for d in range(s8):
+        f[d] = r
+        r = _crc_step(r)
+    # row 8 j + b: bit b (value 1 << b, processed b-th) of byte j, followed by d bits
+    d_of = [8 * (_CRC_CHUNK - 1 - j) + 7 - b for j in range(_CRC_CHUNK) for b in range(8)]
+    fv = np.array([f[d] for d in d_of], np.uint64)
+    bit = np.arange(32, dtype=np.uint64)
+    first = ((fv[:, None] >> bit) & np.uint64(1)).astype(np.float32)
+    z = []  # Z: images of the 32 basis vectors shifted by 8 S zero bits
+    for i in range(32):
+        r = 1 << i
+        for _ in range(s8):
+            r = _crc_step(r)
+        z.append(np.uint64(r))
+    c_max = max(n_chunks, 2 * (have[2] if have else 1))
+    powers = [np.array([1 << i for i in range(32)], np.uint64)]  # Z^0 .. Z^(C-1), by columns
+    while len(powers) < c_max:
+        powers.append(_gf2_apply(z, powers[-1]))
+    shift = np.stack(powers[::-1])  # chunk c (of c_max) is followed by c_max - 1 - c chunks
+    second = ((shift[:, :, None] >> bit) & np.uint64(1)).astype(np.float32).reshape(-1, 32)
+    tables = (torch.from_numpy(first).to(dev), torch.from_numpy(second).to(dev), c_max)
+    _CRC_TABLES[key] = tables
+    return tables[0], tables[1][(c_max - n_chunks) * 32:]
+
+
+def crc32_device(data: torch.Tensor) -> torch.Tensor:
+    """zlib's CRC-32 of 1-D uint8 ``data`` as a 0-d int64 tensor on its device, in a fixed
+    number of tensor ops and no host read (two matrix products of 0/1 floats, whose sums stay
+    exact below 2**24; leading zero bytes add nothing to the linear part)."""
+    n = data.numel()
+    n_chunks = max(1, -(-n // _CRC_CHUNK))
+    first, second = _crc_tables(n_chunks, data.device)
+    pad = n_chunks * _CRC_CHUNK - n
+    x = torch.cat([data.new_zeros(pad), data]) if pad else data
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    bits = ((x.view(n_chunks, _CRC_CHUNK, 1) >> shifts) & 1).view(n_chunks, -1).float()
+    per_chunk = torch.remainder(bits @ first, 2.0)
+    lin = torch.remainder(per_chunk.view(1, -1) @ second, 2.0).view(32).long()
+    weights = torch.ones(32, dtype=torch.int64, device=data.device) << torch.arange(
+        32, device=data.device)
+    return (lin * weights).sum() ^ _zero_crc(n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_crc(n: int) -> int:
+    """CRC-32 of ``n`` zero bytes: the affine part of every ``n``-byte message's CRC."""
+    return zlib.crc32(bytes(n)) & 0xFFFFFFFF
+
+
+@dataclass
+class FixedPlan:
+    """Host facts of one tensor's fixed-size SBC message (built once per element count and
+    density; see :func:`fixed_plan`): its capacity, the bytes of its ``numel`` varint and the
+    Rice thresholds of :func:`horovod_sbc.wire.rice_table` on the device."""
+    numel: int
+    k: int
+    capacity: int               # of the tensor message
+    numel_varint: torch.Tensor  # uint8
+    thresholds: torch.Tensor    # int64: b*(count) = b1 - #{thresholds <= count}
+    b1: int
+    window: int                 # bytes a remainder field and its bit offset can span
+    consts: Dict[str, torch.Tensor]  # small constants on the device (uploaded once)
+
+
+_FIXED: Dict[tuple, FixedPlan] = {}
+
+
+def fixed_plan(numel: int, density: float, dev) -> FixedPlan:
+    key = (int(numel), float(density), str(dev))
+    plan = _FIXED.get(key)
+    if plan is None:
+        k = keep_count(numel, density)
+        b1, ts = wire.rice_table(numel)
+        varint = torch.frombuffer(bytearray(wire.uvarint(numel)), dtype=torch.uint8).to(dev)
+        window = (7 + min(wire.MAX_RICE_B, b1 + 1) + 7) // 8
+        ln = len(wire.uvarint(numel))
+        consts = {"sign": torch.tensor([[1.0], [-1.0]], dtype=torch.float64, device=dev),
+                  "sign32": torch.tensor([[1.0], [-1.0]], device=dev),
+                  "magic": torch.tensor([0x53, 0x42, wire.VERSION], dtype=torch.uint8,
+                                        device=dev),
+                  "k": torch.arange(k, device=dev), "nine": torch.arange(9, device=dev),
+                  "four": torch.arange(4, device=dev), "three": torch.arange(-1, 2, device=dev),
+                  "span": torch.arange(window, device=dev),
+                  "prefix": torch.arange(5 + ln, device=dev),
+                  "byte_shift": 8 * torch.arange(4, device=dev),
+                  "minus1": torch.full((1,), -1, dtype=torch.int64, device=dev)}
+        plan = _FIXED[key] = FixedPlan(
+            numel, k, wire.tensor_capacity(numel, k), varint,
+            torch.tensor(ts, dtype=torch.int64, device=dev), b1, window, consts)
+    return plan
+
+
+def fixed_eligible(a: torch.Tensor) -> bool:
+    """Tensors :func:`encode_fixed` takes: non-empty contiguous 1-D float32 of fewer than 2**31
+    elements (positions and ranks share one int64 sort key)."""
+    return a.dtype == torch.float32 and a.dim() == 1 and a.is_contiguous() and \
+        0 < a.numel() < 1 << 31
+
+
+def _varint_bytes(v: torch.Tensor, nine: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [len(v), 9]: the minimal LEB128 of each int64 of ``v``, zero after its end; the
+    lengths in bytes). ``nine``: ``arange(9)`` on the device."""
+    groups = v[:, None] >> (7 * nine)
+    length = 1 + (groups[:, 1:] > 0).sum(1)
+    more = nine < (length - 1)[:, None]
+    return ((groups & 127) | (more.long() << 7)).to(torch.uint8), length
+
+
+def _sides_fixed(a: torch.Tensor, k: int, cst: Dict[str, torch.Tensor]):
+    """Per side (positive, negative): the c = min(k, #side) largest magnitudes' positions
+    sorted, padded with ``numel`` to k, and the side's float32 mean (only meaningful when
+    c > 0), as :func:`horovod_sbc.reference.select_sides_np` and ``mean_f32`` define them
+    (ties to the lower position: keys ``magnitude << 32 - position``; the tree sum padded to
+    a larger power of two adds exact zeros)."""
+    n = a.numel()
+    mag = a.view(torch.int32).long() & 0x7FFFFFFF
+    key = (mag << 32) - torch.arange(n, device=a.device)
+    keys = torch.where(a * cst["sign32"] > 0, key, -1)  # [2, n]: a > 0, -a > 0
+    top = torch.topk(keys, k, dim=1, sorted=False).values
+    pos = torch.sort(torch.where(top >= 0, (-top) & 0xFFFFFFFF, n), dim=1).values
+    ok = pos < n
+    c = ok.sum(1)
+    # unsent slots: some entry times 0 (an exact zero of either sign, which the sums ignore)
+    x = a.gather(0, pos.clamp(max=n - 1).view(-1)).view(2, k).double() * (ok * cst["sign"])
+    w = 1 << (k - 1).bit_length()
+    x = torch.nn.functional.pad(x, (0, w - k))
+    while w > 1:
+        w //= 2
+        x = x.view(2, 2, w).sum(1)  # x[:, j] + x[:, j + w]: one rounding, as the reference
+    return pos, c, (x[:, 0] / c.clamp(min=1)).float()
+
+
+def encode_fixed(a: torch.Tensor, plan: FixedPlan):
+    """One SBC tensor message (mode ``"sbc"``, selection ``"paper"``) of flat float32 ``a``,
+    byte for byte :func:`horovod_sbc.torch.codec.encode_update`'s, written into
+    ``plan.capacity + 1`` zero bytes (the body of a one-tensor PADDED step, whose padding is
+    never empty) with tensor ops only: no host read, whatever the data.
+    Returns (body uint8 [capacity + 1], positions int64 [k], values [k], not finite 0-d bool):
+    error feedback is ``a.index_add_(0, positions, values, alpha=-1)`` (the unsent slots
+    point at 0 with value 0, which adds -0.0: nothing). With NaN/Inf the message is garbage
+    and the caller sends an ERROR/SKIP step instead. Bytes whose value is 0 (unsent slots,
+    varint bytes past their length) are added at offset 0, which changes nothing."""
+    k, cst = plan.k, plan.consts
+    bad = ((a.view(torch.int32) & 0x7F800000) == 0x7F800000).any()
+    pos, c, mu = _sides_fixed(a, k, cst)
+    pos_wins = (mu[0] >= mu[1]) & (mu[0] > 0)
+    neg_wins = ~pos_wins & (mu[1] > 0)
+    sent = pos_wins | neg_wins
+    s = neg_wins.long().view(1)
+    count = c.gather(0, s)[0] * sent
+    value = torch.where(sent, mu.gather(0, s)[0], 0.0)
+    p = pos.index_select(0, s).view(k)
+    m = cst["k"] < count
+    gap = (torch.diff(p, prepend=cst["minus1"]) - 1) * m
+    # the Rice parameter: wire.choose_rice_b among b* - 1 .. b* + 1 (clamped into 0..62: a
+    # clamped candidate repeats its neighbour, and argmin keeps the first of equal costs)
+    cb = (plan.b1 - (plan.thresholds <= count).sum() + cst["three"]).clamp(0, wire.MAX_RICE_B)
+    sq = (gap[None, :] >> cb[:, None]).sum(1)
+    j = torch.argmin((sq + count + 7) // 8 + (count * cb + 7) // 8).view(1)
+    b = cb.gather(0, j)[0] * (count > 0)
+    unary = (sq.gather(0, j)[0] + count + 7) // 8
+    # header: "SB" 1 flags b | numel | count | unary_nbytes | value
+    nine, ln = cst["nine"], plan.numel_varint.numel()
+    var, lens = _varint_bytes(torch.stack([count, unary]), nine)
+    at_u = 5 + ln + lens[0]
+    h_end = at_u + lens[1] + 4
+    vbytes = (((value.view(1).view(torch.int32).long() & 0xFFFFFFFF) >> cst["byte_shift"])
+              & 255).to(torch.uint8)
+    head = torch.cat([cst["magic"], neg_wins.view(1).to(torch.uint8), b.view(1).to(torch.uint8),
+                      plan.numel_varint, var.view(-1), vbytes])
+    dest = torch.cat([cst["prefix"], ((5 + ln + nine) * (nine < lens[0])),
+                      (at_u + nine) * (nine < lens[1]), h_end - 4 + cst["four"]])
+    buf = torch.zeros(plan.capacity + 8, dtype=torch.uint8, device=a.device)
+    buf.index_add_(0, dest, head)
+    # unary stream: one bit at each cumulative sum of q + 1; remainders by a 64-bit window
+    bit = 8 * h_end + torch.cumsum(((gap >> b) + 1) * m, 0) - 1
+    buf.index_add_(0, (bit >> 3) * m, ((128 >> (bit & 7)) * m).to(torch.uint8))
+    off = 8 * (h_end + unary) + cst["k"] * b
+    word = (gap & ((1 << b) - 1)) << (64 - b - (off & 7)).clamp(max=63)
+    span = cst["span"]
+    buf.index_add_(0, (((off >> 3)[:, None] + span) * m[:, None]).view(-1),
+                   ((word[:, None] >> (56 - 8 * span)) & 255).to(torch.uint8).view(-1))
+    signed = torch.where(neg_wins, -value, value)
+    return buf[:plan.capacity + 1], p * m, torch.where(m, signed, 0.0), bad
+
+
+_HEADS: Dict[tuple, torch.Tensor] = {}
+
+
+def frame_fixed(body: torch.Tensor, layout_crc: int, n_tensors: int,
+                origin: int = 0, flags: int = 0) -> torch.Tensor:
+    """A PADDED step message around ``body`` (uint8 on its device, content and padding): the
+    first 20 header bytes are uploaded once per (length, layout, device), the CRC is
+    :func:`crc32_device`; no host read."""
+    key = (body.numel(), layout_crc, n_tensors, origin, flags, str(body.device))
+    head = _HEADS.get(key)
+    if head is None:
+        raw = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags | wire.STEP_FLAG_PADDED,
+                                    origin, body.numel(), layout_crc, n_tensors, 0)[:20]
+        head = _HEADS[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(body.device)
+    crc = crc32_device(body)
+    crc_bytes = ((crc >> (8 * torch.arange(4, device=body.device))) & 255).to(torch.uint8)
+    return torch.cat([head, crc_bytes, body])

@@ -21,7 +21,7 @@ import torch
 from .. import protocol, wire
 from . import decoder, exchange
 from .codec import NonFiniteError, _kernels_for
-from .fused import FusedEncoding, encode_fused
+from .fused import FusedEncoding, encode_fused, frame_fixed
 
 
 def eligible(state, updates) -> bool:
@@ -69,7 +69,8 @@ class FusedStep:
                                                                   self.targets])))
 
 
-def encode(state, updates, layout_crc: int) -> Optional[FusedStep]:
+def encode(state, updates, layout_crc: int, capacity: Optional[int] = None
+           ) -> Optional[FusedStep]:
     """Encode every update at once and frame the step message, or None (nothing written)
     when an update holds NaN/Inf: the per-tensor path then reports it with its own rules for
     the residuals. Kept in the weights, the update is ``W - W_ref``; otherwise ``R + dW``,
@@ -90,12 +91,20 @@ def encode(state, updates, layout_crc: int) -> Optional[FusedStep]:
         return None
     if not updates[0].in_weights:
         torch._foreach_copy_(targets, list(torch.split(flat, [t.numel() for t in targets])))
-    return FusedStep(frame(enc.body, layout_crc, len(updates)), enc, targets)
+    return FusedStep(frame(enc.body, layout_crc, len(updates), capacity), enc, targets)
 
 
-def frame(body: torch.Tensor, layout_crc: int, n_tensors: int) -> torch.Tensor:
+def frame(body: torch.Tensor, layout_crc: int, n_tensors: int,
+          capacity: Optional[int] = None) -> torch.Tensor:
     """The step message of a body of ``n_tensors`` tensor messages (one host read of the body
-    for its CRC, one upload of the 24-byte header)."""
+    for its CRC, one upload of the 24-byte header); with ``capacity`` a PADDED one, whose CRC
+    is computed on the device (:func:`horovod_sbc.torch.fused.frame_fixed`): no host read."""
+    if capacity is not None:
+        pad = capacity - wire.STEP_HEADER_SIZE - body.numel()
+        if pad < 1:
+            raise AssertionError(f"horovod_sbc: a step body of {body.numel()} bytes exceeds "
+                                 f"its capacity of {capacity - wire.STEP_HEADER_SIZE}")
+        return frame_fixed(torch.cat([body, body.new_zeros(pad)]), layout_crc, n_tensors)
     head = wire.step_header_bytes(exchange._host_bytes(body), layout_crc, n_tensors)
     return torch.cat([exchange._device_bytes(head, body.device), body])
 

@@ -253,25 +253,43 @@ def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int
     update that is not finite (weights checked before any residual changes, see
     :meth:`Update.weights_finite`)."""
     skip = state.config.nonfinite == "skip"
+    cap = exchange.step_capacity([(u.name, u.value.shape) for u in updates], state.config)
     if error is not None:
-        return [], exchange.error_frame(error[1], fp, skip, dev, error[0]), None, True
+        return [], _error_frame(state, error[1], fp, skip, dev, error[0], cap), None, True
     bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
                None)
     if bad is not None:
         reason = f"the update of {bad.name!r} contains NaN or Inf"
-        return [], exchange.error_frame(reason, fp, skip, dev, rank), None, True
+        return [], _error_frame(state, reason, fp, skip, dev, rank, cap), None, True
     # the device path encodes all at once (None on NaN/Inf: the loop then finds it as usual)
-    fused = fused_sync.encode(state, updates, fp) if fused_sync.eligible(state, updates) \
-        else None
+    fused = fused_sync.encode(state, updates, fp, cap) \
+        if fused_sync.eligible(state, updates) else None
     if fused is not None:
+        _count_padding(state, cap, fused.encoding.body.numel())
         return [fused], fused.step, fused, False
     encoded: List[Encoded] = []
     for u in updates:
         try:
             encoded.append(_encode(state, u))
         except NonFiniteError as e:
-            return encoded, exchange.error_frame(str(e), fp, skip, dev, rank), None, True
-    return encoded, exchange.frame([e.message for e in encoded], fp, dev), None, False
+            return encoded, _error_frame(state, str(e), fp, skip, dev, rank, cap), None, True
+    msgs = [e.message for e in encoded]
+    _count_padding(state, cap, sum(m.numel() for m in msgs))
+    return encoded, exchange.frame(msgs, fp, dev, cap), None, False
+
+
+def _count_padding(state: SyncState, cap: Optional[int], body: int) -> None:
+    """``stats()["padding_bits"]``: the zero bytes a fixed-size step adds after ``body``."""
+    if cap is not None:
+        state.manager.add(padding_bits=8 * (cap - wire.STEP_HEADER_SIZE - body))
+
+
+def _error_frame(state: SyncState, reason: str, fp: int, skip: bool, dev, rank: int,
+                 cap: Optional[int]) -> torch.Tensor:
+    if cap is not None:  # a padded reason holds no zero byte: the padding is what rstrip drops
+        raw = wire.error_step_message(reason, fp, skip, rank, cap)
+        state.manager.add(padding_bits=8 * (len(raw) - len(raw.rstrip(b"\0"))))
+    return exchange.error_frame(reason, fp, skip, dev, rank, cap)
 
 
 def _exchange(state: SyncState, step: torch.Tensor, layout, size: int, rank: int, out,

@@ -1,4 +1,5 @@
-"""Regenerate tests/golden/vectors.json from the numpy reference (run only on a format change).
+"""Regenerate tests/golden/vectors.json and padded.json from the numpy reference (run only on a
+format change).
 
     .venv/bin/python tests/golden/make_golden.py
 """
@@ -93,7 +94,38 @@ def main():
                       "message_hex": msg.hex(), "new_residual_sha256": digest(res)})
     with open(os.path.join(os.path.dirname(__file__), "vectors.json"), "w") as f:
         json.dump(cases, f, indent=1)
-    print(f"wrote {len(cases)} cases")
+    padded = padded_steps(cases)
+    with open(os.path.join(os.path.dirname(__file__), "padded.json"), "w") as f:
+        json.dump(padded, f, indent=1)
+    print(f"wrote {len(cases)} cases and {len(padded)} padded steps")
+
+
+PADDED = ["small", "zeros", "mid", "values", "sign", "paper_mid", "paper_few_positive"]
+
+
+def padded_steps(cases):
+    """PADDED step messages (wire.py, "Fixed-size step messages"): some cases' messages, each
+    the one tensor ``"t"`` of a step padded to its capacity, and a padded ERROR step."""
+    from horovod_sbc import wire
+    out = []
+    for c in cases:
+        if c["name"] not in PADDED:
+            continue
+        mode = c["binarize"] if isinstance(c["binarize"], str) else \
+            "sbc" if c["binarize"] else "values"
+        layout = [("t", (c["numel"],))]
+        cap = reference.step_capacity([c["numel"]], c["density"], mode)
+        step = wire.padded_step_message(bytes.fromhex(c["message_hex"]),
+                                        wire.layout_fingerprint(layout), 1, cap)
+        out.append({"name": c["name"], "numel": c["numel"], "density": c["density"],
+                    "mode": mode, "capacity": cap, "step_hex": step.hex()})
+    layout = [("t", (100,))]
+    cap = reference.step_capacity([100], 0.05, "sbc")
+    err = wire.error_step_message("the update of 't' contains NaN or Inf",
+                                  wire.layout_fingerprint(layout), False, 1, cap)
+    out.append({"name": "error", "numel": 100, "density": 0.05, "mode": "sbc",
+                "capacity": cap, "step_hex": err.hex()})
+    return out
 
 
 if __name__ == "__main__":
