@@ -1,4 +1,5 @@
 """Helpers for worker scripts: each worker gets its output directory as argv[1]."""
+import hashlib
 import json
 import os
 import sys
@@ -20,3 +21,11 @@ def scenarios(argv, run):
         return run(argv[2], dict(a.split("=", 1) for a in argv[3:]))
     return {"scenarios": [run(s[0], dict(a.split("=", 1) for a in s[1:]))
                           for s in json.loads(argv[3])]}
+
+
+def tensor_digest(tensors) -> str:
+    """sha256 of the bytes of ``tensors`` (torch), in order: equal digests, equal tensors."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().reshape(-1).numpy().tobytes())
+    return h.hexdigest()

@@ -20,7 +20,6 @@ worker's last committed snapshot), ``ready`` (with the shared models' evaluation
 weights, shared weights and residuals as they were when the sync's allgather started?) and
 ``done`` (after ``optimizer.finish()``).
 """
-import hashlib
 import json
 import os
 import sys
@@ -33,6 +32,9 @@ from horovod.common.exceptions import HorovodInternalError
 import horovod_sbc
 import horovod_sbc.torch as sbc
 from horovod_sbc.torch.elastic import SBCState, compression_of
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import tensor_digest as digest  # noqa: E402
 
 KW = dict(a.split("=", 1) for a in sys.argv[1:])
 STEPS, KILL = int(KW.get("steps", 32)), int(KW.get("kill", 24))
@@ -48,13 +50,6 @@ EVAL_X = torch.randn(256, 16, generator=torch.Generator().manual_seed(8))
 def emit(ev, **kw):
     print("EL " + json.dumps(dict(ev=ev, wid=WID, rank=hvd.rank(), size=hvd.size(), host=HOST,
                                   **kw)), flush=True)
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().view(-1).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def batch(step):

@@ -15,14 +15,13 @@ Parts (each recorded under its own key):
   mnist1d    test accuracy after ``steps`` steps of flat and of hierarchical SBC on mnist1d
              (p = 0.01, delay 4; data from ``data=<npz>``, made once by the test)
 """
-import hashlib
 import os
 import sys
 import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import write_result  # noqa: E402
+from common import tensor_digest as digest, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -38,13 +37,6 @@ hvd.init(process_sets=sbc.hierarchy_process_sets(GROUPS))
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
 DELAY, FIRST, MORE = 2, 5, 6  # the checkpoint falls mid-delay (syncs after steps 2, 4, 6, ...)
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def error_of(fn):

@@ -15,12 +15,11 @@ Modes:
           digests right after the load, continue ``steps`` steps and record as ``train``.
   rank0_loads  only rank 0 loads its file, then ``broadcast_state``; continue as ``resume``.
 """
-import hashlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import scenarios, write_result  # noqa: E402
+from common import scenarios, write_result, tensor_digest as digest  # noqa: E402
 
 import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
@@ -57,13 +56,6 @@ def build(outer):
                                    outer=OUTERS[outer]())
     sbc.broadcast_state(model, opt)
     return model, opt
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).numpy().tobytes())
-    return h.hexdigest()
 
 
 def shared(opt):
