@@ -11,11 +11,14 @@ Launchers: ``"mpirun"`` (Open MPI, Horovod's MPI controller), ``"horovodrun-mpi"
 """
 from __future__ import annotations
 
+import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -80,6 +83,7 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
     """Run ``cmd`` in its own process group from the repository root; returns (exit code,
     output). ``on_line`` sees each output line as it comes. On timeout the whole group is
     killed and :class:`JobTimeout` carries the output so far."""
+    t0, cpu0 = time.monotonic(), _children_cpu()
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=str(ROOT), env=env if env is not None else job_env(),
                             start_new_session=True)
@@ -102,4 +106,20 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
         t.join(5)
         raise JobTimeout(cmd, timeout, "".join(lines)) from None
     t.join(10)
+    _log_job(cmd, time.monotonic() - t0, _children_cpu() - cpu0)
     return proc.returncode, "".join(lines)
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _log_job(cmd: Sequence[str], wall: float, cpu: float) -> None:
+    """With ``SBC_JOB_LOG=<file>``, append one JSON line per finished job (its command, wall
+    and CPU seconds of the processes it waited for): where a test suite's time goes."""
+    path = os.environ.get("SBC_JOB_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"cmd": [str(c) for c in cmd][-12:], "wall": round(wall, 2),
+                                "cpu": round(cpu, 2)}) + "\n")
