@@ -3,19 +3,16 @@
 Both adapters build their state objects on :class:`SBCConfig` (``horovod_sbc.torch.SBC``,
 ``horovod_sbc.tensorflow.SBC``), so a knob means the same and is checked the same way everywhere.
 The baselines of the torch adapter (top-k, FedAvg, signSGD, TernGrad) are presets of this one
-configuration (:data:`MODES`), not separate classes.
+configuration (the compressors of :mod:`horovod_sbc.registry`), not separate classes.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
+from . import registry
 
-#: what a tensor message carries (see :mod:`horovod_sbc.reference` and :mod:`horovod_sbc.wire`):
-#: ``sbc`` positions + one mean (binarized); ``values`` top-k positions + their float32 values;
-#: ``sign`` every element's sign + one scale (error-feedback signSGD); ``terngrad`` stochastic
-#: ternary positions + signs + one scale.
-MODES = ("sbc", "values", "sign", "terngrad")
+
 NONFINITE = ("raise", "skip")
 TOPOLOGIES = ("allgather", "server")
 
@@ -66,7 +63,8 @@ class SBCConfig:
         optimizers (torch ``DistributedOptimizer``, TF ``DistributedGradientTape`` with
         ``SBC.step`` or ``SBCCallback``) can delay; through Horovod's stock optimizer or tape it
         must be 1 (gradients are compressed every step).
-    mode: what a tensor message carries (:data:`MODES`): ``"sbc"`` (positions and one mean),
+    mode: the compressor, by its registered name (:mod:`horovod_sbc.registry`; one file each
+        in ``horovod_sbc/compressors/``): ``"sbc"`` (positions and one mean),
         ``"values"`` (top-k: the kept entries' own float32 values, ~32 more bits per position),
         ``"sign"`` (error-feedback signSGD, Karimireddy et al. 2019: every element's sign and one
         scale), ``"terngrad"`` (stochastic ternary, Wen et al. 2017, with error feedback).
@@ -115,8 +113,7 @@ class SBCConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("density", validate_density(self.density))
         set_("delay", validate_delay(self.delay))
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        registry.get(self.mode)  # ValueError naming the registered compressors
         set_("selection", validate_selection(self.selection))
         set_("nonfinite", validate_nonfinite(self.nonfinite))
         if self.topology not in TOPOLOGIES:
@@ -136,7 +133,7 @@ class SBCConfig:
     @property
     def binarize(self) -> bool:
         """One mean per tensor (SBC) rather than per-position values."""
-        return self.mode in ("sbc", "sign", "terngrad")
+        return registry.get(self.mode).binarize
 
     @property
     def downlink_mode(self) -> str:

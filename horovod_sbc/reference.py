@@ -41,7 +41,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import protocol, wire
+from . import protocol, registry, wire
 from .config import validate_selection
 from .protocol import StreamStats
 from .wire import TensorMessage
@@ -56,21 +56,10 @@ def keep_count(numel: int, density: float) -> int:
 
 def tensor_capacity(numel: int, density: float, mode: str = "sbc") -> int:
     """The bytes a tensor message of ``numel`` elements may take in ``mode`` at ``density``
-    (:func:`horovod_sbc.wire.tensor_capacity` with what the mode sends: SBC and top-k at most
-    k positions, top-k with ``k == numel`` every element and its value, signSGD every sign,
-    TernGrad up to every position and its sign)."""
+    (the compressor's :meth:`horovod_sbc.registry.Compressor.capacity`)."""
     if numel <= 0:
         return len(protocol.empty_tensor_message())
-    k = keep_count(numel, density)
-    if mode == "sbc":
-        return wire.tensor_capacity(numel, k)
-    if mode == "values":
-        return wire.tensor_capacity(numel, k, values=True, all_positions=k == numel)
-    if mode == "sign":
-        return wire.tensor_capacity(numel, numel, signs=True, all_positions=True)
-    if mode == "terngrad":
-        return wire.tensor_capacity(numel, numel, signs=True)
-    raise ValueError(f"unknown mode {mode!r}")
+    return registry.get(mode).capacity(numel, density)
 
 
 def step_capacity(numels: Sequence[int], density: float, mode: str = "sbc") -> int:
@@ -194,13 +183,18 @@ def binarize_np(values: np.ndarray) -> Tuple[np.ndarray, float, bool]:
 
 def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: float,
                 binarize: bool = True, mode: Optional[str] = None,
-                selection: str = "paper") -> Tuple[bytes, np.ndarray]:
-    """Reference SBC compressor for one tensor: (tensor message bytes, new residual).
+                selection: str = "paper", uniform: Optional[np.ndarray] = None
+                ) -> Tuple[bytes, np.ndarray]:
+    """Reference compressor for one tensor: (tensor message bytes, new residual).
 
-    The residual is kept in float32 for float16/bfloat16/float32 inputs, float64 for float64.
-    ``selection`` applies to binarized SBC only (``"paper"`` or ``"magnitude"``).
+    ``mode``: a registered compressor (:mod:`horovod_sbc.registry`; default ``"sbc"``, or
+    ``"values"`` with ``binarize=False``); its ``encode_np`` selects on ``A = R + dW`` and the
+    residual becomes ``A - sent``. The residual is kept in float32 for float16/bfloat16/float32
+    inputs, float64 for float64. ``selection`` applies to binarized SBC only (``"paper"`` or
+    ``"magnitude"``); ``uniform``: the draws of a random compressor (TernGrad).
     """
     validate_selection(selection)
+    compressor = registry.get(mode if mode is not None else "sbc" if binarize else "values")
     rdt = np.float64 if update.dtype == np.float64 else np.float32
     if residual is not None:  # A = R + dW: a new array (the inputs are left alone)
         a = np.add(update.astype(rdt, copy=False).ravel(),
@@ -209,31 +203,11 @@ def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: flo
         a = update.astype(rdt, copy=True).ravel()
     if a.size and not (np.isfinite(a.max()) and np.isfinite(a.min())):  # NaN/Inf propagate
         raise ValueError("update contains NaN or Inf")
-    n = a.size
-    if n == 0:  # one canonical encoding of an empty tensor, whatever the mode
+    if a.size == 0:  # one canonical encoding of an empty tensor, whatever the mode
         return protocol.empty_tensor_message(), a.reshape(update.shape)
-    if mode == "sign":
-        scale = float(np.float32(tree_sum_np(np.abs(a)) / n))
-        neg = a < 0
-        msg = encode_tensor_np(None, n, scale, signs=neg, all_positions=True)
-        a = a - np.where(neg, rdt(-scale), rdt(scale)).astype(rdt)
-        return msg, a.reshape(update.shape)
-    if mode not in (None, "sbc", "values"):
-        raise ValueError(f"unknown mode {mode!r}")
-    binarize = binarize and mode != "values"
-    k = keep_count(n, density)
-    if not binarize:
-        idx = select_np(np.abs(a), k)
-        vals = a[idx].astype(np.float32)
-        msg = encode_tensor_np(idx, n, values=vals, all_positions=(k == n))
-        a[idx] = a[idx] - vals.astype(rdt)
-        return msg, a.reshape(update.shape)
-    p_idx, n_idx = select_sides_np(a, k, selection)
-    side, mu = choose_side(mean_f32(a[p_idx]), mean_f32(-a[n_idx]))
-    pos = p_idx if side > 0 else n_idx if side < 0 else p_idx[:0]
-    msg = encode_tensor_np(pos, n, mu, side < 0)
+    msg, pos, sent = compressor.encode_np(a, density, selection, uniform)
     if pos.size:
-        a[pos] = a[pos] - rdt(-mu if side < 0 else mu)
+        a[pos] = a[pos] - sent
     return msg, a.reshape(update.shape)
 
 

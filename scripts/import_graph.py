@@ -21,13 +21,14 @@ PACKAGE = "horovod_sbc"
 
 #: layer of each module (prefix match, longest wins), lowest first
 LAYERS = [
-    ("format", ["wire", "config", "residual", "launch"]),
+    ("format", ["wire", "registry", "config", "residual", "launch"]),
     ("protocol", ["protocol"]),
     ("reference", ["reference"]),
     ("kernels", ["kernels"]),
     ("backends", ["torch.codec", "torch.decoder", "torch.exchange", "torch.fused",
                   "tensorflow.bits", "tensorflow.table", "tensorflow.native", "tensorflow.binary",
                   "tensorflow.decoder", "tensorflow.codec"]),
+    ("compressors", ["compressors"]),
     ("sync", ["torch.state", "torch.sync", "torch.fused_sync", "torch.server",
               "tensorflow.exchange"]),
     ("integrations", ["torch", "tensorflow", "advise"]),

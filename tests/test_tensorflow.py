@@ -21,7 +21,7 @@ N_TENSORS = {"stock": 4, "dropin": 6}
 
 def check_run(results, spec, steps):
     """Identical variables after the broadcast and after every sync; exact accounting."""
-    api, mode, delay = spec.split("-")
+    api, mode, delay = spec.split(":")[-1].split("-")  # "[compressor:]api-how-delay"
     delay = int(delay)
     runs = [r[spec] for r in results]
     np_ = len(results)
@@ -47,12 +47,16 @@ def check_run(results, spec, steps):
 
 
 RUNS_2 = ["stock-eager-1", "stock-fn-1", "dropin-eager-1", "dropin-fn-1", "dropin-fn-3"]
+# every compressor torch has, and tests/stc_compressor.py's, through the drop-in tape
+MODE_RUNS = ["sign-eager", "terngrad-eager", "values-eager", "stc-eager"]  # eager: tf.function
+# of these encoders is tests/test_registry.py's
 STEPS_2 = 8
 CKPT = tempfile.mkdtemp(prefix="sbc-tf-ckpt-")
 # "save" first: Keras numbers layer names per process, and the load runs in a fresh one
 TWO = SharedJob("tf_sbc.py", 2, {
     "save": ["save", f"ckpt={CKPT}"],
-    "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1"],
+    "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1",
+              "modes=" + ",".join(MODE_RUNS)],
     "errors": ["errors"]}, timeout=1200)
 LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"]}, after=[TWO], timeout=400)
 
@@ -69,6 +73,16 @@ def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
     for r in results:
         assert r["equiv"]["max_abs_diff"] <= 1e-6
     assert results[0]["equiv"]["digest"] == results[1]["equiv"]["digest"]
+
+
+@pytest.mark.parametrize("spec", MODE_RUNS)
+def test_every_compressor_keeps_ranks_identical_with_exact_accounting(spec):
+    """signSGD, TernGrad, top-k and a compressor registered by a test file (STC) through the
+    drop-in tape: identical variables after every sync, the bits on the wire counted."""
+    mode, how = spec.split("-")
+    runs = check_run(TWO["train"], f"{mode}:dropin-{how}-1", 4)
+    for r in runs:
+        assert r["stats"]["positions_sent"] > 0, spec
 
 
 def test_three_ranks_and_pytorch_decodes_tensorflow_messages():

@@ -19,8 +19,21 @@ N_TENSORS = 6
 
 @pytest.mark.parametrize("api,np_,delay,controller", TRAIN)
 def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, delay, controller):
-    steps = STEPS
-    results = JOBS[(np_, controller)][("train", api, delay)]
+    check_train(JOBS[(np_, controller)][("train", api, delay)], api, np_, delay)
+
+
+@pytest.mark.parametrize("api", ["stock", "dropin"])
+def test_a_compressor_registered_by_a_test_file_runs_through_both_paths(api):
+    """tests/stc_compressor.py (one file, nothing else changed) through the stock hook and
+    the drop-in: identical parameters after every sync, its bits counted exactly."""
+    results = JOBS[(2, "mpi")][("train", api, 1, "stc")]
+    check_train(results, api, 2, 1)
+    k = sum(max(1, round(0.05 * n)) for n in (20 * 64, 64, 64 * 5, 5, 64 * 5, 5))
+    for r in results:  # top-k of every tensor that had a gradient, every step
+        assert 0 < r["stats"]["positions_sent"] <= k * STEPS
+
+
+def check_train(results, api, np_, delay, steps=STEPS):
     digests = [r["digests"] for r in results]
     for s in range(0, steps + 1, delay):  # after the broadcast and after every sync
         assert len({d[s] for d in digests}) == 1, f"ranks differ after step {s}"

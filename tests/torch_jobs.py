@@ -35,6 +35,10 @@ def _scenarios():
                 for api in ("stock", "dropin")})
     two.update({("errors", lr): ["errors", f"local_residual={lr}"] for lr in (0, 1)})
     two[("baselines",)] = ["baselines"]
+    # a compressor registered by a test file (tests/stc_compressor.py), both torch paths
+    two.update({("train", api, 1, "stc"): ["train", f"api={api}", "delay=1", f"steps={STEPS}",
+                                           "density=0.05", "mode=stc"]
+                for api in ("stock", "dropin")})
     two.update({("save", *c): ["save", *ckpt_args(c)] for c in CKPT})
     # tests/test_reliability.py
     two.update({("odd", lr): ["odd", f"local_residual={lr}"] for lr in (0, 1)})

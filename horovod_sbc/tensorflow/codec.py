@@ -44,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import reference, wire, config
+from .. import config, reference, registry, wire
 from . import native
 from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
 from .decoder import decode_messages
@@ -56,7 +56,6 @@ _SAMPLE_MIN = 65536
 _BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviations off the k-th
 _SAMPLE_EXPECT = 1024    # sample so that ~this many sampled entries reach the k-th (top_k cost)
 _DENSE_UPDATE = 200      # residual update by one dense subtraction once k * this >= numel
-MODES = ("sbc", "values", "sign")
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
     raise ImportError("horovod_sbc.tensorflow.codec assumes a little-endian host")
 
@@ -131,7 +130,7 @@ def _f32_of_bits(bits: tf.Tensor) -> tf.Tensor:
     return tf.bitcast(tf.cast(bits, tf.int32), tf.float32)
 
 
-def _value_in(bits32: tf.Tensor, dtype: tf.DType, negative=None) -> tf.Tensor:
+def value_in(bits32: tf.Tensor, dtype: tf.DType, negative=None) -> tf.Tensor:
     """A float32 wire value (bits) as ``dtype``, exactly (float64 through integer ops)."""
     if negative is not None:
         bits32 = tf.where(negative, tf.bitwise.bitwise_or(bits32, tf.constant(-2 ** 31, tf.int32)),
@@ -265,7 +264,7 @@ def _use_blocks(n: int, k: int, n_sides: int) -> bool:
 def _prepare(a: tf.Tensor, k: int, n_sides: int) -> _Prep:
     n = int(a.shape[0])
     if not _use_blocks(n, k, n_sides):
-        return _Prep(None, None, _finite(a))
+        return _Prep(None, None, all_finite(a))
     nb = n // _BLOCK
     head = tf.reshape(a[:nb * _BLOCK], [nb, _BLOCK])
     tail = a[nb * _BLOCK:]
@@ -522,7 +521,7 @@ def encode_positions(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
 # ----------------------------------------------------------------------------------------------
 # the encoder
 # ----------------------------------------------------------------------------------------------
-def _finite(a: tf.Tensor) -> tf.Tensor:
+def all_finite(a: tf.Tensor) -> tf.Tensor:
     """Does ``a`` hold only finite numbers? Large tensors: one float sum (NaN and Inf propagate
     through it; only a sum that overflowed is rechecked element by element)."""
     if int(a.shape[0]) <= _EXACT_BELOW:
@@ -534,9 +533,18 @@ def _finite(a: tf.Tensor) -> tf.Tensor:
 
 def _normalize_mode(mode) -> str:
     mode = "sbc" if mode is True else "values" if mode is False else mode
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+    registry.get(mode)  # ValueError naming the known modes
     return mode
+
+
+def abs_max_f32_bits(a: tf.Tensor) -> tf.Tensor:
+    """int32 bits of ``max|a|`` rounded to float32, exact for subnormal values (which TF's float
+    ops flush on the CPU): non-negative floats order like their bit patterns."""
+    if a.dtype == tf.float32:
+        return tf.reduce_max(tf.bitwise.bitwise_and(tf.bitcast(a, tf.int32), 0x7FFFFFFF))
+    mag = tf.bitwise.bitwise_and(tf.bitcast(tf.cast(a, tf.float64), tf.int64),
+                                 tf.constant(0x7FFFFFFFFFFFFFFF, tf.int64))
+    return f64_to_f32_bits(tf.bitcast(tf.reduce_max(mag), tf.float64))
 
 
 def _encode_native(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int,
@@ -550,7 +558,7 @@ def _encode_native(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int
 
 @_no_autograph
 def encode_sum(update: Optional[tf.Tensor], residual: tf.Tensor, density: float, mode="sbc",
-               selection: str = "paper", name: str = "tensor") -> Encoded:
+               selection: str = "paper", name: str = "tensor", generator=None) -> Encoded:
     """:func:`encode_update` of ``A = update + residual`` (flat, same dtype; ``update`` None:
     ``A = residual``), with :attr:`Encoded.new_residual` (``A - sent``) set. Binary SBC of a
     float32 tensor on the CPU runs in one kernel op (:mod:`horovod_sbc.tensorflow.native`: the
@@ -564,18 +572,20 @@ def encode_sum(update: Optional[tf.Tensor], residual: tf.Tensor, density: float,
         k = reference.keep_count(n, config.validate_density(density))
         return _encode_native(mod, update, residual, k, selection)
     a = residual if update is None else tf.reshape(update, [-1]) + residual
-    enc = encode_update(a, density, mode, selection, name, native_ok=False)
+    enc = encode_update(a, density, mode, selection, name, native_ok=False, generator=generator)
     enc.new_residual = enc.residual(a)
     return enc
 
 
 @_no_autograph
 def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "paper",
-                  name: str = "tensor", native_ok: bool = True) -> Encoded:
+                  name: str = "tensor", native_ok: bool = True, generator=None) -> Encoded:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``, float32 or float64).
 
-    ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with the
-    kept entries' float32 values (magnitude selection); ``"sign"`` error-feedback signSGD.
+    ``mode``: ``"sbc"`` (or True) top-k + binarization and ``"values"`` (or False) top-k with
+    the kept entries' float32 values (magnitude selection) run here; any other registered
+    compressor (:mod:`horovod_sbc.registry`) runs its own ``encode_tf`` (``generator``: the
+    ``tf.random.Generator`` of a random one).
     ``selection``: SBC's candidate sets, ``"paper"`` or ``"magnitude"`` (see
     :mod:`horovod_sbc.reference`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
     error feedback with ``a - sent`` at ``positions``, see :func:`apply_sent`).
@@ -594,30 +604,25 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     if n == 0:
         return Encoded(*encode_parts(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
                        tf.constant(True), 0)
+    if mode not in ("sbc", "values"):  # a registered compressor's own encoder
+        return registry.get(mode).encode_tf(a, density, selection, name, generator)
     k = reference.keep_count(n, density)
     mod = native.encoder_for(a, mode) if native_ok else None
     if mod is not None:
         return _encode_native(mod, None, a, k, selection)
-    if mode == "sign" or n <= _EXACT_BELOW or k >= n:
-        prep = _Prep(None, None, _finite(a))
+    if n <= _EXACT_BELOW or k >= n:
+        prep = _Prep(None, None, all_finite(a))
     else:
         prep = _prepare(a, k, 2 if (mode == "sbc" and selection == "paper") else 1)
     finite = prep.finite
 
     def encode():
-        if mode == "sign":
-            sbits = f64_to_f32_bits(tree_sum(tf.abs(a), n) / float(n))
-            neg = a < 0
-            scale = _value_in(sbits, a.dtype)
-            sent = tf.where(neg, -scale, scale)
-            msg = encode_parts(empty_pos, n, sbits, signs=neg, all_positions=True)
-            return msg, tf.range(n, dtype=tf.int64), sent
         if mode == "values":
             (idx,) = select_sides(a, k, [Side.ABS], positive_only=False, prep=prep)
             vals = tf.gather(a, idx)
             v32 = vals if a.dtype == tf.float32 else tf.cast(vals, tf.float32)
             msg = encode_parts(idx, n, values=v32, all_positions=(k == n))
-            sent = v32 if a.dtype == tf.float32 else _value_in(tf.bitcast(v32, tf.int32),
+            sent = v32 if a.dtype == tf.float32 else value_in(tf.bitcast(v32, tf.int32),
                                                                  a.dtype)
             return msg, idx, sent
         if selection == "paper":
@@ -637,19 +642,29 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
         pos = tf.concat([p_idx[:take_p], n_idx[:take_n]], 0)  # the side sent (no tf.cond)
         mu = tf.where(pos_side, mu_pos, tf.where(neg_side, mu_neg, 0))
         msg = encode_parts(pos, n, mu, neg_side)
-        value = _value_in(mu, a.dtype, negative=neg_side)
+        value = value_in(mu, a.dtype, negative=neg_side)
         return msg, pos, tf.fill(tf.shape(pos), value)
 
     # A non-finite update is encoded all the same (nothing in the selection breaks on NaN, it only
     # takes the slow exact path); ``finite`` tells the caller to send an error instead.
     (header, body), pos, sent = encode()
-    if mode == "sign" or (mode == "values" and k >= n):
+    if mode == "values" and k >= n:
         update = ResidualUpdate.ALL
     elif k * _DENSE_UPDATE >= n:
         update = ResidualUpdate.DENSE
     else:
         update = ResidualUpdate.SCATTER
     return Encoded(header, body, pos, sent, finite, n, update)
+
+
+def top_k_abs(a: tf.Tensor, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(sorted int64 positions of the ``k`` largest ``|a|``, ties to the lower index; is ``a``
+    finite): the selection of top-k, for compressors built on it. ``a`` flat, non-empty."""
+    n = int(a.shape[0])
+    prep = _Prep(None, None, all_finite(a)) if n <= _EXACT_BELOW or k >= n else \
+        _prepare(a, k, 1)
+    (idx,) = select_sides(a, k, [Side.ABS], positive_only=False, prep=prep)
+    return idx, prep.finite
 
 
 def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor,

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from .. import wire
+from .. import registry, wire
 from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
 from . import exchange
@@ -87,9 +87,13 @@ class SBC(tf.Module):
             the weights go back to the last shared state; in gradient modes the returned
             gradients are zeros for that step. Inside ``tf.function`` a ``ValueError`` arrives
             as ``tf.errors.InvalidArgumentError`` with the same text.
-        binarize: True (SBC, ``mode="sbc"``) or False (top-k, ``mode="values"``). The other
-            modes (signSGD, TernGrad), the server topology and momentum masking are torch-only
-            so far.
+        mode, seed: the compressor (any registered one: ``"sbc"``, ``"values"``, ``"sign"``,
+            ``"terngrad"``, or your own, see :mod:`horovod_sbc.registry`) and the seed of a
+            random one's draws, as in :class:`horovod_sbc.config.SBCConfig`. TernGrad's draws
+            are ``tf.random.stateless_uniform`` of (``seed``, rank, sync count, tensor), so a
+            resumed run draws what it would have drawn.
+        binarize: ``False`` is ``mode="values"`` (top-k). The server topology and momentum
+            masking are torch-only.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
@@ -105,15 +109,20 @@ class SBC(tf.Module):
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper",
-                 name: str = "sbc", local_residual: bool = False):
+                 name: str = "sbc", local_residual: bool = False, mode: Optional[str] = None,
+                 seed: int = 0):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
         self.local_residual = local_residual
+        if mode is None:
+            mode = "sbc" if binarize else "values"
+        elif not binarize and mode == "sbc":
+            raise ValueError("binarize=False contradicts mode='sbc'; give one of them")
         # the same validated knobs as the torch adapter's (horovod_sbc.config)
-        self.config = SBCConfig(density=density, delay=delay,
-                                mode="sbc" if binarize else "values", selection=selection,
-                                nonfinite=nonfinite)
+        self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
+                                nonfinite=nonfinite, seed=seed)
+        self.mode = self.config.mode
         self.density, self.delay = self.config.density, self.config.delay
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
@@ -127,6 +136,8 @@ class SBC(tf.Module):
             self.local_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_steps")
             self.pending = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending")
             self.world = tf.Variable([-1, -1], dtype=tf.int64, trainable=False, name="world")
+            # exchanges encoded so far: a random compressor's draws are a function of it
+            self.draws = tf.Variable(0, dtype=tf.int64, trainable=False, name="draws")
         # the framework-agnostic holder shares the (checkpoint-tracked) stores
         self.manager = ResidualManager()
         self.manager.residuals, self.manager.reference = self.residuals, self.reference
@@ -134,7 +145,7 @@ class SBC(tf.Module):
                                    selection=self.selection)
 
     def __repr__(self) -> str:
-        return (f"SBC(density={self.density}, delay={self.delay}, binarize={self.binarize}, "
+        return (f"SBC(density={self.density}, delay={self.delay}, mode={self.mode!r}, "
                 f"nonfinite={self.nonfinite!r})")
 
     # -- statistics ---------------------------------------------------------------------------
@@ -247,10 +258,16 @@ class SBC(tf.Module):
             self.local_steps.assign(0)
 
     # -- pieces shared by the modes -------------------------------------------------------------
-    def _commit(self, residuals, updates, code, new_res):
-        """Commit error feedback according to the verdict of the decode (see exchange)."""
+    def _commit(self, residuals, updates, code, new_res, positions):
+        """Commit error feedback according to the verdict of the decode (see exchange), and
+        count what a committed sync sent."""
+        numel = sum(int(r.shape.num_elements()) for r in residuals)
+
         def commit():
-            with tf.control_dependencies([r.assign(n) for r, n in zip(residuals, new_res)]):
+            ops = [r.assign(n) for r, n in zip(residuals, new_res)]
+            ops += [self.counters["positions_sent"].assign_add(positions),
+                    self.counters["elements_synced"].assign_add(numel)]
+            with tf.control_dependencies(ops):
                 return tf.constant(True)
 
         def keep_update():  # a rank skipped: nothing was sent, R + dW stays in the residual
@@ -271,8 +288,13 @@ class SBC(tf.Module):
     def _exchange(self, names, shapes, updates, residuals, scale, tag, outs=None,
                   extra_up_bits: int = 0):
         size, rank = self._world()
+        seeds = None
+        if registry.get(self.mode).random:  # stateless draws: (seed, rank, exchange, tensor)
+            n = self.draws.assign_add(1) - 1
+            seeds = [tf.stack([tf.constant(self.config.seed * 65536 + rank, tf.int64),
+                               n * 65536 + i]) for i in range(len(names))]
         return exchange.exchange(names, shapes, updates, [r.read_value() for r in residuals],
-                                 density=self.density, binarize=self.binarize,
+                                 density=self.density, mode=self.mode, seeds=seeds,
                                  selection=self.selection,
                                  skip=self.nonfinite == "skip", rank=rank, size=size,
                                  scale=scale, tag=tag, outs=outs,
@@ -309,8 +331,9 @@ class SBC(tf.Module):
         counted = [self.counters["steps"].assign_add(1),
                    self.counters["dense_bits"].assign_add(32 * numel)]
         with tf.control_dependencies(counted):
-            code, avg, new_res = self._exchange(names, shapes, upds, res, 1.0 / size, tag)
-        ops = [self._commit(res, upds, code, new_res),
+            code, avg, new_res, sent = self._exchange(names, shapes, upds, res, 1.0 / size,
+                                                      tag)
+        ops = [self._commit(res, upds, code, new_res, sent),
                self.counters["syncs"].assign_add(tf.cast(tf.equal(code, COMMIT), tf.int64))]
         with tf.control_dependencies(ops):
             for (name, v, i), a in zip(entries, avg):
@@ -360,9 +383,9 @@ class SBC(tf.Module):
             upds.append(self._window_update(v, ref, r))
             names.append(name), shapes.append(shape), res.append(r), refs.append(ref)
         # the average of all ranks' decoded updates is added straight into W_ref
-        code, new_refs, new_res = self._exchange(
+        code, new_refs, new_res, sent = self._exchange(
             names, shapes, upds, res, 1.0 / size, tag, outs=[r.read_value() for r in refs])
-        committed = [self._commit(res, upds, code, new_res),
+        committed = [self._commit(res, upds, code, new_res, sent),
                      self.counters["syncs"].assign_add(tf.cast(tf.equal(code, COMMIT), tf.int64)),
                      self.local_steps.assign(0)]
         ops = list(committed)
@@ -461,14 +484,14 @@ class SBC(tf.Module):
         counted = [self.counters["dense_bits"].assign_add(32 * numel),
                    self.calls[name].assign_add(1)]
         with tf.control_dependencies(counted):
-            code, avg, new_res = self._exchange(
+            code, avg, new_res, sent = self._exchange(
                 [name], [shape], [upd], [res], 1.0 if op_sum else 1.0 / size,
                 f"sbc_{tf_name(name)}", extra_up_bits=8 * dummy.dtype.size)
-        return dummy, (tensor.dtype, res, upd, code, avg[0], new_res)
+        return dummy, (tensor.dtype, res, upd, code, avg[0], new_res, sent)
 
     @_no_autograph
     def decompress(self, tensor, ctx):
         """Horovod hook: commit the error feedback and return the averaged gradient."""
-        dtype, res, upd, code, avg, new_res = ctx
-        with tf.control_dependencies([self._commit([res], [upd], code, new_res)]):
+        dtype, res, upd, code, avg, new_res, sent = ctx
+        with tf.control_dependencies([self._commit([res], [upd], code, new_res, sent)]):
             return tf.cast(tf.identity(avg), dtype)  # zeros if the step was skipped

@@ -115,25 +115,28 @@ def outcome_of_error(e: BaseException):
 @tf.autograph.experimental.do_not_convert
 def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
              updates: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], *, density: float,
-             binarize: bool, skip: bool, rank: int, size: int, scale: float, tag: str,
+             mode="sbc", skip: bool, rank: int, size: int, scale: float, tag: str,
              outs: Optional[Sequence[tf.Tensor]] = None, on_gathered=None,
-             selection: str = "paper"):
-    """One sync as graph ops: ``(code, results, new_residuals)``.
+             selection: str = "paper", seeds: Optional[Sequence[tf.Tensor]] = None):
+    """One sync as graph ops: ``(code, results, new_residuals, positions)``.
 
     ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
     zeros) plus ``scale`` x the sum of all ranks' decoded updates; ``code`` is a scalar int32
     (:class:`horovod_sbc.tensorflow.decoder.SyncCode`). The caller commits ``new_residuals``
-    according to ``code``.
+    according to ``code``; ``positions`` (int64 scalar) is how many positions this rank's
+    messages carry (``stats()["positions_sent"]`` of a committed sync).
     ``on_gathered(step, gathered)`` returns ops (e.g. traffic counters) that run before decoding,
-    so they count a sync that then fails too.
+    so they count a sync that then fails too. ``mode``: the compressor (``True``/``False``
+    are ``"sbc"``/``"values"``); ``seeds``: per tensor, the stateless seed of a random one.
     """
     layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
     fp = wire.layout_fingerprint(layout)
     numels = [wire.layout_numel(s) for s in shapes]
     heads, bodies, finite, new_res = [], [], [], []
-    for name, u, r in zip(names, updates, residuals):
+    for i, (name, u, r) in enumerate(zip(names, updates, residuals)):
         # A = dW + R, encoded (by the kernel op for float32 binary SBC on the CPU)
-        enc = tfcodec.encode_sum(u, r, density, binarize, selection, name)
+        enc = tfcodec.encode_sum(u, r, density, mode, selection, name,
+                                 None if seeds is None else seeds[i])
         heads.append(enc.header)
         bodies.append(enc.body)
         finite.append(enc.finite)
@@ -156,4 +159,4 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
         gathered, layout, size, None if outs is None else list(outs), scale, out_dtypes,
         tf.logical_not(all_finite), strict=False)
     results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
-    return code, results, new_res
+    return code, results, new_res, tf.reduce_sum(tf.stack(heads)[:, 2])

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import kernels, protocol, wire
+from .. import kernels, protocol, registry, wire
 from ..reference import choose_side, keep_count
 
 _EXACT_BELOW = 1 << 14  # below this one exact pass over the whole tensor is cheaper
@@ -160,7 +160,7 @@ def _exact_sides(a: torch.Tensor, k: int, paper: bool, name: str) -> List[torch.
         p = torch.nonzero(_topk_mask(a.clamp(min=0), k) & (a > 0)).squeeze(1)
         q = torch.nonzero(_topk_mask(a.clamp(max=0).neg_(), k) & (a < 0)).squeeze(1)
         return [p, q]
-    a_abs = torch.abs(a, out=_scratch(n, a.dtype, a.device))
+    a_abs = torch.abs(a, out=scratch(n, a.dtype, a.device))
     _check_finite([a_abs.max().item()], name)
     if k >= n:
         return [torch.arange(n, dtype=torch.int64, device=a.device)]
@@ -652,7 +652,7 @@ def _EMPTY_POS(dev) -> torch.Tensor:
 _SCRATCH = {}
 
 
-def _scratch(n: int, dtype, device, slot: int = 0) -> torch.Tensor:
+def scratch(n: int, dtype, device, slot: int = 0) -> torch.Tensor:
     """A reusable flat buffer (tensors are encoded one after another), so a sync does not
     allocate (and page-fault) a fresh tensor-sized buffer for every parameter. Slot 0 is the
     codec's own (|A|); other slots belong to callers."""
@@ -661,9 +661,6 @@ def _scratch(n: int, dtype, device, slot: int = 0) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
     return buf[:n]
-
-
-MODES = ("sbc", "values", "sign", "terngrad")
 
 
 def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
@@ -680,17 +677,18 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     mode) select on it without storing it, reading ``w`` and ``wref`` only, and ``a`` is not
     touched; elsewhere it is computed into ``a`` (a scratch buffer then) first.
 
-    ``mode``: ``"sbc"`` (or True) top-k + binarization; ``"values"`` (or False) top-k with its
-    float32 values; ``"sign"`` error-feedback signSGD (all elements, ``sign(A) * mean|A|``);
-    ``selection`` (``"paper"`` or ``"magnitude"``) picks SBC's candidate sets (see
-    :mod:`horovod_sbc.reference`). ``"terngrad"`` stochastic ternary (Wen et al. 2017): each element is sent as
-    ``max|A| * sign(A)`` with probability ``|A| / max|A|`` (``generator`` draws; unbiased).
+    ``mode``: ``"sbc"`` (or True) top-k + binarization and ``"values"`` (or False) top-k with
+    its float32 values run here (C kernels on the CPU, tensor ops elsewhere); ``selection``
+    (``"paper"`` or ``"magnitude"``) picks SBC's candidate sets (see
+    :mod:`horovod_sbc.reference`). Any other registered compressor (:mod:`horovod_sbc.registry`)
+    runs its own ``encode_torch`` on the sum (``generator``: the draws of a random one).
     Returns (tensor message uint8, positions sent, values sent) without touching ``a``; the
     caller commits the error feedback with :func:`subtract_sent_` once the exchange succeeded.
     ``positions``: a :class:`PositionBuffer` the returned positions may live in (CPU kernel
     path; then valid until the next encode with that buffer).
     """
     mode = "sbc" if mode is True else "values" if mode is False else mode
+    registry.get(mode)  # ValueError naming the known modes
     if selection not in ("paper", "magnitude"):
         raise ValueError(f"selection must be 'paper' or 'magnitude', got {selection!r}")
     n = a.numel()
@@ -714,28 +712,8 @@ def encode_update(a: torch.Tensor, density: float, mode="sbc", name: str = "tens
     if n == 0:
         empty = _EMPTY_POS(dev)
         return encode_positions(empty, 0), empty, a.new_zeros(0)
-    if mode in ("sign", "terngrad"):
-        empty = _EMPTY_POS(dev)
-        a_abs = torch.abs(a, out=_scratch(n, a.dtype, dev))
-        stat = (tree_sum(a_abs) if mode == "sign" else a_abs.max()).item()
-        if not math.isfinite(stat):
-            raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
-        if mode == "sign":
-            scale = _f32(stat / n)
-            neg = a < 0
-            sent = torch.where(neg, -scale, scale).to(a.dtype)
-            msg = encode_positions(empty, n, scale, signs=neg, all_positions=True)
-            return msg, torch.arange(n, dtype=torch.int64, device=dev), sent
-        scale = float(torch.tensor(stat, dtype=torch.float32))
-        if scale == 0.0:
-            return encode_positions(empty, n), empty, a.new_zeros(0)
-        u = torch.rand(n, generator=generator, device=dev, dtype=torch.float32)
-        pos = torch.nonzero(u * scale < a_abs).squeeze(1)
-        neg = a[pos] < 0
-        sent = torch.where(neg, -scale, scale).to(a.dtype)
-        return encode_positions(pos, n, scale, signs=neg), pos, sent
-    if mode not in ("sbc", "values"):
-        raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+    if mode not in ("sbc", "values"):  # a registered compressor's own encoder
+        return registry.get(mode).encode_torch(a, density, name, selection, generator)
     k = keep_count(n, density)
     if mode == "values":
         idx = _select_c(lib, a, k, _C_MAGNITUDE, name, addend).take(0, positions) \

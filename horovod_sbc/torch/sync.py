@@ -23,7 +23,7 @@ from .. import wire
 from . import exchange, fused_sync
 from .state import SyncState
 from ..reference import keep_count
-from .codec import (Difference, NonFiniteError, _scratch, encode_positions, encode_update,
+from .codec import (Difference, NonFiniteError, scratch, encode_positions, encode_update,
                     subtract_sent_)
 
 
@@ -78,7 +78,7 @@ class Update:
         value = self.value.reshape(-1)
         if self.base is None:
             return value
-        buf = _scratch(value.numel(), dtype, value.device, slot=1)
+        buf = scratch(value.numel(), dtype, value.device, slot=1)
         base = self.base.reshape(-1)
         if self.base_offset is not None:
             off = self.base_offset.reshape(-1).to(base.dtype)
@@ -167,7 +167,7 @@ def _encode(state: SyncState, u: Update) -> Encoded:
     cfg = state.config
     if u.in_weights:
         target = u.weights_flat()
-        a = _scratch(target.numel(), target.dtype, target.device, slot=1)
+        a = scratch(target.numel(), target.dtype, target.device, slot=1)
         addend = Difference(target, u.base.reshape(-1))
     else:
         target = a = state.residual(u.name, u.value)

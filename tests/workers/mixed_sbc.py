@@ -49,9 +49,9 @@ def run_tf():
 
     def sync(s, nan=False, skip=False):
         nonlocal res
-        code, results, new_res = exchange.exchange(
+        code, results, new_res, _ = exchange.exchange(
             NAMES, SHAPES, [tf.constant(u) for u in update(rank, s, nan)], res, density=DENSITY,
-            binarize=True, skip=skip, rank=rank, size=size, scale=1.0 / size, tag="sbc_mixed")
+            mode="sbc", skip=skip, rank=rank, size=size, scale=1.0 / size, tag="sbc_mixed")
         if int(code) == exchange.COMMIT:
             res = new_res
         return int(code), [r.numpy() for r in results]

@@ -130,13 +130,14 @@ def use_aux_at(api, s):
 
 
 def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr=0.05,
-            aux=None):
+            aux=None, mode=None):
     t0 = time.perf_counter()
     rec_reset()
     aux = api == "dropin" if aux is None else aux
     model = make_model(aux=aux)
     opt = keras.optimizers.SGD(lr, momentum=momentum)
-    sbc = hsbc.SBC(density=density, delay=delay, binarize=binarize) if api != "dense" else None
+    sbc = hsbc.SBC(density=density, delay=delay, binarize=binarize, mode=mode) \
+        if api != "dense" else None
     hsbc.broadcast_variables(model.variables, root_rank=0)
     step = make_step(model, opt, api, sbc, fn, delay)
     digests, losses = [digest(model)], []
@@ -149,6 +150,9 @@ def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr
                    "gathered": rec_value(), "numel": numel,
                    "n_tensors": len(model.trainable_variables),
                    "seconds": time.perf_counter() - t0}
+
+
+MODE_STEPS = 4  # of the other compressors' runs (tests/test_tensorflow.py)
 
 
 def run_train():
@@ -167,6 +171,14 @@ def run_train():
         out["equiv"] = {"max_abs_diff": worst, "digest": r2["digests"][-1]}
     if "interop" in KW:
         out["interop"] = run_interop()
+    for spec in KW.get("modes", "").split(",") if KW.get("modes") else []:
+        # another compressor through the drop-in tape: "stc" is tests/stc_compressor.py's
+        mode, how = spec.split("-")
+        if mode == "stc":
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            import stc_compressor  # noqa: F401 (registers "stc")
+        _, out[f"{mode}:dropin-{how}-1"] = run_one("dropin", how == "fn", 1, MODE_STEPS,
+                                                    mode=mode)
     return out
 
 

@@ -109,7 +109,7 @@ def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
                            momentum=momentum)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if api == "stock":
-        comp = sbc.SBC(density=density, binarize=binarize)
+        comp = comp or sbc.SBC(density=density, binarize=binarize)
         opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=comp)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -151,6 +151,11 @@ def run_train():
         down = KW.get("downlink")
         comp = sbc.SBC(density=density, delay=delay, topology=KW["topology"],
                        downlink_density=None if down in (None, "none") else float(down))
+    if "mode" in KW:  # another compressor; "stc" is tests/stc_compressor.py's
+        if KW["mode"] == "stc":
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            import stc_compressor  # noqa: F401 (registers "stc")
+        comp = sbc.SBC(density=density, delay=delay, mode=KW["mode"])
     model, opt, stats = build(api, density, delay, comp=comp)
     digests = [digest(model)]
     losses = []

@@ -1,0 +1,105 @@
+"""A compressor added the way a user adds one: this file, and its golden vectors
+(``tests/golden/stc.json``, written by ``python tests/stc_compressor.py``). Nothing else of the
+package changes; ``tests/test_registry.py`` holds it to every backend and decoder.
+
+Sparse Ternary Compression (Sattler, Wiedemann, Müller, Samek, "Robust and
+Communication-Efficient Federated Learning from Non-IID Data", arXiv 1903.02891): the ``k``
+entries of largest ``|A|`` (ties: lower index), each sent as ``sign(A_i) * mu`` with ``mu`` the
+mean of their magnitudes (the fixed-order tree sum of :mod:`horovod_sbc.reference`, rounded
+once to float32). The message is positions + one sign bit each + ``mu``: flags the wire already
+has, so every decoder reads it; nothing is sent when ``mu`` is 0.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from horovod_sbc import reference, registry, wire
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "stc.json"
+
+
+class STC(registry.Compressor):
+    name = "stc"
+    summary = "top-k positions + their signs + the mean magnitude (ternary top-k)"
+    binarize = True
+
+    def capacity(self, numel, density):
+        return wire.tensor_capacity(numel, reference.keep_count(numel, density), signs=True)
+
+    def encode_np(self, a, density, selection, uniform=None):
+        idx = reference.select_np(np.abs(a), reference.keep_count(a.size, density))
+        mu = reference.mean_f32(np.abs(a[idx]))
+        if mu == 0.0:
+            return reference.encode_tensor_np(idx[:0], a.size), idx[:0], np.zeros(0, a.dtype)
+        neg = a[idx] < 0
+        sent = np.where(neg, a.dtype.type(-mu), a.dtype.type(mu)).astype(a.dtype)
+        return reference.encode_tensor_np(idx, a.size, mu, signs=neg), idx, sent
+
+    def encode_torch(self, a, density, name, selection, generator=None):
+        import torch
+        from horovod_sbc.torch import codec
+        n = a.numel()
+        k = reference.keep_count(n, density)
+        idx = codec.select_topk(a, k, name)
+        total = codec.tree_sum(a[idx].abs()).item()
+        if not math.isfinite(total):
+            raise codec.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+        mu = float(np.float32(total / k))
+        if mu == 0.0:
+            empty = idx[:0]
+            return codec.encode_positions(empty, n), empty, a.new_zeros(0)
+        neg = a[idx] < 0
+        sent = torch.where(neg, -mu, mu).to(a.dtype)
+        return codec.encode_positions(idx, n, mu, signs=neg), idx, sent
+
+    def encode_tf(self, a, density, selection, name, generator=None):
+        import tensorflow as tf
+        from horovod_sbc.tensorflow import codec
+        n = int(a.shape[0])
+        k = reference.keep_count(n, density)
+        idx, finite = codec.top_k_abs(a, k)
+        mbits = codec.f64_to_f32_bits(codec.tree_sum(tf.abs(tf.gather(a, idx)), k) / float(k))
+        take = tf.where(tf.equal(mbits, 0), tf.constant(0, tf.int64), tf.size(idx, out_type=tf.int64))
+        pos = idx[:take]  # mu == 0: nothing is sent
+        neg = tf.gather(a, pos) < 0
+        mu = codec.value_in(mbits, a.dtype)
+        header, body = codec.encode_parts(pos, n, mbits, signs=neg)
+        header = tf.where(tf.equal(take, 0) & tf.equal(tf.range(5), 0),
+                          tf.bitwise.bitwise_and(header, ~wire.FLAG_SIGNS), header)
+        return codec.Encoded(header, body, pos, tf.where(neg, -mu, mu), finite, n,
+                             codec.ResidualUpdate.SCATTER)
+
+
+registry.register(STC())
+
+
+def golden_cases():
+    """(name, update, density) of the vectors: ties, zeros, both signs, float64, a tensor whose
+    top-k is all zero (nothing sent)."""
+    rng = np.random.default_rng(1903)
+    return [("normal", rng.standard_normal(500).astype(np.float32), 0.02),
+            ("ties", np.round(rng.standard_normal(300) * 2).astype(np.float32), 0.1),
+            ("negative", -np.abs(rng.standard_normal(64)).astype(np.float32), 0.25),
+            ("float64", rng.standard_normal(200), 0.05),
+            ("zeros", np.zeros(40, np.float32), 0.1),
+            ("dense", rng.standard_normal(33).astype(np.float32), 1.0)]
+
+
+def golden_vectors():
+    out = []
+    for name, u, density in golden_cases():
+        msg, residual = reference.compress_np(u, None, density, mode="stc")
+        out.append({"name": name, "density": density, "dtype": str(u.dtype),
+                    "update_hex": u.tobytes().hex(), "message_hex": msg.hex(),
+                    "residual_hex": residual.tobytes().hex()})
+    return out
+
+
+if __name__ == "__main__":
+    GOLDEN.write_text(json.dumps(golden_vectors(), indent=1) + "\n")
+    print(f"wrote {len(golden_vectors())} vectors to {GOLDEN}", file=sys.stderr)

@@ -1,0 +1,179 @@
+"""The compressor registry: a compressor is one file (``tests/stc_compressor.py`` is a new one,
+added the way a user would add it) and every backend and every decoder takes it unchanged.
+
+For the new compressor: the numpy reference reproduces its golden vectors; the torch encoder
+(kernels on and off) and the TensorFlow encoder (eager and inside ``tf.function``) write the
+same bytes and leave the same residual; valid and mutated step messages of it reach the same
+verdict and values in every decoder. Its multi-rank runs (drop-in and stock hook in torch, the
+drop-in tape in TF) are scenarios of the shared jobs in tests/torch_jobs.py and
+tests/test_tensorflow.py.
+"""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import stc_compressor
+from horovod_sbc import kernels, reference, registry, wire
+from horovod_sbc.config import SBCConfig
+from horovod_sbc.torch import codec as tcodec
+from test_differential import _mutate_bytes, _step, decode_numpy, decode_torch
+
+BUILTIN = ("sbc", "values", "sign", "terngrad")
+
+
+def test_builtin_compressors_are_registered_and_unknown_modes_are_named():
+    assert registry.names()[:4] == BUILTIN
+    assert registry.get("stc").summary.startswith("top-k positions + their signs")
+    with pytest.raises(ValueError, match=r"mode must be one of \('sbc', 'values', 'sign', "
+                                         r"'terngrad'.*got 'nope'"):
+        SBCConfig(mode="nope")
+    assert SBCConfig(mode="stc").binarize
+    assert not SBCConfig(mode="values").binarize
+
+
+def test_a_second_compressor_of_the_same_name_is_refused():
+    class Other(registry.Compressor):
+        name = "sbc"
+    with pytest.raises(ValueError, match="a compressor named 'sbc' is already registered"):
+        registry.register(Other())
+    with pytest.raises(TypeError, match="takes a Compressor instance"):
+        registry.register(stc_compressor.STC)
+
+
+def _golden():
+    for v in json.loads(stc_compressor.GOLDEN.read_text()):
+        u = np.frombuffer(bytes.fromhex(v["update_hex"]), v["dtype"]).copy()
+        yield v["name"], u, v["density"], bytes.fromhex(v["message_hex"]), \
+            np.frombuffer(bytes.fromhex(v["residual_hex"]), "f8" if v["dtype"] == "float64"
+                          else "f4")
+
+
+def test_stc_golden_vectors_numpy():
+    vectors = list(_golden())
+    assert [v[0] for v in vectors] == [c[0] for c in stc_compressor.golden_cases()]
+    for name, u, density, msg, res in vectors:
+        got, got_res = reference.compress_np(u, None, density, mode="stc")
+        assert got == msg, name
+        assert got_res.tobytes() == res.tobytes(), name
+        h = wire.parse_tensor_header(msg, 0)
+        if name == "zeros":
+            assert h.count == 0 and not h.has_signs
+        else:
+            k = reference.keep_count(u.size, density)
+            assert h.count == k and h.has_signs and not h.has_values, name
+            assert len(msg) <= registry.get("stc").capacity(u.size, density)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_stc_torch_writes_the_golden_bytes(kernels_on):
+    for name, u, density, msg, res in _golden():
+        a = torch.from_numpy(u.copy())
+        ctx = kernels.disabled() if not kernels_on else _null()
+        with ctx:
+            got, count = tcodec.compress_(a, density, "stc", name)
+        assert got.numpy().tobytes() == msg, name
+        assert a.numpy().tobytes() == res.tobytes(), name
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_stc_tensorflow_writes_the_golden_bytes_eager_and_in_tf_function():
+    tf = pytest.importorskip("tensorflow")
+    from horovod_sbc.tensorflow import codec as tfcodec
+    for name, u, density, msg, _ in _golden():
+        zero = tf.zeros(u.shape, tf.float64 if u.dtype == np.float64 else tf.float32)
+        # A = dW + R with R = 0 (so -0.0 entries of dW become +0.0, in numpy too)
+        res = reference.compress_np(u, np.zeros_like(u), density, mode="stc")[1]
+        fn = tf.function(lambda x, r, d=density, n=name: tfcodec.compress(x, r, d, "stc", name=n))
+        for how, f in (("eager", lambda x, r: tfcodec.compress(x, r, density, "stc", name=name)),
+                       ("tf.function", fn)):
+            got, got_res = f(tf.constant(u), zero)
+            assert got.numpy().tobytes() == msg, (name, how)
+            assert got_res.numpy().tobytes() == res.tobytes(), (name, how)
+
+
+def test_stc_nonfinite_update_is_refused_by_every_encoder():
+    u = np.ones(50, np.float32)
+    u[7] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        reference.compress_np(u, None, 0.1, mode="stc")
+    with pytest.raises(tcodec.NonFiniteError, match="'w' contains NaN or Inf"):
+        tcodec.encode_update(torch.from_numpy(u), 0.1, "stc", "w")
+
+
+def test_stc_steps_decode_the_same_in_every_decoder():
+    """Valid and mutated step messages of STC tensors through numpy, torch (kernels on and
+    off) and TF (eager, tf.function): identical verdicts and bits."""
+    tf_dec = None
+    try:
+        from test_differential import TFDecoders
+        tf_dec = TFDecoders()
+    except ImportError:  # TensorFlow is optional for this check
+        pass
+    layout = [("w", (40, 30)), ("b", (7,))]
+    seen = set()
+    for seed in range(40):
+        r = random.Random(seed)
+        rng = np.random.default_rng(seed)
+        n_ranks = r.randint(1, 3)
+        steps = []
+        for _ in range(n_ranks):
+            parts = [reference.compress_np(rng.standard_normal(wire.layout_numel(s))
+                                           .astype(np.float32), None,
+                                           r.choice([0.01, 0.1, 1.0]), mode="stc")[0]
+                     for _, s in layout]
+            if seed % 2:  # a damaged tensor message, the step framing recomputed
+                j = r.randrange(len(parts))
+                parts[j] = bytes(_mutate_bytes(bytearray(parts[j]), r))
+            steps.append(_step(layout, parts))
+        data = b"".join(steps)
+        scale = 1.0 / n_ranks
+        ref = decode_numpy(layout, n_ranks, data, scale)
+        seen.add(ref[0])
+        got = {"torch": decode_torch(layout, n_ranks, data, scale)}
+        with kernels.disabled():
+            got["torch (tensor ops)"] = decode_torch(layout, n_ranks, data, scale)
+        if tf_dec is not None:
+            got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, False)
+            got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, True)
+        for who, out in got.items():
+            assert out == ref, (seed, who, str(out)[:200], str(ref)[:200])
+    assert {"ok", "invalid"} <= seen, seen
+
+
+def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws():
+    """TernGrad's numpy reference takes the uniform draws; torch's encoder with a seeded
+    generator and TF's with a stateless seed reproduce it from the draws they made."""
+    rng = np.random.default_rng(3)
+    u = (rng.standard_normal(3000) ** 3).astype(np.float32)
+    g = torch.Generator().manual_seed(11)
+    draws = torch.rand(u.size, generator=torch.Generator().manual_seed(11)).numpy()
+    want, want_res = reference.compress_np(u, None, 1.0, mode="terngrad", uniform=draws)
+    a = torch.from_numpy(u.copy())
+    msg, pos, sent = tcodec.encode_update(a, 1.0, "terngrad", "w", generator=g)
+    tcodec.subtract_sent_(a, pos, sent)
+    assert msg.numpy().tobytes() == want
+    assert a.numpy().tobytes() == want_res.tobytes()
+    assert 0 < pos.numel() < u.size
+    tf = pytest.importorskip("tensorflow")
+    from horovod_sbc.tensorflow import codec as tfcodec
+    seed = tf.constant([5, 7], tf.int64)
+    tf_draws = tf.random.stateless_uniform([u.size], seed=seed, dtype=tf.float32).numpy()
+    want, want_res = reference.compress_np(u, None, 1.0, mode="terngrad", uniform=tf_draws)
+    for how in ("eager", "tf.function"):
+        def enc(x):
+            e = tfcodec.encode_sum(None, x, 1.0, "terngrad", generator=seed)
+            return e.message, e.new_residual
+        f = tf.function(enc) if how == "tf.function" else enc
+        got, got_res = f(tf.constant(u))
+        assert got.numpy().tobytes() == want, how
+        assert got_res.numpy().tobytes() == want_res.tobytes(), how
