@@ -217,7 +217,7 @@ def cmd_train(args) -> Dict[str, object]:
     for seed in args.seeds:
         for method in ("dense", "flat", "hier"):
             out = tempfile.mkdtemp(dir=tmp)
-            cmd = launch.launcher_prefix(4, "horovodrun-mpi") + [
+            cmd = launch.launcher_prefix(4, "mpirun") + [
                 sys.executable, str(script), method, str(seed), str(args.steps),
                 f"{tmp}/d.npz", out, str(args.delay)]
             rc, log = launch.run(cmd, 1800, launch.job_env())

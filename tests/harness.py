@@ -33,16 +33,22 @@ def run_ranks(worker: str, np_: int = 2, args: Sequence[str] = (), timeout: floa
     """Run ``tests/workers/<worker>`` on ``np_`` ranks; return (results per rank, output).
 
     ``raw``: ``worker`` is any script path, run with ``args`` only (no output directory).
-    ``controller``: ``"mpi"`` or ``"gloo"`` (``horovodrun``), or ``"torchrun"``
-    (``torch.distributed.run``: the worker initialises ``torch.distributed`` itself).
+    ``controller``: ``"mpi"`` (Horovod's MPI controller, started by ``mpirun``: the command
+    ``horovodrun --mpi`` runs, without the seconds of CPU ``horovodrun`` spends at every start
+    importing TensorFlow and PyTorch in a subprocess to check its build), ``"horovodrun-mpi"``
+    (the same through ``horovodrun``), ``"gloo"`` (``horovodrun --gloo``, whose rendezvous only
+    ``horovodrun`` provides), or ``"torchrun"`` (``torch.distributed.run``: the worker
+    initialises ``torch.distributed`` itself).
     """
     out = tempfile.mkdtemp(prefix="sbc-ranks-")
     script = str(WORKERS / worker)
     argv = [worker, *args] if raw else [script, out, *args]
-    if controller == "torchrun":
-        cmd = launch.launcher_prefix(np_, "torchrun") + argv
-    else:
-        cmd = launch.launcher_prefix(np_, f"horovodrun-{controller}") + [sys.executable, *argv]
+    launcher = {"mpi": "mpirun", "gloo": "horovodrun-gloo"}.get(controller, controller)
+    if launcher not in launch.LAUNCHERS:
+        raise ValueError(f"controller must be mpi, gloo, horovodrun-mpi or torchrun, "
+                         f"got {controller!r}")
+    cmd = launch.launcher_prefix(np_, launcher) + ([] if launcher == "torchrun" else
+                                                   [sys.executable]) + argv
     e = launch.job_env(env)
     try:
         returncode, output = launch.run(cmd, timeout, e)

@@ -20,9 +20,10 @@ def _expected(r):
     return [((i % 251) + r) % 256 for i in range(10 + 7 * r)]
 
 
-@pytest.mark.parametrize("fw,np_,controller", [("torch", 2, "mpi"), ("torch", 3, "mpi"),
-                                                ("torch", 2, "gloo"), ("tf", 2, "mpi"),
-                                                ("tf", 3, "gloo")])
+# "horovodrun-mpi": the launcher users type (the other MPI jobs start under mpirun directly)
+@pytest.mark.parametrize("fw,np_,controller", [("torch", 2, "horovodrun-mpi"),
+                                                ("torch", 3, "mpi"), ("torch", 2, "gloo"),
+                                                ("tf", 2, "mpi"), ("tf", 3, "gloo")])
 def test_variable_length_uint8_allgather(fw, np_, controller):
     results, _ = run_ranks("allgather_transport.py", np_, [fw], timeout=180,
                            controller=controller)

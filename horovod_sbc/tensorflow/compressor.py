@@ -97,19 +97,19 @@ class SBC(tf.Module):
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
-            own steps at once (the default of :func:`horovod_sbc.torch.DistributedOptimizer`;
+            own steps at once (the default, as in :func:`horovod_sbc.torch.DistributedOptimizer`;
             see :mod:`horovod_sbc.torch.optimizer` for why); ranks' weights then differ by
-            their residuals until :meth:`finish`. False (default here): every rank continues
-            from the shared weights, bit-identical after every sync; with momentum and a small
-            delay (e.g. ``SBCCallback`` with ``delay=1``) this trains much worse on IID data,
-            but it is the right choice on non-IID shards. Gradient modes (delay 1 tape, stock
-            tape) exchange gradients and are not affected.
+            their residuals until :meth:`finish`. False: every rank continues from the shared
+            weights, bit-identical after every sync; with momentum and a small delay (e.g.
+            ``SBCCallback`` with ``delay=1``) this trains worse on IID data, better on
+            label-skewed shards (docs/benchmarks.md). Gradient modes (delay 1 tape, stock tape)
+            exchange gradients and are not affected.
         name: the ``tf.Module`` name.
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper",
-                 name: str = "sbc", local_residual: bool = False, mode: Optional[str] = None,
+                 name: str = "sbc", local_residual: bool = True, mode: Optional[str] = None,
                  seed: int = 0):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):

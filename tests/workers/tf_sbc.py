@@ -29,6 +29,15 @@ import horovod_sbc.tensorflow as hsbc  # noqa: E402
 from horovod_sbc.tensorflow import exchange  # noqa: E402
 
 MODE, KW = None, {}  # of the scenario running
+
+
+def SBC(*args, **kw):
+    """These jobs check the exchange itself: bit-identical weights after every sync, which is
+    ``local_residual=False`` (the default, True, is tests/workers/tf_train.py's)."""
+    kw.setdefault("local_residual", False)
+    return hsbc.SBC(*args, **kw)
+
+
 hvd.init()
 tf.config.threading.set_inter_op_parallelism_threads(2)
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -136,7 +145,7 @@ def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr
     aux = api == "dropin" if aux is None else aux
     model = make_model(aux=aux)
     opt = keras.optimizers.SGD(lr, momentum=momentum)
-    sbc = hsbc.SBC(density=density, delay=delay, binarize=binarize, mode=mode) \
+    sbc = SBC(density=density, delay=delay, binarize=binarize, mode=mode) \
         if api != "dense" else None
     hsbc.broadcast_variables(model.variables, root_rank=0)
     step = make_step(model, opt, api, sbc, fn, delay)
@@ -189,7 +198,7 @@ def run_interop():
     from horovod_sbc import protocol, wire
     from horovod_sbc.torch import codec as tcodec, exchange as texchange
     model = make_model(aux=False)
-    sbc = hsbc.SBC(density=0.05)
+    sbc = SBC(density=0.05)
     hsbc.broadcast_variables(model.variables)
     tvars = model.trainable_variables
     x, y = batch(0)
@@ -242,10 +251,10 @@ def run_errors():
         t = hvd.DistributedGradientTape(tape, compression=sbc, **kw)
         t.gradient(loss, [v.value for v in model.trainable_variables])
 
-    out["delay_stock"] = catch(lambda: stock(hsbc.SBC(density=0.1, delay=2)))
-    out["adasum"] = catch(lambda: stock(hsbc.SBC(density=0.1), op=hvd.Adasum))
-    out["groups"] = catch(lambda: stock(hsbc.SBC(density=0.1), groups=1))  # grouped: still works
-    out["density"] = catch(lambda: hsbc.SBC(density=0))
+    out["delay_stock"] = catch(lambda: stock(SBC(density=0.1, delay=2)))
+    out["adasum"] = catch(lambda: stock(SBC(density=0.1), op=hvd.Adasum))
+    out["groups"] = catch(lambda: stock(SBC(density=0.1), groups=1))  # grouped: still works
+    out["density"] = catch(lambda: SBC(density=0))
     out["wrong_compression"] = catch(
         lambda: hsbc.DistributedGradientTape(tf.GradientTape(), compression=hvd.Compression.fp16))
 
@@ -254,12 +263,12 @@ def run_errors():
         with tf.GradientTape() as tape:
             tape.watch(x)
             loss = tf.reduce_sum(x * x)
-        hsbc.DistributedGradientTape(tape, compression=hsbc.SBC()).gradient(loss, [x])
+        hsbc.DistributedGradientTape(tape, compression=SBC()).gradient(loss, [x])
     out["plain_tensor"] = catch(plain_tensor)
 
     # delay > 1: forgetting sbc.step() after applying the gradients is caught
     model = make_model(aux=False)
-    sbc = hsbc.SBC(density=0.1, delay=2)
+    sbc = SBC(density=0.1, delay=2)
 
     def forget_step():
         for s in range(2):
@@ -272,7 +281,7 @@ def run_errors():
 
     # one SBC object, two ways of using it: their residuals would mix
     model = make_model(aux=False)
-    sbc = hsbc.SBC(density=0.1)
+    sbc = SBC(density=0.1)
     x, y = batch(0)
     with tf.GradientTape() as tape:
         loss = LOSS(y, model(x))
@@ -283,7 +292,7 @@ def run_errors():
     for key, fn in (("nan_eager", False), ("nan_fn", True)):
         model = make_model(aux=False)
         opt = keras.optimizers.SGD(0.05)
-        sbc = hsbc.SBC(density=0.1)
+        sbc = SBC(density=0.1)
         hsbc.broadcast_variables(model.variables)
         step = make_step(model, opt, "dropin", sbc, fn, 1)
         x, y = nan_batch(0, RANK == last)
@@ -301,7 +310,7 @@ def run_errors():
     # nonfinite="skip": the sync is skipped everywhere, training continues, ranks stay identical
     model = make_model(aux=False)
     opt = keras.optimizers.SGD(0.05)
-    sbc = hsbc.SBC(density=0.1, delay=2, nonfinite="skip")
+    sbc = SBC(density=0.1, delay=2, nonfinite="skip")
     hsbc.broadcast_variables(model.variables)
     step = make_step(model, opt, "dropin", sbc, False, 2)
     step(*batch(0), False)  # a local step
@@ -324,7 +333,7 @@ def run_errors():
     # stock path inside Horovod's graph: last, it leaves the NaN step's other collectives behind
     model = make_model(aux=False)
     opt = keras.optimizers.SGD(0.05)
-    sbc = hsbc.SBC(density=0.1)
+    sbc = SBC(density=0.1)
     hsbc.broadcast_variables(model.variables)
     step = make_step(model, opt, "stock", sbc, True, 1)
     x, y = nan_batch(0, RANK == last)
@@ -340,7 +349,7 @@ def run_save_load():
     delay, first, more = 3, 7, 10
     model = make_model(aux=False)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    sbc = hsbc.SBC(density=0.05, delay=delay)
+    sbc = SBC(density=0.05, delay=delay)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt, sbc=sbc)
     step = make_step(model, opt, "dropin", sbc, True, delay)
     if MODE == "save":
@@ -366,7 +375,7 @@ def run_save_load():
     # control: the same checkpoint without the SBC state does not continue the same way
     model = make_model(aux=False)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    sbc = hsbc.SBC(density=0.05, delay=delay)
+    sbc = SBC(density=0.05, delay=delay)
     tf.train.Checkpoint(model=model, optimizer=opt).read(path).expect_partial()
     sbc.build(model.trainable_variables)
     step = make_step(model, opt, "dropin", sbc, True, delay)
@@ -376,7 +385,7 @@ def run_save_load():
         control.append(digest(model))
     out["without_sbc_state"] = control
     # another rank's SBC state is refused
-    other = hsbc.SBC(density=0.05, delay=delay)
+    other = SBC(density=0.05, delay=delay)
     tf.train.Checkpoint(sbc=other).read(
         os.path.join(KW["ckpt"], f"rank{(RANK + 1) % SIZE}", "ckpt")).expect_partial()
     out["other_rank"] = catch(lambda: other.build(make_model(aux=False).trainable_variables))
