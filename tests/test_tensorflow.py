@@ -11,6 +11,7 @@ import tempfile
 import pytest
 
 from harness import ROOT, SharedJob, run_ranks
+from horovod_sbc import reference
 
 pytestmark = pytest.mark.multirank
 
@@ -50,13 +51,15 @@ RUNS_2 = ["stock-eager-1", "stock-fn-1", "dropin-eager-1", "dropin-fn-1", "dropi
 # every compressor torch has, and tests/stc_compressor.py's, through the drop-in tape
 MODE_RUNS = ["sign-eager", "terngrad-eager", "values-eager", "stc-eager"]  # eager: tf.function
 # of these encoders is tests/test_registry.py's
+# SBC(fixed_size=True): the same runs with padded step messages
+FIXED_RUNS = ["stock-eager-1", "dropin-eager-1"]
 STEPS_2 = 8
 CKPT = tempfile.mkdtemp(prefix="sbc-tf-ckpt-")
 # "save" first: Keras numbers layer names per process, and the load runs in a fresh one
 TWO = SharedJob("tf_sbc.py", 2, {
     "save": ["save", f"ckpt={CKPT}"],
     "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1",
-              "modes=" + ",".join(MODE_RUNS)],
+              "modes=" + ",".join(MODE_RUNS), "fixed=" + ",".join(FIXED_RUNS)],
     "errors": ["errors"]}, timeout=1200)
 LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"]}, after=[TWO], timeout=400)
 
@@ -73,6 +76,27 @@ def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
     for r in results:
         assert r["equiv"]["max_abs_diff"] <= 1e-6
     assert results[0]["equiv"]["digest"] == results[1]["equiv"]["digest"]
+
+
+@pytest.mark.parametrize("spec", FIXED_RUNS)
+def test_fixed_size_steps_are_padded_and_train_bit_identically(spec):
+    """fixed_size=True: every rank's step message of a layout has the one capacity
+    (reference.step_capacity), the padding is counted, and the weights are bit for bit those
+    of the same run with variable-size messages."""
+    results = TWO["train"]
+    runs = check_run(results, "fixed:" + spec, STEPS_2)
+    for r, res in zip(runs, results):
+        st, var = r["stats"], res[spec]["stats"]
+        assert r["digests"] == res[spec]["digests"], spec
+        assert st["padding_bits"] > 0 and var["padding_bits"] == 0, spec
+        dummy = 32 * N_TENSORS[spec.split("-")[0]] * STEPS_2 if spec.startswith("stock") else 0
+        # the same content, plus the padding
+        assert st["upstream_bits"] == var["upstream_bits"] + st["padding_bits"], spec
+        assert st["upstream_bits"] - dummy == 8 * r["gathered"]["sent"], spec
+        assert st["positions_sent"] == var["positions_sent"], spec
+        if spec.startswith("dropin"):  # one step message of one capacity per sync
+            cap = reference.step_capacity([20 * 32, 32, 32 * 5, 5, 32 * 5, 5], 0.05, "sbc")
+            assert r["gathered"]["sent"] == st["syncs"] * cap, spec
 
 
 @pytest.mark.parametrize("spec", MODE_RUNS)

@@ -144,8 +144,8 @@ def test_nonfinite_update_is_rejected_naming_the_tensor(graph):
     enc = codec.encode_sum(tf.constant(u), tf.zeros(30_000), 0.01, name=name)
     assert enc.new_residual is not None and not bool(enc.finite)
     # the exchange's step message names it (what the other ranks are told)
-    step = tfx.frame_host([name], [30_000], 0, 0, False, np.array([bool(enc.finite)]),
-                          np.stack([enc.header.numpy()]), enc.body.numpy())
+    step, _ = tfx.frame_host([name], [30_000], 0, 0, False, None, np.array([bool(enc.finite)]),
+                             np.stack([enc.header.numpy()]), enc.body.numpy())
     with pytest.raises(wire.PeerError, match="dense_3/kernel:0"):
         reference.decode_step_np(step.tobytes(), [(name, (30_000,))], 1)
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from .. import registry, wire
+from .. import reference, registry, wire
 from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
 from . import exchange
@@ -92,8 +92,11 @@ class SBC(tf.Module):
             random one's draws, as in :class:`horovod_sbc.config.SBCConfig`. TernGrad's draws
             are ``tf.random.stateless_uniform`` of (``seed``, rank, sync count, tensor), so a
             resumed run draws what it would have drawn.
-        binarize: ``False`` is ``mode="values"`` (top-k). The server topology and momentum
-            masking are torch-only.
+        fixed_size: every step message padded to the capacity of its layout, as in
+            :class:`horovod_sbc.config.SBCConfig` (the allgather then has one shape every step;
+            ``stats()["padding_bits"]`` counts the padding).
+        binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
+            and momentum masking are torch-only.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
@@ -110,7 +113,7 @@ class SBC(tf.Module):
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper",
                  name: str = "sbc", local_residual: bool = True, mode: Optional[str] = None,
-                 seed: int = 0):
+                 seed: int = 0, fixed_size: bool = False):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
@@ -121,7 +124,7 @@ class SBC(tf.Module):
             raise ValueError("binarize=False contradicts mode='sbc'; give one of them")
         # the same validated knobs as the torch adapter's (horovod_sbc.config)
         self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
-                                nonfinite=nonfinite, seed=seed)
+                                nonfinite=nonfinite, seed=seed, fixed_size=fixed_size)
         self.mode = self.config.mode
         self.density, self.delay = self.config.density, self.config.delay
         self.binarize, self.selection = self.config.binarize, self.config.selection
@@ -279,11 +282,12 @@ class SBC(tf.Module):
 
         return tf.switch_case(code, [commit, keep_update, drop_update])
 
-    def _count_traffic(self, step, gathered, extra_up_bits: int = 0):
+    def _count_traffic(self, step, gathered, padding, extra_up_bits: int = 0):
         sent = tf.size(step, out_type=tf.int64)
         got = tf.size(gathered, out_type=tf.int64)
         return [self.counters["upstream_bits"].assign_add(8 * sent + extra_up_bits),
-                self.counters["downstream_bits"].assign_add(8 * (got - sent))]
+                self.counters["downstream_bits"].assign_add(8 * (got - sent)),
+                self.counters["padding_bits"].assign_add(8 * padding)]
 
     def _exchange(self, names, shapes, updates, residuals, scale, tag, outs=None,
                   extra_up_bits: int = 0):
@@ -293,12 +297,16 @@ class SBC(tf.Module):
             n = self.draws.assign_add(1) - 1
             seeds = [tf.stack([tf.constant(self.config.seed * 65536 + rank, tf.int64),
                                n * 65536 + i]) for i in range(len(names))]
+        capacity = reference.step_capacity([wire.layout_numel(s) for s in shapes],
+                                           self.density, self.mode) \
+            if self.config.fixed_size else None
         return exchange.exchange(names, shapes, updates, [r.read_value() for r in residuals],
                                  density=self.density, mode=self.mode, seeds=seeds,
-                                 selection=self.selection,
+                                 selection=self.selection, capacity=capacity,
                                  skip=self.nonfinite == "skip", rank=rank, size=size,
                                  scale=scale, tag=tag, outs=outs,
-                                 on_gathered=lambda s, g: self._count_traffic(s, g, extra_up_bits))
+                                 on_gathered=lambda s, g, p: self._count_traffic(
+                                     s, g, p, extra_up_bits))
 
     # -- gradient mode (drop-in tape, delay 1) ----------------------------------------------------
     @_no_autograph

@@ -77,20 +77,26 @@ def residual_dtype(dtype: tf.DType) -> tf.DType:
 
 
 def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
-               skip: bool, finite, headers, *bodies) -> np.ndarray:
+               skip: bool, capacity: Optional[int], finite, headers, *bodies):
     """Step 2 (host, compressed bytes only): the step message of this rank's tensors — each
     tensor header from its five integers (:func:`horovod_sbc.tensorflow.codec.header_bytes_host`)
     followed by its body — or an ERROR/SKIP step message naming the first tensor whose update is
-    not finite."""
+    not finite; with ``capacity`` a PADDED step of exactly that many bytes. Returns (the step
+    uint8, its zero padding in bytes int64)."""
     for name, ok in zip(names, np.asarray(finite).tolist()):
         if not ok:
             reason = f"the update of {name!r} contains NaN or Inf"
-            step = wire.error_step_message(reason, layout_crc, skip, origin=rank)
-            return np.frombuffer(step, np.uint8).copy()
+            step = wire.error_step_message(reason, layout_crc, skip, rank, capacity)
+            pad = len(step) - len(step.rstrip(b"\0")) if capacity else 0
+            return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
     body = b"".join(tfcodec.header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
                     for n, h, b in zip(numels, np.asarray(headers).tolist(), bodies))
-    return np.frombuffer(wire.step_message_bytes(body, layout_crc, len(bodies)),
-                         np.uint8).copy()
+    if capacity is None:
+        step, pad = wire.step_message_bytes(body, layout_crc, len(bodies)), 0
+    else:
+        step = wire.padded_step_message(body, layout_crc, len(bodies), capacity)
+        pad = capacity - wire.STEP_HEADER_SIZE - len(body)
+    return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -117,7 +123,8 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
              updates: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], *, density: float,
              mode="sbc", skip: bool, rank: int, size: int, scale: float, tag: str,
              outs: Optional[Sequence[tf.Tensor]] = None, on_gathered=None,
-             selection: str = "paper", seeds: Optional[Sequence[tf.Tensor]] = None):
+             selection: str = "paper", seeds: Optional[Sequence[tf.Tensor]] = None,
+             capacity: Optional[int] = None):
     """One sync as graph ops: ``(code, results, new_residuals, positions)``.
 
     ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
@@ -125,8 +132,10 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
     (:class:`horovod_sbc.tensorflow.decoder.SyncCode`). The caller commits ``new_residuals``
     according to ``code``; ``positions`` (int64 scalar) is how many positions this rank's
     messages carry (``stats()["positions_sent"]`` of a committed sync).
-    ``on_gathered(step, gathered)`` returns ops (e.g. traffic counters) that run before decoding,
-    so they count a sync that then fails too. ``mode``: the compressor (``True``/``False``
+    ``on_gathered(step, gathered, padding)`` returns ops (e.g. traffic counters) that run before
+    decoding, so they count a sync that then fails too (``padding``: the zero bytes of a
+    fixed-size step, int64). ``capacity``: every step message padded to this many bytes
+    (``fixed_size``, :mod:`horovod_sbc.wire`). ``mode``: the compressor (``True``/``False``
     are ``"sbc"``/``"values"``); ``seeds``: per tensor, the stateless seed of a random one.
     """
     layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
@@ -146,14 +155,15 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
     all_finite = tf.reduce_all(tf.stack(finite))
 
     def _frame(fin, hs, *bs):
-        return frame_host(names, numels, fp, rank, skip, fin, hs, *bs)
+        return frame_host(names, numels, fp, rank, skip, capacity, fin, hs, *bs)
 
-    step = tf.numpy_function(_frame, [tf.stack(finite), tf.stack(heads), *bodies], tf.uint8,
-                             stateful=True, name="sbc_frame")
-    step.set_shape([None])
+    step, padding = tf.numpy_function(_frame, [tf.stack(finite), tf.stack(heads), *bodies],
+                                      [tf.uint8, tf.int64], stateful=True, name="sbc_frame")
+    step.set_shape([None] if capacity is None else [capacity])
+    padding.set_shape([])
     gathered = allgather(step, tag)
     out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
-    with tf.control_dependencies(on_gathered(step, gathered) if on_gathered else []):
+    with tf.control_dependencies(on_gathered(step, gathered, padding) if on_gathered else []):
         gathered = tf.identity(gathered)
     code, flat = decoder.decode_gathered(
         gathered, layout, size, None if outs is None else list(outs), scale, out_dtypes,

@@ -139,14 +139,14 @@ def use_aux_at(api, s):
 
 
 def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr=0.05,
-            aux=None, mode=None):
+            aux=None, mode=None, fixed_size=False):
     t0 = time.perf_counter()
     rec_reset()
     aux = api == "dropin" if aux is None else aux
     model = make_model(aux=aux)
     opt = keras.optimizers.SGD(lr, momentum=momentum)
-    sbc = SBC(density=density, delay=delay, binarize=binarize, mode=mode) \
-        if api != "dense" else None
+    sbc = SBC(density=density, delay=delay, binarize=binarize, mode=mode,
+              fixed_size=fixed_size) if api != "dense" else None
     hsbc.broadcast_variables(model.variables, root_rank=0)
     step = make_step(model, opt, api, sbc, fn, delay)
     digests, losses = [digest(model)], []
@@ -171,6 +171,10 @@ def run_train():
                                "dropin-fn-3").split(","):
         api, mode, delay = spec.split("-")
         _, out[spec] = run_one(api, mode == "fn", int(delay), steps)
+    for spec in KW.get("fixed", "").split(",") if KW.get("fixed") else []:
+        # the same runs with fixed-size (padded) step messages
+        api, mode, delay = spec.split("-")
+        _, out["fixed:" + spec] = run_one(api, mode == "fn", int(delay), steps, fixed_size=True)
     if "equiv" in KW:  # density 1, no binarization: the same as dense averaging
         m1, _ = run_one("dense", True, 1, 4, momentum=0.0, aux=False)
         m2, r2 = run_one("dropin", True, 1, 4, density=1.0, binarize=False, momentum=0.0,
