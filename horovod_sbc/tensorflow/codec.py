@@ -614,47 +614,52 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
         prep = _Prep(None, None, all_finite(a))
     else:
         prep = _prepare(a, k, 2 if (mode == "sbc" and selection == "paper") else 1)
-    finite = prep.finite
-
-    def encode():
-        if mode == "values":
-            (idx,) = select_sides(a, k, [Side.ABS], positive_only=False, prep=prep)
-            vals = tf.gather(a, idx)
-            v32 = vals if a.dtype == tf.float32 else tf.cast(vals, tf.float32)
-            msg = encode_parts(idx, n, values=v32, all_positions=(k == n))
-            sent = v32 if a.dtype == tf.float32 else value_in(tf.bitcast(v32, tf.int32),
-                                                                 a.dtype)
-            return msg, idx, sent
-        if selection == "paper":
-            p_idx, n_idx = select_sides(a, k, [Side.POS, Side.NEG], positive_only=True,
-                                        prep=prep)
-        else:
-            (idx,) = select_sides(a, k, [Side.ABS], positive_only=True, prep=prep)
-            kept = tf.gather(a, idx)
-            p_idx, n_idx = tf.boolean_mask(idx, kept > 0), tf.boolean_mask(idx, kept < 0)
-        mu_pos, mu_neg = tf.unstack(_mean_bits_2(tf.gather(a, p_idx), -tf.gather(a, n_idx),
-                                                  min(k, n)))
-        # reference.choose_side on bit patterns: non-negative float32 bits order like their values
-        pos_side = tf.logical_and(mu_pos >= mu_neg, mu_pos > 0)
-        neg_side = tf.logical_and(tf.logical_not(pos_side), mu_neg > 0)
-        take_p = tf.where(pos_side, tf.size(p_idx, out_type=tf.int64), 0)
-        take_n = tf.where(neg_side, tf.size(n_idx, out_type=tf.int64), 0)
-        pos = tf.concat([p_idx[:take_p], n_idx[:take_n]], 0)  # the side sent (no tf.cond)
-        mu = tf.where(pos_side, mu_pos, tf.where(neg_side, mu_neg, 0))
-        msg = encode_parts(pos, n, mu, neg_side)
-        value = value_in(mu, a.dtype, negative=neg_side)
-        return msg, pos, tf.fill(tf.shape(pos), value)
-
     # A non-finite update is encoded all the same (nothing in the selection breaks on NaN, it only
-    # takes the slow exact path); ``finite`` tells the caller to send an error instead.
-    (header, body), pos, sent = encode()
+    # takes the slow exact path); ``prep.finite`` tells the caller to send an error instead.
+    encode = _encode_values if mode == "values" else _encode_binary
+    (header, body), pos, sent = encode(a, k, selection, prep)
     if mode == "values" and k >= n:
         update = ResidualUpdate.ALL
     elif k * _DENSE_UPDATE >= n:
         update = ResidualUpdate.DENSE
     else:
         update = ResidualUpdate.SCATTER
-    return Encoded(header, body, pos, sent, finite, n, update)
+    return Encoded(header, body, pos, sent, prep.finite, n, update)
+
+
+def _encode_values(a: tf.Tensor, k: int, selection: str, prep: "_Prep"):
+    """Top-k with values: (header, body), positions, sent (the float32 values, in a's dtype)."""
+    n = int(a.shape[0])
+    (idx,) = select_sides(a, k, [Side.ABS], positive_only=False, prep=prep)
+    vals = tf.gather(a, idx)
+    v32 = vals if a.dtype == tf.float32 else tf.cast(vals, tf.float32)
+    msg = encode_parts(idx, n, values=v32, all_positions=(k == n))
+    sent = v32 if a.dtype == tf.float32 else value_in(tf.bitcast(v32, tf.int32), a.dtype)
+    return msg, idx, sent
+
+
+def _encode_binary(a: tf.Tensor, k: int, selection: str, prep: "_Prep"):
+    """Binarized SBC (:mod:`horovod_sbc.reference`'s rule): (header, body), the positions of
+    the side sent, its value at each of them (no ``tf.cond``: both sides are computed)."""
+    n = int(a.shape[0])
+    if selection == "paper":
+        p_idx, n_idx = select_sides(a, k, [Side.POS, Side.NEG], positive_only=True, prep=prep)
+    else:
+        (idx,) = select_sides(a, k, [Side.ABS], positive_only=True, prep=prep)
+        kept = tf.gather(a, idx)
+        p_idx, n_idx = tf.boolean_mask(idx, kept > 0), tf.boolean_mask(idx, kept < 0)
+    mu_pos, mu_neg = tf.unstack(_mean_bits_2(tf.gather(a, p_idx), -tf.gather(a, n_idx),
+                                              min(k, n)))
+    # reference.choose_side on bit patterns: non-negative float32 bits order like their values
+    pos_side = tf.logical_and(mu_pos >= mu_neg, mu_pos > 0)
+    neg_side = tf.logical_and(tf.logical_not(pos_side), mu_neg > 0)
+    take_p = tf.where(pos_side, tf.size(p_idx, out_type=tf.int64), 0)
+    take_n = tf.where(neg_side, tf.size(n_idx, out_type=tf.int64), 0)
+    pos = tf.concat([p_idx[:take_p], n_idx[:take_n]], 0)  # the side sent
+    mu = tf.where(pos_side, mu_pos, tf.where(neg_side, mu_neg, 0))
+    msg = encode_parts(pos, n, mu, neg_side)
+    value = value_in(mu, a.dtype, negative=neg_side)
+    return msg, pos, tf.fill(tf.shape(pos), value)
 
 
 def top_k_abs(a: tf.Tensor, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
