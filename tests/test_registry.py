@@ -8,6 +8,7 @@ verdict and values in every decoder. Its multi-rank runs (drop-in and stock hook
 drop-in tape in TF) are scenarios of the shared jobs in tests/torch_jobs.py and
 tests/test_tensorflow.py.
 """
+import contextlib
 import json
 import random
 
@@ -71,19 +72,10 @@ def test_stc_golden_vectors_numpy():
 def test_stc_torch_writes_the_golden_bytes(kernels_on):
     for name, u, density, msg, res in _golden():
         a = torch.from_numpy(u.copy())
-        ctx = kernels.disabled() if not kernels_on else _null()
-        with ctx:
+        with kernels.disabled() if not kernels_on else contextlib.nullcontext():
             got, count = tcodec.compress_(a, density, "stc", name)
         assert got.numpy().tobytes() == msg, name
         assert a.numpy().tobytes() == res.tobytes(), name
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def test_stc_tensorflow_writes_the_golden_bytes_eager_and_in_tf_function():
