@@ -1,5 +1,6 @@
 """The fused multi-tensor encoder (horovod_sbc/torch/fused.py): the same bytes and the same
 residual as the per-tensor encoder and the numpy reference, on many layouts at once."""
+import contextlib
 import os
 import sys
 
@@ -55,7 +56,7 @@ def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels"), mode=
     enc.commit()
     after = torch.split(flat, numels)
     for path in paths:
-        ctx = kernels.disabled() if path == "tensor-op" else _nullcontext()
+        ctx = kernels.disabled() if path == "tensor-op" else contextlib.nullcontext()
         with ctx:
             for i, x in enumerate(xs):
                 ref = x.clone()
@@ -66,14 +67,6 @@ def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels"), mode=
                 assert torch.equal(after[i].view(torch.int32), ref.view(torch.int32)), (path, i)
                 assert enc.counts[i] == pos.numel()
     assert enc.body.numel() == sum(hi - lo for lo, hi in enc.bounds)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_many_random_layouts_match_the_per_tensor_encoder():
@@ -224,7 +217,7 @@ def _dropin_run(shapes, density, ranks, steps, device_path: bool):
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
                                named_parameters=named, compression=comp)
     trace = []
-    with kernels.disabled() if device_path else _nullcontext():
+    with kernels.disabled() if device_path else contextlib.nullcontext():
         for s in range(steps):
             for _, p in named:
                 p.grad = torch.randn(p.shape, generator=g) * (1 + s)
@@ -299,7 +292,7 @@ def _exchange_run(shapes, density, ranks, steps, device_path: bool, nan_step=Non
     comp = SBC(density=density, nonfinite="skip")
     comp.transport = _Replay(ranks)
     trace = []
-    with kernels.disabled() if device_path else _nullcontext():
+    with kernels.disabled() if device_path else contextlib.nullcontext():
         for s in range(steps):
             vals = [torch.randn(sh, generator=g) for sh in shapes]
             if s == nan_step:
