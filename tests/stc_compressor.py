@@ -69,8 +69,6 @@ class STC(registry.Compressor):
         neg = tf.gather(a, pos) < 0
         mu = codec.value_in(mbits, a.dtype)
         header, body = codec.encode_parts(pos, n, mbits, signs=neg)
-        header = tf.where(tf.equal(take, 0) & tf.equal(tf.range(5), 0),
-                          tf.bitwise.bitwise_and(header, ~wire.FLAG_SIGNS), header)
         return codec.Encoded(header, body, pos, tf.where(neg, -mu, mu), finite, n,
                              codec.ResidualUpdate.SCATTER)
 

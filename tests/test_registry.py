@@ -169,3 +169,8 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
         got, got_res = f(tf.constant(u))
         assert got.numpy().tobytes() == want, how
         assert got_res.numpy().tobytes() == want_res.tobytes(), how
+        zero = np.zeros(40, np.float32)  # nothing to send: the one empty message, everywhere
+        empty = reference.compress_np(zero, None, 1.0, mode="terngrad", uniform=zero)[0]
+        assert f(tf.constant(zero))[0].numpy().tobytes() == empty, how
+        assert tcodec.encode_update(torch.zeros(40), 1.0, "terngrad", "z", generator=g)[0] \
+            .numpy().tobytes() == empty

@@ -5,8 +5,9 @@ entries) and N (most negative), ``k = keep_count(numel, density)`` each with the
 selection (or the top-k by magnitude split by sign with ``selection="magnitude"``); the side with
 the larger mean is sent as its positions and that one mean (``mu+`` wins ties; nothing when both
 means are 0). The rule, the tie order and the fixed-order means are specified in
-:mod:`horovod_sbc.reference`; the torch and TensorFlow backends run it natively (C kernels,
-fused device codec, kernel ops), so this file only names it.
+:mod:`horovod_sbc.reference`. This file holds its numpy reference; the torch and TensorFlow
+backends run it natively (C kernels, fused device codec, kernel ops), so its framework encoders
+hand over to them.
 """
 from __future__ import annotations
 

@@ -73,11 +73,8 @@ class TernGrad(registry.Compressor):
         pos = tf.where(tf.cast(u * codec.value_in(sbits, tf.float32), a.dtype) < tf.abs(a))[:, 0]
         neg = tf.gather(a, pos) < 0
         header, body = codec.encode_parts(pos, n, sbits, signs=neg)
-        # nothing sent: the plain empty message (no SIGNS flag), as the reference writes it
-        header = tf.where(tf.equal(tf.size(pos), 0) & tf.equal(tf.range(5), 0),
-                          tf.bitwise.bitwise_and(header, ~wire.FLAG_SIGNS), header)
-        return codec.Encoded(header, body, pos, tf.where(neg, -scale, scale), codec.all_finite(a), n,
-                             codec.ResidualUpdate.DENSE)
+        return codec.Encoded(header, body, pos, tf.where(neg, -scale, scale),
+                             codec.all_finite(a), n, codec.ResidualUpdate.DENSE)
 
 
 registry.register(TernGrad())
