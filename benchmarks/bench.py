@@ -193,8 +193,7 @@ def run_codec(args) -> Dict[str, object]:
     if not args.skip_tf:  # the TF codec at every density (benchmarks/bench_tf_codec.py)
         try:
             from . import bench_tf_codec
-            res["tensorflow"] = bench_tf_codec.run(args.n, args.densities, max(2, args.reps),
-                                                   bridge=False)
+            res["tensorflow"] = bench_tf_codec.run(args.n, args.densities, max(2, args.reps))
         except ImportError as e:
             res["tensorflow"] = {"skipped": str(e)}
     return res
