@@ -57,6 +57,15 @@ def tf_variable(v) -> tf.Variable:
                     " (gradients of plain tensors cannot be given a residual)")
 
 
+def _state(initial, name: str) -> tf.Variable:
+    """A non-trainable state variable, created eagerly (callers hold ``tf.init_scope``) even
+    when the first call comes from inside a ``tf.function``'s trace. Without
+    ``experimental_enable_variable_lifting=False`` the trace would record it as created by the
+    function, and TensorFlow would trace that function a second time."""
+    return tf.Variable(initial, trainable=False, name=name,
+                       experimental_enable_variable_lifting=False)
+
+
 def _static_shape(t, name: str) -> Tuple[int, ...]:
     shape = t.shape
     if not shape.is_fully_defined():
@@ -134,13 +143,12 @@ class SBC(tf.Module):
             self.residuals = {}
             self.reference = {}
             self.calls = {}  # stock mode: how often each gradient was exchanged
-            self.counters = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=k)
-                             for k in COUNTER_KEYS}
-            self.local_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_steps")
-            self.pending = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending")
-            self.world = tf.Variable([-1, -1], dtype=tf.int64, trainable=False, name="world")
+            self.counters = {k: _state(tf.constant(0, tf.int64), k) for k in COUNTER_KEYS}
+            self.local_steps = _state(tf.constant(0, tf.int64), "local_steps")
+            self.pending = _state(tf.constant(0, tf.int64), "pending")
+            self.world = _state(tf.constant([-1, -1], tf.int64), "world")
             # exchanges encoded so far: a random compressor's draws are a function of it
-            self.draws = tf.Variable(0, dtype=tf.int64, trainable=False, name="draws")
+            self.draws = _state(tf.constant(0, tf.int64), "draws")
         # the framework-agnostic holder shares the (checkpoint-tracked) stores
         self.manager = ResidualManager()
         self.manager.residuals, self.manager.reference = self.residuals, self.reference
@@ -196,8 +204,8 @@ class SBC(tf.Module):
     def _residual(self, name: str, shape: Tuple[int, ...], dtype: tf.DType) -> tf.Variable:
         def make():
             with tf.init_scope():
-                return tf.Variable(tf.zeros(shape, residual_dtype(dtype)), trainable=False,
-                                   name="residual_" + tf_name(name))
+                return _state(tf.zeros(shape, residual_dtype(dtype)),
+                              "residual_" + tf_name(name))
         r = self.manager.residual(name, make)
         if tuple(r.shape) != tuple(shape):
             raise ValueError(f"SBC: {name!r} has shape {shape} but its residual has "
@@ -214,8 +222,7 @@ class SBC(tf.Module):
                     "the initial weights), or use DistributedGradientTape / SBCCallback, which "
                     "do it for you")
             with tf.init_scope():
-                ref = tf.Variable(var.read_value(), trainable=False,
-                                  name="reference_" + tf_name(name))
+                ref = _state(var.read_value(), "reference_" + tf_name(name))
             self.reference[name] = ref
         elif tuple(ref.shape) != tuple(var.shape):
             raise ValueError(f"SBC: {name!r} has shape {tuple(var.shape)} but its reference "
@@ -484,8 +491,7 @@ class SBC(tf.Module):
         res = self._residual(name, shape, tensor.dtype)
         if name not in self.calls:
             with tf.init_scope():
-                self.calls[name] = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                               name="calls_" + tf_name(name))
+                self.calls[name] = _state(tf.constant(0, tf.int64), "calls_" + tf_name(name))
         upd = tf.cast(tensor, res.dtype)
         dummy = tf.zeros([1], tensor.dtype)
         numel = wire.layout_numel(shape)

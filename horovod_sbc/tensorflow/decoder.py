@@ -227,7 +227,18 @@ class _Decoded:
 
 
 def _streams(buf: tf.Tensor, table: tf.Tensor) -> _Decoded:
-    """Step 2: positions, value bits and the per-message statistics of all messages at once."""
+    """Step 2: positions, value bits and the per-message statistics of all messages at once.
+
+    The ops depend on no layout, so they are one graph function traced once per process and
+    called by every decode (every gradient of the stock tape, every ``tf.function``), instead
+    of a few hundred ops built again for each."""
+    return _Decoded(*_streams_graph(buf, table))
+
+
+@tf.function(input_signature=(tf.TensorSpec([None], tf.uint8),
+                              tf.TensorSpec([None, N_COLS], tf.int64)),
+             autograph=False, experimental_attributes={"_noinline": True})
+def _streams_graph(buf: tf.Tensor, table: tf.Tensor):
     m = tf.shape(table, out_type=tf.int64)[0]
     col = lambda c: table[:, c]  # noqa: E731
     count, b, kind = col(C_COUNT), col(C_B), col(C_KIND)
@@ -312,13 +323,13 @@ def _streams(buf: tf.Tensor, table: tf.Tensor) -> _Decoded:
         smax(pos, -1),
         pad_nonzero(col(C_SSTART), col(C_SBYTES), count),
         tf.math.unsorted_segment_sum(tf.cast(nonfinite, tf.int64), e_msg, m)], 1)
-    return _Decoded(_excl_cumsum(count), count, pos, bits, is_val, stats)
+    return _excl_cumsum(count), count, pos, bits, is_val, stats
 
 
 def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
     """int32 [C]: bits of ``float32(float64(value) * scale)`` per element (the protocol's
     decoded arithmetic), the message's value computed once per message."""
-    if scale == 1.0:
+    if isinstance(scale, float) and scale == 1.0:
         return d.bits  # float64(v) * 1 rounds back to v exactly
     e_msg = tf.repeat(tf.range(tf.size(d.count, out_type=tf.int64)), d.count)
     msg_bits = f64_to_f32_bits(f32_bits_to_f64(tf.cast(table[:, C_VBITS], tf.int32)) * scale)
@@ -369,31 +380,32 @@ def _fold(p: tf.Tensor, a: tf.Tensor, n_ranks: int, base, add):
     return u, acc
 
 
-def _accumulate_all(key, adds, numels: Sequence[int], n_ranks: int, bases, add):
+def _accumulate_all(key, adds, numels: tf.Tensor, n_ranks: int, bases, add):
     """Dense flat results of several tensors at once: ``key`` are global positions (tensor
-    offset + position, rank after rank), ``adds`` their values (one dtype), ``bases`` the
-    initial tensors (or None: zeros). One sort and one rank-ordered fold for all tensors, then
-    one scatter per tensor (see :func:`_fold`); a few graph nodes per tensor."""
-    offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)]).astype(np.int64)
-    off_t = tf.constant(offs, tf.int64)
+    offset + position, rank after rank), ``adds`` their values (one dtype), ``numels`` (int64
+    ``[n]``, a tensor: one graph serves every layout of ``n`` tensors) their sizes, ``bases``
+    the initial tensors (or None: zeros). One sort and one rank-ordered fold for all tensors,
+    then one scatter per tensor (see :func:`_fold`); a few graph nodes per tensor."""
+    n = int(numels.shape[0])
+    offs = tf.concat([[_c64(0)], tf.cumsum(numels)], 0)
 
     def split(u):  # [start, end) of each tensor's keys in the sorted u
-        return tf.searchsorted(u, off_t, side="left")
+        return tf.searchsorted(u, offs, side="left")
 
     base_fn = None
     if bases is not None:
         def base_fn(u):
             bd = split(u)
             return tf.concat([tf.gather(bases[t], u[bd[t]:bd[t + 1]] - offs[t])
-                              for t in range(len(numels))], 0)
+                              for t in range(n)], 0)
 
     u, acc = _fold(key, adds, n_ranks, base_fn, add)
     bd = split(u)
     out = []
-    for t, numel in enumerate(numels):
+    for t in range(n):
         p = (u[bd[t]:bd[t + 1]] - offs[t])[:, None]
         v = acc[bd[t]:bd[t + 1]]
-        out.append(tf.scatter_nd(p, v, [numel]) if bases is None else
+        out.append(tf.scatter_nd(p, v, tf.reshape(numels[t], [1])) if bases is None else
                    tf.tensor_scatter_nd_update(bases[t], p, v))
     return out
 
@@ -482,16 +494,57 @@ def _decode_general(gathered, table, check, layout, numels, n_ranks, outs, scale
     if single:
         dense = tf.scatter_nd(piece(pos, 0, 0)[:, None], piece(d.bits, 0, 0), [numels[0]])
         return [tf.bitcast(dense, tf.float32)]
+    total = sum(numels)
+    if total * total * n_ranks < 1 << 62:  # the fold's int64 sort key cannot overflow
+        fold = _fold_graph(n_t, n_ranks, tuple(dt.name for dt in out_dtypes), outs is not None,
+                           scale == 1.0)
+        res = fold(pos, d.bits, d.is_val, d.count, table, tf.constant(numels, tf.int64),
+                   tf.constant(scale, tf.float64),
+                   [] if outs is None else [tf.reshape(o, [-1]) for o in outs])
+        return [tf.reshape(r, [n]) for r, n in zip(res, numels)]
+    # one scatter per rank and tensor
     add32 = (_scaled_f32_bits(d, table, scale) if tf.float32 in out_dtypes else None)
     add64 = (f32_bits_to_f64(d.bits) * scale
              if any(dt != tf.float32 for dt in out_dtypes) else None)
     results: List[Optional[tf.Tensor]] = [None] * n_t
-    total = sum(numels)
-    if total * total * n_ranks < 1 << 62:  # the fold's int64 sort key cannot overflow
+    for t, (numel, dt) in enumerate(zip(numels, out_dtypes)):
+        base = None if outs is None else tf.reshape(outs[t], [-1])
+        ps = [piece(pos, t, r) for r in range(n_ranks)]
+        if dt == tf.float32:
+            adds = [piece(add32, t, r) for r in range(n_ranks)]
+            b32 = None if base is None else tf.bitcast(base, tf.int32)
+            results[t] = tf.bitcast(_accumulate(ps, adds, numel, b32, add_f32_bits), tf.float32)
+        else:
+            adds = [tf.cast(piece(add64, t, r), dt) for r in range(n_ranks)]
+            results[t] = _accumulate(ps, adds, numel, base, tf.add)
+    return results
+
+
+_FOLDS: dict = {}
+
+
+def _fold_graph(n_t: int, n_ranks: int, dtypes: Tuple[str, ...], has_outs: bool,
+                unit_scale: bool):
+    """Step 4 of the general path for any layout of ``n_t`` tensors with these output dtypes,
+    as one graph function traced once per process and kind: the sizes, the scale and the
+    outputs are its inputs, so the stock tape's per-gradient decodes (and every
+    ``tf.function``) call it instead of building it again."""
+    key = (n_t, n_ranks, dtypes, has_outs, unit_scale)
+    if key in _FOLDS:
+        return _FOLDS[key]
+    out_dtypes = [tf.as_dtype(d) for d in dtypes]
+
+    def fold(pos, bits, is_val, count, table, numels, scale, outs):
+        d = _Decoded(None, count, pos, bits, is_val, None)
+        add32 = (_scaled_f32_bits(d, table, 1.0 if unit_scale else scale)
+                 if tf.float32 in out_dtypes else None)
+        add64 = (f32_bits_to_f64(bits) * scale
+                 if any(dt != tf.float32 for dt in out_dtypes) else None)
+        results: List[Optional[tf.Tensor]] = [None] * n_t
         e_tensor = tf.gather(table[:, C_TENSOR],
-                             tf.repeat(tf.range(tf.size(d.count, out_type=tf.int64)), d.count))
-        offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
-        key = pos + tf.gather(tf.constant(offs, tf.int64), e_tensor)
+                             tf.repeat(tf.range(tf.size(count, out_type=tf.int64)), count))
+        offs = _excl_cumsum(numels)
+        key = pos + tf.gather(offs, e_tensor)
         for dt in sorted(set(out_dtypes), key=lambda x: x.name):  # one fold per output dtype
             ts = [t for t in range(n_t) if out_dtypes[t] == dt]
             if len(ts) < n_t:
@@ -505,28 +558,24 @@ def _decode_general(gathered, table, check, layout, numels, n_ranks, outs, scale
             else:
                 adds, add, view = tf.cast(pick(add64), dt), tf.add, lambda x: x
             # keys of a subset of tensors: renumber their offsets to be contiguous
-            sub_numels = [numels[t] for t in ts]
-            sub_offs = np.concatenate([[0], np.cumsum(sub_numels, dtype=np.int64)[:-1]])
-            remap = np.zeros(n_t, np.int64)
-            remap[ts] = sub_offs - offs[ts]
-            k = pick(key) + tf.gather(tf.constant(remap, tf.int64), pick(e_tensor))
-            bases = (None if outs is None else
-                     [view(tf.reshape(outs[t], [-1])) for t in ts])
-            outs_dt = _accumulate_all(k, adds, sub_numels, n_ranks, bases, add)
-            for t, o in zip(ts, outs_dt):
+            ts_t = tf.constant(ts, tf.int64)
+            sub_numels = tf.gather(numels, ts_t)
+            remap = tf.scatter_nd(ts_t[:, None], _excl_cumsum(sub_numels) - tf.gather(offs, ts_t),
+                                  [n_t])
+            k = pick(key) + tf.gather(remap, pick(e_tensor))
+            bases = None if not has_outs else [view(outs[t]) for t in ts]
+            for t, o in zip(ts, _accumulate_all(k, adds, sub_numels, n_ranks, bases, add)):
                 results[t] = tf.bitcast(o, tf.float32) if dt == tf.float32 else o
         return results
-    for t, (numel, dt) in enumerate(zip(numels, out_dtypes)):
-        base = None if outs is None else tf.reshape(outs[t], [-1])
-        ps = [piece(pos, t, r) for r in range(n_ranks)]
-        if dt == tf.float32:
-            adds = [piece(add32, t, r) for r in range(n_ranks)]
-            b32 = None if base is None else tf.bitcast(base, tf.int32)
-            results[t] = tf.bitcast(_accumulate(ps, adds, numel, b32, add_f32_bits), tf.float32)
-        else:
-            adds = [tf.cast(piece(add64, t, r), dt) for r in range(n_ranks)]
-            results[t] = _accumulate(ps, adds, numel, base, tf.add)
-    return results
+
+    sig = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int32),
+           tf.TensorSpec([None], tf.bool), tf.TensorSpec([None], tf.int64),
+           tf.TensorSpec([None, N_COLS], tf.int64), tf.TensorSpec([n_t], tf.int64),
+           tf.TensorSpec([], tf.float64),
+           [tf.TensorSpec([None], dt) for dt in out_dtypes] if has_outs else [])
+    _FOLDS[key] = tf.function(fold, input_signature=sig, autograph=False,
+                              experimental_attributes={"_noinline": True})
+    return _FOLDS[key]
 
 
 def decode_messages(gathered, layout, n_ranks, outs=None, scale=1.0, out_dtypes=None,

@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 
 def write_result(rank, result):
@@ -19,8 +20,12 @@ def scenarios(argv, run):
     kw)`` runs one; returns what the job writes: that one result, or ``{"scenarios": [...]}``."""
     if argv[2] != "--scenarios":
         return run(argv[2], dict(a.split("=", 1) for a in argv[3:]))
-    return {"scenarios": [run(s[0], dict(a.split("=", 1) for a in s[1:]))
-                          for s in json.loads(argv[3])]}
+    out = []
+    for s in json.loads(argv[3]):
+        t0 = time.perf_counter()
+        out.append(run(s[0], dict(a.split("=", 1) for a in s[1:])))
+        print(f"[scenario] {s[0]}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return {"scenarios": out}
 
 
 def tensor_digest(tensors) -> str:
