@@ -114,19 +114,21 @@ class _Messages:
     """The host parse's columns of every message (canonical (rank, tensor) order), and the
     offsets that place each message's stream and tensor."""
 
-    def __init__(self, buf: tf.Tensor, table: tf.Tensor, numels: Sequence[int], n_ranks: int):
-        self.n_t, self.n_ranks = len(numels), n_ranks
+    def __init__(self, buf, table: tf.Tensor, offs: tf.Tensor, n_t: int, n_ranks: int):
+        """``offs``: int64 ``[n_t]``, each tensor's offset in the concatenated layout;
+        ``buf`` may be None where the streams are not read."""
+        self.n_t, self.n_ranks = n_t, n_ranks
         self.m = n_ranks * self.n_t
         col = lambda c: table[:, c]  # noqa: E731
         self.count, self.b = col(_t.C_COUNT), col(_t.C_B)
         self.ustart, self.ubytes = col(_t.C_USTART), col(_t.C_UBYTES)
         self.rstart, self.rbytes = col(_t.C_RSTART), col(_t.C_RBYTES)
-        self.slack = tf.concat([buf, tf.zeros([8], tf.uint8)], 0)
+        self.slack = None if buf is None else tf.concat([buf, tf.zeros([8], tf.uint8)], 0)
         self.ucum = _excl(self.ubytes)
         self.first = _excl(self.count)  # each message's first element
         self.c_total = tf.reduce_sum(self.count)
-        self.offs = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]).astype(np.int64)
-        self.toff = tf.tile(tf.constant(self.offs, tf.int64), [n_ranks])  # tensor offset
+        self.offs = offs
+        self.toff = tf.tile(offs, [n_ranks])  # tensor offset of each message
 
 
 class _Elements:
@@ -226,20 +228,20 @@ def _stream_stats(ms: _Messages, el: _Elements) -> tf.Tensor:
                      tf.cast(rem_pad, tf.int64), pos_max, zero, zero], 1)
 
 
-def _dense_masks(ms: _Messages, el: _Elements, key32: tf.Tensor, total: int):
+def _dense_masks(ms: _Messages, el: _Elements, key32: tf.Tensor, total: tf.Tensor):
     """Many positions: a dense uint8 mask per rank, OR-ed as words; each element reads its
     position's mask back. Returns (keys, table index of each key)."""
-    padded = -(-max(total, 1) // 8) * 8
+    padded = tf.cast((tf.maximum(total, 1) + 7) // 8 * 8, tf.int32)  # total < 2**31
     bounds = tf.cast(tf.concat([ms.first[::ms.n_t], [ms.c_total]], 0), tf.int32)
     words = None
     for rk in range(ms.n_ranks):  # rank rk's elements are bounds[rk]:bounds[rk + 1]
         d = tf.raw_ops.SparseToDense(
-            sparse_indices=key32[bounds[rk]:bounds[rk + 1]], output_shape=[padded],
+            sparse_indices=key32[bounds[rk]:bounds[rk + 1]], output_shape=tf.reshape(padded, [1]),
             sparse_values=tf.constant(1 << rk, tf.uint8),
             default_value=tf.constant(0, tf.uint8), validate_indices=False)
-        w = tf.bitcast(tf.reshape(d, [padded // 8, 8]), tf.uint64)
+        w = tf.bitcast(tf.reshape(d, tf.stack([padded // 8, 8])), tf.uint64)
         words = w if words is None else tf.bitwise.bitwise_or(words, w)
-    masks = tf.reshape(tf.bitcast(words, tf.uint8), [padded])
+    masks = tf.reshape(tf.bitcast(words, tf.uint8), [-1])
     m = tf.cast(tf.gather(masks, key32), tf.int64)
     if ms.n_t > 1:
         t_of = tf.tile(tf.range(ms.n_t, dtype=tf.int64), [ms.n_ranks])  # tensor of each message
@@ -259,7 +261,7 @@ def _sorted_masks(ms: _Messages, el: _Elements, key32: tf.Tensor):
                                                   tf.bitwise.bitwise_and(sk, 7)), seg)
     uk = tf.cast(tf.boolean_mask(k, new), tf.int32)
     if ms.n_t > 1:
-        t = tf.searchsorted(tf.constant(ms.offs[1:], tf.int32), uk, side="right",
+        t = tf.searchsorted(tf.cast(ms.offs[1:], tf.int32), uk, side="right",
                             out_type=tf.int64)
         m = m + tf.bitwise.left_shift(t, ms.n_ranks)
     return uk, m
@@ -273,30 +275,71 @@ def decode(buf: tf.Tensor, table: tf.Tensor, layout, numels: Sequence[int],
     ``table`` is the host parse's int64 ``[n_ranks * len(layout), N_COLS]`` (canonical (rank,
     tensor) order); ``check_fn(stats)`` runs the host verdict on the int64 ``[M, 8]``
     :class:`horovod_sbc.protocol.StreamStats` rows and returns an op that must run (and pass)
-    before anything is written.
+    before anything is written. The streams and the sums are graph functions that take the
+    sizes as inputs (:func:`_graphs`), so every layout of as many tensors shares them.
     """
-    ms = _Messages(buf, table, numels, n_ranks)
-    el = _elements(buf, ms)
-    ok = check_fn(_stream_stats(ms, el))
+    n_t, total = len(numels), int(sum(numels))
+    offs = tf.constant(np.concatenate([[0], np.cumsum(numels, dtype=np.int64)[:-1]]), tf.int64)
+    streams, sums = _graphs(n_t, n_ranks, scale == 1.0, SORT_FACTOR)
+    key, msg, stats = streams(buf, table, offs)
+    ok = check_fn(stats)
     with tf.control_dependencies([ok]):  # nothing is written before the verdict passed
-        key32 = tf.cast(el.key, tf.int32)
-    # the exact rank-ordered sums from a table indexed by which ranks sent a position
-    total = int(sum(numels))
-    table_bits = _sum_table(table, n_ranks, ms.n_t, scale)  # int32 [n_t << n_ranks]
-    if n_ranks == 1:
-        keys, idx = key32, el.per(tf.range(ms.n_t, dtype=tf.int64) * 2 + 1)  # mask 1
-    else:
-        keys, idx = tf.cond(ms.c_total * SORT_FACTOR < total,
-                            lambda: _sorted_masks(ms, el, key32),
-                            lambda: _dense_masks(ms, el, key32, total))
-    bits = tf.gather(table_bits, idx)
-    dense = tf.raw_ops.SparseToDense(sparse_indices=keys, output_shape=[max(total, 1)],
-                                     sparse_values=bits, default_value=tf.constant(0, tf.int32),
-                                     validate_indices=False)
-    dense = tf.bitcast(dense, tf.float32)
-    if ms.n_t == 1:
-        return [dense[:total]]
-    return tf.split(dense[:total], list(numels)) if total else [dense[:0] for _ in numels]
+        key32 = tf.cast(key, tf.int32)
+    dense = tf.reshape(sums(key32, msg, table, offs, tf.constant(total, tf.int64),
+                            tf.constant(scale, tf.float64)), [total])
+    if n_t == 1:
+        return [dense]
+    return tf.split(dense, list(numels)) if total else [dense[:0] for _ in numels]
+
+
+_GRAPHS: dict = {}
+
+
+def _graphs(n_t: int, n_ranks: int, unit_scale: bool, sort_factor: int):
+    """``(streams, sums)``: the decode's two halves for ``n_t`` tensors and ``n_ranks`` ranks,
+    graph functions traced once per process and kind and kept out of line (``_noinline``), so
+    that each decode (each gradient of the stock tape, each ``tf.function``) calls them instead
+    of building and optimizing their few hundred ops again. ``sort_factor`` is
+    :data:`SORT_FACTOR` when traced."""
+    key = (n_t, n_ranks, unit_scale, sort_factor)
+    if key in _GRAPHS:
+        return _GRAPHS[key]
+
+    def streams(buf, table, offs):
+        ms = _Messages(buf, table, offs, n_t, n_ranks)
+        el = _elements(buf, ms)
+        return el.key, el.msg, _stream_stats(ms, el)
+
+    def sums(key32, msg, table, offs, total, scale):
+        ms = _Messages(None, table, offs, n_t, n_ranks)
+        el = _Elements()
+        el.msg = msg
+        # the exact rank-ordered sums from a table indexed by which ranks sent a position
+        table_bits = _sum_table(table, n_ranks, n_t, 1.0 if unit_scale else scale)
+        if n_ranks == 1:
+            keys, idx = key32, el.per(tf.range(n_t, dtype=tf.int64) * 2 + 1)  # mask 1
+        else:
+            keys, idx = tf.cond(ms.c_total * sort_factor < total,
+                                lambda: _sorted_masks(ms, el, key32),
+                                lambda: _dense_masks(ms, el, key32, total))
+        bits = tf.gather(table_bits, idx)
+        shape = tf.cast(tf.reshape(tf.maximum(total, 1), [1]), tf.int32)  # total < 2**31
+        dense = tf.raw_ops.SparseToDense(
+            sparse_indices=keys, output_shape=shape, sparse_values=bits,
+            default_value=tf.constant(0, tf.int32), validate_indices=False)
+        return tf.bitcast(dense, tf.float32)[:total]
+
+    spec = tf.TensorSpec
+    once = dict(autograph=False, experimental_attributes={"_noinline": True})
+    _GRAPHS[key] = (
+        tf.function(streams, input_signature=(spec([None], tf.uint8),
+                                              spec([None, _t.N_COLS], tf.int64),
+                                              spec([n_t], tf.int64)), **once),
+        tf.function(sums, input_signature=(spec([None], tf.int32), spec([None], tf.int32),
+                                           spec([None, _t.N_COLS], tf.int64),
+                                           spec([n_t], tf.int64), spec([], tf.int64),
+                                           spec([], tf.float64)), **once))
+    return _GRAPHS[key]
 
 
 def _sum_table(table: tf.Tensor, n_ranks: int, n_t: int, scale: float) -> tf.Tensor:
@@ -305,7 +348,7 @@ def _sum_table(table: tf.Tensor, n_ranks: int, n_t: int, scale: float) -> tf.Ten
     ``v[r, t] = float32(float64(value) * scale)`` (signed) of rank r's message for tensor t —
     the protocol's decoded arithmetic, exact also for subnormal values and sums."""
     vb = tf.cast(table[:, _t.C_VBITS], tf.int32)
-    if scale != 1.0:
+    if not (isinstance(scale, float) and scale == 1.0):
         vb = f64_to_f32_bits(f32_bits_to_f64(vb) * scale)
     vb = tf.where(table[:, _t.C_NEG] > 0, tf.bitwise.bitwise_or(vb, tf.constant(-2 ** 31,
                                                                                tf.int32)), vb)
