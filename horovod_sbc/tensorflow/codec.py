@@ -610,21 +610,43 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     mod = native.encoder_for(a, mode) if native_ok else None
     if mod is not None:
         return _encode_native(mod, None, a, k, selection)
-    if n <= _EXACT_BELOW or k >= n:
-        prep = _Prep(None, None, all_finite(a))
-    else:
-        prep = _prepare(a, k, 2 if (mode == "sbc" and selection == "paper") else 1)
-    # A non-finite update is encoded all the same (nothing in the selection breaks on NaN, it only
-    # takes the slow exact path); ``prep.finite`` tells the caller to send an error instead.
-    encode = _encode_values if mode == "values" else _encode_binary
-    (header, body), pos, sent = encode(a, k, selection, prep)
+    header, body, pos, sent, finite = _encoder_graph(n, k, mode, selection, a.dtype)(a)
     if mode == "values" and k >= n:
         update = ResidualUpdate.ALL
     elif k * _DENSE_UPDATE >= n:
         update = ResidualUpdate.DENSE
     else:
         update = ResidualUpdate.SCATTER
-    return Encoded(header, body, pos, sent, prep.finite, n, update)
+    return Encoded(header, body, pos, sent, finite, n, update)
+
+
+_ENCODERS: dict = {}
+
+
+def _encoder_graph(n: int, k: int, mode: str, selection: str, dtype: tf.DType):
+    """The TF-op encoder of ``k`` of ``n`` elements as one graph function, traced once per
+    process and (size, keep count, mode, selection, dtype) and kept out of line
+    (``_noinline``): the many tensors of a model that share a shape (a network's repeated
+    blocks, its norms' scales and biases) share one graph instead of each building and
+    optimizing its few hundred ops."""
+    key = (n, k, mode, selection, dtype.name)
+    if key not in _ENCODERS:
+        def encode(a):
+            if n <= _EXACT_BELOW or k >= n:
+                prep = _Prep(None, None, all_finite(a))
+            else:
+                prep = _prepare(a, k, 2 if (mode == "sbc" and selection == "paper") else 1)
+            # A non-finite update is encoded all the same (nothing in the selection breaks on
+            # NaN, it only takes the slow exact path); ``finite`` tells the caller to send an
+            # error instead.
+            run = _encode_values if mode == "values" else _encode_binary
+            (header, body), pos, sent = run(a, k, selection, prep)
+            return header, body, pos, sent, prep.finite
+
+        _ENCODERS[key] = tf.function(encode, input_signature=(tf.TensorSpec([n], dtype),),
+                                     autograph=False,
+                                     experimental_attributes={"_noinline": True})
+    return _ENCODERS[key]
 
 
 def _encode_values(a: tf.Tensor, k: int, selection: str, prep: "_Prep"):
