@@ -52,7 +52,7 @@ from typing import List, Sequence
 import numpy as np
 import tensorflow as tf
 
-from . import table as _t
+from . import graphs, table as _t
 from .bits import add_f32_bits, f32_bits_to_f64, f64_to_f32_bits
 
 MAX_RANKS = 8            # masks are uint8
@@ -330,15 +330,12 @@ def _graphs(n_t: int, n_ranks: int, unit_scale: bool, sort_factor: int):
         return tf.bitcast(dense, tf.float32)[:total]
 
     spec = tf.TensorSpec
-    once = dict(autograph=False, experimental_attributes={"_noinline": True})
     _GRAPHS[key] = (
-        tf.function(streams, input_signature=(spec([None], tf.uint8),
-                                              spec([None, _t.N_COLS], tf.int64),
-                                              spec([n_t], tf.int64)), **once),
-        tf.function(sums, input_signature=(spec([None], tf.int32), spec([None], tf.int32),
-                                           spec([None, _t.N_COLS], tf.int64),
-                                           spec([n_t], tf.int64), spec([], tf.int64),
-                                           spec([], tf.float64)), **once))
+        graphs.shared(streams, (spec([None], tf.uint8), spec([None, _t.N_COLS], tf.int64),
+                                spec([n_t], tf.int64))),
+        graphs.shared(sums, (spec([None], tf.int32), spec([None], tf.int32),
+                             spec([None, _t.N_COLS], tf.int64), spec([n_t], tf.int64),
+                             spec([], tf.int64), spec([], tf.float64))))
     return _GRAPHS[key]
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import config, reference, registry, wire
-from . import native
+from . import graphs, native
 from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
 from .decoder import decode_messages
 
@@ -643,9 +643,7 @@ def _encoder_graph(n: int, k: int, mode: str, selection: str, dtype: tf.DType):
             (header, body), pos, sent = run(a, k, selection, prep)
             return header, body, pos, sent, prep.finite
 
-        _ENCODERS[key] = tf.function(encode, input_signature=(tf.TensorSpec([n], dtype),),
-                                     autograph=False,
-                                     experimental_attributes={"_noinline": True})
+        _ENCODERS[key] = graphs.shared(encode, (tf.TensorSpec([n], dtype),))
     return _ENCODERS[key]
 
 

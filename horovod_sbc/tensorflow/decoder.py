@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import protocol, wire
-from . import binary, native
+from . import binary, graphs, native
 from .bits import add_f32_bits, f32_bits_to_f64, f64_to_f32_bits  # noqa: F401
 from .table import (C_B, C_COUNT, C_KIND, C_NEG, C_NUMEL, C_RANK, C_RBYTES, C_RSTART,  # noqa: F401
                     C_SBYTES, C_SSTART, C_TENSOR, C_UBYTES, C_USTART, C_VBITS, C_VSTART,
@@ -235,9 +235,6 @@ def _streams(buf: tf.Tensor, table: tf.Tensor) -> _Decoded:
     return _Decoded(*_streams_graph(buf, table))
 
 
-@tf.function(input_signature=(tf.TensorSpec([None], tf.uint8),
-                              tf.TensorSpec([None, N_COLS], tf.int64)),
-             autograph=False, experimental_attributes={"_noinline": True})
 def _streams_graph(buf: tf.Tensor, table: tf.Tensor):
     m = tf.shape(table, out_type=tf.int64)[0]
     col = lambda c: table[:, c]  # noqa: E731
@@ -324,6 +321,10 @@ def _streams_graph(buf: tf.Tensor, table: tf.Tensor):
         pad_nonzero(col(C_SSTART), col(C_SBYTES), count),
         tf.math.unsorted_segment_sum(tf.cast(nonfinite, tf.int64), e_msg, m)], 1)
     return _excl_cumsum(count), count, pos, bits, is_val, stats
+
+
+_streams_graph = graphs.shared(_streams_graph, (tf.TensorSpec([None], tf.uint8),
+                                                tf.TensorSpec([None, N_COLS], tf.int64)))
 
 
 def _scaled_f32_bits(d: _Decoded, table: tf.Tensor, scale: float) -> tf.Tensor:
@@ -573,8 +574,7 @@ def _fold_graph(n_t: int, n_ranks: int, dtypes: Tuple[str, ...], has_outs: bool,
            tf.TensorSpec([None, N_COLS], tf.int64), tf.TensorSpec([n_t], tf.int64),
            tf.TensorSpec([], tf.float64),
            [tf.TensorSpec([None], dt) for dt in out_dtypes] if has_outs else [])
-    _FOLDS[key] = tf.function(fold, input_signature=sig, autograph=False,
-                              experimental_attributes={"_noinline": True})
+    _FOLDS[key] = graphs.shared(fold, sig)
     return _FOLDS[key]
 
 
