@@ -100,8 +100,9 @@ def bench_position_coding(n: int = 10_000_000, seed: int = 0) -> Dict[str, objec
 
 def bench_torch(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str, float]:
     import torch
-    from horovod_sbc.torch import codec, exchange
+    from horovod_sbc.torch.backend import Targets, backend_for, compress_, frame
     torch.manual_seed(0)
+    backend = backend_for("cpu")
     a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
     t_add = _median_time(lambda: torch.add(a, b, out=c), reps)
     grad = torch.randn(n)
@@ -110,8 +111,7 @@ def bench_torch(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
 
     def compress_step():
         residual.add_(grad)
-        _, pos, sent = codec.encode_update(residual, density)
-        codec.subtract_sent_(residual, pos, sent)
+        backend.encode_tensor(residual, density).commit()
 
     t_comp = _median_time(compress_step, reps)
     t_topk = _median_time(lambda: torch.topk(a.abs(), k, sorted=False), max(3, reps // 2))
@@ -121,13 +121,13 @@ def bench_torch(n: int, density: float, reps: int, n_msgs: int = 8) -> Dict[str,
     msgs = []
     for r in range(n_msgs):
         g = torch.randn(n, generator=torch.Generator().manual_seed(100 + r))
-        m, _ = codec.compress_(g, density)
-        msgs.append(exchange.frame([m], fp, g.device))
+        m, _ = compress_(g, density)
+        msgs.append(frame.frame([m], fp, g.device))
     gathered = torch.cat(msgs)
     dense = torch.empty(n)
 
     def decode():  # into an existing dense tensor (the reference weights / gradient buffer)
-        exchange.decode_gathered(gathered, layout, n_msgs, [dense], 1.0 / n_msgs, zero_out=True)
+        backend.decode(gathered, layout, n_msgs, Targets.replace([dense]), 1.0 / n_msgs)
 
     t_dec = _median_time(decode, reps)
     return {"add_s": t_add, "compress_s": t_comp, "decode_s": t_dec, "topk_s": t_topk,

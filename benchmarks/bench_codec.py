@@ -97,23 +97,25 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
     """Our codec on one workload at one density (see the module docstring)."""
     import torch
     from horovod_sbc import wire
-    from horovod_sbc.torch import codec, exchange
+    from horovod_sbc.torch.backend import (Accumulate, PositionBuffer, Targets, backend_for,
+                                           compress_, frame)
+    backend = backend_for("cpu")
     fp = wire.layout_fingerprint(layout)
     grads = _gradients(layout, 0)
     residuals = [torch.zeros_like(g) for g in grads]
     names = [n for n, _ in layout]
-    buffers = [codec.PositionBuffer() for _ in layout]  # per tensor, as the hook and sync keep
+    buffers = [PositionBuffer() for _ in layout]  # per tensor, as the hook and sync keep
 
     def compress_step():
         msgs, commits = [], []
         for name, g, r, buf in zip(names, grads, residuals, buffers):  # r += g, then encode
-            m, pos, sent = codec.encode_update(r, density, "sbc", name, selection=selection,
-                                               addend=g, positions=buf)
-            msgs.append(m)
-            commits.append((r, pos, sent))
-        step = exchange.frame(msgs, fp, grads[0].device)
-        for r, pos, sent in commits:
-            codec.subtract_sent_(r, pos, sent)
+            enc = backend.encode_tensor(Accumulate(r, g), density, "sbc", name, selection,
+                                        positions=buf)
+            msgs.append(enc.message)
+            commits.append(enc)
+        step = frame.frame(msgs, fp, grads[0].device)
+        for enc in commits:
+            enc.commit()
         return step
 
     t_comp = min_time(compress_step, reps)
@@ -121,19 +123,19 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
     for rank in range(N_RANKS):
         msgs = []
         for (name, _), g in zip(layout, _gradients(layout, 100 + rank)):
-            m, _ = codec.compress_(g, density, "sbc", name, selection=selection)
+            m, _ = compress_(g, density, "sbc", name, selection=selection)
             msgs.append(m)
             if rank == 0:
                 hdr = wire.parse_tensor_header(bytes(m.numpy()), 0, g.numel())
                 pos_bits += 8 * ((hdr.unary[1] - hdr.unary[0]) + (hdr.remainder[1] - hdr.remainder[0]))
                 if 0 < hdr.count < g.numel():
                     entropy += g.numel() * entropy_bits(hdr.count / g.numel())
-        steps.append(exchange.frame(msgs, fp, grads[0].device))
+        steps.append(frame.frame(msgs, fp, grads[0].device))
     gathered = torch.cat(steps)
     outs = [torch.zeros(_numel(s)) for _, s in layout]
 
     def decode():  # into the gradient buffers, as the stock hook does (zero_out)
-        exchange.decode_gathered(gathered, layout, N_RANKS, outs, 1.0 / N_RANKS, zero_out=True)
+        backend.decode(gathered, layout, N_RANKS, Targets.replace(outs), 1.0 / N_RANKS)
 
     t_dec = min_time(decode, reps)
     k_list = [min(_numel(s), max(1, round(density * _numel(s)))) for _, s in layout]
@@ -296,11 +298,12 @@ def bench_peers(layout, density: float, reps: int, t_add: float) -> Dict[str, Di
 
 def sbc_relative_error(layout, density: float) -> float:
     import torch
-    from horovod_sbc.torch import codec
+    from horovod_sbc.torch.backend import backend_for
     grads = _gradients(layout, 0)
     decoded = []
     for (name, _), g in zip(layout, grads):
-        _, pos, sent = codec.encode_update(g.clone(), density, "sbc", name)
+        enc = backend_for(g.device).encode_tensor(g.clone(), density, "sbc", name)
+        pos, sent = enc.positions, enc.sent
         decoded.append(torch.zeros_like(g).index_put_((pos,), sent))
     return _rel_error(grads, decoded)
 

@@ -26,7 +26,7 @@ DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 def padding(densities=DENSITIES, seed: int = 0):
     import torch
     from horovod_sbc import reference, wire
-    from horovod_sbc.torch.codec import encode_update
+    from horovod_sbc.torch.backend import backend_for
     from benchmarks.bench_gpu_proxy import resnet50_layout, _numel
     shapes = resnet50_layout()
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +35,7 @@ def padding(densities=DENSITIES, seed: int = 0):
         content = 0
         for _, s in shapes:
             a = torch.randn(_numel(s), generator=g)
-            msg = encode_update(a, d, "sbc", selection="paper")[0]
+            msg = backend_for(a.device).encode_tensor(a, d, "sbc").message
             assert msg.numel() <= reference.tensor_capacity(a.numel(), d, "sbc"), (s, d)
             content += msg.numel()
         head = wire.STEP_HEADER_SIZE

@@ -29,14 +29,14 @@ gathered from N ranks (its own work is not counted; the collective calls are, as
   ``synchronize()``; Horovod's allgather replaced by the fake;
 * ``ddp``: :func:`horovod_sbc.torch.ddp.sbc_hook` on DDP-style buckets (reverse parameter
   order, 1 MiB first bucket, then 25 MiB), through the real
-  :class:`~horovod_sbc.torch.exchange.ProcessGroupTransport` over a fake all-gather.
+  :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` over a fake all-gather.
 
 Layouts: ResNet-50's 161 parameter tensors and GPT-2 small's 148 (built here from their
 architectures, no torchvision or transformers needed).
 
-Where the CPU run takes a branch a CUDA run would not: ``exchange._add_batch`` adds a tensor's
-decoded positions with one ``index_add_`` on the CPU, and per (tensor, rank) with an upload of
-the value on other devices; the counts here are the CPU branch's.
+The tensor-op backend takes the same branches on the CPU as on CUDA (it adds each rank's
+decoded positions with one ``index_add_`` per rank on every device), so the counts are those a
+CUDA run dispatches.
 
 Counts are deterministic (fixed seeds), so a few steps per cell suffice; the wall time of a cell
 is that of the counting mode and says nothing about speed.
@@ -244,7 +244,7 @@ def counting():
 # fake collectives
 # ------------------------------------------------------------------------------------------------
 class FakeHorovodTransport:
-    """:class:`~horovod_sbc.torch.exchange.HorovodTransport`'s interface: rank 0 of ``size``,
+    """:class:`~horovod_sbc.torch.sync.transport.HorovodTransport`'s interface: rank 0 of ``size``,
     every rank's message equal to this one's."""
 
     def __init__(self, size: int, counter_ref: Callable[[], Counter]):
@@ -268,9 +268,9 @@ def fake_gather(counter, step: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def fake_process_group_transport(size: int, counter_ref: Callable[[], Counter]):
-    """A :class:`~horovod_sbc.torch.exchange.ProcessGroupTransport` whose all-gather copies this
+    """A :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` whose all-gather copies this
     rank's input ``size`` times (its own length exchange and host read run for real)."""
-    from horovod_sbc.torch.exchange import ProcessGroupTransport
+    from horovod_sbc.torch.sync.transport import ProcessGroupTransport
 
     class _Fake(ProcessGroupTransport):
         def world(self):
@@ -295,15 +295,15 @@ def _active():
 @contextlib.contextmanager
 def fake_horovod_async(size: int):
     """Horovod's ``allgather_async``/``synchronize`` as the stock hook calls them
-    (:mod:`horovod_sbc.torch.exchange`), replaced by the fake gather for the block."""
-    from horovod_sbc.torch import exchange
-    saved = exchange.allgather_async, exchange.synchronize
-    exchange.allgather_async = lambda step, name: fake_gather(_active(), step, size)
-    exchange.synchronize = lambda handle: handle
+    (:mod:`horovod_sbc.torch.sync.transport`), replaced by the fake gather for the block."""
+    from horovod_sbc.torch.sync import transport
+    saved = transport.allgather_async, transport.synchronize
+    transport.allgather_async = lambda step, name: fake_gather(_active(), step, size)
+    transport.synchronize = lambda handle: handle
     try:
         yield
     finally:
-        exchange.allgather_async, exchange.synchronize = saved
+        transport.allgather_async, transport.synchronize = saved
 
 
 # ------------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from horovod_sbc import wire  # noqa: E402
-from horovod_sbc.torch import codec, exchange, hierarchy  # noqa: E402
+from horovod_sbc.torch import hierarchy  # noqa: E402
+from horovod_sbc.torch.backend import Targets, backend_for, frame  # noqa: E402
 
 
 def _median(fn, reps: int = 5) -> float:
@@ -61,15 +62,16 @@ def _median(fn, reps: int = 5) -> float:
 def _step(items, density: float) -> bytes:
     """One step message of ``items`` ((name, flat tensor)); the tensors are left untouched."""
     layout = [(n, (t.numel(),)) for n, t in items]
-    msgs = [codec.encode_update(t.clone(), density, "sbc", n)[0] for n, t in items]
-    return exchange.frame(msgs, wire.layout_fingerprint(layout), "cpu")
+    msgs = [backend_for("cpu").encode_tensor(t.clone(), density, "sbc", n).message
+            for n, t in items]
+    return frame.frame(msgs, wire.layout_fingerprint(layout), "cpu")
 
 
 def _decode_time(steps: List[torch.Tensor], layout) -> float:
     gathered = torch.cat(steps)
     out = [torch.zeros(n) for _, (n,) in layout]
-    return _median(lambda: exchange.decode_gathered(gathered, layout, len(steps), out,
-                                                    1.0 / len(steps)))
+    return _median(lambda: backend_for("cpu").decode(gathered, layout, len(steps),
+                                                     Targets.add(out), 1.0 / len(steps)))
 
 
 def _encode_time(items, density: float) -> float:

@@ -144,33 +144,32 @@ def _encoder(layout: Layout, density: float, seed: int):
     """A zero-argument callable doing one rank's compress step; returns its step message."""
     import torch
     from horovod_sbc import wire
-    from horovod_sbc.torch import codec, exchange
+    from horovod_sbc.torch.backend import Accumulate, PositionBuffer, backend_for, frame
     g = torch.Generator().manual_seed(seed)
     grads = [torch.randn(_numel(s), generator=g) for _, s in layout]
     res = [torch.zeros_like(x) for x in grads]
-    bufs = [codec.PositionBuffer() for _ in layout]
+    bufs = [PositionBuffer() for _ in layout]
     fp = wire.layout_fingerprint(layout)
+    backend = backend_for(grads[0].device)
 
     def step():
-        msgs, commits = [], []
-        for (name, _), x, r, b in zip(layout, grads, res, bufs):
-            m, pos, sent = codec.encode_update(r, density, "sbc", name, addend=x, positions=b)
-            msgs.append(m)
-            commits.append((r, pos, sent))
-        out = exchange.frame(msgs, fp, grads[0].device)
-        for r, pos, sent in commits:
-            codec.subtract_sent_(r, pos, sent)
+        encs = [backend.encode_tensor(Accumulate(r, x), density, "sbc", name, positions=b)
+                for (name, _), x, r, b in zip(layout, grads, res, bufs)]
+        out = frame.frame([e.message for e in encs], fp, grads[0].device)
+        for e in encs:
+            e.commit()
         return out
     return step
 
 
 def _time_decode(layout: Layout, steps, reps: int) -> float:
     import torch
-    from horovod_sbc.torch import exchange
+    from horovod_sbc.torch.backend import Targets, backend_for
     gathered = torch.cat(steps)
     outs = [torch.zeros(_numel(s)) for _, s in layout]
-    return min_time(lambda: exchange.decode_gathered(gathered, layout, len(steps), outs,
-                                                     1.0 / len(steps)), reps)
+    backend = backend_for(gathered.device)
+    return min_time(lambda: backend.decode(gathered, layout, len(steps), Targets.add(outs),
+                                           1.0 / len(steps)), reps)
 
 
 def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[float, float, int]:
@@ -178,15 +177,16 @@ def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[floa
     fp32 values (``density`` None, the package's default) or top-k with values."""
     import torch
     from horovod_sbc import wire
-    from horovod_sbc.torch import codec, exchange
+    from horovod_sbc.torch.backend import backend_for, frame
     g = torch.Generator().manual_seed(7)
     avg = [torch.randn(_numel(s), generator=g) for _, s in layout]
     fp = wire.layout_fingerprint(layout)
     p = 1.0 if density is None else density
 
     def enc():
-        return exchange.frame([codec.encode_update(a, p, "values", n)[0]
-                               for (n, _), a in zip(layout, avg)], fp, avg[0].device)
+        backend = backend_for(avg[0].device)
+        return frame.frame([backend.encode_tensor(a, p, "values", n).message
+                            for (n, _), a in zip(layout, avg)], fp, avg[0].device)
     t_enc = min_time(enc, reps)
     msg = enc()
     return t_enc, _time_decode(layout, [msg], reps), 8 * int(msg.numel())

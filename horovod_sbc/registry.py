@@ -47,7 +47,7 @@ class Compressor:
 
     def encode_torch(self, a, density: float, name: str, selection: str, generator=None):
         """torch: (message uint8, positions int64, sent values in ``a``'s dtype) for flat
-        non-empty ``a``, on its device; raises ``horovod_sbc.torch.codec.NonFiniteError`` on
+        non-empty ``a``, on its device; raises ``horovod_sbc.torch.backend.NonFiniteError`` on
         NaN/Inf."""
         raise NotImplementedError(f"compressor {self.name!r} has no torch encoder")
 

@@ -42,20 +42,20 @@ class STC(registry.Compressor):
 
     def encode_torch(self, a, density, name, selection, generator=None):
         import torch
-        from horovod_sbc.torch import codec
+        from horovod_sbc.torch import backend as tb
         n = a.numel()
         k = reference.keep_count(n, density)
-        idx = codec.select_topk(a, k, name)
-        total = codec.tree_sum(a[idx].abs()).item()
+        idx = tb.select_topk(a, k, name)
+        total = tb.tree_sum(a[idx].abs()).item()
         if not math.isfinite(total):
-            raise codec.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+            raise tb.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
         mu = float(np.float32(total / k))
         if mu == 0.0:
             empty = idx[:0]
-            return codec.encode_positions(empty, n), empty, a.new_zeros(0)
+            return tb.encode_positions(empty, n), empty, a.new_zeros(0)
         neg = a[idx] < 0
         sent = torch.where(neg, -mu, mu).to(a.dtype)
-        return codec.encode_positions(idx, n, mu, signs=neg), idx, sent
+        return tb.encode_positions(idx, n, mu, signs=neg), idx, sent
 
     def encode_tf(self, a, density, selection, name, generator=None):
         import tensorflow as tf

@@ -14,12 +14,13 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from horovod_sbc import reference, protocol, wire, config
-from horovod_sbc.torch import codec as tcodec
-from horovod_sbc.torch import exchange
+from horovod_sbc.torch import backend as tcodec
+from horovod_sbc.torch.backend import batch
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "golden"))
 import make_golden  # noqa: E402
+import torch_codec  # noqa: E402
 
 GOLDEN = json.load(open(os.path.join(HERE, "golden", "vectors.json")))
 NP_DT = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
@@ -140,8 +141,7 @@ def test_golden_vectors_numpy_torch_spec(case):
     # and the torch decoder of the exchange agrees with both
     fp = wire.layout_fingerprint([("t", (numel,))])
     step = wire.step_message_bytes(want, fp, 1)
-    (dense,) = exchange.decode_gathered(torch.frombuffer(bytearray(step), dtype=torch.uint8),
-                                        [("t", (numel,))], 1)
+    (dense,) = torch_codec.decode(step, [("t", (numel,))], 1)
     ref = np.zeros(numel, np.float32)
     ref[pos] = v
     assert np.array_equal(dense.numpy(), ref)
@@ -198,9 +198,9 @@ def test_position_coding_roundtrip_numpy_and_torch(ps, value, negative):
     tmsg = tcodec.encode_positions(torch.from_numpy(pos), numel, float(np.float32(value)),
                                    negative)
     assert tmsg.numpy().tobytes() == msg
-    tpos, _, stats = tcodec.stream_stats(torch.frombuffer(bytearray(msg), dtype=torch.uint8), hdr)
-    protocol.check_stream(hdr, stats, "t")
-    assert tpos.tolist() == pos.tolist()
+    dec = batch.decode_messages(torch.frombuffer(bytearray(msg), dtype=torch.uint8), [hdr], [1.0])
+    protocol.check_stream(hdr, dec.stats[0], "t")
+    assert dec.pos.tolist() == pos.tolist()
     # the chosen b is never worse than the paper's b*
     if pos.size:
         bstar = wire.rice_parameter(pos.size / numel)
@@ -267,7 +267,7 @@ def test_binarization_and_residual_match_the_rule(values, density, selection):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_dtypes_compute_in_fp32_and_return_input_dtype(dtype):
-    from horovod_sbc.torch.state import residual_dtype as _residual_dtype
+    from horovod_sbc.torch.sync.state import residual_dtype as _residual_dtype
     g = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
     rdt = _residual_dtype(dtype)
     assert rdt == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -459,8 +459,7 @@ def test_torch_exchange_decoder_matches_numpy_on_gathered_buffers():
     buf2 = _step(layout2, [m1, m2])
     gathered = buf + buf2
     ref = reference.decode_step_np(gathered, layout, 2)
-    sums = exchange.decode_gathered(torch.frombuffer(bytearray(gathered), dtype=torch.uint8),
-                                    layout, 2)
+    sums = torch_codec.decode(gathered, layout, 2)
     for i, (_, shape) in enumerate(layout):
         want = np.zeros(wire.layout_numel(shape), np.float32)
         for r in range(2):
@@ -468,8 +467,7 @@ def test_torch_exchange_decoder_matches_numpy_on_gathered_buffers():
             want[pos] += vals
         assert np.array_equal(sums[i].numpy(), want)
     with pytest.raises(ValueError, match="trailing bytes"):
-        exchange.decode_gathered(torch.frombuffer(bytearray(gathered + b"\0"), dtype=torch.uint8),
-                                 layout, 2)
+        torch_codec.decode(gathered + b"\0", layout, 2)
 
 
 @settings(max_examples=150, deadline=None)
@@ -562,12 +560,10 @@ def test_batched_torch_decoder_reaches_the_numpy_verdict_on_valid_and_corrupt_st
         except ValueError as e:
             n_corrupt += 1
             with pytest.raises(ValueError) as got:
-                exchange.decode_gathered(torch.frombuffer(bytearray(buf), dtype=torch.uint8),
-                                         layout, n)
+                torch_codec.decode(buf, layout, n)
             assert str(got.value) == str(e)
             continue
-        sums = exchange.decode_gathered(torch.frombuffer(bytearray(buf), dtype=torch.uint8),
-                                        layout, n)
+        sums = torch_codec.decode(buf, layout, n)
         for i, (_, shape) in enumerate(layout):
             want = np.zeros(wire.layout_numel(shape), np.float32)
             for r in range(n):

@@ -1,5 +1,5 @@
 """Differential test of every decoder: the same valid and mutated gathered buffers go through the
-numpy reference (``reference.decode_step_np``), the torch decoder (``torch.exchange.decode_gathered``:
+numpy reference (``reference.decode_step_np``), the torch backends (``horovod_sbc.torch.backend``:
 its C kernels on every case, its tensor-op path on every ``DIFF_OPS_EVERY``-th, default 4)
 and the TensorFlow decoder (eager and inside ``tf.function``); all must reach the same verdict
 (accept, a rank's ERROR, a rank's SKIP, or malformed — with the same text) and, when they
@@ -33,7 +33,7 @@ import torch
 
 from horovod_sbc import reference, protocol, wire
 from horovod_sbc import kernels
-from horovod_sbc.torch import exchange
+from horovod_sbc.torch.backend import Targets, backend_for
 
 CASES = int(os.environ.get("DIFF_CASES", "40000"))
 OPS_EVERY = int(os.environ.get("DIFF_OPS_EVERY", "4"))  # torch's tensor-op path on every n-th
@@ -231,7 +231,8 @@ def decode_torch(layout, n_ranks, data, scale):
     def run():
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
             torch.zeros(0, dtype=torch.uint8)
-        return [t.numpy() for t in exchange.decode_gathered(buf, layout, n_ranks, None, scale)]
+        return [t.numpy() for t in backend_for("cpu").decode(
+            buf, layout, n_ranks, Targets.new(layout, torch.float32, "cpu"), scale)]
     return _outcome_of(run)
 
 
@@ -464,13 +465,13 @@ def test_empty_tensor_has_one_encoding_in_every_mode():
     e = np.zeros(0, np.float32)
     for kw in ({}, {"binarize": False}, {"mode": "sign"}, {"selection": "magnitude"}):
         assert reference.compress_np(e, None, 0.5, **kw)[0] == want
-    from horovod_sbc.torch import codec as tcodec
+    from horovod_sbc.torch import backend as tcodec
     for mode in ("sbc", "values", "sign", "terngrad"):
-        assert tcodec.encode_update(torch.zeros(0), 0.5, mode)[0].numpy().tobytes() == want
+        assert tcodec.backend_for("cpu").encode_tensor(torch.zeros(0), 0.5, mode).message.numpy().tobytes() == want
 
 
 def test_sign_mode_scale_is_order_independent_across_implementations():
-    from horovod_sbc.torch import codec as tcodec
+    from horovod_sbc.torch import backend as tcodec
     u = np.array([1, 2.0 ** -24, 2.0 ** -53, 2.0 ** -53, 0, 0, 0, 0], np.float64)
     msg = reference.compress_np(u, None, 1.0, mode="sign")[0]
     t = torch.from_numpy(u.copy())

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from horovod_sbc import kernels, reference, wire
-from horovod_sbc.torch import SBC, fused
+from horovod_sbc.torch import SBC
+from horovod_sbc.torch.backend import fused
 from test_differential import _all_verdicts
 from benchmarks import bench_gpu_proxy as gp
 

@@ -1,4 +1,4 @@
-"""The fused multi-tensor encoder (horovod_sbc/torch/fused.py): the same bytes and the same
+"""The fused multi-tensor encoder (horovod_sbc/torch/backend/fused.py): the same bytes and the same
 residual as the per-tensor encoder and the numpy reference, on many layouts at once."""
 import contextlib
 import os
@@ -8,8 +8,7 @@ import numpy as np
 import torch
 
 from horovod_sbc import reference, kernels
-from horovod_sbc.torch import codec, fused
-from horovod_sbc.torch.codec import NonFiniteError
+from horovod_sbc.torch.backend import NonFiniteError, OpsBackend, backend_for, fused
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "golden"))
@@ -48,7 +47,7 @@ def _random_layout(rng, n_tensors: int):
 
 
 def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels"), mode="sbc"):
-    """Fused encode + commit vs encode_update + subtract_sent_ per tensor: bytes, positions
+    """Fused encode + commit vs the per-tensor encode + commit: bytes, positions
     sent and the residual afterwards, bit for bit."""
     numels = [x.numel() for x in xs]
     flat = torch.cat(xs) if xs else torch.zeros(0)
@@ -60,8 +59,9 @@ def _check_against_per_tensor(xs, density, paths=("tensor-op", "kernels"), mode=
         with ctx:
             for i, x in enumerate(xs):
                 ref = x.clone()
-                msg, pos, sent = codec.encode_update(ref, density, mode)
-                codec.subtract_sent_(ref, pos, sent)
+                e = backend_for("cpu").encode_tensor(ref, density, mode)
+                e.commit()
+                msg, pos = e.message, e.positions
                 got = enc.message(i)
                 assert got.numpy().tobytes() == msg.numpy().tobytes(), (path, density, i, numels[i])
                 assert torch.equal(after[i].view(torch.int32), ref.view(torch.int32)), (path, i)
@@ -230,11 +230,10 @@ def _dropin_run(shapes, density, ranks, steps, device_path: bool):
 
 
 def test_dropin_sync_on_the_device_path_matches_the_kernels():
-    from horovod_sbc.torch import fused_sync
     shapes = [(30, 20), (20,), (), (0,), (1,), (5, 5, 3), (4000,), (7,)]
     calls = []
-    orig = fused_sync.encode
-    fused_sync.encode = lambda *a: calls.append(1) or orig(*a)
+    orig = OpsBackend.encode_many
+    OpsBackend.encode_many = lambda *a: calls.append(1) or orig(*a)
     try:
         for density, ranks in ((0.05, 3), (0.3, 2), (1.0, 2)):
             dev, comp_d = _dropin_run(shapes, density, ranks, 4, True)
@@ -247,7 +246,7 @@ def test_dropin_sync_on_the_device_path_matches_the_kernels():
                     assert torch.equal(x.view(torch.int32), y.view(torch.int32))
             assert comp_d.stats() == comp_r.stats()
     finally:
-        fused_sync.encode = orig
+        OpsBackend.encode_many = orig
     assert len(calls) == 12  # every sync of the device runs took the fused path
 
 
@@ -308,11 +307,10 @@ def _exchange_run(shapes, density, ranks, steps, device_path: bool, nan_step=Non
 
 
 def test_residual_sync_on_the_device_path_matches_the_kernels():
-    from horovod_sbc.torch import fused_sync
     shapes = [(40, 10), (0,), (), (3,), (2000,), (9, 9)]
     calls = []
-    orig = fused_sync.encode
-    fused_sync.encode = lambda *a: calls.append(1) or orig(*a)
+    orig = OpsBackend.encode_many
+    OpsBackend.encode_many = lambda *a: calls.append(1) or orig(*a)
     try:
         for density, ranks, nan_step in ((0.02, 3, None), (0.2, 2, 2), (1.0, 4, None)):
             dev, comp_d = _exchange_run(shapes, density, ranks, 4, True, nan_step)
@@ -328,5 +326,5 @@ def test_residual_sync_on_the_device_path_matches_the_kernels():
             assert [skip for skip, _, _ in dev][:nan_step or 4] == [False] * (nan_step or 4)
             assert nan_step is None or dev[nan_step][0]
     finally:
-        fused_sync.encode = orig
+        OpsBackend.encode_many = orig
     assert len(calls) == 12

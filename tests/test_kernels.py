@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from horovod_sbc import reference, kernels, wire
-from horovod_sbc.torch import codec, exchange
+from horovod_sbc.torch import backend as tb
+from horovod_sbc.torch.backend import (Accumulate, Difference, Targets, backend_for, ckernels,
+                                       frame, select)
+from horovod_sbc.torch.sync import transport
+
+import torch_codec
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler here")
 
@@ -37,10 +42,10 @@ def _inputs():
 def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
     for n, kind, a in _inputs():
         for density in (1e-4, 1e-3, 1e-2, 5e-2, 0.3, 1.0):
-            got = codec.encode_update(torch.from_numpy(a.copy()), density, mode,
+            got = torch_codec.encode(torch.from_numpy(a.copy()), density, mode,
                                       selection=selection)
             with kernels.disabled():
-                want = codec.encode_update(torch.from_numpy(a.copy()), density, mode,
+                want = torch_codec.encode(torch.from_numpy(a.copy()), density, mode,
                                            selection=selection)
             what = f"{mode}/{selection} n={n} {kind} p={density}"
             assert torch.equal(got[0], want[0]), what
@@ -54,7 +59,7 @@ def test_kernel_encoder_matches_tensor_ops_and_numpy(mode, selection):
 @pytest.mark.parametrize("mode,selection", [("sbc", "paper"), ("sbc", "magnitude"),
                                             ("values", "paper")])
 def test_difference_encoder_matches_the_materialised_update(mode, selection):
-    """``addend=Difference(w, wref)`` (the drop-in's update when its residual lives in the
+    """``Difference(w, wref)`` (the drop-in's update when its residual lives in the
     weights): the kernels select on ``w - wref`` in their pass without storing it. The message,
     positions and values equal those of the materialised float32 ``w - wref``; ``w`` and
     ``wref`` are not written; a NaN/Inf anywhere is reported with nothing changed."""
@@ -64,24 +69,29 @@ def test_difference_encoder_matches_the_materialised_update(mode, selection):
         w = wref + torch.from_numpy(a)
         w0, wref0 = w.clone(), wref.clone()
         for density in (1e-3, 1e-2, 5e-2, 1.0):
-            want = codec.encode_update(w - wref, density, mode, selection=selection)
-            got = codec.encode_update(torch.empty(n), density, mode, selection=selection,
-                                      addend=codec.Difference(w, wref))
+            want = torch_codec.encode(w - wref, density, mode, selection=selection)
+            got = torch_codec.encode(Difference(w, wref), density, mode, selection=selection)
             what = f"{mode}/{selection} n={n} {kind} p={density}"
             for g, x in zip(got, want):
                 assert torch.equal(g, x), what
             assert torch.equal(w, w0) and torch.equal(wref, wref0), what
         if n > 3:
             w[n // 2] = float("nan") if kind != "ties" else float("inf")
-            with pytest.raises(codec.NonFiniteError, match="'t' contains NaN or Inf"):
-                codec.encode_update(torch.empty(n), 0.01, mode, name="t", selection=selection,
-                                    addend=codec.Difference(w, wref))
+            with pytest.raises(tb.NonFiniteError, match="'t' contains NaN or Inf"):
+                torch_codec.encode(Difference(w, wref), 0.01, mode, name="t",
+                                   selection=selection)
             assert torch.equal(wref, wref0)
 
 
 _SELECTION_DIGEST = textwrap.dedent("""
     import hashlib, numpy as np, torch
-    from horovod_sbc.torch import codec
+    from horovod_sbc.torch.backend import Accumulate, Difference, NonFiniteError, backend_for
+    kb = backend_for("cpu")
+
+    def enc(*args, **kw):
+        e = kb.encode_tensor(*args, **kw)
+        return e.message, e.positions, e.sent
+
     rng = np.random.default_rng(3)
     h = hashlib.sha256()
     for n in (1, 63, 64, 65, 4095, 4097, 16385, 200_003):
@@ -92,10 +102,10 @@ _SELECTION_DIGEST = textwrap.dedent("""
             for p in (1e-4, 1e-2, 0.05, 0.3):
                 for mode, sel in (("sbc", "paper"), ("sbc", "magnitude"), ("values", "paper")):
                     try:
-                        m, pos, _ = codec.encode_update(torch.tensor(x, dtype=torch.float32),
+                        m, pos, _ = enc(torch.tensor(x, dtype=torch.float32),
                                                         p, mode, selection=sel)
                         h.update(m.numpy().tobytes() + pos.numpy().tobytes())
-                    except codec.NonFiniteError:
+                    except NonFiniteError:
                         h.update(b"nonfinite")
                 for sel, consume in (("paper", False), ("paper", True), ("magnitude", True)):
                     # A = R + dW formed in the pass (the AVX-512 loop stores it, and zeroes
@@ -103,10 +113,10 @@ _SELECTION_DIGEST = textwrap.dedent("""
                     r = torch.tensor(x, dtype=torch.float32)
                     g = torch.tensor(rng.standard_normal(n), dtype=torch.float32)
                     try:
-                        m, pos, _ = codec.encode_update(
-                            r, 0.01, addend=codec.Consumed(g) if consume else g, selection=sel)
+                        m, pos, _ = enc(
+                            Accumulate(r, g, consume), 0.01, selection=sel)
                         h.update(m.numpy().tobytes() + pos.numpy().tobytes())
-                    except codec.NonFiniteError:
+                    except NonFiniteError:
                         h.update(b"nonfinite")
                     h.update(r.numpy().tobytes() + g.numpy().tobytes())
                 for sel in ("paper", "magnitude"):  # A = w - wref formed in the pass
@@ -114,11 +124,10 @@ _SELECTION_DIGEST = textwrap.dedent("""
                     wref = torch.tensor(rng.standard_normal(n), dtype=torch.float32)
                     w += wref
                     try:
-                        m, pos, _ = codec.encode_update(torch.empty(n), 0.01,
-                                                        addend=codec.Difference(w, wref),
+                        m, pos, _ = enc(Difference(w, wref), 0.01,
                                                         selection=sel)
                         h.update(m.numpy().tobytes() + pos.numpy().tobytes())
-                    except codec.NonFiniteError:
+                    except NonFiniteError:
                         h.update(b"nonfinite")
     from horovod_sbc import kernels
     print(kernels.lib().sbc_simd_level(), h.hexdigest())
@@ -258,10 +267,10 @@ def test_close_means_choose_the_reference_side():
             a = a[rng.permutation(n)]
             for density in (0.01, 0.3):
                 k = reference.keep_count(n, density)
-                sel = codec._select_c(kernels.lib(), torch.from_numpy(a.copy()), k, 0, "t",
+                sel = ckernels._select_c(kernels.lib(), torch.from_numpy(a.copy()), k, 0, "t",
                                       dst=torch.empty(k, dtype=torch.int64))
                 branches.add(sel.in_dst is not None)
-                got, _, _ = codec.encode_update(torch.from_numpy(a.copy()), density, "sbc")
+                got, _, _ = torch_codec.encode(torch.from_numpy(a.copy()), density, "sbc")
                 want, _ = reference.compress_np(a.copy(), None, density)
                 assert got.numpy().tobytes() == want, (n, eps, density)
     assert branches == {True, False}
@@ -273,48 +282,51 @@ def test_float32_rounding_of_host_means_matches_torch():
     xs += list(np.exp(rng.uniform(-110, 88, 20_000)) * rng.choice([-1, 1], 20_000))
     for x in xs:
         want = float(torch.tensor(float(x), dtype=torch.float64).to(torch.float32))
-        assert np.float64(codec._f32(float(x))).tobytes() == np.float64(want).tobytes(), x
+        assert np.float64(select.f32(float(x))).tobytes() == np.float64(want).tobytes(), x
 
 
-def test_fused_addend_is_r_plus_dw_even_when_rejected():
+def test_accumulate_forms_r_plus_dw_and_puts_it_back_when_rejected():
     rng = np.random.default_rng(2)
     r = rng.standard_normal(100_000).astype(np.float32)
     g = rng.standard_normal(100_000).astype(np.float32)
     a = torch.from_numpy(r.copy())
-    msg, pos, sent = codec.encode_update(a, 0.01, "sbc", "w", addend=torch.from_numpy(g))
+    msg, pos, sent = torch_codec.encode(Accumulate(a, torch.from_numpy(g)), 0.01, "sbc", "w")
     assert np.array_equal(a.numpy(), r + g)
-    want = codec.encode_update(torch.from_numpy(r + g), 0.01, "sbc", "w")
+    want = torch_codec.encode(torch.from_numpy(r + g), 0.01, "sbc", "w")
     assert torch.equal(msg, want[0]) and torch.equal(pos, want[1])
     g[77_000] = np.nan
     a = torch.from_numpy(r.copy())
-    with pytest.raises(codec.NonFiniteError, match="'w' contains NaN or Inf"):
-        codec.encode_update(a, 0.01, "sbc", "w", addend=torch.from_numpy(g))
-    assert np.array_equal(a.numpy(), r + g, equal_nan=True)  # the caller restores R from it
+    with pytest.raises(tb.NonFiniteError, match="'w' contains NaN or Inf"):
+        torch_codec.encode(Accumulate(a, torch.from_numpy(g)), 0.01, "sbc", "w")
+    # put back: (R + g) - g, the entries made non-finite by g restarted at 0
+    want = np.nan_to_num((r + g) - g, nan=0.0, posinf=0.0, neginf=0.0)
+    assert np.array_equal(a.numpy(), want)
 
 
 @pytest.mark.parametrize("mode", ["sbc", "values", "sign"])
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_consumed_addend_is_added_then_zeroed_even_when_rejected(mode, use_kernels):
-    """``Consumed(g)``: the encode adds g (as a plain addend would: the same message, the same
-    ``R + g``) and leaves g all zeros, also when it raises for a NaN; on the kernel path in its
-    pass, else by a zero_() after the add."""
+    """``Accumulate(r, g, consume=True)``: the encode adds g (as a plain addend would: the same
+    message, the same ``R + g``) and leaves g all zeros, also when it raises for a NaN (the
+    residual then keeps ``R + g``, its non-finite entries at 0: g is not at hand to take back);
+    on the kernel path in its pass, else by a zero_() after the add."""
     rng = np.random.default_rng(5)
     n = 70_001  # whole AVX-512 blocks, then a partial one
     r = rng.standard_normal(n).astype(np.float32)
     g = rng.standard_normal(n).astype(np.float32)
     with kernels.disabled() if not use_kernels else contextlib.nullcontext():
-        want = codec.encode_update(torch.from_numpy(r.copy()), 0.01, mode, "w",
-                                   addend=torch.from_numpy(g.copy()))
+        want = torch_codec.encode(
+            Accumulate(torch.from_numpy(r.copy()), torch.from_numpy(g.copy())), 0.01, mode, "w")
         a, gt = torch.from_numpy(r.copy()), torch.from_numpy(g.copy())
-        got = codec.encode_update(a, 0.01, mode, "w", addend=codec.Consumed(gt))
+        got = torch_codec.encode(Accumulate(a, gt, True), 0.01, mode, "w")
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert np.array_equal(a.numpy(), r + g)
         assert not gt.any() and not torch.signbit(gt).any()  # +0.0 everywhere
         g[50_000] = np.nan
         a, gt = torch.from_numpy(r.copy()), torch.from_numpy(g.copy())
-        with pytest.raises(codec.NonFiniteError, match="'w' contains NaN or Inf"):
-            codec.encode_update(a, 0.01, mode, "w", addend=codec.Consumed(gt))
-        assert np.array_equal(a.numpy(), r + g, equal_nan=True)
+        with pytest.raises(tb.NonFiniteError, match="'w' contains NaN or Inf"):
+            torch_codec.encode(Accumulate(a, gt, True), 0.01, mode, "w")
+        assert np.array_equal(a.numpy(), np.nan_to_num(r + g, nan=0.0, posinf=0.0, neginf=0.0))
         assert not gt.any()
 
 
@@ -322,8 +334,8 @@ def test_commit_subtracts_exactly_what_was_sent():
     rng = np.random.default_rng(4)
     a0 = rng.standard_normal(200_000).astype(np.float32)
     a = torch.from_numpy(a0.copy())
-    msg, pos, sent = codec.encode_update(a, 0.05, "sbc")
-    codec.subtract_sent_(a, pos, sent)
+    msg, pos, sent = torch_codec.encode(a, 0.05, "sbc")
+    backend_for(a.device).subtract_sent(a, pos, sent)
     want = torch.from_numpy(a0.copy())
     want.index_add_(0, pos, sent.contiguous(), alpha=-1)
     assert torch.equal(a, want)
@@ -335,9 +347,9 @@ def _big_step(seed, n_ranks, layout, density):
     steps = []
     for r in range(n_ranks):
         g = torch.Generator().manual_seed(seed + r)
-        msgs = [codec.compress_(torch.randn(int(np.prod(s)), generator=g), density, "sbc", n)[0]
+        msgs = [tb.compress_(torch.randn(int(np.prod(s)), generator=g), density, "sbc", n)[0]
                 for n, s in layout]
-        steps.append(exchange.frame(msgs, fp, torch.device("cpu")))
+        steps.append(frame.frame(msgs, fp, torch.device("cpu")))
     return torch.cat(steps)
 
 
@@ -347,9 +359,9 @@ def test_large_multirank_decode_matches_numpy_across_chunks():
     layout = [("a", (300_000,)), ("b", (7,)), ("c", (90_001,))]
     for density in (0.01, 0.2):
         buf = _big_step(10, 5, layout, density)
-        got = exchange.decode_gathered(buf, layout, 5, None, 1 / 5)
+        got = torch_codec.decode(buf, layout, 5, 1 / 5)
         with kernels.disabled():
-            ops = exchange.decode_gathered(buf, layout, 5, None, 1 / 5)
+            ops = torch_codec.decode(buf, layout, 5, 1 / 5)
         per = reference.decode_step_np(buf.numpy().tobytes(), layout, 5)
         ref = [np.zeros(int(np.prod(s)), np.float32) for _, s in layout]
         reference.accumulate_np(per, ref, 1 / 5)
@@ -360,18 +372,18 @@ def test_large_multirank_decode_matches_numpy_across_chunks():
 def test_zero_out_replaces_and_accumulate_adds():
     layout = [("a", (100_000,)), ("b", (5,))]
     buf = _big_step(3, 3, layout, 0.02)
-    avg = exchange.decode_gathered(buf, layout, 3, None, 1 / 3)
+    avg = torch_codec.decode(buf, layout, 3, 1 / 3)
     base = [torch.full((100_000,), 2.0), torch.full((5,), 2.0)]
-    acc = exchange.decode_gathered(buf, layout, 3, [t.clone() for t in base], 1 / 3)
-    over = exchange.decode_gathered(buf, layout, 3, [t.clone() for t in base], 1 / 3,
-                                    zero_out=True)
+    acc = torch_codec.decode_into(buf, layout, 3, Targets.add([t.clone() for t in base]), 1 / 3)
+    over = torch_codec.decode_into(buf, layout, 3, Targets.replace([t.clone() for t in base]),
+                                   1 / 3)
     for a, b, c, o in zip(avg, base, acc, over):
         assert torch.equal(o, a)
         assert torch.equal(c, b + a)  # 2.0 + x is what the reference adds too (one add)
     # float64 outputs (the fused sync's accumulator for float64 models) take the op path
-    out64 = exchange.decode_gathered(buf, layout, 3, None, 1 / 3, torch.float64)
+    out64 = torch_codec.decode(buf, layout, 3, 1 / 3, torch.float64)
     with kernels.disabled():
-        want64 = exchange.decode_gathered(buf, layout, 3, None, 1 / 3, torch.float64)
+        want64 = torch_codec.decode(buf, layout, 3, 1 / 3, torch.float64)
     assert all(torch.equal(x, y) for x, y in zip(out64, want64))
 
 
@@ -383,17 +395,17 @@ def test_rejected_step_leaves_outputs_untouched():
     steps = []
     for r in range(2):
         g = torch.Generator().manual_seed(r)
-        msg = codec.compress_(torch.randn(50_000, generator=g), 0.01, "sbc", "a")[0]
+        msg = tb.compress_(torch.randn(50_000, generator=g), 0.01, "sbc", "a")[0]
         if r == 1:
             raw = bytearray(msg.numpy().tobytes())
             hdr = wire.parse_tensor_header(bytes(raw), 0, 50_000)
             at = next(i for i in range(*hdr.unary) if raw[i])
             raw[at] &= raw[at] - 1  # clear its lowest set bit
             msg = torch.frombuffer(raw, dtype=torch.uint8)
-        steps.append(exchange.frame([msg], fp, torch.device("cpu")))
+        steps.append(frame.frame([msg], fp, torch.device("cpu")))
     out = torch.full((50_000,), 7.0)
     with pytest.raises(ValueError, match="unary stream holds"):
-        exchange.decode_gathered(torch.cat(steps), layout, 2, [out], 0.5, zero_out=True)
+        torch_codec.decode_into(torch.cat(steps), layout, 2, Targets.replace([out]), 0.5)
     assert torch.equal(out, torch.full((50_000,), 7.0))
 
 
@@ -406,15 +418,15 @@ def test_torch_decoder_memory_is_bounded_by_the_message_size():
     got = decoder_peak_memory("""
         import torch
         from horovod_sbc import kernels
-        from horovod_sbc.torch import exchange
+        from horovod_sbc.torch.backend import Targets, backend_for
         torch.set_num_threads(1)
         assert kernels.lib() is not None
 
         def make(buf, layout, numel):
             gathered = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
             out = torch.zeros(numel)
-            return lambda: exchange.decode_gathered(gathered, layout, 1, [out], 1.0,
-                                                    zero_out=True)[0].numpy()
+            return lambda: backend_for("cpu").decode(gathered, layout, 1, Targets.replace([out]),
+                                                     1.0)[0].numpy()
     """)
     assert got["ok"]
     assert got["bytes"] > 1 << 20
@@ -425,10 +437,10 @@ def test_without_a_compiler_the_tensor_op_codec_runs(tmp_path):
     code = textwrap.dedent("""
         import warnings, torch
         from horovod_sbc import kernels
-        from horovod_sbc.torch import codec
+        from horovod_sbc.torch.backend import backend_for
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            msg, pos, sent = codec.encode_update(torch.arange(-5.0, 50000.0), 0.01, "sbc")
+            pos = backend_for("cpu").encode_tensor(torch.arange(-5.0, 50000.0), 0.01).positions
         assert kernels.lib() is None
         assert any("C kernels unavailable" in str(x.message) for x in w), [str(x.message) for x in w]
         print(pos.numel())
@@ -481,21 +493,20 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
                 x = np.zeros(n, np.float32)
                 x[::50] = 1.0 if rank == 0 else -1.0
             mode = "values" if name == "b" else "sbc"
-            m, _ = codec.compress_(torch.from_numpy(x), 0.02, mode, name)
+            m, _ = tb.compress_(torch.from_numpy(x), 0.02, mode, name)
             msgs.append(m)
-        steps.append(exchange.frame(msgs, fp, torch.device("cpu")))
+        steps.append(frame.frame(msgs, fp, torch.device("cpu")))
     gathered = torch.cat(steps)
     got = []
     for use_kernels in (True, False):
         outs = [torch.full((n,), 7.0) for _, (n,) in layout]
         bufs = [torch.arange(float(n)) + 1 for _, (n,) in layout]
         if use_kernels:
-            exchange.decode_gathered(gathered, layout, 3, outs, 1 / 3, zero_out=True,
-                                     zero_where_nonzero=bufs)
+            torch_codec.decode_into(gathered, layout, 3, Targets.replace(outs, masks=bufs), 1 / 3)
         else:
             with kernels.disabled():
-                exchange.decode_gathered(gathered, layout, 3, outs, 1 / 3, zero_out=True,
-                                         zero_where_nonzero=bufs)
+                torch_codec.decode_into(gathered, layout, 3, Targets.replace(outs, masks=bufs),
+                                        1 / 3)
         for o, bf in zip(outs, bufs):
             want = (torch.arange(float(o.numel())) + 1).masked_fill(o != 0, 0)
             assert torch.equal(bf, want)
@@ -508,17 +519,11 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
         outs = [torch.zeros(n) for _, (n,) in layout]
         bufs = [torch.arange(float(n)) + 1 for _, (n,) in layout]
         with kernels.disabled() if not use_kernels else contextlib.nullcontext():
-            exchange.decode_gathered(gathered, layout, 3, outs, 1 / 3, zero_out=True,
-                                     zero_where_nonzero=bufs, zeroed=True)
+            torch_codec.decode_into(gathered, layout, 3,
+                                    Targets.replace(outs, zeroed=True, masks=bufs), 1 / 3)
         assert all(torch.equal(x, y) for x, y in zip(bufs, got[0]))
-        want = exchange.decode_gathered(gathered, layout, 3, None, 1 / 3)
+        want = torch_codec.decode(gathered, layout, 3, 1 / 3)
         assert all(torch.equal(x, y) for x, y in zip(outs, want))
-    with pytest.raises(ValueError, match="zero_out"):
-        exchange.decode_gathered(gathered, layout, 3, [torch.zeros(n) for _, (n,) in layout],
-                                 zero_where_nonzero=[None] * len(layout))
-    with pytest.raises(ValueError, match="zeroed needs"):
-        exchange.decode_gathered(gathered, layout, 3, [torch.zeros(n) for _, (n,) in layout],
-                                 zeroed=True)
 
 
 class _TwoRanks:
@@ -542,8 +547,8 @@ def _in_weights_sync(seed=0, nan_in=None):
     g = torch.Generator().manual_seed(seed)
     names, sizes = ["a", "b", "c"], [100_000, 4097, 33]
     layout = [(n, (k,)) for n, k in zip(names, sizes)]
-    other = exchange.frame([codec.encode_update(torch.randn(k, generator=g), 0.01)[0]
-                            for k in sizes], wire.layout_fingerprint(layout), torch.device("cpu"))
+    other = frame.frame([torch_codec.encode(torch.randn(k, generator=g), 0.01)[0]
+                         for k in sizes], wire.layout_fingerprint(layout), torch.device("cpu"))
     refs = {n: torch.randn(k, generator=g) for n, k in zip(names, sizes)}
     ws = {n: refs[n] + 0.01 * torch.randn(k, generator=g) for n, k in zip(names, sizes)}
     if nan_in is not None:
@@ -567,16 +572,16 @@ def test_residual_in_the_weights_sync():
     mine = []
     want_w, want_r = {}, {}
     for n, _ in layout:
-        msg, pos, sent = codec.encode_update(w0[n] - r0[n], 0.01)
+        msg, pos, sent = torch_codec.encode(w0[n] - r0[n], 0.01)
         mine.append(msg)
         want_w[n], want_r[n] = w0[n].clone(), r0[n].clone()
     fp = wire.layout_fingerprint(layout)
-    gathered = torch.cat([exchange.frame(mine, fp, torch.device("cpu")), other])
+    gathered = torch.cat([frame.frame(mine, fp, torch.device("cpu")), other])
     names = [n for n, _ in layout]
-    exchange.decode_gathered(gathered, layout, 2, [want_r[n] for n in names], 0.5)
-    exchange.decode_gathered(gathered, layout, 2, [want_w[n] for n in names], 0.5)
+    torch_codec.decode_into(gathered, layout, 2, Targets.add([want_r[n] for n in names]), 0.5)
+    torch_codec.decode_into(gathered, layout, 2, Targets.add([want_w[n] for n in names]), 0.5)
     for n in names:
-        _, pos, sent = codec.encode_update(w0[n] - r0[n], 0.01)
+        _, pos, sent = torch_codec.encode(w0[n] - r0[n], 0.01)
         want_w[n].index_add_(0, pos, sent, alpha=-1)
         assert torch.equal(refs[n], want_r[n]), n
         assert torch.equal(ws[n], want_w[n]), n
@@ -615,8 +620,8 @@ def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
     n = 5000
     for size in (n, 1):  # one element: its sent value is not a stride-0 view either
         layout = [("w", (size,))]
-        other = exchange.frame(
-            [codec.encode_update(torch.randn(size, generator=g), 1.0, "values")[0]],
+        other = frame.frame(
+            [torch_codec.encode(torch.randn(size, generator=g), 1.0, "values")[0]],
             wire.layout_fingerprint(layout), torch.device("cpu"))
         ref = torch.randn(size, generator=g) * 3
         w = ref + torch.randn(size, generator=g)  # large moves: W - W_ref often not exact
@@ -630,10 +635,10 @@ def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
     w0, ref = ref0 + torch.randn(n, generator=g), ref0.clone()
     w = w0.clone()
     comp = SBC(density=0.1, binarize=False)
-    comp.transport = _TwoRanks(exchange.frame(
-        [codec.encode_update(torch.randn(n, generator=g), 0.1, "values")[0]],
+    comp.transport = _TwoRanks(frame.frame(
+        [torch_codec.encode(torch.randn(n, generator=g), 0.1, "values")[0]],
         wire.layout_fingerprint(layout), torch.device("cpu")))
-    _, pos, _ = codec.encode_update(w0 - ref0, 0.1, "values")
+    _, pos, _ = torch_codec.encode(w0 - ref0, 0.1, "values")
     assert synchronize(comp.state, [Update("w", w, (n,), base=ref, in_weights=True)], out=[ref])
     want = w0 + (ref - ref0)  # moved with W_ref where this rank did not send
     want[pos] = ref[pos]  # sent whole: on W_ref
@@ -676,8 +681,8 @@ def _stock_hook_step(monkeypatch, g, other, nonfinite="raise", contiguous=True):
     """One compress()/decompress() of the stock hook as rank 0 of 2 (no Horovod: rank 1's step
     message is ``other``); returns (the hook, the residual before, the gradient's output)."""
     from horovod_sbc.torch import SBC
-    monkeypatch.setattr(exchange, "allgather_async", lambda step, name: torch.cat([step, other]))
-    monkeypatch.setattr(exchange, "synchronize", lambda handle: handle)
+    monkeypatch.setattr(transport, "allgather_async", lambda step, name: torch.cat([step, other]))
+    monkeypatch.setattr(transport, "synchronize", lambda handle: handle)
     p = torch.nn.Parameter(torch.zeros(g.shape))
     p.grad = g if contiguous else g.t().contiguous().t()  # the same values, transposed strides
     comp = SBC(density=0.01, nonfinite=nonfinite, named_parameters=[("w", p)])
@@ -700,16 +705,15 @@ def test_stock_hook_decodes_the_average_into_the_consumed_gradient(monkeypatch, 
     zeroing it again. Output, residual and statistics are those of the plain encode + decode."""
     torch.manual_seed(1)
     g = torch.randn(300, 401)
-    other = exchange.frame([codec.encode_update(torch.randn(g.numel()), 0.01)[0]],
-                           wire.layout_fingerprint([("w", tuple(g.shape))]),
-                           torch.device("cpu"))
+    other = frame.frame([torch_codec.encode(torch.randn(g.numel()), 0.01)[0]],
+                        wire.layout_fingerprint([("w", tuple(g.shape))]), torch.device("cpu"))
     gv = g.clone()
     comp, before, ctx, out = _stock_hook_step(monkeypatch, g, other, contiguous=contiguous)
     a = before + gv.reshape(-1)
-    msg, pos, sent = codec.encode_update(a.clone(), 0.01, name="w")
-    want = exchange.decode_gathered(torch.cat([exchange.frame(
+    msg, pos, sent = torch_codec.encode(a.clone(), 0.01, name="w")
+    want = torch_codec.decode(torch.cat([frame.frame(
         [msg], wire.layout_fingerprint([("w", tuple(g.shape))]), torch.device("cpu")), other]),
-        [("w", tuple(g.shape))], 2, None, 0.5)[0]
+        [("w", tuple(g.shape))], 2, 0.5)[0]
     assert out.shape == g.shape and torch.equal(out.reshape(-1), want)
     a[pos] -= sent
     assert torch.equal(comp.residual("w", g), a)
@@ -723,9 +727,8 @@ def test_stock_hook_failing_rank_keeps_the_finite_rest(monkeypatch):
     g = torch.randn(200, 300)
     g[3, 7] = float("nan")
     g[150, 2] = float("inf")
-    other = exchange.frame([codec.encode_update(torch.randn(g.numel()), 0.01)[0]],
-                           wire.layout_fingerprint([("w", tuple(g.shape))]),
-                           torch.device("cpu"))
+    other = frame.frame([torch_codec.encode(torch.randn(g.numel()), 0.01)[0]],
+                        wire.layout_fingerprint([("w", tuple(g.shape))]), torch.device("cpu"))
     gv = g.clone().reshape(-1)
     with pytest.warns(UserWarning, match="skipping this step for 'w'.*NaN or Inf"):
         comp, before, ctx, out = _stock_hook_step(monkeypatch, g, other, nonfinite="skip")

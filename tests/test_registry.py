@@ -19,7 +19,7 @@ import torch
 import stc_compressor
 from horovod_sbc import kernels, reference, registry, wire
 from horovod_sbc.config import SBCConfig
-from horovod_sbc.torch import codec as tcodec
+from horovod_sbc.torch import backend as tcodec
 from test_differential import _mutate_bytes, _step, decode_numpy, decode_torch
 
 BUILTIN = ("sbc", "values", "sign", "terngrad")
@@ -99,7 +99,7 @@ def test_stc_nonfinite_update_is_refused_by_every_encoder():
     with pytest.raises(ValueError, match="NaN or Inf"):
         reference.compress_np(u, None, 0.1, mode="stc")
     with pytest.raises(tcodec.NonFiniteError, match="'w' contains NaN or Inf"):
-        tcodec.encode_update(torch.from_numpy(u), 0.1, "stc", "w")
+        tcodec.backend_for("cpu").encode_tensor(torch.from_numpy(u), 0.1, "stc", "w")
 
 
 def test_stc_steps_decode_the_same_in_every_decoder():
@@ -151,8 +151,9 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
     draws = torch.rand(u.size, generator=torch.Generator().manual_seed(11)).numpy()
     want, want_res = reference.compress_np(u, None, 1.0, mode="terngrad", uniform=draws)
     a = torch.from_numpy(u.copy())
-    msg, pos, sent = tcodec.encode_update(a, 1.0, "terngrad", "w", generator=g)
-    tcodec.subtract_sent_(a, pos, sent)
+    enc = tcodec.backend_for("cpu").encode_tensor(a, 1.0, "terngrad", "w", generator=g)
+    enc.commit()
+    msg = enc.message
     assert msg.numpy().tobytes() == want
     assert a.numpy().tobytes() == want_res.tobytes()
     assert 0 < pos.numel() < u.size
@@ -172,5 +173,6 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
         zero = np.zeros(40, np.float32)  # nothing to send: the one empty message, everywhere
         empty = reference.compress_np(zero, None, 1.0, mode="terngrad", uniform=zero)[0]
         assert f(tf.constant(zero))[0].numpy().tobytes() == empty, how
-        assert tcodec.encode_update(torch.zeros(40), 1.0, "terngrad", "z", generator=g)[0] \
+        assert tcodec.backend_for("cpu").encode_tensor(torch.zeros(40), 1.0, "terngrad", "z",
+                                                       generator=g).message \
             .numpy().tobytes() == empty

@@ -34,8 +34,9 @@ class SBC(registry.Compressor):
         return msg, pos, np.full(pos.size, -mu if side < 0 else mu, a.dtype)
 
     def encode_torch(self, a, density, name, selection, generator=None):
-        from ..torch import codec
-        return codec.encode_update(a, density, "sbc", name, selection=selection)
+        from ..torch.backend import backend_for
+        enc = backend_for(a.device).encode_tensor(a, density, "sbc", name, selection=selection)
+        return enc.message, enc.positions, enc.sent
 
     def encode_tf(self, a, density, selection, name, generator=None):
         from ..tensorflow import codec

@@ -34,17 +34,17 @@ class SignSGD(registry.Compressor):
 
     def encode_torch(self, a, density, name, selection, generator=None):
         import torch
-        from ..torch import codec
+        from ..torch import backend as tb
         n = a.numel()
-        a_abs = torch.abs(a, out=codec.scratch(n, a.dtype, a.device))
-        total = codec.tree_sum(a_abs).item()
+        a_abs = torch.abs(a, out=tb.scratch(n, a.dtype, a.device))
+        total = tb.tree_sum(a_abs).item()
         if not math.isfinite(total):
-            raise codec.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+            raise tb.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
         scale = float(np.float32(total / n))
         neg = a < 0
         sent = torch.where(neg, -scale, scale).to(a.dtype)
         empty = torch.zeros(0, dtype=torch.int64, device=a.device)
-        msg = codec.encode_positions(empty, n, scale, signs=neg, all_positions=True)
+        msg = tb.encode_positions(empty, n, scale, signs=neg, all_positions=True)
         return msg, torch.arange(n, dtype=torch.int64, device=a.device), sent
 
     def encode_tf(self, a, density, selection, name, generator=None):

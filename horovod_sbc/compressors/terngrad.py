@@ -41,21 +41,21 @@ class TernGrad(registry.Compressor):
 
     def encode_torch(self, a, density, name, selection, generator=None):
         import torch
-        from ..torch import codec
+        from ..torch import backend as tb
         n, dev = a.numel(), a.device
-        a_abs = torch.abs(a, out=codec.scratch(n, a.dtype, dev))
+        a_abs = torch.abs(a, out=tb.scratch(n, a.dtype, dev))
         top = a_abs.max().item()
         if not math.isfinite(top):
-            raise codec.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+            raise tb.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
         scale = float(np.float32(top))
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         if scale == 0.0:
-            return codec.encode_positions(empty, n), empty, a.new_zeros(0)
+            return tb.encode_positions(empty, n), empty, a.new_zeros(0)
         u = torch.rand(n, generator=generator, device=dev, dtype=torch.float32)
         pos = torch.nonzero(u * scale < a_abs).squeeze(1)
         neg = a[pos] < 0
         sent = torch.where(neg, -scale, scale).to(a.dtype)
-        return codec.encode_positions(pos, n, scale, signs=neg), pos, sent
+        return tb.encode_positions(pos, n, scale, signs=neg), pos, sent
 
     def encode_tf(self, a, density, selection, name, generator=None):
         """The scale from the magnitudes' bit patterns (TensorFlow flushes subnormal floats on

@@ -25,8 +25,9 @@ class TopK(registry.Compressor):
         return msg, idx, vals.astype(a.dtype)
 
     def encode_torch(self, a, density, name, selection, generator=None):
-        from ..torch import codec
-        return codec.encode_update(a, density, "values", name)
+        from ..torch.backend import backend_for
+        enc = backend_for(a.device).encode_tensor(a, density, "values", name)
+        return enc.message, enc.positions, enc.sent
 
     def encode_tf(self, a, density, selection, name, generator=None):
         from ..tensorflow import codec

@@ -8,7 +8,7 @@ transport. What it does lives beside it, one concern per module:
   and averager), and the ``"server"`` topology;
 * :mod:`horovod_sbc.torch.hook` — ``compress()``/``decompress()`` for stock
   ``hvd.DistributedOptimizer`` (mixed into :class:`SBC`);
-* :mod:`horovod_sbc.torch.codec` / :mod:`horovod_sbc.torch.exchange` — encoding and decoding.
+* :mod:`horovod_sbc.torch.backend` — encoding and decoding (one backend per device).
 
 The baselines (:func:`TopK`, :func:`FedAvg`, :func:`SignSGD`, :func:`TernGrad`) are presets of
 the same configuration.
@@ -20,9 +20,10 @@ from typing import Dict, List, Optional
 import torch
 
 from ..config import SBCConfig
-from . import exchange, hierarchy as hierarchy_, sync
+from . import hierarchy as hierarchy_, sync
+from .sync.transport import HorovodTransport
 from .hook import StockHook
-from .state import SyncState
+from .sync.state import SyncState
 
 
 class SBC(StockHook):
@@ -71,9 +72,9 @@ class SBC(StockHook):
             drop-in :func:`horovod_sbc.torch.DistributedOptimizer` only.
 
     Attribute ``transport``: the collective :meth:`exchange` gathers step messages with;
-    :class:`~horovod_sbc.torch.exchange.HorovodTransport` by default. The DDP hook and averager
+    :class:`~horovod_sbc.torch.sync.transport.HorovodTransport` by default. The DDP hook and averager
     (:mod:`horovod_sbc.torch.ddp`) set a
-    :class:`~horovod_sbc.torch.exchange.ProcessGroupTransport` (``torch.distributed``).
+    :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` (``torch.distributed``).
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
@@ -94,7 +95,7 @@ class SBC(StockHook):
         if self.hierarchy is not None and topology != "allgather":
             raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
                              f"topology={topology!r}: the cross-node exchange is an allgather")
-        self.state = SyncState(self.config, exchange.HorovodTransport())
+        self.state = SyncState(self.config, HorovodTransport())
         StockHook.__init__(self, named_parameters, momentum_masking)
 
     # -- the state the sync driver and the stock hook share --------------------------------

@@ -15,7 +15,7 @@ usable with ``PostLocalSGDOptimizer``::
 
 Both are thin adapters: compression, error feedback, the ``nonfinite`` verdicts, the wire format
 and ``stats()`` are those of :class:`horovod_sbc.torch.SBC` (its :meth:`~SBC.exchange`), with a
-:class:`~horovod_sbc.torch.exchange.ProcessGroupTransport` in place of Horovod's allgather: an
+:class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` in place of Horovod's allgather: an
 all-gather of the message lengths, then one all-gather of the zero-padded uint8 step messages,
 decoded and averaged on the gradients' device. Nothing is pickled. gloo (CPU) and NCCL (GPU).
 
@@ -42,7 +42,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from ..config import resolve_compression
 from .compressor import SBC
 from .sync import Update, named_parameters
-from .exchange import ProcessGroupTransport
+from .sync.transport import ProcessGroupTransport
 
 __all__ = ["Granularity", "SBCState", "sbc_hook", "SBCModelAverager"]
 

@@ -64,7 +64,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import sync
-from .state import SyncState
+from .sync.state import SyncState
 
 Groups = Tuple[Tuple[int, ...], ...]
 
@@ -199,7 +199,7 @@ def _process_set(hvd, ranks: Tuple[int, ...], what: str):
 class ProcessSetTransport:
     """Allgather of step messages among a Horovod process set (the seam of
     :func:`horovod_sbc.torch.sync.synchronize`, like
-    :class:`~horovod_sbc.torch.exchange.HorovodTransport`): ``world()`` is the set's size
+    :class:`~horovod_sbc.torch.sync.transport.HorovodTransport`): ``world()`` is the set's size
     and this rank's index in it (the messages come in that order)."""
 
     def __init__(self, process_set):

@@ -200,7 +200,7 @@ def run_interop():
     bytes, and decodes the gathered buffer into the same average."""
     import torch
     from horovod_sbc import protocol, wire
-    from horovod_sbc.torch import codec as tcodec, exchange as texchange
+    from horovod_sbc.torch.backend import Targets, backend_for, frame as tframe
     model = make_model(aux=False)
     sbc = SBC(density=0.05)
     hsbc.broadcast_variables(model.variables)
@@ -216,12 +216,13 @@ def run_interop():
     layout = [(tvars[i].path, tuple(tvars[i].shape)) for i in order]
     buf = bytes(LAST["gathered"])
     # this rank's step message as the PyTorch adapter encodes and frames the same update
-    msgs = [tcodec.encode_update(torch.from_numpy(local[i].copy()), 0.05, "sbc",
-                                 tvars[i].path)[0] for i in order]
-    mine = texchange.frame(msgs, wire.layout_fingerprint(layout), "cpu").numpy().tobytes()
+    tb = backend_for("cpu")
+    msgs = [tb.encode_tensor(torch.from_numpy(local[i].copy()), 0.05, "sbc",
+                             tvars[i].path).message for i in order]
+    mine = tframe.frame(msgs, wire.layout_fingerprint(layout), "cpu").numpy().tobytes()
     s, e = protocol.split(buf, SIZE)[RANK]
-    dec = texchange.decode_gathered(torch.frombuffer(bytearray(buf), dtype=torch.uint8), layout,
-                                    SIZE, scale=1.0 / SIZE)
+    dec = tb.decode(torch.frombuffer(bytearray(buf), dtype=torch.uint8), layout, SIZE,
+                    Targets.new(layout, torch.float32, "cpu"), 1.0 / SIZE)
     same = all(np.array_equal(d.numpy(), grads[i].numpy().reshape(-1))
                for d, i in zip(dec, order))
     return {"torch_decodes_identically": same, "torch_encodes_identically": mine == buf[s:e],

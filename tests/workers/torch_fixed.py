@@ -17,13 +17,13 @@ import horovod.torch as hvd  # noqa: E402
 
 import horovod_sbc.torch as sbc  # noqa: E402
 from horovod_sbc import kernels  # noqa: E402
-from horovod_sbc.torch import exchange  # noqa: E402
+from horovod_sbc.torch.sync import transport  # noqa: E402
 
 hvd.init()
 torch.set_num_threads(1)
 RANK = hvd.rank()
 SENT = {"bytes": 0, "sizes": {}}
-_ag, _aga = exchange.allgather, exchange.allgather_async
+_ag, _aga = transport.allgather, transport.allgather_async
 
 
 def _record(step, name):
@@ -41,7 +41,7 @@ def _rec_allgather_async(step, name):
     return _aga(step, name)
 
 
-exchange.allgather, exchange.allgather_async = _rec_allgather, _rec_allgather_async
+transport.allgather, transport.allgather_async = _rec_allgather, _rec_allgather_async
 
 
 def digest(model):

@@ -221,7 +221,7 @@ def train_noniid(exchange: bool):
 
 
 def run_kill_in_sync():
-    from horovod_sbc.torch import exchange as ex
+    from horovod_sbc.torch.sync import transport as ex
     model = mlp()
     opt = sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    model.named_parameters(), compression=sbc.SBC(density=0.1),

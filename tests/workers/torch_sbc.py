@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import horovod_sbc.torch as sbc  # noqa: E402
-from horovod_sbc.torch import exchange  # noqa: E402
+from horovod_sbc.torch.sync import transport  # noqa: E402
 
 MODE, KW = None, {}  # of the scenario running (set by run_scenario)
 hvd.init()
@@ -29,7 +29,7 @@ RANK, SIZE = hvd.rank(), hvd.size()
 
 # Record every step message this rank sends and every gathered buffer it receives.
 GATHERED = {"sent": 0, "received": 0}
-_ag, _aga, _sync = exchange.allgather, exchange.allgather_async, exchange.synchronize
+_ag, _aga, _sync = transport.allgather, transport.allgather_async, transport.synchronize
 _sizes = {}
 
 
@@ -53,7 +53,7 @@ def _rec_sync(h):
     return out
 
 
-exchange.allgather, exchange.allgather_async, exchange.synchronize = \
+transport.allgather, transport.allgather_async, transport.synchronize = \
     _rec_allgather, _rec_allgather_async, _rec_sync
 
 

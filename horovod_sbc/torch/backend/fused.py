@@ -2,7 +2,7 @@
 streams and residual update for all tensors at once, in a number of tensor ops and host reads
 that does not grow with the number of tensors.
 
-The bytes are those of :func:`horovod_sbc.torch.codec.encode_update` (mode ``"sbc"``, selection
+The bytes are those of :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>` (mode ``"sbc"``, selection
 ``"paper"``), tensor by tensor, and so of the numpy reference (:mod:`horovod_sbc.reference`,
 :mod:`horovod_sbc.wire`); the residual afterwards is the same too. The tensors' flat updates
 lie in one float32 buffer, tensor ``i`` at ``[offsets[i], offsets[i+1])``; each tensor (a
@@ -47,9 +47,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import wire
-from ..reference import choose_side, keep_count
-from .codec import NonFiniteError, _f32
+from ... import wire
+from ...reference import choose_side, keep_count
+from .base import NonFiniteError
+from .select import f32
 
 _BUCKET_BITS = 12
 _NB = 1 << _BUCKET_BITS
@@ -293,8 +294,8 @@ def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
     sent = 0
     for i, numel in enumerate(lay.numels):
         np_, nn_ = c_host[2 * i], c_host[2 * i + 1]
-        side, mu = choose_side(_f32(sums[2 * i] / np_) if np_ else 0.0,
-                               _f32(sums[2 * i + 1] / nn_) if nn_ else 0.0)
+        side, mu = choose_side(f32(sums[2 * i] / np_) if np_ else 0.0,
+                               f32(sums[2 * i + 1] / nn_) if nn_ else 0.0)
         at = len(p.template)
         p.start[i] = sent
         if side == 0:
@@ -322,7 +323,7 @@ def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
 
 def _plan_values(c_host, tables, lay: Layout) -> _Plan:
     """Per tensor: top-k positions with their float32 values (flag VALUES; ALL when k = numel),
-    the headers as :func:`horovod_sbc.torch.codec.encode_positions` writes them."""
+    the headers as :func:`horovod_sbc.torch.backend.streams.encode_positions` writes them."""
     m = len(lay.numels)
     p = _Plan.empty(m, m)
     sent = 0
@@ -409,10 +410,10 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
                  names: Optional[Sequence[str]] = None, mode: str = "sbc") -> FusedEncoding:
     """Messages of every tensor of ``flat`` (float32, contiguous; tensor ``i`` the
     ``numels[i]`` elements after the previous ones), byte for byte those of
-    :func:`horovod_sbc.torch.codec.encode_update` per tensor: ``mode="sbc"`` (selection
+    :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>` per tensor: ``mode="sbc"`` (selection
     ``"paper"``) or ``"values"`` (top-k by magnitude with float32 values). ``flat`` is not
     changed; :meth:`FusedEncoding.commit` applies the error feedback. Raises
-    :class:`~horovod_sbc.torch.codec.NonFiniteError` naming the first tensor with NaN/Inf
+    :class:`~horovod_sbc.torch.backend.base.NonFiniteError` naming the first tensor with NaN/Inf
     (``names``, else its index). Two host reads and one upload, whatever the number of
     tensors."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
@@ -621,7 +622,7 @@ def _sides_fixed(a: torch.Tensor, k: int, cst: Dict[str, torch.Tensor]):
 
 def encode_fixed(a: torch.Tensor, plan: FixedPlan):
     """One SBC tensor message (mode ``"sbc"``, selection ``"paper"``) of flat float32 ``a``,
-    byte for byte :func:`horovod_sbc.torch.codec.encode_update`'s, written into
+    byte for byte :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>`'s, written into
     ``plan.capacity + 1`` zero bytes (the body of a one-tensor PADDED step, whose padding is
     never empty) with tensor ops only: no host read, whatever the data.
     Returns (body uint8 [capacity + 1], positions int64 [k], values [k], not finite 0-d bool):

@@ -3,8 +3,9 @@
 :class:`SyncState` is all that :func:`horovod_sbc.torch.sync.synchronize` and the stock hook
 read: the validated knobs (:class:`horovod_sbc.config.SBCConfig`), the
 :class:`~horovod_sbc.residual.ResidualManager` (residuals, reference weights, counters), the
-transport (Horovod's allgather, or ``torch.distributed`` for the DDP hook), and two per-tensor
-scratch objects: the buffer a tensor's sent positions live in between encode and commit, and
+transport (Horovod's allgather, or ``torch.distributed`` for the DDP hook), the codec backend of
+each device it meets (:func:`horovod_sbc.torch.backend.backend_for`, chosen once), and two
+per-tensor scratch objects: the buffer a tensor's sent positions live in between encode and commit, and
 TernGrad's random stream. The user-facing :class:`horovod_sbc.torch.SBC` owns one.
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..config import SBCConfig
-from ..residual import ResidualManager
-from .codec import PositionBuffer
+from ...config import SBCConfig
+from ...residual import ResidualManager
+from ..backend import Backend, PositionBuffer, backend_for
 
 
 def residual_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,14 +27,29 @@ def residual_dtype(dtype: torch.dtype) -> torch.dtype:
 class SyncState:
     """Configuration, residual manager, transport and per-tensor scratch of one compressor."""
 
-    def __init__(self, config: SBCConfig, transport, manager: Optional[ResidualManager] = None):
+    def __init__(self, config: SBCConfig, transport, manager: Optional[ResidualManager] = None,
+                 backend: Optional[Backend] = None):
         self.config = config
+        self._backend = backend
+        self._backends: Dict[str, Backend] = {}
         self.manager = manager if manager is not None else ResidualManager()
         self.manager.config.update(config.record())
         self.transport = transport
         self._positions: Dict[str, PositionBuffer] = {}
         self._gen: Optional[torch.Generator] = None
         self._saved_gen = None
+
+    def backend(self, device) -> Backend:
+        """The codec for tensors on ``device``: the one given at construction, else
+        :func:`~horovod_sbc.torch.backend.backend_for`'s choice, made at this state's first use
+        of the device and kept."""
+        if self._backend is not None:
+            return self._backend
+        key = str(torch.device(device))
+        b = self._backends.get(key)
+        if b is None:
+            b = self._backends[key] = backend_for(device)
+        return b
 
     def world(self) -> Tuple[int, int]:
         """(size, rank) of the transport's job, recorded for checkpoint checks."""

@@ -1,0 +1,47 @@
+"""The torch backends, chosen once per device (see :mod:`horovod_sbc.torch.backend.base`).
+
+=====================  ==========================================================================
+device                 backend
+=====================  ==========================================================================
+CPU, kernels built     :class:`~horovod_sbc.torch.backend.ckernels.KernelBackend`: the C kernels
+                       for float32 SBC/top-k values and binary messages, tensor ops for the rest
+anything else          :class:`~horovod_sbc.torch.backend.ops.OpsBackend`: tensor ops on the
+                       device (CUDA; the CPU with ``HOROVOD_SBC_KERNELS=0`` or
+                       :func:`horovod_sbc.kernels.disabled`)
+=====================  ==========================================================================
+
+Both produce the same bytes, verdicts and sums; the choice is only about speed.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import kernels
+from .base import (Accumulate, Backend, DecodeJob, Difference, Encoded, InPlace,  # noqa: F401
+                   NonFiniteError, PositionBuffer, Targets, reset_nonfinite_, restore_,
+                   scratch)
+from .ckernels import KernelBackend
+from .ops import OpsBackend
+# building blocks for a compressor's ``encode_torch`` (horovod_sbc/compressors/)
+from .select import select_topk, tree_sum  # noqa: F401
+from .streams import empty_positions, encode_positions  # noqa: F401
+
+_OPS = OpsBackend()
+_KERNELS = KernelBackend()
+
+
+def backend_for(device) -> Backend:
+    """The backend for tensors on ``device``: the C kernels on the CPU when they are built
+    and enabled, else tensor ops."""
+    if torch.device(device).type == "cpu" and kernels.lib() is not None:
+        return _KERNELS
+    return _OPS
+
+
+def compress_(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
+              selection: str = "paper"):
+    """Encode the flat update ``a`` and commit at once (single-process use): returns (message,
+    positions sent)."""
+    enc = backend_for(a.device).encode_tensor(a, density, mode, name, selection)
+    enc.commit()
+    return enc.message, enc.positions.numel()

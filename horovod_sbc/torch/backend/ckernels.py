@@ -1,0 +1,417 @@
+"""The C kernel backend: SBC's codec in plain C on the CPU (:mod:`horovod_sbc.kernels`).
+
+On the CPU a handful of tensor ops per stage means several passes over the tensor and int64
+temporaries for every bit; the kernels do each stage in one pass, so encoding and decoding cost a
+few passes over memory, like a ``torch.add`` of the same size. They take contiguous float32 CPU
+tensors of at most :data:`horovod_sbc.kernels.MAX_NUMEL` elements in the modes SBC and top-k
+values, and binary messages when decoding:
+
+* encode: the selection (``sbc_select``; forming ``A = R + g`` — and zeroing a consumed ``g`` —
+  or ``A = W - W_ref`` in its own pass), the side and its Rice parameter, the streams;
+* decode: every binary message's stream statistics and positions in one call, the protocol's
+  verdict, then one call adds every tensor's ranks in rank order (also to a second output, or
+  masking a momentum buffer, in the same walk).
+
+Everything else on the CPU — other dtypes, other compressors, SIGNS/VALUES/ALL messages, outputs
+the kernels do not take — is the tensor-op backend's work, which :class:`KernelBackend`
+inherits: each tensor goes whole (all its ranks) one way or the other, so its sums are added in
+rank order by one path. Both give the same bytes, verdicts and sums (golden vectors,
+differential tests).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ... import kernels, protocol, wire
+from ...reference import choose_side, keep_count
+from . import batch, frame
+from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, Source,
+                   as_source, check_request)
+from .ops import MessageSet, OpsBackend, accumulate, form, kept_values, one_value, undo
+from .select import Binarized, f32, rice_candidates
+from .streams import encode_positions, stream_sizes
+
+def kernels_for(a: torch.Tensor):
+    """The kernel library when ``a`` is a contiguous float32 CPU tensor of at most
+    ``kernels.MAX_NUMEL`` elements and the kernels are available, else None."""
+    if not a.is_cpu or a.dtype is not torch.float32 or not a.is_contiguous() or \
+            a.numel() > kernels.MAX_NUMEL:
+        return None
+    return kernels.lib()
+
+
+def _flat_ok(*ts: torch.Tensor) -> bool:
+    """Tensors one kernel pass can read together: 1-D, kernel-able, of one size."""
+    return all(t.dim() == 1 and t.numel() == ts[0].numel() and kernels_for(t) is not None
+               for t in ts)
+
+
+_C_PAPER, _C_MAGNITUDE_SPLIT, _C_MAGNITUDE = 0, 1, 2
+
+
+@dataclass
+class _CSelection:
+    """``sbc_select``'s result: the sides' sizes and fixed-order float64 tree sums (of ``a[P]``
+    and of ``-a[N]``); the positions wait in the kernel's scratch for :meth:`take`."""
+    lib: object
+    counts: Tuple[int, int]
+    sums: Tuple[float, float]
+    in_dst: Optional[int] = None  # the side the kernel wrote to ``dst`` (then only that one)
+
+    def take(self, side: int, buffer: Optional["PositionBuffer"] = None) -> torch.Tensor:
+        """Side 0 or 1's ascending positions (int64), copied out of the kernel's scratch (into
+        ``buffer`` if given): call before the next selection on this thread."""
+        if self.in_dst is not None:
+            raise AssertionError("horovod_sbc: the selection wrote only one side, to dst")
+        out = buffer.get(self.counts[side]) if buffer is not None else \
+            torch.empty(self.counts[side], dtype=torch.int64)
+        self.lib.sbc_take(side, out.data_ptr())
+        return out
+
+
+def _check_rc(rc: int, name: str, what: str) -> None:
+    if rc == kernels.NONFINITE:
+        raise NonFiniteError(f"the update of {name!r} contains NaN or Inf")
+    if rc == kernels.NOMEM:
+        raise MemoryError(f"horovod_sbc: out of memory in {what} of {name!r}")
+    if rc != kernels.OK:
+        raise AssertionError(f"horovod_sbc: {what} of {name!r} rejected its arguments ({rc})")
+
+
+class _KernelOut(threading.local):
+    """The kernel calls' small output arrays, allocated once per thread (a fresh set of ctypes
+    objects per tensor per step was a measurable part of the codec's per-tensor cost)."""
+
+    def __init__(self):
+        self.counts = (ctypes.c_int64 * 2)()
+        self.sums = (ctypes.c_double * 2)()
+        self.in_dst = ctypes.c_int(-1)
+        self.bs = (ctypes.c_int64 * 3)()
+        self.shift_sums = (ctypes.c_int64 * 3)()
+        self.addr = tuple(ctypes.addressof(x) for x in
+                          (self.counts, self.sums, self.in_dst, self.bs, self.shift_sums))
+
+
+
+_OUT = _KernelOut()
+
+
+def _select_c(lib, a: torch.Tensor, k: int, mode: int, name: str, source=None,
+              dst: Optional[torch.Tensor] = None) -> _CSelection:
+    """``sbc_select`` of ``a``; with an :class:`Accumulate` source ``a += g`` in the same pass,
+    first (consumed: ``g`` zeroed too, ``sbc_select_consume``); with a :class:`Difference` the
+    selection of ``W - W_ref`` itself, nothing written (``sbc_select_diff``). With ``dst`` (int64,
+    k elements; paper rule only) the kernel may write only the winning side into it: see
+    :attr:`_CSelection.in_dst`."""
+    out = _OUT
+    counts, sums, in_dst = out.counts, out.sums, out.in_dst
+    c_addr, s_addr, d_addr = out.addr[:3]
+    if dst is None:
+        tail = (a.numel(), k, mode, c_addr, s_addr, None, None)
+    else:
+        tail = (a.numel(), k, mode, c_addr, s_addr, dst.data_ptr(), d_addr)
+    if isinstance(source, Difference):
+        rc = lib.sbc_select_diff(source.weights.data_ptr(), source.reference.data_ptr(), *tail)
+    elif isinstance(source, Accumulate) and source.consume:
+        rc = lib.sbc_select_consume(a.data_ptr(), source.addend.data_ptr(), *tail)
+    elif isinstance(source, Accumulate):
+        rc = lib.sbc_select(a.data_ptr(), source.addend.data_ptr(), *tail)
+    else:
+        rc = lib.sbc_select(a.data_ptr(), None, *tail)
+    _check_rc(rc, name, "the selection")
+    side = in_dst.value if dst is not None else -1
+    return _CSelection(lib, (counts[0], counts[1]), (sums[0], sums[1]),
+                       None if side < 0 else side)
+
+
+def _rice_choice_c(lib, pos: torch.Tensor, numel: int) -> Tuple[int, int]:
+    """(b, sum(gaps >> b)) by :func:`horovod_sbc.wire.choose_rice_b`, the sums from the kernel."""
+    count = pos.numel()
+    bs = rice_candidates(count, numel)
+    out = _OUT
+    out.bs[:len(bs)] = bs
+    lib.sbc_gap_shift_sums(pos.data_ptr(), count, out.addr[3], len(bs), out.addr[4])
+    table = dict(zip(bs, out.shift_sums[:len(bs)]))
+    b = wire.choose_rice_b(count, numel, table.__getitem__)
+    return b, table[b]
+
+
+def _binarize_c(lib, a: torch.Tensor, k: int, selection: str, name: str, source=None,
+                buffer=None) -> Binarized:
+    """The selection, the side with the larger mean and its Rice parameter in two kernel
+    calls (:func:`horovod_sbc.torch.backend.select.binarize_sides` of the selection)."""
+    paper = selection == "paper"
+    dst = (buffer.get(k) if buffer is not None else torch.empty(k, dtype=torch.int64)) \
+        if paper else None
+    sel = _select_c(lib, a, k, _C_PAPER if paper else _C_MAGNITUDE_SPLIT, name, source, dst)
+    (np_, nn_), (s_pos, s_neg) = sel.counts, sel.sums
+    side, mu = choose_side(f32(s_pos / np_) if np_ else 0.0, f32(s_neg / nn_) if nn_ else 0.0)
+    if side == 0:
+        return Binarized(torch.zeros(0, dtype=torch.int64), 0.0, False, 0, 0)
+    chosen = 0 if side > 0 else 1
+    if sel.in_dst is not None:  # only the winner was written (its mean is larger beyond doubt)
+        if sel.in_dst != chosen:
+            raise AssertionError(f"horovod_sbc: the kernel's side for {name!r} is not the "
+                                 "chosen one")
+        pos = dst[:sel.counts[chosen]]
+    else:
+        pos = sel.take(chosen, buffer)
+    b, sum_q = _rice_choice_c(lib, pos, a.numel())
+    return Binarized(pos, mu, side < 0, b, sum_q)
+
+
+def _rice_encode_c(lib, pos: torch.Tensor, b: int, at: int, ubytes: int, rbytes: int) -> None:
+    """The kernel's unary then remainder stream of ``pos`` at address ``at``."""
+    rc = lib.sbc_rice_encode(pos.data_ptr(), pos.numel(), b, at, ubytes, at + ubytes, rbytes)
+    _check_rc(rc, "positions", "the Rice encoder")
+
+
+def encode_binary_c(lib, pos: torch.Tensor, numel: int, value: float, negative: bool,
+                    rice_b: Optional[int] = None, sum_q: Optional[int] = None) -> torch.Tensor:
+    """A binary message of ``pos`` (int64, contiguous, on the CPU; count > 0): header and
+    streams written into one buffer by the kernel."""
+    b, sum_q = (rice_b, sum_q) if rice_b is not None else _rice_choice_c(lib, pos, numel)
+    ubytes, rbytes = stream_sizes(pos.numel(), b, sum_q)
+    head = wire.tensor_header(numel, pos.numel(), b, ubytes, value, negative)
+    msg = torch.empty(len(head) + ubytes + rbytes, dtype=torch.uint8)
+    ctypes.memmove(msg.data_ptr(), head, len(head))
+    _rice_encode_c(lib, pos, b, msg.data_ptr() + len(head), ubytes, rbytes)
+    return msg
+
+
+def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
+    """:func:`horovod_sbc.torch.backend.select.select_topk` in the kernel (``a`` kernel-able)."""
+    return _select_c(kernels.lib(), a, k, _C_MAGNITUDE, name).take(0)
+
+
+def select_sides(a: torch.Tensor, k: int, selection: str = "paper", name: str = "tensor"
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`horovod_sbc.torch.backend.select.select_sides` in the kernel."""
+    mode = _C_PAPER if selection == "paper" else _C_MAGNITUDE_SPLIT
+    sel = _select_c(kernels.lib(), a, k, mode, name)
+    return sel.take(0), sel.take(1)
+
+
+def _positions_ok(pos: torch.Tensor) -> bool:
+    return pos.is_cpu and pos.dtype is torch.int64 and pos.is_contiguous()
+
+
+class KernelBackend(OpsBackend):
+    """The C kernels for what they take, the tensor-op backend for the rest (see the module
+    docstring)."""
+
+    name = "C kernels"
+
+    # -- encode -------------------------------------------------------------------------------
+    def encode_tensor(self, source: Source, density: float, mode="sbc", name: str = "tensor",
+                      selection: str = "paper", generator=None, positions=None) -> Encoded:
+        mode = check_request(mode, selection)
+        src = as_source(source)
+        in_pass = _in_pass(src, mode)
+        if in_pass:  # A is formed in the selection's pass
+            a = target = src.weights if isinstance(src, Difference) else src.residual
+        else:
+            a, target = form(src)
+        lib = kernels_for(a) if mode in ("sbc", "values") and a.numel() else None
+        try:
+            if lib is None:
+                msg, pos, sent = self.encode_formed(a, density, mode, name, selection,
+                                                    generator)
+            else:
+                msg, pos, sent = self._encode_c(lib, a, density, mode, name, selection,
+                                                src if in_pass else None, positions)
+        except NonFiniteError:
+            undo(src)
+            raise
+        kept = kept_values(src, pos, sent) if mode != "sbc" else None
+        ref = src.reference if kept is not None else None
+        return Encoded(msg, pos, sent, target, self.subtract_sent, ref, kept)
+
+    def _encode_c(self, lib, a: torch.Tensor, density: float, mode: str, name: str,
+                  selection: str, source, positions):
+        n = a.numel()
+        k = keep_count(n, density)
+        if mode == "values":
+            idx = _select_c(lib, a, k, _C_MAGNITUDE, name, source).take(0, positions)
+            vals = a[idx].to(torch.float32)
+            return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
+                    vals.to(a.dtype))
+        bz = _binarize_c(lib, a, k, selection, name, source, positions)
+        msg = encode_binary_c(lib, bz.pos, n, bz.mu, bz.negative, bz.rice_b, bz.sum_q) \
+            if bz.pos.numel() else encode_positions(bz.pos, n)
+        return msg, bz.pos, one_value(-bz.mu if bz.negative else bz.mu, bz.pos.numel(), a)
+
+    def encode_many(self, sources, density, mode, selection, names):
+        return None  # tensor by tensor: each kernel call already runs at memory speed
+
+    def encode_padded(self, source, density, mode, selection, layout_crc, error_step):
+        return None  # on the CPU the host frames a step at no cost (encode_tensor)
+
+    def subtract_sent(self, a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:
+        """``a[pos] -= sent``; one value for every position (a stride-0 view) is subtracted by
+        the kernel: ``a + (-v)`` is ``a - v`` exactly, as ``index_add_(alpha=-1)`` computes."""
+        if not pos.numel():
+            return
+        if sent.dim() == 1 and sent.stride(0) == 0 and sent.dtype == torch.float32 and \
+                sent.device.type == "cpu" and a.dim() == 1 and kernels_for(a) is not None and \
+                _positions_ok(pos):
+            v = ctypes.c_float.from_address(sent.data_ptr()).value  # the one value
+            kernels.lib().sbc_add_at(a.data_ptr(), pos.data_ptr(), pos.numel(), -v)
+            return
+        a.index_add_(0, pos, sent, alpha=-1)
+
+    # -- decode -------------------------------------------------------------------------------
+    def decode_many(self, jobs: Sequence[DecodeJob]) -> List[Optional[BaseException]]:
+        errors: List[Optional[BaseException]] = []
+        for job in jobs:
+            if job.gathered.device.type != "cpu" or not job.gathered.is_contiguous():
+                errors += super().decode_many([job])
+                continue
+            job.host = memoryview(frame.host_bytes(job.gathered))
+            try:
+                job.step = protocol.parse_gathered(job.host, job.layout, job.n_ranks)
+                self._decode_parsed(job)
+            except ValueError as e:  # PeerError too
+                errors.append(e)
+            else:
+                errors.append(None)
+        return errors
+
+    def _decode_parsed(self, job: DecodeJob) -> None:
+        """One parsed job: kernel statistics for the tensors the kernels take, the tensor-op
+        decoder for the others, the verdict, then the additions (raises the verdict)."""
+        lib = kernels.lib()
+        flat = job.step.flat()
+        t = job.targets
+        n_t = len(job.layout)
+        per_tensor: Dict[int, List[int]] = {}
+        for k, (_, i, msg, _) in enumerate(flat):  # flat is rank-major: rank order per tensor
+            if msg.count:
+                per_tensor.setdefault(i, []).append(k)
+        outs2 = t.also if t.also is not None else (None,) * n_t
+        in_kernel = {i for i, ks in per_tensor.items()
+                     if all(_kernel_message(flat[k][2]) for k in ks)
+                     and _kernel_output(t.outs[i]) and _kernel_output(outs2[i])}
+        ks = _KernelStreams(lib, job.gathered, flat, in_kernel)
+        rest = set(range(n_t)) - in_kernel
+        merged = [ks.stats.get(k, protocol.StreamStats()) for k in range(len(flat))]
+        dec = None
+        if any(i in rest for i in per_tensor):  # messages the tensor-op decoder reads
+            msgs = MessageSet()
+            msgs.add_job(0, job, 0, rest)
+            dec = batch.decode_messages(job.gathered, msgs.messages, msgs.scales)
+            it = iter(msgs.stats_of(0, dec))
+            merged = [next(it) if i in rest else st
+                      for (_, i, _, _), st in zip(flat, merged)]
+        protocol.check_streams(job.step, merged)
+        if dec is not None:
+            accumulate(dec, msgs, [job], [0], {0: rest})
+        elif t.fresh and not t.zeroed:  # outputs without messages hold the zero sum
+            for i in rest:
+                for out in (t.outs[i], outs2[i]):
+                    if out is not None:
+                        out.zero_()
+        groups = [(i, per_tensor[i]) for i in sorted(in_kernel)]
+        if groups:
+            _scatter_groups(ks, flat, groups, job, outs2)
+
+
+def _in_pass(src, mode: str) -> bool:
+    """Can the kernel form this source's ``A`` in its selection pass?"""
+    if isinstance(src, Accumulate):
+        return mode in ("sbc", "values") and _flat_ok(src.residual, src.addend)
+    if isinstance(src, Difference):
+        return mode == "sbc" and _flat_ok(src.weights, src.reference)
+    return False
+
+
+def _kernel_message(msg: wire.TensorMessage) -> bool:
+    """Binary messages (positions + one value) of tensors of at most ``kernels.MAX_NUMEL``
+    elements: the C kernels decode them (uint32 positions inside)."""
+    return bool(msg.count) and not (msg.all_positions or msg.has_values or msg.has_signs) \
+        and msg.numel <= kernels.MAX_NUMEL
+
+
+def _kernel_output(t: Optional[torch.Tensor]) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+
+
+class _KernelStreams:
+    """The stream statistics and positions of the binary messages of the tensors ``tensors``,
+    decoded by one kernel call; the positions stay in the kernel's buffer for the scatter."""
+
+    def __init__(self, lib, gathered: torch.Tensor, flat, tensors):
+        self.lib = lib
+        binary = [k for k, (_, i, msg, _) in enumerate(flat)
+                  if i in tensors and _kernel_message(msg)]
+        desc = np.array([(m.unary[0], m.unary[1] - m.unary[0], m.remainder[0],
+                          m.remainder[1] - m.remainder[0], m.count, m.rice_b, m.numel)
+                         for m in (flat[k][2] for k in binary)], np.int64).reshape(-1, 7).T.copy()
+        self.count = desc[4]
+        self.offset = np.concatenate([[0], np.cumsum(desc[4])]).astype(np.int64)
+        rows = np.zeros((len(binary), 6), np.int64)
+        if binary:
+            rc = lib.sbc_decode_batch(gathered.data_ptr(), gathered.numel(), len(binary),
+                                      *[desc[i].ctypes.data for i in range(7)], rows.ctypes.data)
+            if rc == kernels.NOMEM:
+                raise MemoryError("horovod_sbc: out of memory decoding a step")
+            if rc != kernels.OK:  # the parser guarantees the ranges: a bug, not bad input
+                raise AssertionError("horovod_sbc: the decoding kernel rejected its arguments "
+                                     f"({rc})")
+        self.stats = {k: protocol.StreamStats(r[0], r[1] != 0, r[2], r[3], r[4] != 0, r[5])
+                      for k, r in zip(binary, rows.tolist())}
+        self.slot = {k: j for j, k in enumerate(binary)}  # message k -> its row
+
+
+def _scatter_groups(ks: _KernelStreams, flat, groups, job: DecodeJob, seconds) -> None:
+    """One scatter kernel call adds every group's messages, in rank order, to its output (and to
+    its second output, or masks its momentum buffer, in the same walk); masks the kernel cannot
+    take are applied with tensor ops afterwards."""
+    lib = ks.lib
+    t = job.targets
+    out = t.outs
+    masks = t.masks if t.masks is not None else (None,) * len(out)
+    zero_first, zeroed = t.fresh and not t.zeroed, t.fresh and t.zeroed
+    kmsgs = [(i, k) for i, msgs in groups for k in msgs]
+    g = np.cumsum([0] + [len(msgs) for _, msgs in groups]).astype(np.int64)
+    addr = np.array([out[i].data_ptr() for i, _ in groups], np.int64)
+    numel = np.array([out[i].numel() for i, _ in groups], np.int64)
+    js = [ks.slot[k] for _, k in kmsgs]
+    off = ks.offset[js].astype(np.int64)
+    cnt = ks.count[js].astype(np.int64)
+    # the value each position gets: the Python float product rounded once to float32
+    val = np.array([flat[k][2].signed_value * job.scale for _, k in kmsgs], np.float32)
+    bufs, not_taken = [], []  # masks the kernel zeroes at the decoded positions (0: none)
+    for i, _ in groups:
+        buf = masks[i]
+        ok = buf is not None and buf.numel() == out[i].numel() and \
+            buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
+        if buf is not None and not ok:
+            not_taken.append(i)
+        bufs.append(buf.data_ptr() if ok else 0)
+    kalso = [0 if seconds[i] is None else seconds[i].data_ptr() for i, _ in groups]
+    n = len(groups)
+    if any(bufs):
+        rc = lib.sbc_scatter_add_mask_groups(n, g.ctypes.data, addr.ctypes.data,
+                                             np.array(bufs, np.int64).ctypes.data,
+                                             numel.ctypes.data, off.ctypes.data,
+                                             cnt.ctypes.data, val.ctypes.data, int(zeroed))
+    elif any(kalso):  # (a second output comes without fresh outputs)
+        rc = lib.sbc_scatter_add_also_groups(n, g.ctypes.data, addr.ctypes.data,
+                                             np.array(kalso, np.int64).ctypes.data,
+                                             numel.ctypes.data, off.ctypes.data,
+                                             cnt.ctypes.data, val.ctypes.data)
+    else:
+        rc = lib.sbc_scatter_add_groups(n, g.ctypes.data, addr.ctypes.data, numel.ctypes.data,
+                                        off.ctypes.data, cnt.ctypes.data, val.ctypes.data,
+                                        int(zero_first))
+    if rc != kernels.OK:
+        raise AssertionError(f"horovod_sbc: the scatter kernel rejected its arguments ({rc})")
+    for i in not_taken:
+        masks[i].view(-1).masked_fill_(out[i].view(-1) != 0, 0)

@@ -1,0 +1,285 @@
+"""One sync of a set of updates: encode every update plus its residual, exchange one step
+message, decode and average, then commit the error feedback.
+
+:func:`synchronize` serves the drop-in optimizer (weight updates ``W - W_ref``), the DDP hook
+and averager (:mod:`horovod_sbc.torch.ddp`), the hierarchical exchange and the tests; the stock
+Horovod hook (:mod:`horovod_sbc.torch.hook`) exchanges one gradient at a time with the same
+pieces. The codec is the state's backend (:mod:`horovod_sbc.torch.backend`, chosen once per
+device), the collective its transport (:mod:`horovod_sbc.torch.sync.transport`: Horovod's
+allgather by default, ``torch.distributed`` for DDP); the ``"server"`` topology gathers to rank 0
+and broadcasts one downlink instead (:mod:`horovod_sbc.torch.sync.server`).
+
+Error feedback is committed only after every rank's message decoded: a sync that fails (a
+rank's NaN, a malformed message) commits nothing, and a skipped sync keeps ``R + dW`` in the
+healthy ranks' residuals.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ... import wire
+from ..backend import (Accumulate, Difference, NonFiniteError, Targets, frame,
+                       reset_nonfinite_, restore_, scratch)
+from .state import SyncState
+
+
+def named_parameters(model) -> List[Tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` pairs of a module (a DDP wrapper is unwrapped, so names carry no
+    ``module.`` prefix) or of an iterable of pairs such as ``model.named_parameters()``; the
+    names key residuals and checkpoint state, so they must be unique."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else list(model)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+        raise ValueError("named_parameters must be a torch.nn.Module or (name, parameter) "
+                         "pairs such as model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names must be unique; duplicated: {', '.join(dups)}")
+    return named
+
+
+@dataclass
+class Update:
+    """One tensor of a sync: the update is ``value`` (any shape, read flat) or, with ``base``,
+    ``value - base`` (computed into a reused buffer, e.g. the weights minus the reference
+    weights); with ``base_offset`` too, ``value - (base + base_offset)``, the sum rounded to
+    ``base``'s dtype (the reference weights plus this rank's residual: what fp16/bf16 weights
+    were set to at the last sync, ``local_residual=True``). ``name`` keys the residual and
+    labels the tensor message; ``shape`` is the tensor's shape in the layout every rank must
+    agree on.
+
+    ``in_weights`` (with ``base``; ``value`` contiguous, of ``base``'s dtype and device, float32
+    or float64): this rank's residual lives in ``value`` itself, the update ``value - base`` is
+    the residual-corrected update and nothing is stored beside it (the drop-in optimizer's
+    ``local_residual=True``: weights minus the shared weights). The sync then reads ``value``
+    and ``base`` once, adds the decoded average to ``value`` as to ``base`` (``out``) and takes
+    what was sent out of ``value`` (see :meth:`Encoded.commit`); a failed sync leaves both
+    untouched."""
+    name: str
+    value: torch.Tensor
+    shape: Tuple[int, ...]
+    base: Optional[torch.Tensor] = None
+    base_offset: Optional[torch.Tensor] = None
+    in_weights: bool = False
+
+    @classmethod
+    def of(cls, item) -> "Update":
+        """From an :class:`Update` or a ``(name, value, shape[, base])`` tuple."""
+        return item if isinstance(item, Update) else cls(item[0], item[1], tuple(item[2]),
+                                                         item[3] if len(item) > 3 else None)
+
+    def flat(self, dtype: torch.dtype) -> torch.Tensor:
+        value = self.value.reshape(-1)
+        if self.base is None:
+            return value
+        buf = scratch(value.numel(), dtype, value.device, slot=1)
+        base = self.base.reshape(-1)
+        if self.base_offset is not None:
+            off = self.base_offset.reshape(-1).to(base.dtype)
+            if base.dtype == dtype:  # base + offset into the buffer: no allocation
+                base = torch.add(base, off, out=buf)
+            else:
+                base = base + off
+        return torch.sub(value.to(dtype), base.to(dtype), out=buf)
+
+    def weights_flat(self) -> torch.Tensor:
+        """``value`` flat, as a view (``in_weights``: the sync writes through it)."""
+        v = self.value.view(-1)
+        if self.base is None or self.base.dtype != v.dtype or self.base.device != v.device or \
+                self.base.numel() != v.numel() or v.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"SBC: {self.name!r}: an update kept in the weights needs a "
+                             "reference of the same dtype, device and size (float32/float64)")
+        return v
+
+    def weights_finite(self) -> bool:
+        """Are the weights (``value``) free of NaN/Inf? Checked before any residual changes
+        when the update is taken relative to the residual itself (``base_offset``): ``R + dW``
+        overwrites ``R`` in place and cannot be undone exactly afterwards. One host read."""
+        return bool(torch.isfinite(self.value).all())
+
+
+def sum_dtype(updates: Sequence[Update]) -> torch.dtype:
+    return torch.float64 if any(u.value.dtype == torch.float64 for u in updates) else \
+        torch.float32
+
+
+def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = None,
+                tag: str = "sbc.sync", count_sync: bool = True,
+                apply: Optional[Callable[[List[torch.Tensor]], None]] = None,
+                error: Optional[Tuple[int, str]] = None) -> Optional[List[torch.Tensor]]:
+    """Compress, exchange (one step message), decode and average ``items``
+    (:class:`Update` or tuples, see :meth:`Update.of`). Returns ``out`` (flat tensors, e.g. the
+    reference weights) or new tensors holding the average of all ranks' decoded updates; None
+    if the sync was skipped (``nonfinite="skip"``); raises ``ValueError`` on every rank if any
+    rank failed. ``count_sync=False`` leaves the ``syncs`` counter to the caller.
+
+    ``apply`` (the drop-in's outer step): ``out`` are dense buffers that receive the average
+    alone (whatever they held is overwritten), and ``apply(out)`` runs once the step is
+    accepted and before the error feedback is committed; it must move the reference weights
+    (each ``base``) and the weights of updates kept in the weights (``in_weights``) by the same
+    change, which the commit then takes this rank's sent update out of.
+
+    ``error``: ``(origin rank, reason)`` known before encoding (the hierarchical exchange's
+    node-level check, :mod:`horovod_sbc.torch.hierarchy`): nothing is encoded, this rank
+    frames the ERROR/SKIP step naming ``origin`` and every rank raises or skips with it."""
+    updates = [Update.of(it) for it in items]
+    size, rank = state.world()
+    layout = [(u.name, u.shape) for u in updates]
+    fp = wire.layout_fingerprint(layout)
+    dev = updates[0].value.device if updates else torch.device("cpu")
+    uplink = _encode_all(state, updates, fp, dev, rank, error)
+    # the weights that hold their residual move with the shared weights
+    also = [u.weights_flat() if u.in_weights else None for u in updates] \
+        if apply is None and any(u.in_weights for u in updates) else None
+    if (also is not None or apply is not None) and out is None:
+        raise ValueError("SBC: updates kept in the weights or an outer step need out=")
+    if out is not None:
+        targets = Targets.replace(out) if apply is not None else Targets.add(out, also)
+    else:
+        targets = Targets.new(layout, sum_dtype(updates), dev)
+    try:
+        out = _exchange(state, uplink.step, layout, size, rank, targets, tag,
+                        sum_dtype(updates))
+    except wire.PeerError as e:
+        if not e.skip:
+            raise ValueError(f"SBC: {e}") from None
+        warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+        if uplink.failed:
+            _drop_failed_update(uplink.encoded, updates)
+        # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
+        return None
+    if apply is not None:
+        apply(out)
+    for _, enc in uplink.encoded:  # commit error feedback only after success
+        enc.commit()
+    state.manager.add(syncs=int(count_sync), positions_sent=uplink.positions_sent(),
+                      elements_synced=sum(u.value.numel() for u in updates))
+    return out
+
+
+@dataclass
+class Uplink:
+    """This rank's part of a sync: its step message, and the encodings to commit once every
+    rank's message decoded (``(update, encoding)``: one per update, or one for the whole sync
+    when the backend encoded it at once); ``failed``: this rank sent ERROR/SKIP."""
+    step: torch.Tensor
+    encoded: List[Tuple[Optional[Update], object]]
+    failed: bool = False
+
+    def positions_sent(self) -> int:
+        return sum(enc.positions.numel() for _, enc in self.encoded)
+
+
+def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int,
+                error: Optional[Tuple[int, str]] = None) -> Uplink:
+    """Every update encoded (all at once where the backend can), or an ERROR/SKIP step naming
+    the first update that is not finite (weights checked before any residual changes, see
+    :meth:`Update.weights_finite`)."""
+    cfg = state.config
+    skip = cfg.nonfinite == "skip"
+    cap = frame.step_capacity([(u.name, u.value.shape) for u in updates], cfg)
+    if error is not None:
+        return Uplink(_error_frame(state, error[1], fp, skip, dev, error[0], cap), [], True)
+    bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
+               None)
+    if bad is not None:
+        reason = f"the update of {bad.name!r} contains NaN or Inf"
+        return Uplink(_error_frame(state, reason, fp, skip, dev, rank, cap), [], True)
+    backend = state.backend(dev)
+    srcs = _whole_sync_sources(state, updates)
+    fused = backend.encode_many(srcs, cfg.density, cfg.mode, cfg.selection,
+                                [u.name for u in updates]) if srcs else None
+    if fused is not None:
+        _count_padding(state, cap, fused.body_bytes)
+        return Uplink(fused.frame(fp, cap), [(None, fused)])
+    encoded = []
+    for u in updates:
+        try:
+            encoded.append((u, _encode(state, backend, u)))
+        except NonFiniteError as e:
+            return Uplink(_error_frame(state, str(e), fp, skip, dev, rank, cap), encoded, True)
+    msgs = [enc.message for _, enc in encoded]
+    _count_padding(state, cap, sum(m.numel() for m in msgs))
+    return Uplink(frame.frame(msgs, fp, dev, cap), encoded)
+
+
+def _whole_sync_sources(state: SyncState, updates: Sequence[Update]):
+    """The sources of a sync a backend may encode at once — every update kept in the weights
+    (``W - W_ref``), or every one a plain ``dW`` added to its residual — else None (the
+    per-update path forms each ``dW`` in a shared scratch buffer)."""
+    if not updates or any(u.base_offset is not None for u in updates):
+        return None
+    if all(u.in_weights for u in updates):
+        return [Difference(u.weights_flat(), u.base.reshape(-1)) for u in updates]
+    if all(not u.in_weights and u.base is None for u in updates):
+        return [Accumulate(state.residual(u.name, u.value), u.value.reshape(-1))
+                for u in updates]
+    return None
+
+
+def _encode(state: SyncState, backend, u: Update):
+    """Encode one update; error feedback is committed later. Kept in the weights: ``A = W -
+    W_ref`` is selected without being stored. Otherwise ``A = R + dW`` in place in the residual
+    (in the selection's pass), put back before a ``NonFiniteError`` propagates."""
+    cfg = state.config
+    if u.in_weights:
+        src = Difference(u.weights_flat(), u.base.reshape(-1))
+    else:
+        res = state.residual(u.name, u.value)
+        if res.numel() != u.value.numel():
+            raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
+                             f"has {res.numel()}; did the model change shape?")
+        src = Accumulate(res, u.flat(res.dtype))
+    return backend.encode_tensor(src, cfg.density, cfg.mode, u.name, cfg.selection,
+                                 state.generator(u.value.device), state.position_buffer(u.name))
+
+
+def _count_padding(state: SyncState, cap: Optional[int], body: int) -> None:
+    """``stats()["padding_bits"]``: the zero bytes a fixed-size step adds after ``body``."""
+    if cap is not None:
+        state.manager.add(padding_bits=8 * (cap - wire.STEP_HEADER_SIZE - body))
+
+
+def _error_frame(state: SyncState, reason: str, fp: int, skip: bool, dev, rank: int,
+                 cap: Optional[int]) -> torch.Tensor:
+    state.manager.add(padding_bits=8 * frame.error_padding(reason, fp, skip, rank, cap))
+    return frame.error_frame(reason, fp, skip, dev, rank, cap)
+
+
+def _exchange(state: SyncState, step: torch.Tensor, layout, size: int, rank: int,
+              targets: Targets, tag: str, acc_dtype) -> List[torch.Tensor]:
+    """Gather every rank's step message (or go through the server, whose average is kept in
+    ``acc_dtype``) and decode the average into ``targets``."""
+    if state.config.topology == "server":
+        from . import server
+        return server.exchange(state, step, layout, size, rank, targets, acc_dtype)
+    gathered = state.transport.allgather(step, tag)
+    state.manager.add(upstream_bits=8 * step.numel(),
+                      downstream_bits=8 * (gathered.numel() - step.numel()))
+    return list(state.backend(gathered.device).decode(gathered, layout, size, targets,
+                                                      1.0 / size))
+
+
+def _drop_failed_update(encoded, updates: Sequence[Update]) -> None:
+    """A skipped sync on the rank that failed to encode: it drops this window's update. Kept in
+    the weights, only its non-finite entries restart from the shared weights (the rest stays).
+    An update relative to the residual itself (``base_offset``) cannot be recomputed once ``R``
+    was overwritten; its weights were checked finite before, so only an overflow to +-Inf of
+    finite values gets here: those entries are reset to 0 and the rest of the window's update
+    stays in the residual."""
+    for u, enc in encoded:
+        if u is not None and not u.in_weights:
+            if u.base_offset is None:
+                restore_(enc.target, u.flat(enc.target.dtype))
+            else:
+                reset_nonfinite_(enc.target)
+    for u in updates:
+        if u.in_weights:
+            w, base = u.weights_flat(), u.base.reshape(-1)
+            torch.where(torch.isfinite(w), w, base, out=w)
