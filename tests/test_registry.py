@@ -153,7 +153,7 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
     a = torch.from_numpy(u.copy())
     enc = tcodec.backend_for("cpu").encode_tensor(a, 1.0, "terngrad", "w", generator=g)
     enc.commit()
-    msg = enc.message
+    msg, pos = enc.message, enc.positions
     assert msg.numpy().tobytes() == want
     assert a.numpy().tobytes() == want_res.tobytes()
     assert 0 < pos.numel() < u.size
