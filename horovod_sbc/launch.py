@@ -43,13 +43,19 @@ def python_exe() -> str:
 
 def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """This environment plus what every rank needs: the venv's binaries first on PATH, the
-    repository on PYTHONPATH, one thread per rank, unbuffered output, quiet TF and Horovod."""
+    repository on PYTHONPATH, one thread per rank, unbuffered output, quiet TF and Horovod.
+
+    Open MPI waits for a peer by spinning; each rank also runs Horovod's background thread
+    beside its main thread, so with as many ranks as cores a spinning wait takes the core from
+    the rank's own computation. ``mpi_yield_when_idle`` makes the wait yield instead (mpirun
+    reads ``OMPI_MCA_*`` from its environment and passes them on to the ranks)."""
     env = dict(os.environ)
     env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
     pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-                "HOROVOD_LOG_LEVEL": env.get("HOROVOD_LOG_LEVEL", "warning")})
+                "HOROVOD_LOG_LEVEL": env.get("HOROVOD_LOG_LEVEL", "warning"),
+                "OMPI_MCA_mpi_yield_when_idle": env.get("OMPI_MCA_mpi_yield_when_idle", "1")})
     env.update(extra or {})
     return env
 

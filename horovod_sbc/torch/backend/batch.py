@@ -3,32 +3,31 @@
 :class:`~horovod_sbc.torch.backend.ops.OpsBackend` parses all headers on the host
 (:func:`horovod_sbc.protocol.parse_gathered`: exact integers, compressed bytes only), then hands
 every message of every rank (of one or of many gathered steps) to :func:`decode_messages`, which
-decodes them with a fixed number of tensor ops, two uploads and two reads of O(messages)
-integers, whatever the number of tensors, ranks and message kinds:
+decodes them with a fixed number of tensor ops, one upload and one read of O(messages) integers,
+whatever the number of tensors, ranks and message kinds:
 
-1. **statistics that need no positions** — one ``index_select`` gathers the unary streams of all
-   messages with position streams; per message the number of one bits (byte popcounts, one
-   cumsum), whether the last unary byte is zero, whether a remainder padding bit is set, and for
-   SIGNS messages a sign padding bit, for VALUES messages the number of non-finite float32
-   values (by bit pattern). **Host read 1.** A message whose one bits differ from its count is
-   rejected by :func:`horovod_sbc.protocol.check_stream` on these alone (its positions are not
-   decoded: they would not line up), so step 2 decodes only the others — the verdict stays
-   exact for any input;
-2. **positions** — each byte's ones expanded (``repeat_interleave`` by popcount) and located
-   with a 256 x 8 table gives every one bit's offset ``u`` in its stream; quotients are the zero
-   bits between one bits; remainders are read from a 40-bit window at each field's bit offset
-   (in two halves above 31 bits, so any Rice parameter up to 62 is exact); positions by
-   segmented cumulative sums, ``position = ((u - j) << b) + sum(r) + j`` for the j-th element.
-   ALL messages hold positions ``0 .. count - 1``;
+1. **unary streams** — one ``index_select`` gathers the unary streams of all messages with
+   position streams; byte popcounts and their running sum give each message's number of one
+   bits and the global index of each of its one bits;
+2. **positions** — element j of a message is the j-th one bit after its stream's start: a binary
+   search of the running popcount finds its byte, a 256 x 8 table its bit, so its offset ``u``
+   in its stream; quotients are the zero bits between one bits; remainders are read from a
+   40-bit window at each field's bit offset (in two halves above 31 bits, so any Rice parameter
+   up to 62 is exact); positions by segmented cumulative sums, ``position = ((u - j) << b) +
+   sum(r) + j``. ALL messages hold positions ``0 .. count - 1``. Anchoring each message at its
+   own stream keeps a message whose one bits do not match its count (rejected on those counts
+   alone, before its positions are looked at) from shifting any other message's elements, so
+   the verdict is exact for any input;
 3. **values** — per element ``float64(value) * scale``: the message's value (binary), its sign
    bit applied (SIGNS), or its own float32 (VALUES), as :mod:`horovod_sbc.protocol` specifies;
-4. per message the largest quotient, remainder and position (``scatter_reduce``). **Host read
-   2**, for :func:`horovod_sbc.protocol.check_streams`.
+4. **statistics** — per message the one bits, whether the last unary byte is zero, the remainder
+   and sign padding bits, the number of non-finite VALUES (by bit pattern), and the largest
+   quotient, remainder and position (``scatter_reduce``): **one host read**, for
+   :func:`horovod_sbc.protocol.check_streams`.
 
-The host facts each step needs (offsets, counts, the values times their scales) go to the device
-as one buffer per step (:class:`Uploads`). Elements come out in message order, each message's
-elements ascending; callers order the messages rank-major so that each rank's elements are one
-slice.
+The host facts a decode needs (offsets, counts, the values times their scales) go to the device
+as one buffer (:class:`Uploads`). Elements come out in message order, each message's elements
+ascending; callers order the messages rank-major so that each rank's elements are one slice.
 """
 from __future__ import annotations
 
@@ -164,111 +163,91 @@ def _unary(buf: torch.Tensor, s: _Streams, seg: torch.Tensor):
     return ub, pc, torch.cumsum(pc, 0)
 
 
-def _phase1(buf: torch.Tensor, msgs, streams: List[int], signs: List[int], values: List[int]):
-    """Step 1's device tensors, in the order ones / last zero / remainder padding (streams),
-    sign padding (signs), non-finite counts (values); and the streams' gathered unary bytes."""
-    dev = buf.device
-    up = Uploads()
-    if streams:
-        s = _Streams([msgs[i] for i in streams])
-        s_seg = up.segments(s.u0, s.ulen)
-        s_ends, s_starts = up.add(s.ustart[1:] - 1), up.add(s.ustart[:-1])
-        s_rem = _pad_slots(up, s.r0, s.rlen, s.count * s.b)
-    if signs:
-        cnt = np.array([msgs[i].count for i in signs], np.int64)
-        s0 = np.array([msgs[i].signs[0] for i in signs], np.int64)
-        sl = np.array([msgs[i].signs[1] - msgs[i].signs[0] for i in signs], np.int64)
-        g_pad = _pad_slots(up, s0, sl, cnt)
-    if values:
-        vcnt = np.array([msgs[i].count for i in values], np.int64)
-        v0 = np.array([msgs[i].values[0] for i in values], np.int64)
-        v_seg, v_cnt = up.segments(v0, 4 * vcnt), up.add(vcnt)
-    dv = up.send(dev)
-    parts, unary = [], None
-    if streams:
-        unary = ub, pc, cs = _unary(buf, s, dv[s_seg])
-        ends, starts = dv[s_ends], dv[s_starts]
-        ones = cs.index_select(0, ends) - cs.index_select(0, starts) + pc.index_select(0, starts)
-        last_zero = ub.index_select(0, ends) == 0
-        rem_bad = _last_byte_bad(buf, dv[s_rem[0]], dv[s_rem[1]])
-        parts += [ones, last_zero.long(), rem_bad.long()]
-    if signs:
-        parts.append(_last_byte_bad(buf, dv[g_pad[0]], dv[g_pad[1]]).long())
-    if values:
-        total = int(vcnt.sum())
-        raw = buf.index_select(0, segment_index(dv[v_seg], 4 * total)).view(-1, 4).long()
-        exp_bits = ((raw[:, 3] & 0x7F) << 1) | (raw[:, 2] >> 7)  # the float32 exponent
-        owner = torch.repeat_interleave(torch.arange(len(values), device=dev), dv[v_cnt],
-                                        output_size=total)
-        parts.append(torch.zeros(len(values), dtype=torch.int64, device=dev).index_add_(
-            0, owner, (exp_bits == 0xFF).long()))
-    return parts, unary
+class _Plan:
+    """The host facts of one decode, uploaded as one buffer (:class:`Uploads`)."""
 
-
-class _Phase2:
-    """Step 2's host facts for the decoded messages, uploaded as one buffer."""
-
-    def __init__(self, msgs, decoded: List[int], in_streams: List[int], start: np.ndarray,
-                 scales: Sequence[float], reuse: bool):
+    def __init__(self, msgs: Sequence[wire.TensorMessage], scales: Sequence[float]):
         up = Uploads()
-        self.s = s = _Streams([msgs[i] for i in in_streams]) if in_streams else None
+        self.streams = [i for i, m in enumerate(msgs) if m.count and not m.all_positions]
+        self.signs = [i for i, m in enumerate(msgs) if m.count and m.has_signs]
+        self.values = [i for i, m in enumerate(msgs) if m.count and m.has_values]
+        self.alls = [i for i, m in enumerate(msgs) if m.count and m.all_positions]
+        self.sent = [i for i, m in enumerate(msgs) if m.count]
+        counts = np.array([m.count for m in msgs], np.int64)
+        self.start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.k = int(self.start[-1])
+        slots = {}
+        self.s = s = _Streams([msgs[i] for i in self.streams]) if self.streams else None
         if s is not None:
+            slots["useg"] = up.segments(s.u0, s.ulen)
+            slots["ends"], slots["ustart"] = up.add(s.ustart[1:] - 1), up.add(s.ustart[:-1])
+            slots["rem_at"], slots["rem_mask"] = _pad_slots(up, s.r0, s.rlen, s.count * s.b)
             self.seg_start = np.concatenate([[0], np.cumsum(s.count)]).astype(np.int64)
-            self.slots = dict(count=up.add(s.count), ustart=up.add(s.ustart[:-1]),
-                              first=up.add(self.seg_start[:-1]), b=up.add(s.b), r0=up.add(s.r0),
-                              last=up.add(self.seg_start[1:] - 1))
-            if not reuse:
-                self.slots["useg"] = up.segments(s.u0, s.ulen)
-        else:
-            self.slots = {}
-        counts = np.array([msgs[i].count for i in decoded], np.int64)
-        self.alls = [i for i in decoded if msgs[i].all_positions]
-        if self.alls and in_streams:
-            self.slots["place"] = up.segments(start[in_streams], s.count)
+            slots["count"], slots["first"] = up.add(s.count), up.add(self.seg_start[:-1])
+            slots["last"] = up.add(self.seg_start[1:] - 1)
+            slots["b"], slots["r0"] = up.add(s.b), up.add(s.r0)
+            if self.alls:  # places of the stream messages' elements among all elements
+                slots["place"] = up.segments(self.start[self.streams], s.count)
         if self.alls:
-            acnt = np.array([msgs[i].count for i in self.alls], np.int64)
-            self.slots["all_place"] = up.segments(start[self.alls], acnt)
-            self.slots["all_pos"] = up.segments(np.zeros_like(acnt), acnt)
-        # values: one float64 per message (the protocol's product), then per-kind facts
-        self.slots["value"] = up.add(np.array([msgs[i].signed_value * scales[i]
-                                               for i in decoded], np.float64))
-        self.slots["vcount"] = up.add(counts)
-        self.has_signs = any(msgs[i].has_signs for i in decoded)
-        self.has_values = any(msgs[i].has_values for i in decoded)
-        if self.has_signs or self.has_values:
-            self.slots["vstart"] = up.add(start[decoded])
-        if self.has_signs:
-            self.slots["s0"] = up.add([msgs[i].signs[0] for i in decoded])
-            self.slots["is_signs"] = up.add(np.array([msgs[i].has_signs for i in decoded]))
-        if self.has_values:
-            self.slots["v0"] = up.add([msgs[i].values[0] for i in decoded])
-            self.slots["is_values"] = up.add(np.array([msgs[i].has_values for i in decoded]))
-            self.slots["scale"] = up.add(np.array([scales[i] for i in decoded], np.float64))
-        self.up = up
-        self.n_decoded = len(decoded)
+            acnt = counts[self.alls]
+            slots["all_place"] = up.segments(self.start[self.alls], acnt)
+            slots["all_pos"] = up.segments(np.zeros_like(acnt), acnt)
+            self.all_total = int(acnt.sum())
+        if self.signs:
+            slots["sign_at"], slots["sign_mask"] = _pad_slots(
+                up, np.array([msgs[i].signs[0] for i in self.signs], np.int64),
+                np.array([msgs[i].signs[1] - msgs[i].signs[0] for i in self.signs], np.int64),
+                counts[self.signs])
+        if self.values:
+            vcnt = counts[self.values]
+            slots["vseg"] = up.segments(np.array([msgs[i].values[0] for i in self.values],
+                                                 np.int64), 4 * vcnt)
+            slots["vcnt"] = up.add(vcnt)
+            self.v_total = int(vcnt.sum())
+        # each element's value: its message's float64 value x scale (the protocol's product),
+        # negated by a SIGNS bit, or its own float32 x scale (VALUES)
+        sent = self.sent
+        slots["value"] = up.add(np.array([msgs[i].signed_value * scales[i] for i in sent],
+                                         np.float64))
+        slots["vcount"], slots["vstart"] = up.add(counts[sent]), up.add(self.start[sent])
+        if self.signs:
+            slots["s0"] = up.add([msgs[i].signs[0] for i in sent])
+            slots["is_signs"] = up.add(np.array([msgs[i].has_signs for i in sent]))
+        if self.values:
+            slots["v0"] = up.add([msgs[i].values[0] for i in sent])
+            slots["is_values"] = up.add(np.array([msgs[i].has_values for i in sent]))
+            slots["scale"] = up.add(np.array([scales[i] for i in sent], np.float64))
+        self._up, self._slots = up, slots
 
     def send(self, dev):
-        dv = self.up.send(dev)
-        return {k: dv[v] for k, v in self.slots.items()}
+        dv = self._up.send(dev)
+        return {k: dv[v] for k, v in self._slots.items()}
 
 
-def _positions(buf: torch.Tensor, p: _Phase2, d, unary):
-    """Step 2 for the stream messages: (positions, q, r, element's message) in message
-    order."""
+def _streams(buf: torch.Tensor, p: _Plan, d):
+    """Steps 1, 2 and 4 for the stream messages: (per-message statistics [ones, last zero,
+    remainder padding, max q, max r, last position] as one int64 [6, m] tensor, positions in
+    message order). Element j of a message is the j-th one bit after its stream's start, found
+    by a binary search of the running popcount, so a message whose one bits do not match its
+    count (rejected on its own statistics) cannot shift any other message's elements."""
     dev = buf.device
     _, bit_of = _tables(dev)
     s = p.s
-    k = int(s.count.sum())
-    ub, pc, cs = unary if unary is not None else _unary(buf, s, d["useg"])
-    seg = torch.repeat_interleave(torch.arange(s.count.size, device=dev), d["count"],
-                                  output_size=k)
-    byte = torch.repeat_interleave(torch.arange(ub.numel(), device=dev), pc.long(),
-                                   output_size=k)
-    rank_in_byte = torch.arange(k, device=dev) - (cs - pc).index_select(0, byte)
-    u = (byte - d["ustart"].index_select(0, seg)) * 8 + bit_of.index_select(
-        0, ub.index_select(0, byte).long() * 8 + rank_in_byte)
+    m, k = s.count.size, int(s.count.sum())
+    ub, pc, cs = _unary(buf, s, d["useg"])
+    ends, ustart = d["ends"], d["ustart"]
+    before = cs.index_select(0, ustart) - pc.index_select(0, ustart)  # ones before each stream
+    ones = cs.index_select(0, ends) - before
+    last_zero = ub.index_select(0, ends) == 0
+    rem_bad = _last_byte_bad(buf, d["rem_at"], d["rem_mask"])
+    seg = torch.repeat_interleave(torch.arange(m, device=dev), d["count"], output_size=k)
     first = d["first"]
     j = torch.arange(k, device=dev) - first.index_select(0, seg)
+    target = before.index_select(0, seg) + j  # the global index of the element's one bit
+    byte = torch.searchsorted(cs, target, right=True).clamp_(max=ub.numel() - 1)
+    rank_in_byte = (target - (cs - pc).index_select(0, byte)).clamp_(0, 7)
+    u = (byte - ustart.index_select(0, seg)) * 8 + bit_of.index_select(
+        0, ub.index_select(0, byte).long() * 8 + rank_in_byte)
     b = d["b"].index_select(0, seg)
     q = torch.diff(u, prepend=u.new_full((1,), -1)) - 1
     q.index_copy_(0, first, u.index_select(0, first))
@@ -282,7 +261,14 @@ def _positions(buf: torch.Tensor, p: _Phase2, d, unary):
     cr = torch.cumsum(r, 0)
     base = (cr - r).index_select(0, first)
     pos = ((u - j) << b) + (cr - base.index_select(0, seg)) + j
-    return pos, q, r, seg
+    mx = torch.zeros(2, m, dtype=torch.int64, device=dev)
+    mx[0].scatter_reduce_(0, seg, q, "amax", include_self=False)
+    mx[1].scatter_reduce_(0, seg, r, "amax", include_self=False)
+    # within a message that lines up positions increase (each gap is >= 1): the last is the
+    # largest
+    rows = torch.stack([ones, last_zero.long(), rem_bad.long(), mx[0], mx[1],
+                        pos.index_select(0, d["last"])])
+    return rows, pos
 
 
 def decode_messages(buf: torch.Tensor, msgs: Sequence[wire.TensorMessage],
@@ -290,76 +276,62 @@ def decode_messages(buf: torch.Tensor, msgs: Sequence[wire.TensorMessage],
     """Decode ``msgs`` (headers parsed, offsets into ``buf``; ``scales[m]`` the scale of message
     m's values) together: see the module docstring."""
     dev = buf.device
-    n = len(msgs)
-    streams = [i for i, m in enumerate(msgs) if m.count and not m.all_positions]
-    signs = [i for i, m in enumerate(msgs) if m.count and m.has_signs]
-    values = [i for i, m in enumerate(msgs) if m.count and m.has_values]
-    parts, unary = _phase1(buf, msgs, streams, signs, values)
-    row = torch.cat(parts).tolist() if parts else []  # host read 1
-    ns = len(streams)
-    stats = [protocol.StreamStats() for _ in range(n)]
-    for j, i in enumerate(streams):
-        stats[i] = stats[i]._replace(ones=row[j], unary_last_zero=bool(row[ns + j]),
-                                     rem_pad_nonzero=bool(row[2 * ns + j]))
-    at = 3 * ns
-    for j, i in enumerate(signs):
-        stats[i] = stats[i]._replace(sign_pad_nonzero=bool(row[at + j]))
-    at += len(signs)
-    for j, i in enumerate(values):
-        stats[i] = stats[i]._replace(nonfinite=row[at + j])
-    # step 2: the messages whose positions line up (and the ALL messages)
-    decoded = [i for i, m in enumerate(msgs) if m.count and
-               (m.all_positions or stats[i].ones == m.count)]
-    counts = np.array([msgs[i].count for i in decoded], np.int64)
-    start = np.zeros(n + 1, np.int64)
-    np.add.at(start, np.array(decoded, np.int64) + 1, counts)
-    start = np.cumsum(start)
-    k = int(counts.sum())
-    if not decoded:
+    p = _Plan(msgs, scales)
+    stats = [protocol.StreamStats() for _ in msgs]
+    if not p.sent:
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        return Decoded(empty, empty.double(), start, stats)
-    in_streams = [i for i in decoded if not msgs[i].all_positions]
-    reuse = len(in_streams) == len(streams)  # every stream lines up: step 1's bytes serve
-    p2 = _Phase2(msgs, decoded, in_streams, start, scales, reuse)
-    d = p2.send(dev)
-    maxima = None
-    pos = torch.zeros(k, dtype=torch.int64, device=dev) if p2.alls or not in_streams else None
-    if in_streams:
-        ps, q, r, seg = _positions(buf, p2, d, unary if reuse else None)
-        if pos is None:  # every decoded message has streams: in message order already
-            pos = ps
-        else:
-            pos.index_copy_(0, segment_index(d["place"], int(p2.s.count.sum())), ps)
-        mx = torch.zeros(len(in_streams), 2, dtype=torch.int64, device=dev)
-        mx[:, 0].scatter_reduce_(0, seg, q, "amax", include_self=False)
-        mx[:, 1].scatter_reduce_(0, seg, r, "amax", include_self=False)
-        # positions increase within a message (each gap is >= 1): the last is the largest
-        maxima = torch.cat([mx, ps.index_select(0, d["last"])[:, None]], 1)
-    if p2.alls:
-        total = int(sum(msgs[i].count for i in p2.alls))
-        pos.index_copy_(0, segment_index(d["all_place"], total),
-                        segment_index(d["all_pos"], total))
-    value = _values(buf, p2, d, k)
-    if maxima is not None:
-        for i, (mq, mr, pm) in zip(in_streams, maxima.tolist()):  # host read 2
-            stats[i] = stats[i]._replace(max_q=mq, max_r=mr, pos_max=pm)
-    return Decoded(pos, value, start, stats)
+        return Decoded(empty, empty.double(), p.start, stats)
+    d = p.send(dev)
+    parts, pos = [], None
+    if p.streams:
+        rows, pos = _streams(buf, p, d)
+        parts.append(rows.view(-1))
+    if p.alls:
+        every = torch.zeros(p.k, dtype=torch.int64, device=dev)
+        if pos is not None:
+            every.index_copy_(0, segment_index(d["place"], pos.numel()), pos)
+        every.index_copy_(0, segment_index(d["all_place"], p.all_total),
+                          segment_index(d["all_pos"], p.all_total))
+        pos = every
+    if p.signs:
+        parts.append(_last_byte_bad(buf, d["sign_at"], d["sign_mask"]).long())
+    if p.values:
+        raw = buf.index_select(0, segment_index(d["vseg"], 4 * p.v_total)).view(-1, 4).long()
+        exp_bits = ((raw[:, 3] & 0x7F) << 1) | (raw[:, 2] >> 7)  # the float32 exponent
+        owner = torch.repeat_interleave(torch.arange(len(p.values), device=dev), d["vcnt"],
+                                        output_size=p.v_total)
+        parts.append(torch.zeros(len(p.values), dtype=torch.int64, device=dev).index_add_(
+            0, owner, (exp_bits == 0xFF).long()))
+    value = _values(buf, p, d)
+    row = torch.cat(parts).tolist() if parts else []  # the one host read
+    ns = len(p.streams)
+    for j, i in enumerate(p.streams):
+        stats[i] = protocol.StreamStats(row[j], bool(row[ns + j]), row[3 * ns + j],
+                                        row[4 * ns + j], bool(row[2 * ns + j]), row[5 * ns + j])
+    at = 6 * ns
+    for j, i in enumerate(p.signs):
+        stats[i] = stats[i]._replace(sign_pad_nonzero=bool(row[at + j]))
+    at += len(p.signs)
+    for j, i in enumerate(p.values):
+        stats[i] = stats[i]._replace(nonfinite=row[at + j])
+    return Decoded(pos, value, p.start, stats)
 
 
-def _values(buf: torch.Tensor, p: _Phase2, d, k: int) -> torch.Tensor:
-    """Step 3: float64 ``value * scale`` of every decoded element (message order)."""
+def _values(buf: torch.Tensor, p: _Plan, d) -> torch.Tensor:
+    """Step 3: float64 ``value * scale`` of every element (message order)."""
     dev = buf.device
-    seg = torch.repeat_interleave(torch.arange(p.n_decoded, device=dev), d["vcount"],
+    k = p.k
+    seg = torch.repeat_interleave(torch.arange(len(p.sent), device=dev), d["vcount"],
                                   output_size=k)
     value = d["value"].index_select(0, seg)
-    if not (p.has_signs or p.has_values):
+    if not (p.signs or p.values):
         return value
     j = torch.arange(k, device=dev) - d["vstart"].index_select(0, seg)
-    if p.has_signs:  # SIGNS: the bit j of the sign stream negates the value
+    if p.signs:  # SIGNS: the bit j of the sign stream negates the value
         at = (d["s0"].index_select(0, seg) + (j >> 3)).clamp(max=buf.numel() - 1)
         bit = (buf.index_select(0, at).long() >> (7 - (j & 7))) & 1
         value = torch.where((bit == 1) & d["is_signs"].index_select(0, seg), -value, value)
-    if p.has_values:  # VALUES: each element's own float32
+    if p.values:  # VALUES: each element's own float32
         at = (d["v0"].index_select(0, seg) + 4 * j).clamp(max=buf.numel() - 4)
         raw = buf.index_select(0, (at[:, None] + torch.arange(4, device=dev)).view(-1))
         own = raw.view(-1, 4).contiguous().view(torch.float32).view(-1).to(torch.float64)
