@@ -447,15 +447,11 @@ def _exit_on_signal(signum, frame):
 def main(argv=None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
-    if _ARGV[:1] == ["downlink"]:  # issue #6: its own module and options
-        from . import bench_downlink
-        return bench_downlink.main(_ARGV[1:])
-    if _ARGV[:1] == ["gpu-proxy"]:  # its own module and options
-        from . import bench_gpu_proxy
-        return bench_gpu_proxy.main(_ARGV[1:])
-    if _ARGV[:1] == ["fixed"]:  # its own module and options
-        from . import bench_fixed
-        return bench_fixed.main(_ARGV[1:])
+    own = {"downlink": "bench_downlink", "gpu-proxy": "bench_gpu_proxy",
+           "fixed": "bench_fixed", "soak": "bench_soak"}
+    if _ARGV[:1] and _ARGV[0] in own:  # benchmarks with their own module and options
+        import importlib
+        return importlib.import_module(f"benchmarks.{own[_ARGV[0]]}").main(_ARGV[1:])
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():

@@ -28,8 +28,10 @@ gathered from N ranks (its own work is not counted; the collective calls are, as
   ``SBC.compress`` per gradient in the backward pass, then ``decompress`` per gradient in
   ``synchronize()``; Horovod's allgather replaced by the fake;
 * ``ddp``: :func:`horovod_sbc.torch.ddp.sbc_hook` on DDP-style buckets (reverse parameter
-  order, 1 MiB first bucket, then 25 MiB), through the real
-  :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` over a fake all-gather.
+  order, 1 MiB first bucket, then 25 MiB), called for every bucket before the futures are
+  waited for, as DDP does, through the real
+  :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` over a fake all-gather;
+* ``dropin-fixed``, ``stock-fixed``, ``ddp-fixed``: the same with ``SBC(fixed_size=True)``.
 
 Layouts: ResNet-50's 161 parameter tensors and GPT-2 small's 148 (built here from their
 architectures, no torchvision or transformers needed).
@@ -59,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Shape = Tuple[int, ...]
 LAYOUTS = ("resnet50", "gpt2")
-PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed")
+PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-fixed")
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 RANKS = (2, 8)
 
@@ -244,8 +246,8 @@ def counting():
 # fake collectives
 # ------------------------------------------------------------------------------------------------
 class FakeHorovodTransport:
-    """:class:`~horovod_sbc.torch.sync.transport.HorovodTransport`'s interface: rank 0 of ``size``,
-    every rank's message equal to this one's."""
+    """:class:`~horovod_sbc.torch.sync.transport.HorovodTransport`'s interface: rank 0 of
+    ``size``, every rank's message equal to this one's."""
 
     def __init__(self, size: int, counter_ref: Callable[[], Counter]):
         self.size = size
@@ -268,8 +270,9 @@ def fake_gather(counter, step: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def fake_process_group_transport(size: int, counter_ref: Callable[[], Counter]):
-    """A :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` whose all-gather copies this
-    rank's input ``size`` times (its own length exchange and host read run for real)."""
+    """A :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` whose all-gather
+    copies this rank's input ``size`` times (its own length exchange and host read run for
+    real)."""
     from horovod_sbc.torch.sync.transport import ProcessGroupTransport
 
     class _Fake(ProcessGroupTransport):
@@ -415,13 +418,16 @@ def ddp_buckets(named, first_cap: int = 1 << 20, cap: int = 25 << 20) -> List[Li
     return buckets + ([cur] if cur else [])
 
 
-def setup_ddp(shapes, density: float, size: int, noise: Noise):
-    """:func:`sbc_hook` over every bucket of a backward pass (granularity ``"parameter"``)."""
+def setup_ddp(shapes, density: float, size: int, noise: Noise, fixed: bool = False):
+    """:func:`sbc_hook` over every bucket of a backward pass (granularity ``"parameter"``).
+    ``fixed``: ``SBC(fixed_size=True)`` (the transport exchanges no lengths)."""
     from horovod_sbc.torch import SBC
     from horovod_sbc.torch.ddp import SBCState, sbc_hook
     named = _params(shapes)
-    state = SBCState(named, compression=SBC(density=density))
-    state.transport = state.compression.transport = fake_process_group_transport(size, _active)
+    state = SBCState(named, compression=SBC(density=density, fixed_size=fixed))
+    fake = fake_process_group_transport(size, _active)
+    fake.equal_sizes = fixed
+    state.transport = state.compression.transport = fake
     groups = ddp_buckets(named)
     buckets = [FakeBucket(b, [named[i][1] for i in idx], b == len(groups) - 1)
                for b, idx in enumerate(groups)]
@@ -432,15 +438,16 @@ def setup_ddp(shapes, density: float, size: int, noise: Noise):
             b, j = where[i]
             buckets[b].gradients()[j].copy_(g.view_as(named[i][1]))
 
-    def sync_step() -> None:
-        for bucket in buckets:
-            sbc_hook(state, bucket).wait()
+    def sync_step() -> None:  # as DDP does: every bucket's hook, then wait for the futures
+        for fut in [sbc_hook(state, bucket) for bucket in buckets]:
+            fut.wait()
     return perturb, sync_step
 
 
 SETUPS = {"dropin": setup_dropin, "stock": setup_stock, "ddp": setup_ddp,
           "dropin-fixed": functools.partial(setup_dropin, fixed=True),
-          "stock-fixed": functools.partial(setup_stock, fixed=True)}
+          "stock-fixed": functools.partial(setup_stock, fixed=True),
+          "ddp-fixed": functools.partial(setup_ddp, fixed=True)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ CKPT = tempfile.mkdtemp(prefix="sbc-ddp-ckpt-")
 JOBS = {2: SharedJob("ddp_sbc.py", 2, {"train": ["train"], "nan": ["nan"],
                                         "save": ["save", f"ckpt={CKPT}"]},
                      controller="torchrun", timeout=600),
+        # with the C kernels off: the tensor-op backend CUDA tensors take, end to end
         3: SharedJob("ddp_sbc.py", 3, {"train": ["train"]}, controller="torchrun",
-                     timeout=300)}
+                     timeout=300, env={"HOROVOD_SBC_KERNELS": "0"})}
 JOBS["load"] = SharedJob("ddp_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"]}, after=[JOBS[2]],
                          controller="torchrun", timeout=300)
 
@@ -32,6 +33,7 @@ def test_hook_and_averager_train_a_non_iid_task_with_identical_ranks(np_):
     for s in range(steps + 1):
         assert len({h["digests"][s] for h in hook}) == 1, f"ranks differ after step {s}"
     assert len(set(hook[0]["digests"])) == steps + 1  # the weights move at every step
+    assert {h["backend"] for h in hook} == {"tensor ops" if np_ == 3 else "C kernels"}
     # each rank sees only its own classes: only the exchange can teach it the others
     noop = [r["noop"] for r in results]
     assert max(n["accuracy"] for n in noop) < 0.7  # the negative control: no exchange

@@ -15,7 +15,6 @@ from horovod_sbc import reference, kernels, wire
 from horovod_sbc.torch import backend as tb
 from horovod_sbc.torch.backend import (Accumulate, Difference, Targets, backend_for, ckernels,
                                        frame, select)
-from horovod_sbc.torch.sync import transport
 
 import torch_codec
 
@@ -679,10 +678,9 @@ def test_nonfinite_weights_are_reported_before_any_residual_changes():
 
 def _stock_hook_step(monkeypatch, g, other, nonfinite="raise", contiguous=True):
     """One compress()/decompress() of the stock hook as rank 0 of 2 (no Horovod: rank 1's step
-    message is ``other``); returns (the hook, the residual before, the gradient's output)."""
+    message is ``other``); returns (the hook, the residual before, the context, the gradient's
+    output)."""
     from horovod_sbc.torch import SBC
-    monkeypatch.setattr(transport, "allgather_async", lambda step, name: torch.cat([step, other]))
-    monkeypatch.setattr(transport, "synchronize", lambda handle: handle)
     p = torch.nn.Parameter(torch.zeros(g.shape))
     p.grad = g if contiguous else g.t().contiguous().t()  # the same values, transposed strides
     comp = SBC(density=0.01, nonfinite=nonfinite, named_parameters=[("w", p)])
@@ -691,18 +689,19 @@ def _stock_hook_step(monkeypatch, g, other, nonfinite="raise", contiguous=True):
     res.copy_(torch.linspace(-0.5, 0.5, res.numel()))
     before = res.clone()
     dummy, ctx = comp.compress(p.grad)
-    if contiguous:  # used up by the encode's pass
-        assert ctx.consumed and not p.grad.any()
-    else:
-        assert not ctx.consumed
-    return comp, before, ctx, comp.decompress(dummy, ctx)
+    assert torch.equal(res, before)  # compress() only records the gradient
+    out = comp.decompress(dummy, ctx)
+    if contiguous:  # used up by the encode's pass, then the average decoded into its buffer
+        assert out.data_ptr() == p.grad.data_ptr()
+    return comp, before, ctx, out
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_stock_hook_decodes_the_average_into_the_consumed_gradient(monkeypatch, contiguous):
-    """The stock hook adds the gradient to the residual in the selection's pass, which zeroes a
-    contiguous gradient; decompress() then scatters the 2-rank average into that buffer without
-    zeroing it again. Output, residual and statistics are those of the plain encode + decode."""
+    """The stock hook's step exchange adds the gradient to the residual in the selection's
+    pass, which zeroes a contiguous gradient, then scatters the 2-rank average into that buffer
+    without zeroing it again. Output, residual and statistics are those of the plain encode +
+    decode."""
     torch.manual_seed(1)
     g = torch.randn(300, 401)
     other = frame.frame([torch_codec.encode(torch.randn(g.numel()), 0.01)[0]],

@@ -1,7 +1,9 @@
 """The multi-rank jobs of tests/workers/torch_sbc.py that tests/test_torch.py,
 tests/test_reliability.py and tests/test_server.py read: one job per world size and controller
 (and one for the checkpoint loads, in fresh processes after the saves), each running every
-scenario those tests need. A job's start-up (Horovod, torch, the ranks) costs more than most
+scenario those tests need. The 3-rank jobs run with the C kernels off (``KERNELS_OFF``), so the
+stock hook, the drop-in and the server topology also take the tensor-op backend that CUDA
+tensors take, with every assertion of the kernel runs. A job's start-up (Horovod, torch, the ranks) costs more than most
 scenarios, so each test asserts on its scenario's results instead of starting a job of its own.
 """
 import tempfile
@@ -54,9 +56,14 @@ def _scenarios():
     return w
 
 
+#: jobs that run with the C kernels off: the tensor-op backend CUDA tensors take, end to end
+KERNELS_OFF = {(3, "mpi"), (3, "gloo")}
+
+
 def _jobs():
     w = _scenarios()
-    jobs = {k: SharedJob("torch_sbc.py", k[0], sc, controller=k[1], timeout=1200)
+    jobs = {k: SharedJob("torch_sbc.py", k[0], sc, controller=k[1], timeout=1200,
+                         env={"HOROVOD_SBC_KERNELS": "0"} if k in KERNELS_OFF else None)
             for k, sc in w.items()}
     world = f"ckpt={CKPT_DIR[('world',)]}"
     loads = {c: ["load", *ckpt_args(c)] for c in CKPT}

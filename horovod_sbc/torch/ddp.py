@@ -15,14 +15,15 @@ usable with ``PostLocalSGDOptimizer``::
 
 Both are thin adapters: compression, error feedback, the ``nonfinite`` verdicts, the wire format
 and ``stats()`` are those of :class:`horovod_sbc.torch.SBC` (its :meth:`~SBC.exchange`), with a
-:class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` in place of Horovod's allgather: an
-all-gather of the message lengths, then one all-gather of the zero-padded uint8 step messages,
-decoded and averaged on the gradients' device. Nothing is pickled. gloo (CPU) and NCCL (GPU).
+:class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` in place of Horovod's
+allgather: an all-gather of the message lengths, then one all-gather of the zero-padded uint8
+step messages, decoded and averaged on the gradients' device. Nothing is pickled. gloo (CPU) and
+NCCL (GPU).
 
 Granularity of the hook (``granularity=``):
 
-* ``"parameter"`` (default): one step message per DDP bucket holding one tensor message per
-  parameter (named by its parameter name), so each parameter gets its own top-k and its own
+* ``"parameter"`` (default): one step message per optimizer step holding one tensor message
+  per parameter (named by its parameter name), so each parameter gets its own top-k and its own
   mean, exactly like the Horovod path. Residuals are keyed by parameter name, so DDP's bucket
   rebuild after the first iteration does not disturb them and checkpoints do not depend on the
   bucket layout.
@@ -106,11 +107,12 @@ class SBCState:
                 "period=n, ...) with PostLocalSGDOptimizer for communication delay")
         self.granularity = Granularity(granularity)
         self.process_group = process_group
-        self.transport = ProcessGroupTransport(process_group)
+        self.transport = ProcessGroupTransport(process_group,
+                                               equal_sizes=self.compression.config.fixed_size)
         self.compression.transport = self.transport
         self._names: Dict[int, str] = {id(p): n for n, p in named_parameters(model)}
         self._bucket_keys: Dict[int, str] = {}
-        self._skipping = False
+        self._pending: list = []  # this step's buckets, exchanged with the last one
         self.last_step_skipped = False
         self.skipped_steps = 0
         self.iter = 0
@@ -162,14 +164,19 @@ class SBCState:
 
 
 def sbc_hook(state: SBCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: SBC-compress this bucket's gradients (with error feedback),
-    exchange every rank's step message, and return a future holding the average of all ranks'
+    """DDP communication hook: SBC-compress the gradients (with error feedback), exchange every
+    rank's step message, and complete each bucket's future with the average of all ranks'
     decoded gradients (a new flat tensor laid out like ``bucket.buffer()``).
+
+    DDP calls the hook once per bucket during backward and waits for the futures when backward
+    ends. The hook records each bucket and returns its future; the last bucket of the step
+    (``bucket.is_last()``) exchanges every bucket at once (one sync: a constant number of
+    kernels and host reads per step on the tensor-op backend, instead of that per bucket) and
+    completes all the futures.
 
     Register with ``model.register_comm_hook(SBCState(model, ...), sbc_hook)``.
     """
     buf = bucket.buffer()
-    comp = state.compression
     sum_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
     avg = torch.zeros(buf.numel(), dtype=sum_dtype, device=buf.device)
     params = bucket.parameters()
@@ -187,19 +194,34 @@ def sbc_hook(state: SBCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     else:
         key = state._bucket_key(bucket.index(), names)
         items, outs = [Update(key, buf.detach(), (buf.numel(),))], [avg]
-    result = comp.exchange(items, out=outs, tag=f"sbc.ddp.{bucket.index()}", count_sync=False)
-    comp.manager.add(dense_bits=32 * buf.numel())
-    if result is None:  # nonfinite="skip": every rank got the same verdict; avg stays zero
-        state._skipping = True
-    if bucket.is_last():  # DDP's last bucket of this backward pass: the step is complete
-        state.iter += 1
-        state.last_step_skipped, state._skipping = state._skipping, False
-        if state.last_step_skipped:
-            state.skipped_steps += 1
-        comp.manager.add(steps=1, syncs=int(not state.last_step_skipped))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(avg if avg.dtype == buf.dtype else avg.to(buf.dtype))
+    state._pending.append((items, outs, avg, buf, fut))
+    if bucket.is_last():  # DDP's last bucket of this backward pass: the step is complete
+        _exchange_step(state)
     return fut
+
+
+def _exchange_step(state: SBCState) -> None:
+    """One sync of every bucket recorded this step; completes their futures (zeros for a
+    skipped step: every rank got the same verdict)."""
+    pending, state._pending = state._pending, []
+    comp = state.compression
+    items = [u for p in pending for u in p[0]]
+    outs = [o for p in pending for o in p[1]]
+    try:
+        result = comp.exchange(items, out=outs, tag="sbc.ddp", count_sync=False)
+    except BaseException as e:
+        for *_, fut in pending:
+            fut.set_exception(e)
+        raise
+    comp.manager.add(dense_bits=32 * sum(p[3].numel() for p in pending))
+    state.iter += 1
+    state.last_step_skipped = result is None
+    if state.last_step_skipped:
+        state.skipped_steps += 1
+    comp.manager.add(steps=1, syncs=int(not state.last_step_skipped))
+    for _, _, avg, buf, fut in pending:
+        fut.set_result(avg if avg.dtype == buf.dtype else avg.to(buf.dtype))
 
 
 class SBCModelAverager(ModelAverager):
@@ -238,7 +260,8 @@ class SBCModelAverager(ModelAverager):
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.period, self.warmup_steps = period, warmup_steps
         self.compression = _make_compression(compression, density, "SBCModelAverager")
-        self.transport = ProcessGroupTransport(process_group)
+        self.transport = ProcessGroupTransport(process_group,
+                                               equal_sizes=self.compression.config.fixed_size)
         self.compression.transport = self.transport
         self.compression.manager.config.update(delay=period)
         self._named = [(n, p) for n, p in named_parameters(model)

@@ -1,25 +1,23 @@
 """The stock Horovod hook: ``compress()``/``decompress()`` for ``hvd.DistributedOptimizer``.
 
 Stock Horovod allreduces whatever ``compress(tensor)`` returns. SBC messages cannot be summed, so
-``compress()`` starts an asynchronous *allgather* of this gradient's step message and hands Horovod
-a 1-float placeholder to allreduce; ``decompress()`` waits for the allgathers, decodes every rank's
-message and averages (or sums, with ``op=hvd.Sum``). The gradient itself is used up in
-``compress()``: the residual takes ``R + g`` and the gradient is zeroed (a contiguous one; others
-are copied), and the decoded average is written into that buffer, which Horovod then sets as
-``p.grad``. Horovod passes no name: the parameter is found by
+the hook hands Horovod a 1-float placeholder to allreduce and exchanges the real messages by
+allgather itself. Horovod passes no name: the parameter is found by
 :func:`horovod_sbc.torch.owner.identify` (``SBC(named_parameters=...)`` first, then the name
-Horovod's optimizer gives it). One gradient is one sync, so ``delay`` must be 1 here.
+Horovod's optimizer gives it). One optimizer step is one sync, so ``delay`` must be 1 here.
 
-``compress()`` runs inside backward, so it only encodes and enqueues: it decodes nothing. With
-``SBC(fixed_size=True)`` (SBC, the paper's selection, float32) on the tensor-op backend it reads
-nothing on the host either: the message is written into its capacity and the step header's CRC
-computed on the device (:meth:`horovod_sbc.torch.backend.ops.OpsBackend.encode_padded`), and a
-rank whose update is not finite sends its ERROR/SKIP step, chosen by ``torch.where``, instead.
-Horovod calls ``decompress()`` from ``optimizer.synchronize()`` after every ``compress()`` of the
-step: its first call finishes every pending allgather and decodes them together
-(:meth:`~horovod_sbc.torch.backend.base.Backend.decode_many`: a constant number of host reads per
-step on the tensor-op backend), each gradient with its own verdict; each call then reports its
-own gradient's verdict and commits its error feedback.
+``compress()`` runs inside backward: it only records the gradient and returns (no encoding, no
+host read, no collective). Horovod calls ``decompress()`` from ``optimizer.synchronize()``, after
+every ``compress()`` of the step; its first call exchanges the whole step at once, as the
+drop-in's sync does (:func:`horovod_sbc.torch.sync.encode_uplink`): every gradient is added to
+its residual and used up (a contiguous gradient is zeroed; others are copied), all of them are
+encoded together (in a constant number of kernels and host reads on the tensor-op backend), one
+step message of every gradient, in name order, is allgathered, every rank's messages are
+decoded into the gradients' buffers (DGC's momentum masking applied once the step is accepted),
+which Horovod then sets as ``p.grad``, and the error feedback is committed. Each
+``decompress()`` then reports the step's verdict for its gradient. A NaN/Inf in any gradient fails (or, with
+``nonfinite="skip"``, skips) the whole step on every rank; skipped, every rank keeps every
+gradient in its residual.
 """
 from __future__ import annotations
 
@@ -29,10 +27,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import protocol, wire
-from .backend import (Accumulate, DecodeJob, Encoded, NonFiniteError, Targets, frame)
+from .. import wire
+from .backend import Accumulate, Targets, frame
 from .owner import Owner, identify
-from .sync import transport
+from .sync import encode_uplink
 from .sync.state import SyncState
 
 
@@ -40,22 +38,12 @@ from .sync.state import SyncState
 class StockContext:
     """What ``compress()`` hands ``decompress()`` for one gradient."""
     name: str
-    handle: object
-    sent_bytes: int
-    layout: list
-    encoded: Optional[Encoded]                # None: this rank failed to encode
     grad: torch.Tensor
     size: int
     owner: Owner
-    consumed: bool = False                    # the encode zeroed grad (its buffer is all zero)
-    rank: int = 0
-    padding: Optional[int] = None             # zero bytes after this rank's content (None:
-                                              # read from the gathered bytes)
-    own_count: int = 0                        # positions this rank's message carries
-    gathered: Optional[torch.Tensor] = None   # set by the step's decode
     out: Optional[torch.Tensor] = None        # the buffer the average is decoded into
-    decoded: bool = False
-    verdict: Optional[BaseException] = None   # the decode's verdict for this gradient
+    done: bool = False                        # exchanged with the rest of its step
+    verdict: Optional[BaseException] = None   # the step's verdict
 
 
 class StockHook:
@@ -73,8 +61,7 @@ class StockHook:
         self._max_calls = 0               # some tensor is compressed once more than before
         self.momentum_masking = momentum_masking
         self._warned_momentum = False
-        self._pending: List[StockContext] = []  # compressed, not yet decoded
-        self._errors: Dict[tuple, torch.Tensor] = {}  # fixed-size ERROR/SKIP steps
+        self._pending: List[StockContext] = []  # compressed, not yet exchanged
 
     def _check_stock(self) -> None:
         cfg = self.state.config
@@ -93,147 +80,106 @@ class StockHook:
                              "hvd.DistributedOptimizer sends one message per tensor")
 
     def realign_steps(self) -> None:
-        """Count the next ``compress()`` of any tensor as the first of a new step. A step that
-        failed part-way (a peer died inside Horovod's collectives, and elastic Horovod rolled
-        the state back) left some tensors compressed once more than others."""
+        """Count the next ``compress()`` of any tensor as the first of a new step, and forget
+        what was compressed: a step that failed part-way (a peer died inside Horovod's
+        collectives, and elastic Horovod rolled the state back) left some tensors compressed
+        once more than others."""
         self._calls = {name: self._max_calls for name in self._calls}
+        self._pending = []
 
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, StockContext]:
-        """Horovod hook: start the allgather of this gradient's message; returns a 1-element
+        """Horovod hook: record this gradient for the step's exchange; returns a 1-element
         dummy for Horovod's allreduce (the real data travels by allgather) and the context."""
         self._check_stock()
-        cfg = self.state.config
         owner = identify(tensor, self._named)
         warn_momentum(self, owner)
         name = owner.name
         if tensor.is_sparse:
             raise ValueError(f"SBC: gradient of {name!r} is sparse; pass sparse_as_dense=True to "
                              "hvd.DistributedOptimizer")
-        size, rank = self.state.world()
-        layout = [(name, tuple(tensor.shape))]
-        fp = wire.layout_fingerprint(layout)
-        cap = frame.step_capacity(layout, cfg)
-        res = self.state.residual(name, tensor)
-        # A = R + g, in place (in the selection's pass where the backend can); the error
-        # feedback waits for decompress(). A contiguous gradient is used up (zeroed): the
-        # average is then decoded into its buffer with no memset of its own
-        consumed = tensor.is_contiguous()
-        src = Accumulate(res.view(-1), tensor.detach().reshape(-1), consumed)
-        backend = self.state.backend(res.device)
-        padded = None if cap is None else backend.encode_padded(
-            src, cfg.density, cfg.mode, cfg.selection, fp,
-            lambda nbytes: self._error_step(name, fp, rank, nbytes, res.device))
-        padding = None
-        if padded is not None:
-            step, encoded = padded
-        else:
-            step, encoded, padding = self._encode(backend, src, name, fp, rank, cap)
-        handle = transport.allgather_async(step, f"sbc.{name}")
+        size, _ = self.state.world()
         calls = self._calls[name] = self._calls.get(name, 0) + 1
         if calls > self._max_calls:  # the first tensor of a new step (stock path: sync = step)
             self._max_calls = calls
             self.state.manager.add(steps=1, syncs=1)
-        ctx = StockContext(name, handle, step.numel(), layout, encoded, tensor, size, owner,
-                           consumed, rank, padding)
+        ctx = StockContext(name, tensor, size, owner)
         self._pending.append(ctx)
         dummy = tensor.new_zeros(1)
         self.state.manager.add(upstream_bits=8 * dummy.numel() * dummy.element_size(),
                                dense_bits=32 * tensor.numel())
         return dummy, ctx
 
-    def _encode(self, backend, src: Accumulate, name: str, fp: int, rank: int, cap):
-        """The per-tensor encoder and the host's framing: (step, encoding or None when this
-        rank failed, padding bytes of a fixed-size step)."""
-        cfg = self.state.config
-        try:
-            enc = backend.encode_tensor(src, cfg.density, cfg.mode, name, cfg.selection,
-                                        self.state.generator(src.residual.device),
-                                        self.state.position_buffer(name))
-        except NonFiniteError as e:
-            # the failing rank keeps the finite entries of R + g (nothing was sent) and
-            # restarts the non-finite ones at 0, as the drop-in does with its weights
-            skip = cfg.nonfinite == "skip"
-            step = frame.error_frame(str(e), fp, skip, src.residual.device, rank, cap)
-            return step, None, frame.error_padding(str(e), fp, skip, rank, cap)
-        step = frame.frame([enc.message], fp, src.residual.device, cap)
-        return step, enc, step.numel() - wire.STEP_HEADER_SIZE - enc.message.numel()
-
-    def _error_step(self, name: str, fp: int, rank: int, body: int, dev) -> torch.Tensor:
-        """This gradient's padded ERROR/SKIP step (built once). Its reason is short enough for
-        the smallest capacity; receivers name the gradient themselves (decompress())."""
-        skip = self.state.config.nonfinite == "skip"
-        key = (name, fp, rank, body, skip, str(dev))
-        if key not in self._errors:
-            self._errors[key] = frame.error_frame(
-                "NaN or Inf", fp, skip, dev, rank, wire.STEP_HEADER_SIZE + body)
-        return self._errors[key]
-
     def decompress(self, output: torch.Tensor, ctx: StockContext) -> torch.Tensor:
-        """Horovod hook: the first call of a step finishes every pending allgather and decodes
-        them together; each call then reports its own gradient's verdict and commits its error
-        feedback."""
-        if not ctx.decoded:
+        """Horovod hook: the first call of a step exchanges every pending gradient; each call
+        then reports the step's verdict and commits its own gradient's error feedback."""
+        if not ctx.done:
             pending, self._pending = self._pending, []
-            decode_pending(self, pending if ctx in pending else pending + [ctx])
-        self.state.manager.add(upstream_bits=8 * ctx.sent_bytes,
-                               downstream_bits=8 * (ctx.gathered.numel() - ctx.sent_bytes))
+            exchange_step(self, pending if ctx in pending else pending + [ctx])
         try:
             if ctx.verdict is not None:
                 raise ctx.verdict
         except wire.PeerError as e:
             if not e.skip:
-                raise ValueError(f"SBC: {e} (the update of {ctx.name!r})") from None
-            warnings.warn(f"horovod_sbc: skipping this step for {ctx.name!r}: {e}")
+                raise ValueError(f"SBC: {e}") from None
             # healthy ranks keep the gradient in the residual for next time
             return ctx.out.view(-1).zero_().view(ctx.grad.shape)
-        finally:
-            self.state.manager.add(padding_bits=8 * (ctx.padding or 0))
-        ctx.encoded.commit()
-        count = ctx.own_count if ctx.padding is None else ctx.encoded.positions.numel()
-        self.state.manager.add(positions_sent=count, elements_synced=ctx.grad.numel())
         return ctx.out
 
 
-def decode_pending(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
-    """Finish the allgathers of every pending gradient of a step and decode them together
-    (:meth:`~horovod_sbc.torch.backend.base.Backend.decode_many`), each into its gradient's
-    buffer (DGC's momentum masking applied once its step is accepted); sets each context's
-    verdict."""
-    by_backend: Dict[int, Tuple[object, List[StockContext]]] = {}
+def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
+    """One sync of every gradient of a step (see the module docstring); sets each context's
+    verdict, output buffer and error feedback."""
+    state, cfg = hook.state, hook.state.config
+    size, rank = state.world()
+    ctxs = sorted(ctxs, key=lambda c: c.name)  # the same layout on every rank
     for c in ctxs:
-        c.gathered = transport.synchronize(c.handle)
-        grad = c.grad
-        c.out = grad if grad.is_contiguous() else \
-            torch.empty_like(grad, memory_format=torch.contiguous_format)  # channels_last, ...
-        backend = hook.state.backend(c.gathered.device)
-        by_backend.setdefault(id(backend), (backend, []))[1].append(c)
-    for backend, group in by_backend.values():
-        jobs = []
-        for c in group:
-            flat = c.out.view(-1)
-            mask = momentum_buffer(c.owner, flat.numel()) if hook.momentum_masking else None
-            scale = 1.0 if c.owner.op_sum else 1.0 / c.size
-            jobs.append(DecodeJob(c.gathered, c.layout, c.size,
-                                  Targets.replace([flat], zeroed=c.consumed, masks=[mask]), scale))
-        for c, job, err in zip(group, jobs, backend.decode_many(jobs)):
-            c.verdict, c.decoded = err, True
-            if c.padding is None:  # encoded on the device: its size is read from the bytes
-                c.own_count, c.padding = _own_message(job, c.rank)
-
-
-def _own_message(job: DecodeJob, rank: int) -> Tuple[int, int]:
-    """(positions, padding bytes) of this rank's step message in a gradient's gathered
-    bytes, or (0, 0) when it cannot be read (the verdict then explains)."""
-    step = getattr(job, "step", None)
-    if step is not None:
-        msg = step.messages[rank][0]
-        return msg.count, step.steps[rank].end - msg.nbytes
+        c.done = True
+    layout = [(c.name, tuple(c.grad.shape)) for c in ctxs]
+    fp = wire.layout_fingerprint(layout)
+    cap = frame.step_capacity(layout, cfg)
+    dev = ctxs[0].grad.device
+    # A = R + g in the residual; a contiguous gradient is used up (zeroed) by the encode, and
+    # the average is then decoded into its buffer
+    srcs = [Accumulate(state.residual(c.name, c.grad).view(-1), c.grad.detach().reshape(-1),
+                       c.grad.is_contiguous()) for c in ctxs]
+    uplink = encode_uplink(state, ctxs, [c.name for c in ctxs], srcs, srcs.__getitem__, fp,
+                           dev, rank, cap)
+    if uplink.failed:  # nothing of this step is sent: the rest of the gradients waits in the
+        for src in srcs[len(uplink.encoded) + 1:]:  # residuals, as every healthy rank's does
+            src.residual.add_(src.addend)
+            if src.consume:
+                src.addend.zero_()
+    gathered = state.transport.allgather(uplink.step, "sbc.stock")
+    state.manager.add(upstream_bits=8 * uplink.step.numel(),
+                      downstream_bits=8 * (gathered.numel() - uplink.step.numel()))
+    for c in ctxs:
+        c.out = c.grad if c.grad.is_contiguous() else \
+            torch.empty_like(c.grad, memory_format=torch.contiguous_format)  # channels_last
+    masks = [momentum_buffer(c.owner, c.grad.numel()) if hook.momentum_masking else None
+             for c in ctxs]
+    zeroed = all(src.consume for src in srcs) and not uplink.failed
+    targets = Targets.replace([c.out.view(-1) for c in ctxs], zeroed=zeroed, masks=masks)
+    scales = {1.0 if c.owner.op_sum else 1.0 / c.size for c in ctxs}
+    if len(scales) != 1:
+        raise ValueError("SBC: the gradients of one step must all be averaged or all summed "
+                         "(op=hvd.Average or op=hvd.Sum)")
     try:
-        start, end = protocol.split(job.host, job.n_ranks)[rank]
-        msg = wire.parse_tensor_header(job.host, start + wire.STEP_HEADER_SIZE)
-    except (ValueError, AttributeError):
-        return 0, 0
-    return msg.count, end - msg.nbytes
+        state.backend(gathered.device).decode(gathered, layout, size, targets, scales.pop())
+    except wire.PeerError as e:
+        if e.skip:
+            names = ", ".join(repr(c.name) for c in ctxs[:3]) + ("..." if len(ctxs) > 3 else "")
+            warnings.warn(f"horovod_sbc: skipping this step for {names}: {e}")
+        verdict = e
+    except ValueError as e:
+        verdict = e
+    else:
+        verdict = None
+        for _, enc in uplink.encoded:  # error feedback, once every rank's message decoded
+            enc.commit()
+        state.manager.add(positions_sent=uplink.positions_sent(),
+                          elements_synced=sum(c.grad.numel() for c in ctxs))
+    for c in ctxs:
+        c.verdict = verdict
 
 
 def momentum_buffer(owner: Owner, numel: int) -> Optional[torch.Tensor]:

@@ -133,7 +133,8 @@ def run_train():
     out = {}
     model, opt, state = hook_model(granularity=KW.get("granularity", "parameter"))
     out["hook"] = {"digests": run(model, opt, steps), "accuracy": accuracy(model.module),
-                   "stats": state.stats()}
+                   "stats": state.stats(),
+                   "backend": state.compression.state.backend("cpu").name}
     model = DDP(net())
     model.register_comm_hook(None, noop_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

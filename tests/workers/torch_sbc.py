@@ -163,8 +163,9 @@ def run_train():
         losses.append(train_step(model, opt, s))
         digests.append(digest(model))
     st = stats()
+    from horovod_sbc.torch.backend import backend_for
     return {"digests": digests, "losses": losses, "stats": st, "gathered": dict(GATHERED),
-            "sync_every": delay}
+            "sync_every": delay, "backend": backend_for("cpu").name}
 
 
 def run_dense_equiv():

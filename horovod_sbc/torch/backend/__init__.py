@@ -17,14 +17,19 @@ from __future__ import annotations
 import torch
 
 from ... import kernels
-from .base import (Accumulate, Backend, DecodeJob, Difference, Encoded, InPlace,  # noqa: F401
+from .base import (Accumulate, Backend, DecodeJob, Difference, Encoded, InPlace,
                    NonFiniteError, PositionBuffer, Targets, reset_nonfinite_, restore_,
                    scratch)
 from .ckernels import KernelBackend
 from .ops import OpsBackend
 # building blocks for a compressor's ``encode_torch`` (horovod_sbc/compressors/)
-from .select import select_topk, tree_sum  # noqa: F401
-from .streams import empty_positions, encode_positions  # noqa: F401
+from .select import select_topk, tree_sum
+from .streams import empty_positions, encode_positions
+
+__all__ = ["Backend", "OpsBackend", "KernelBackend", "backend_for", "compress_",
+           "InPlace", "Accumulate", "Difference", "Encoded", "Targets", "DecodeJob",
+           "NonFiniteError", "PositionBuffer", "reset_nonfinite_", "restore_", "scratch",
+           "select_topk", "tree_sum", "empty_positions", "encode_positions"]
 
 _OPS = OpsBackend()
 _KERNELS = KernelBackend()

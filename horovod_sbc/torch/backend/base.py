@@ -249,20 +249,12 @@ class Backend(abc.ABC):
         its class says."""
 
     def encode_many(self, sources: Sequence[Source], density: float, mode: str,
-                    selection: str, names: Sequence[str]):
+                    selection: str, names: Sequence[str], layout_crc: Optional[int] = None):
         """Every update of a sync at once, in a number of tensor ops and host reads that does
-        not grow with the number of tensors (:class:`~horovod_sbc.torch.backend.fused.
-        FusedEncoding`), or None when this backend encodes tensor by tensor or these sources do
-        not qualify. Nothing is written when it returns None."""
-        return None
-
-    def encode_padded(self, source: Accumulate, density: float, mode: str, selection: str,
-                      layout_crc: int, error_step: Callable[[int], torch.Tensor]):
-        """One tensor's PADDED step message (``SBC(fixed_size=True)``) built with no host read:
-        ``(step, Encoded)``, the step being ``error_step(body bytes)`` where ``A`` holds
-        NaN/Inf (decided on the device; the residual keeps ``A`` with its non-finite entries
-        at 0) — or None where this backend encodes and frames on the host instead (the caller
-        then uses :meth:`encode_tensor`)."""
+        not grow with the number of tensors, framed by its ``frame(layout_crc, capacity)``
+        (``layout_crc`` given here lets the step header travel with the encoder's own upload),
+        or None when this backend encodes tensor by tensor or these sources do not qualify.
+        Nothing is written when it returns None."""
         return None
 
     def subtract_sent(self, a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:

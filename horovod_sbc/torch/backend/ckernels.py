@@ -31,8 +31,8 @@ import torch
 from ... import kernels, protocol, wire
 from ...reference import choose_side, keep_count
 from . import batch, frame
-from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, Source,
-                   as_source, check_request)
+from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, PositionBuffer,
+                   Source, as_source, check_request)
 from .ops import MessageSet, OpsBackend, accumulate, form, kept_values, one_value, undo
 from .select import Binarized, f32, rice_candidates
 from .streams import encode_positions, stream_sizes
@@ -64,7 +64,7 @@ class _CSelection:
     sums: Tuple[float, float]
     in_dst: Optional[int] = None  # the side the kernel wrote to ``dst`` (then only that one)
 
-    def take(self, side: int, buffer: Optional["PositionBuffer"] = None) -> torch.Tensor:
+    def take(self, side: int, buffer: Optional[PositionBuffer] = None) -> torch.Tensor:
         """Side 0 or 1's ascending positions (int64), copied out of the kernel's scratch (into
         ``buffer`` if given): call before the next selection on this thread."""
         if self.in_dst is not None:
@@ -247,11 +247,8 @@ class KernelBackend(OpsBackend):
             if bz.pos.numel() else encode_positions(bz.pos, n)
         return msg, bz.pos, one_value(-bz.mu if bz.negative else bz.mu, bz.pos.numel(), a)
 
-    def encode_many(self, sources, density, mode, selection, names):
+    def encode_many(self, sources, density, mode, selection, names, layout_crc=None):
         return None  # tensor by tensor: each kernel call already runs at memory speed
-
-    def encode_padded(self, source, density, mode, selection, layout_crc, error_step):
-        return None  # on the CPU the host frames a step at no cost (encode_tensor)
 
     def subtract_sent(self, a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:
         """``a[pos] -= sent``; one value for every position (a stride-0 view) is subtracted by

@@ -5,8 +5,9 @@ the layout fingerprint; a rank that cannot encode sends an ERROR (or SKIP) step 
 other ranks learn of it from the same collective and nobody hangs. A PADDED step (``capacity``:
 ``SBC(fixed_size=True)``) is exactly ``capacity`` bytes, zero padded after the content, so every
 rank's message has the same size every step. Compressed messages are kilobytes: the header is
-computed from the body's bytes on the host here (the fused device path computes a PADDED step's
-CRC on the device instead: :func:`horovod_sbc.torch.backend.fused.frame_fixed`).
+computed from the body's bytes on the host here, for tensor messages encoded one by one (the
+tensor-op backend's encoding of a whole sync computes the CRC on the device instead, with no
+host read: :func:`horovod_sbc.torch.backend.fused.frame_device`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ def frame_body(body: torch.Tensor, n_tensors: int, layout_crc: int,
     head = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, wire.STEP_FLAG_PADDED, 0,
                                  len(host) + pad, layout_crc, n_tensors, crc)
     return torch.cat([device_bytes(head, body.device), body, body.new_zeros(pad)])
+
+
+def step_header_bytes(body_len: int, layout_crc: int, n_tensors: int) -> bytes:
+    """The 24-byte header of a TENSORS step of a ``body_len``-byte body, its CRC field zero
+    (for a CRC computed later, on the device)."""
+    return wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, 0, 0, body_len, layout_crc,
+                                 n_tensors, 0)
 
 
 def error_frame(reason: str, layout_crc: int, skip: bool, device, origin: int,

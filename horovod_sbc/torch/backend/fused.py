@@ -39,7 +39,6 @@ called once the exchange succeeded.
 from __future__ import annotations
 
 import functools
-import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -108,6 +107,7 @@ class FusedEncoding:
     counts: List[int]
     means: List[float]
     negative: List[bool]
+    step: Optional[torch.Tensor] = None   # the header bytes given, then ``body``, contiguous
 
     def message(self, i: int) -> torch.Tensor:
         lo, hi = self.bounds[i]
@@ -359,18 +359,21 @@ def _plan_values(c_host, tables, lay: Layout) -> _Plan:
     return p
 
 
-def _upload(p: _Plan, dev) -> Tuple[torch.Tensor, torch.Tensor]:
+def _upload(p: _Plan, dev, head: bytes = b"") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One host-to-device copy: (the int64 plan: group flags, then per tensor b, unary and
     remainder bit offsets, first index, streams flag, values offset, and the signed value as
-    float64; the body template with 8 spare zero bytes for the remainder window)."""
+    float64; the body template with 8 spare zero bytes for the remainder window; ``head`` and
+    the body after it, contiguous)."""
     m = len(p.b)
     ints = p.group_flag + p.b + p.unary_bit + p.rem_bit + p.start + p.streams + p.value_byte
-    raw = struct.pack(f"<{len(ints)}q{m}d", *ints, *p.signed) + bytes(p.template) + bytes(8)
+    raw = struct.pack(f"<{len(ints)}q{m}d", *ints, *p.signed) + head + bytes(p.template) + \
+        bytes(8)
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     if buf.device != torch.device(dev):
         buf = buf.to(dev)
-    n_ints = len(ints) + m
-    return buf[:8 * n_ints].view(torch.int64), buf[8 * n_ints:]
+    at = 8 * (len(ints) + m)
+    whole = buf[at:at + len(head) + len(p.template)]
+    return buf[:at].view(torch.int64), buf[at + len(head):], whole
 
 
 def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, gaps,
@@ -407,14 +410,17 @@ def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, ga
 
 
 def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
-                 names: Optional[Sequence[str]] = None, mode: str = "sbc") -> FusedEncoding:
+                 names: Optional[Sequence[str]] = None, mode: str = "sbc",
+                 step_header=None) -> FusedEncoding:
     """Messages of every tensor of ``flat`` (float32, contiguous; tensor ``i`` the
     ``numels[i]`` elements after the previous ones), byte for byte those of
     :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>` per tensor: ``mode="sbc"`` (selection
     ``"paper"``) or ``"values"`` (top-k by magnitude with float32 values). ``flat`` is not
     changed; :meth:`FusedEncoding.commit` applies the error feedback. Raises
     :class:`~horovod_sbc.torch.backend.base.NonFiniteError` naming the first tensor with NaN/Inf
-    (``names``, else its index). Two host reads and one upload, whatever the number of
+    (``names``, else its index). ``step_header(body bytes)``, if given, returns the bytes to
+    put right before the body in the same upload (a step header; see
+    :attr:`FusedEncoding.step`). Two host reads and one upload, whatever the number of
     tensors."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("encode_fused needs a contiguous 1-D float32 buffer, got "
@@ -437,7 +443,8 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
     else:
         _, tables, gaps = _stats(None, pos, gsel, c, c_host, lay, 1)
         p = _plan_values(c_host, tables, lay)
-    plan_dev, body = _upload(p, flat.device)
+    head = b"" if step_header is None else step_header(len(p.template))
+    plan_dev, body, whole = _upload(p, flat.device, head)
     wpos, t, j = _streams(body, plan_dev, p, pos, gsel, gaps, sides)
     m, g0 = len(lay.numels), len(p.group_flag)  # the plan's rows: see _upload
     if sides == 2:
@@ -450,7 +457,7 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
         body.index_copy_(0, dest, sent.contiguous().view(torch.uint8))
     size = len(p.template)
     return FusedEncoding(flat, body[:size], p.bounds, wpos, sent, p.counts, p.means,
-                         p.negative)
+                         p.negative, whole if head else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,157 +544,25 @@ def _zero_crc(n: int) -> int:
     return zlib.crc32(bytes(n)) & 0xFFFFFFFF
 
 
-@dataclass
-class FixedPlan:
-    """Host facts of one tensor's fixed-size SBC message (built once per element count and
-    density; see :func:`fixed_plan`): its capacity, the bytes of its ``numel`` varint and the
-    Rice thresholds of :func:`horovod_sbc.wire.rice_table` on the device."""
-    numel: int
-    k: int
-    capacity: int               # of the tensor message
-    numel_varint: torch.Tensor  # uint8
-    thresholds: torch.Tensor    # int64: b*(count) = b1 - #{thresholds <= count}
-    b1: int
-    window: int                 # bytes a remainder field and its bit offset can span
-    consts: Dict[str, torch.Tensor]  # small constants on the device (uploaded once)
-
-
-_FIXED: Dict[tuple, FixedPlan] = {}
-
-
-def fixed_plan(numel: int, density: float, dev) -> FixedPlan:
-    key = (int(numel), float(density), str(dev))
-    plan = _FIXED.get(key)
-    if plan is None:
-        k = keep_count(numel, density)
-        b1, ts = wire.rice_table(numel)
-        varint = torch.frombuffer(bytearray(wire.uvarint(numel)), dtype=torch.uint8).to(dev)
-        window = (7 + min(wire.MAX_RICE_B, b1 + 1) + 7) // 8
-        ln = len(wire.uvarint(numel))
-        consts = {"sign": torch.tensor([[1.0], [-1.0]], dtype=torch.float64, device=dev),
-                  "sign32": torch.tensor([[1.0], [-1.0]], device=dev),
-                  "magic": torch.tensor([0x53, 0x42, wire.VERSION], dtype=torch.uint8,
-                                        device=dev),
-                  "k": torch.arange(k, device=dev), "nine": torch.arange(9, device=dev),
-                  "four": torch.arange(4, device=dev), "three": torch.arange(-1, 2, device=dev),
-                  "span": torch.arange(window, device=dev),
-                  "prefix": torch.arange(5 + ln, device=dev),
-                  "byte_shift": 8 * torch.arange(4, device=dev),
-                  "minus1": torch.full((1,), -1, dtype=torch.int64, device=dev)}
-        plan = _FIXED[key] = FixedPlan(
-            numel, k, wire.tensor_capacity(numel, k), varint,
-            torch.tensor(ts, dtype=torch.int64, device=dev), b1, window, consts)
-    return plan
-
-
-def fixed_eligible(a: torch.Tensor) -> bool:
-    """Tensors :func:`encode_fixed` takes: non-empty contiguous 1-D float32 of fewer than 2**31
-    elements (positions and ranks share one int64 sort key)."""
-    return a.dtype == torch.float32 and a.dim() == 1 and a.is_contiguous() and \
-        0 < a.numel() < 1 << 31
-
-
-def _varint_bytes(v: torch.Tensor, nine: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 [len(v), 9]: the minimal LEB128 of each int64 of ``v``, zero after its end; the
-    lengths in bytes). ``nine``: ``arange(9)`` on the device."""
-    groups = v[:, None] >> (7 * nine)
-    length = 1 + (groups[:, 1:] > 0).sum(1)
-    more = nine < (length - 1)[:, None]
-    return ((groups & 127) | (more.long() << 7)).to(torch.uint8), length
-
-
-def _sides_fixed(a: torch.Tensor, k: int, cst: Dict[str, torch.Tensor]):
-    """Per side (positive, negative): the c = min(k, #side) largest magnitudes' positions
-    sorted, padded with ``numel`` to k, and the side's float32 mean (only meaningful when
-    c > 0), as :func:`horovod_sbc.reference.select_sides_np` and ``mean_f32`` define them
-    (ties to the lower position: keys ``magnitude << 32 - position``; the tree sum padded to
-    a larger power of two adds exact zeros)."""
-    n = a.numel()
-    mag = a.view(torch.int32).long() & 0x7FFFFFFF
-    key = (mag << 32) - torch.arange(n, device=a.device)
-    keys = torch.where(a * cst["sign32"] > 0, key, -1)  # [2, n]: a > 0, -a > 0
-    top = torch.topk(keys, k, dim=1, sorted=False).values
-    pos = torch.sort(torch.where(top >= 0, (-top) & 0xFFFFFFFF, n), dim=1).values
-    ok = pos < n
-    c = ok.sum(1)
-    # unsent slots: some entry times 0 (an exact zero of either sign, which the sums ignore)
-    x = a.gather(0, pos.clamp(max=n - 1).view(-1)).view(2, k).double() * (ok * cst["sign"])
-    w = 1 << (k - 1).bit_length()
-    x = torch.nn.functional.pad(x, (0, w - k))
-    while w > 1:
-        w //= 2
-        x = x.view(2, 2, w).sum(1)  # x[:, j] + x[:, j + w]: one rounding, as the reference
-    return pos, c, (x[:, 0] / c.clamp(min=1)).float()
-
-
-def encode_fixed(a: torch.Tensor, plan: FixedPlan):
-    """One SBC tensor message (mode ``"sbc"``, selection ``"paper"``) of flat float32 ``a``,
-    byte for byte :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>`'s, written into
-    ``plan.capacity + 1`` zero bytes (the body of a one-tensor PADDED step, whose padding is
-    never empty) with tensor ops only: no host read, whatever the data.
-    Returns (body uint8 [capacity + 1], positions int64 [k], values [k], not finite 0-d bool):
-    error feedback is ``a.index_add_(0, positions, values, alpha=-1)`` (the unsent slots
-    point at 0 with value 0, which adds -0.0: nothing). With NaN/Inf the message is garbage
-    and the caller sends an ERROR/SKIP step instead. Bytes whose value is 0 (unsent slots,
-    varint bytes past their length) are added at offset 0, which changes nothing."""
-    k, cst = plan.k, plan.consts
-    bad = ((a.view(torch.int32) & 0x7F800000) == 0x7F800000).any()
-    pos, c, mu = _sides_fixed(a, k, cst)
-    pos_wins = (mu[0] >= mu[1]) & (mu[0] > 0)
-    neg_wins = ~pos_wins & (mu[1] > 0)
-    sent = pos_wins | neg_wins
-    s = neg_wins.long().view(1)
-    count = c.gather(0, s)[0] * sent
-    value = torch.where(sent, mu.gather(0, s)[0], 0.0)
-    p = pos.index_select(0, s).view(k)
-    m = cst["k"] < count
-    gap = (torch.diff(p, prepend=cst["minus1"]) - 1) * m
-    # the Rice parameter: wire.choose_rice_b among b* - 1 .. b* + 1 (clamped into 0..62: a
-    # clamped candidate repeats its neighbour, and argmin keeps the first of equal costs)
-    cb = (plan.b1 - (plan.thresholds <= count).sum() + cst["three"]).clamp(0, wire.MAX_RICE_B)
-    sq = (gap[None, :] >> cb[:, None]).sum(1)
-    j = torch.argmin((sq + count + 7) // 8 + (count * cb + 7) // 8).view(1)
-    b = cb.gather(0, j)[0] * (count > 0)
-    unary = (sq.gather(0, j)[0] + count + 7) // 8
-    # header: "SB" 1 flags b | numel | count | unary_nbytes | value
-    nine, ln = cst["nine"], plan.numel_varint.numel()
-    var, lens = _varint_bytes(torch.stack([count, unary]), nine)
-    at_u = 5 + ln + lens[0]
-    h_end = at_u + lens[1] + 4
-    vbytes = (((value.view(1).view(torch.int32).long() & 0xFFFFFFFF) >> cst["byte_shift"])
-              & 255).to(torch.uint8)
-    head = torch.cat([cst["magic"], neg_wins.view(1).to(torch.uint8), b.view(1).to(torch.uint8),
-                      plan.numel_varint, var.view(-1), vbytes])
-    dest = torch.cat([cst["prefix"], ((5 + ln + nine) * (nine < lens[0])),
-                      (at_u + nine) * (nine < lens[1]), h_end - 4 + cst["four"]])
-    buf = torch.zeros(plan.capacity + 8, dtype=torch.uint8, device=a.device)
-    buf.index_add_(0, dest, head)
-    # unary stream: one bit at each cumulative sum of q + 1; remainders by a 64-bit window
-    bit = 8 * h_end + torch.cumsum(((gap >> b) + 1) * m, 0) - 1
-    buf.index_add_(0, (bit >> 3) * m, ((128 >> (bit & 7)) * m).to(torch.uint8))
-    off = 8 * (h_end + unary) + cst["k"] * b
-    word = (gap & ((1 << b) - 1)) << (64 - b - (off & 7)).clamp(max=63)
-    span = cst["span"]
-    buf.index_add_(0, (((off >> 3)[:, None] + span) * m[:, None]).view(-1),
-                   ((word[:, None] >> (56 - 8 * span)) & 255).to(torch.uint8).view(-1))
-    signed = torch.where(neg_wins, -value, value)
-    return buf[:plan.capacity + 1], p * m, torch.where(m, signed, 0.0), bad
-
-
 _HEADS: Dict[tuple, torch.Tensor] = {}
 
 
-def frame_fixed(body: torch.Tensor, layout_crc: int, n_tensors: int,
-                origin: int = 0, flags: int = 0) -> torch.Tensor:
-    """A PADDED step message around ``body`` (uint8 on its device, content and padding): the
-    first 20 header bytes are uploaded once per (length, layout, device), the CRC is
-    :func:`crc32_device`; no host read."""
+def frame_device(body: torch.Tensor, layout_crc: int, n_tensors: int, padded: bool = False,
+                 origin: int = 0, flags: int = 0) -> torch.Tensor:
+    """The step message around ``body`` (uint8 on its device; ``padded``: content and zero
+    padding, flag PADDED) with no host read: the first 20 header bytes are uploaded once per
+    (length, layout, device), the CRC is :func:`crc32_device`."""
+    flags |= wire.STEP_FLAG_PADDED if padded else 0
     key = (body.numel(), layout_crc, n_tensors, origin, flags, str(body.device))
     head = _HEADS.get(key)
     if head is None:
-        raw = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags | wire.STEP_FLAG_PADDED,
-                                    origin, body.numel(), layout_crc, n_tensors, 0)[:20]
+        raw = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags, origin, body.numel(),
+                                    layout_crc, n_tensors, 0)[:20]
         head = _HEADS[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(body.device)
+    return torch.cat([head, crc_bytes(body), body])
+
+
+def crc_bytes(body: torch.Tensor) -> torch.Tensor:
+    """The 4 little-endian bytes of :func:`crc32_device` of ``body`` (uint8, on its device)."""
     crc = crc32_device(body)
-    crc_bytes = ((crc >> (8 * torch.arange(4, device=body.device))) & 255).to(torch.uint8)
-    return torch.cat([head, crc_bytes, body])
+    return ((crc >> (8 * torch.arange(4, device=body.device))) & 255).to(torch.uint8)

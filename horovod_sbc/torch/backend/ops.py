@@ -33,8 +33,7 @@ from . import batch, frame
 from .base import (Accumulate, Backend, DecodeJob, Difference, Encoded, InPlace,
                    NonFiniteError, Source, as_source, check_request, reset_nonfinite_,
                    restore_, scratch)
-from .fused import (FusedEncoding, encode_fixed, encode_fused, fixed_eligible, fixed_plan,
-                    frame_fixed)
+from .fused import FusedEncoding, crc_bytes, encode_fused, frame_device
 from .select import binarize_sides, select_sides, select_topk
 from .streams import empty_positions, encode_positions
 
@@ -123,7 +122,8 @@ class OpsBackend(Backend):
         return msg, bz.pos, one_value(-bz.mu if bz.negative else bz.mu, bz.pos.numel(), a)
 
     def encode_many(self, sources: Sequence[Source], density: float, mode: str,
-                    selection: str, names: Sequence[str]) -> Optional["FusedSync"]:
+                    selection: str, names: Sequence[str],
+                    layout_crc: Optional[int] = None) -> Optional["FusedSync"]:
         srcs = [as_source(s) for s in sources]
         if not _fusable(srcs, mode, selection):
             return None
@@ -133,32 +133,19 @@ class OpsBackend(Backend):
         else:
             targets = [s.residual for s in srcs]
             flat = torch.cat(targets) + torch.cat([s.addend for s in srcs])
+        head = None if layout_crc is None else (  # the step header, uploaded with the plan
+            lambda size: frame.step_header_bytes(size, layout_crc, len(srcs)))
         try:
-            enc = encode_fused(flat, [t.numel() for t in targets], density, list(names))
+            enc = encode_fused(flat, [t.numel() for t in targets], density, list(names),
+                               step_header=head)
         except NonFiniteError:
             return None
         if isinstance(srcs[0], Accumulate):  # R + dW becomes the residual, as R += dW would
             torch._foreach_copy_(targets, list(torch.split(flat, [t.numel() for t in targets])))
+            used = [s.addend for s in srcs if s.consume]
+            if used:
+                torch._foreach_zero_(used)
         return FusedSync(enc, targets)
-
-    def encode_padded(self, source: Accumulate, density: float, mode: str, selection: str,
-                      layout_crc: int, error_step):
-        """SBC with the paper's selection on a float32 residual: the message written into its
-        capacity by :func:`~horovod_sbc.torch.backend.fused.encode_fixed` and framed with the
-        CRC computed on the device (:func:`~horovod_sbc.torch.backend.fused.frame_fixed`); the
-        ERROR/SKIP step is chosen by ``torch.where``. The unsent slots of the error feedback
-        point at 0 with value 0 (adding -0.0 changes nothing)."""
-        res = source.residual
-        if mode != "sbc" or selection != "paper" or not fixed_eligible(res):
-            return None
-        res.add_(source.addend)
-        if source.consume:
-            source.addend.zero_()
-        plan = fixed_plan(res.numel(), density, res.device)
-        body, pos, sent, bad = encode_fixed(res, plan)
-        step = torch.where(bad, error_step(body.numel()), frame_fixed(body, layout_crc, 1))
-        res.nan_to_num_(0.0, 0.0, 0.0)
-        return step, Encoded(body, pos, sent, res, self.subtract_sent)
 
     # -- decode -------------------------------------------------------------------------------
     def decode_many(self, jobs: Sequence[DecodeJob]) -> List[Optional[BaseException]]:
@@ -192,15 +179,15 @@ class OpsBackend(Backend):
 def _fusable(srcs, mode: str, selection: str) -> bool:
     """Sources the fused encoder takes: SBC with the paper's selection, float32 on one device,
     every update a :class:`Difference` (float32 weights and reference) or every one an
-    :class:`Accumulate` of a float32 addend into a float32 residual of its size."""
+    :class:`Accumulate` of a float32 addend into a float32 residual of its size (consumed
+    addends are zeroed once the encode succeeded)."""
     if not srcs or mode != "sbc" or selection != "paper":
         return False
     kind = type(srcs[0])
     if kind is Difference:
         pairs = [(s.weights, s.reference) for s in srcs if isinstance(s, Difference)]
     elif kind is Accumulate:
-        pairs = [(s.residual, s.addend) for s in srcs
-                 if isinstance(s, Accumulate) and not s.consume]
+        pairs = [(s.residual, s.addend) for s in srcs if isinstance(s, Accumulate)]
     else:
         return False
     if len(pairs) != len(srcs):
@@ -226,17 +213,20 @@ class FusedSync:
         return self.encoding.body.numel()
 
     def frame(self, layout_crc: int, capacity: Optional[int] = None) -> torch.Tensor:
-        """The step message: one host read of the body for its CRC and one upload of the
-        header; with ``capacity`` a PADDED one whose CRC is computed on the device (no host
-        read)."""
+        """The step message, its CRC computed on the device (no host read); with
+        ``capacity`` a PADDED one of exactly that many bytes."""
         body, n = self.encoding.body, len(self.targets)
         if capacity is None:
-            return frame.frame_body(body, n, layout_crc)
+            step = self.encoding.step
+            if step is None:
+                return frame_device(body, layout_crc, n)
+            step[20:24] = crc_bytes(body)  # its header came with the encoder's upload
+            return step
         pad = capacity - wire.STEP_HEADER_SIZE - body.numel()
         if pad < 1:
             raise AssertionError(f"horovod_sbc: a step body of {body.numel()} bytes exceeds "
                                  f"its capacity of {capacity - wire.STEP_HEADER_SIZE}")
-        return frame_fixed(torch.cat([body, body.new_zeros(pad)]), layout_crc, n)
+        return frame_device(torch.cat([body, body.new_zeros(pad)]), layout_crc, n, padded=True)
 
     def commit(self) -> None:
         """What was sent leaves the targets: ``t[pos] -= mu`` (``t - 0`` elsewhere, exact)."""

@@ -78,7 +78,6 @@ def _candidates(a: torch.Tensor, k: int, paper: bool, name: str) -> Optional[Lis
     without another pass over the tensor. Raises :class:`NonFiniteError` on NaN/Inf.
     """
     n = a.numel()
-    dev = a.device
     frac = (2.6 if paper else 1.3) * k / n
     if n <= _EXACT_BELOW or frac > 0.3:
         return None

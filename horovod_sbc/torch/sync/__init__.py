@@ -167,13 +167,42 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
 class Uplink:
     """This rank's part of a sync: its step message, and the encodings to commit once every
     rank's message decoded (``(update, encoding)``: one per update, or one for the whole sync
-    when the backend encoded it at once); ``failed``: this rank sent ERROR/SKIP."""
+    when the backend encoded it at once); ``failed``: this rank sent ERROR/SKIP, after
+    encoding the first ``len(encoded)`` updates."""
     step: torch.Tensor
-    encoded: List[Tuple[Optional[Update], object]]
+    encoded: List[Tuple[object, object]]
     failed: bool = False
 
     def positions_sent(self) -> int:
         return sum(enc.positions.numel() for _, enc in self.encoded)
+
+
+def encode_uplink(state: SyncState, keys: Sequence, names: Sequence[str], whole, source_of,
+                  fp: int, dev, rank: int, cap: Optional[int]) -> Uplink:
+    """Every tensor of a sync encoded by the state's backend: all at once from ``whole`` (a
+    list of sources, or None) where the backend can, else one by one (``source_of(i)`` builds
+    tensor i's source when its turn comes); a NaN/Inf gives the ERROR/SKIP step naming the
+    tensor instead. ``keys[i]`` is what :attr:`Uplink.encoded` pairs each encoding with."""
+    cfg = state.config
+    backend = state.backend(dev)
+    fused = backend.encode_many(whole, cfg.density, cfg.mode, cfg.selection, list(names),
+                                fp if cap is None else None) if whole else None
+    if fused is not None:
+        _count_padding(state, cap, fused.body_bytes)
+        return Uplink(fused.frame(fp, cap), [(None, fused)])
+    encoded = []
+    for i, (key, name) in enumerate(zip(keys, names)):
+        try:
+            enc = backend.encode_tensor(source_of(i), cfg.density, cfg.mode, name,
+                                        cfg.selection, state.generator(dev),
+                                        state.position_buffer(name))
+        except NonFiniteError as e:
+            skip = cfg.nonfinite == "skip"
+            return Uplink(_error_frame(state, str(e), fp, skip, dev, rank, cap), encoded, True)
+        encoded.append((key, enc))
+    msgs = [enc.message for _, enc in encoded]
+    _count_padding(state, cap, sum(m.numel() for m in msgs))
+    return Uplink(frame.frame(msgs, fp, dev, cap), encoded)
 
 
 def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int,
@@ -191,22 +220,9 @@ def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int
     if bad is not None:
         reason = f"the update of {bad.name!r} contains NaN or Inf"
         return Uplink(_error_frame(state, reason, fp, skip, dev, rank, cap), [], True)
-    backend = state.backend(dev)
-    srcs = _whole_sync_sources(state, updates)
-    fused = backend.encode_many(srcs, cfg.density, cfg.mode, cfg.selection,
-                                [u.name for u in updates]) if srcs else None
-    if fused is not None:
-        _count_padding(state, cap, fused.body_bytes)
-        return Uplink(fused.frame(fp, cap), [(None, fused)])
-    encoded = []
-    for u in updates:
-        try:
-            encoded.append((u, _encode(state, backend, u)))
-        except NonFiniteError as e:
-            return Uplink(_error_frame(state, str(e), fp, skip, dev, rank, cap), encoded, True)
-    msgs = [enc.message for _, enc in encoded]
-    _count_padding(state, cap, sum(m.numel() for m in msgs))
-    return Uplink(frame.frame(msgs, fp, dev, cap), encoded)
+    return encode_uplink(state, updates, [u.name for u in updates],
+                         _whole_sync_sources(state, updates),
+                         lambda i: _source(state, updates[i]), fp, dev, rank, cap)
 
 
 def _whole_sync_sources(state: SyncState, updates: Sequence[Update]):
@@ -223,21 +239,17 @@ def _whole_sync_sources(state: SyncState, updates: Sequence[Update]):
     return None
 
 
-def _encode(state: SyncState, backend, u: Update):
-    """Encode one update; error feedback is committed later. Kept in the weights: ``A = W -
-    W_ref`` is selected without being stored. Otherwise ``A = R + dW`` in place in the residual
-    (in the selection's pass), put back before a ``NonFiniteError`` propagates."""
-    cfg = state.config
+def _source(state: SyncState, u: Update):
+    """Where one update lives: kept in the weights, ``A = W - W_ref`` (selected without being
+    stored); otherwise ``A = R + dW`` in place in the residual (in the selection's pass), put
+    back before a ``NonFiniteError`` propagates."""
     if u.in_weights:
-        src = Difference(u.weights_flat(), u.base.reshape(-1))
-    else:
-        res = state.residual(u.name, u.value)
-        if res.numel() != u.value.numel():
-            raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
-                             f"has {res.numel()}; did the model change shape?")
-        src = Accumulate(res, u.flat(res.dtype))
-    return backend.encode_tensor(src, cfg.density, cfg.mode, u.name, cfg.selection,
-                                 state.generator(u.value.device), state.position_buffer(u.name))
+        return Difference(u.weights_flat(), u.base.reshape(-1))
+    res = state.residual(u.name, u.value)
+    if res.numel() != u.value.numel():
+        raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
+                         f"has {res.numel()}; did the model change shape?")
+    return Accumulate(res, u.flat(res.dtype))
 
 
 def _count_padding(state: SyncState, cap: Optional[int], body: int) -> None:
