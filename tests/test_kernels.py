@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -459,19 +460,26 @@ def test_kernels_can_be_switched_off_by_environment():
     assert res.stdout.strip() == "True", res.stderr
 
 
-def test_build_ahead_of_time_command(tmp_path):
-    """``python -m horovod_sbc.kernels`` (what scripts/install.sh runs) builds and prints the
-    library's path, and, when TensorFlow is importable, the TensorFlow op library's."""
+def test_build_ahead_of_time_command():
+    """``python -m horovod_sbc.kernels`` (what scripts/install.sh runs, into this cache: it
+    built both libraries from their sources on this machine) prints the library's path, and,
+    when TensorFlow is importable, the TensorFlow op library's, both present; run again it
+    rebuilds nothing that is there (each build writes its file afresh, so the modification
+    times show it)."""
     import importlib.util
+    cache = kernels.cache_dir()
+    before = {p: p.stat().st_mtime_ns for p in cache.glob("*") if p.is_file()}
     res = subprocess.run([sys.executable, "-m", "horovod_sbc.kernels"], capture_output=True,
-                         text=True, timeout=300,
-                         env={**os.environ, "HOROVOD_SBC_KERNELS_DIR": str(tmp_path)})
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     paths = res.stdout.split()
     want = ["sbc_kernels-"] + (["sbc_tf_ops-"] if importlib.util.find_spec("tensorflow") else [])
     assert len(paths) == len(want), paths
     for path, stem in zip(paths, want):
-        assert path.startswith(str(tmp_path / stem)) and os.path.exists(path), path
+        assert path.startswith(str(cache / stem)) and os.path.exists(path), path
+        p = Path(path)
+        if p in before:
+            assert p.stat().st_mtime_ns == before[p], f"{path} was rebuilt"
 
 
 def test_momentum_masking_at_decoded_positions_matches_masked_fill():

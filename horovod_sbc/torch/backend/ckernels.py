@@ -30,10 +30,10 @@ import torch
 
 from ... import kernels, protocol, wire
 from ...reference import choose_side, keep_count
-from . import batch, frame
+from . import frame
 from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, PositionBuffer,
                    Source, as_source, check_request)
-from .ops import MessageSet, OpsBackend, accumulate, form, kept_values, one_value, undo
+from .ops import OpsBackend, form, kept_values, one_value, undo
 from .select import Binarized, f32, rice_candidates
 from .streams import encode_positions, stream_sizes
 
@@ -273,7 +273,13 @@ class KernelBackend(OpsBackend):
             job.host = memoryview(frame.host_bytes(job.gathered))
             try:
                 job.step = protocol.parse_gathered(job.host, job.layout, job.n_ranks)
-                self._decode_parsed(job)
+                if any(m.count and not m.all_positions and not _streamed(m)
+                       for _, _, m, _ in job.step.flat()):  # beyond the kernels' 32 bits
+                    err = super().decode_many([job])[0]
+                    if err is not None:
+                        raise err
+                else:
+                    self._decode_parsed(job)
             except ValueError as e:  # PeerError too
                 errors.append(e)
             else:
@@ -281,8 +287,11 @@ class KernelBackend(OpsBackend):
         return errors
 
     def _decode_parsed(self, job: DecodeJob) -> None:
-        """One parsed job: kernel statistics for the tensors the kernels take, the tensor-op
-        decoder for the others, the verdict, then the additions (raises the verdict)."""
+        """One parsed job: every message's position streams decoded by one kernel call (with
+        their statistics), SIGNS and VALUES read from the step's bytes on the host, the
+        verdict, then the additions (raises the verdict). A tensor whose messages are all
+        binary, with outputs the kernels take, is added by one scatter call for all such
+        tensors; any other tensor message by message, in rank order."""
         lib = kernels.lib()
         flat = job.step.flat()
         t = job.targets
@@ -292,31 +301,75 @@ class KernelBackend(OpsBackend):
             if msg.count:
                 per_tensor.setdefault(i, []).append(k)
         outs2 = t.also if t.also is not None else (None,) * n_t
-        in_kernel = {i for i, ks in per_tensor.items()
-                     if all(_kernel_message(flat[k][2]) for k in ks)
-                     and _kernel_output(t.outs[i]) and _kernel_output(outs2[i])}
-        ks = _KernelStreams(lib, job.gathered, flat, in_kernel)
-        rest = set(range(n_t)) - in_kernel
-        merged = [ks.stats.get(k, protocol.StreamStats()) for k in range(len(flat))]
-        dec = None
-        if any(i in rest for i in per_tensor):  # messages the tensor-op decoder reads
-            msgs = MessageSet()
-            msgs.add_job(0, job, 0, rest)
-            dec = batch.decode_messages(job.gathered, msgs.messages, msgs.scales)
-            it = iter(msgs.stats_of(0, dec))
-            merged = [next(it) if i in rest else st
-                      for (_, i, _, _), st in zip(flat, merged)]
-        protocol.check_streams(job.step, merged)
-        if dec is not None:
-            accumulate(dec, msgs, [job], [0], {0: rest})
-        elif t.fresh and not t.zeroed:  # outputs without messages hold the zero sum
-            for i in rest:
+        scatter = {i for i, ks in per_tensor.items()
+                   if all(_binary(flat[k][2]) for k in ks)
+                   and _kernel_output(t.outs[i]) and _kernel_output(outs2[i])}
+        ks = _KernelStreams(lib, job.gathered, flat)
+        host = _HostValues(job.host, flat)
+        protocol.check_streams(job.step, [host.stats(k, ks.stats.get(k, protocol.StreamStats()))
+                                          for k in range(len(flat))])
+        for i in range(n_t):
+            if i in scatter:
+                continue
+            if t.fresh and not t.zeroed:
                 for out in (t.outs[i], outs2[i]):
                     if out is not None:
                         out.zero_()
-        groups = [(i, per_tensor[i]) for i in sorted(in_kernel)]
+            for k in per_tensor.get(i, ()):  # rank by rank
+                pos, vals = self._elements(ks, host, flat[k][2], k, job.scale)
+                for out in (t.outs[i], outs2[i]):
+                    if out is not None:
+                        out.index_add_(0, pos.to(out.device), vals.to(out.device, out.dtype))
+            if t.masks is not None and t.masks[i] is not None and i in per_tensor:
+                t.masks[i].view(-1).masked_fill_(t.outs[i].view(-1) != 0, 0)
+        groups = [(i, per_tensor[i]) for i in sorted(scatter)]
         if groups:
             _scatter_groups(ks, flat, groups, job, outs2)
+
+    @staticmethod
+    def _elements(ks, host, msg: wire.TensorMessage, k: int, scale: float):
+        """(positions, float64 ``value * scale``) of message ``k`` (the protocol's decoded
+        arithmetic; the caller rounds once to its output's dtype)."""
+        pos = torch.arange(msg.count, dtype=torch.int64) if msg.all_positions else \
+            ks.positions(k, msg.count)
+        vals = host.values(k, msg)
+        if vals is None:
+            return pos, torch.full((msg.count,), msg.signed_value * scale, dtype=torch.float64)
+        return pos, torch.from_numpy(vals.astype(np.float64) * scale)
+
+
+class _HostValues:
+    """SIGNS and VALUES of a step's messages, read from its bytes on the host (CPU tensors:
+    they are there already), and their statistics."""
+
+    def __init__(self, host, flat):
+        self.buf = np.frombuffer(host, np.uint8)
+        self.flat = flat
+
+    def values(self, k: int, msg: wire.TensorMessage) -> Optional[np.ndarray]:
+        """Each position's float32 value (SIGNS: +-value; VALUES: its own), or None for a
+        binary message (one value for all)."""
+        if msg.has_values:
+            return self.buf[msg.values[0]:msg.values[1]].view("<f4")
+        if msg.has_signs:
+            bits = np.unpackbits(self.buf[msg.signs[0]:msg.signs[1]])[:msg.count]
+            return np.where(bits == 1, np.float32(-msg.value), np.float32(msg.value))
+        return None
+
+    def stats(self, k: int, st: protocol.StreamStats) -> protocol.StreamStats:
+        """The kernel's stream statistics of message ``k`` completed with its sign padding and
+        its non-finite values (by bit pattern)."""
+        msg = self.flat[k][2]
+        if not msg.count:
+            return st
+        if msg.has_signs:
+            last = self.buf[msg.signs[1] - 1]
+            pad = 8 * (msg.signs[1] - msg.signs[0]) - msg.count
+            st = st._replace(sign_pad_nonzero=bool(pad and int(last) & ((1 << pad) - 1)))
+        if msg.has_values:
+            bits = self.buf[msg.values[0]:msg.values[1]].view("<u4")
+            st = st._replace(nonfinite=int(np.count_nonzero((bits >> 23) & 0xFF == 0xFF)))
+        return st
 
 
 def _in_pass(src, mode: str) -> bool:
@@ -328,11 +381,15 @@ def _in_pass(src, mode: str) -> bool:
     return False
 
 
-def _kernel_message(msg: wire.TensorMessage) -> bool:
-    """Binary messages (positions + one value) of tensors of at most ``kernels.MAX_NUMEL``
-    elements: the C kernels decode them (uint32 positions inside)."""
-    return bool(msg.count) and not (msg.all_positions or msg.has_values or msg.has_signs) \
-        and msg.numel <= kernels.MAX_NUMEL
+def _streamed(msg: wire.TensorMessage) -> bool:
+    """Messages with position streams (binary, SIGNS or VALUES; not ALL) of tensors of at most
+    ``kernels.MAX_NUMEL`` elements: the C kernels decode their streams (uint32 positions)."""
+    return bool(msg.count) and not msg.all_positions and msg.numel <= kernels.MAX_NUMEL
+
+
+def _binary(msg: wire.TensorMessage) -> bool:
+    """Streamed messages with one value for every position: the scatter kernel adds them."""
+    return _streamed(msg) and not (msg.has_values or msg.has_signs)
 
 
 def _kernel_output(t: Optional[torch.Tensor]) -> bool:
@@ -340,13 +397,12 @@ def _kernel_output(t: Optional[torch.Tensor]) -> bool:
 
 
 class _KernelStreams:
-    """The stream statistics and positions of the binary messages of the tensors ``tensors``,
-    decoded by one kernel call; the positions stay in the kernel's buffer for the scatter."""
+    """The stream statistics and positions of every streamed message, decoded by one kernel
+    call; the positions stay in the kernel's buffer for the scatter (or :meth:`positions`)."""
 
-    def __init__(self, lib, gathered: torch.Tensor, flat, tensors):
+    def __init__(self, lib, gathered: torch.Tensor, flat):
         self.lib = lib
-        binary = [k for k, (_, i, msg, _) in enumerate(flat)
-                  if i in tensors and _kernel_message(msg)]
+        binary = [k for k, (_, _, msg, _) in enumerate(flat) if _streamed(msg)]
         desc = np.array([(m.unary[0], m.unary[1] - m.unary[0], m.remainder[0],
                           m.remainder[1] - m.remainder[0], m.count, m.rice_b, m.numel)
                          for m in (flat[k][2] for k in binary)], np.int64).reshape(-1, 7).T.copy()
@@ -364,6 +420,12 @@ class _KernelStreams:
         self.stats = {k: protocol.StreamStats(r[0], r[1] != 0, r[2], r[3], r[4] != 0, r[5])
                       for k, r in zip(binary, rows.tolist())}
         self.slot = {k: j for j, k in enumerate(binary)}  # message k -> its row
+
+    def positions(self, k: int, count: int) -> torch.Tensor:
+        """Message ``k``'s positions (int64), copied out of the kernel's buffer."""
+        p = torch.empty(count, dtype=torch.int64)
+        self.lib.sbc_positions(int(self.offset[self.slot[k]]), count, p.data_ptr())
+        return p
 
 
 def _scatter_groups(ks: _KernelStreams, flat, groups, job: DecodeJob, seconds) -> None:
