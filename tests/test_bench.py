@@ -111,9 +111,9 @@ def test_a_job_past_its_timeout_is_ended_with_all_its_ranks():
     pids = []
     t0 = time.perf_counter()
     with pytest.raises(bt.JobError, match="did not finish"):
-        bt.run_job(cmd, bt.job_env(), timeout=15, on_progress=lambda p: pids.append(p["pid"]))
-    assert time.perf_counter() - t0 < 40
-    assert pids  # the ranks had started (mpirun takes a few s on a loaded machine)
+        bt.run_job(cmd, bt.job_env(), timeout=25, on_progress=lambda p: pids.append(p["pid"]))
+    assert time.perf_counter() - t0 < 55
+    assert pids  # the ranks had started (mpirun takes several s on a loaded machine)
     time.sleep(0.5)
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or \
