@@ -14,7 +14,7 @@ Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n``
 * ``decode``    8 ranks' step messages (one 25M tensor each) decoded and averaged into a dense
                 result inside a ``tf.function`` (``decoder.decode_gathered``);
 * ``native_*`` is the codec as it runs by default: on the CPU the float32 binary SBC path is the
-  C kernels as TensorFlow custom ops (:mod:`horovod_sbc.tensorflow.native`); the ``path`` field
+  C kernels as TensorFlow custom ops (:mod:`horovod_sbc.tensorflow.backend.native`); the ``path`` field
   says whether they were available;
 * ``stock_*``   the same two with the kernel ops disabled (``horovod_sbc.kernels.disabled()``:
                 stock TensorFlow ops only, the path GPU tensors take), unless ``--no-stock``;
@@ -57,7 +57,7 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
     except RuntimeError:  # already initialised by the caller: keep its setting
         pass
     from horovod_sbc import kernels, wire, reference
-    from horovod_sbc.tensorflow import codec, decoder
+    from horovod_sbc.tensorflow.backend import codec, decoder
     path = "kernel ops" if kernels.tf_ops() is not None else "stock TF ops"
 
     def sync(out):

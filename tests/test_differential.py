@@ -240,7 +240,7 @@ class TFDecoders:
 
     def __init__(self):
         import tensorflow as tf
-        from horovod_sbc.tensorflow import exchange as tfx
+        from horovod_sbc.tensorflow.sync import exchange as tfx
         self.tf, self.tfx = tf, tfx
         self.graphs = {}
 
@@ -272,7 +272,7 @@ class TFDecoders:
 @pytest.fixture(scope="module")
 def tf_decoders():
     pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import exchange as tfx
+    from horovod_sbc.tensorflow.sync import exchange as tfx
     if not hasattr(tfx, "decode_gathered"):
         pytest.skip("TensorFlow decoder API decode_gathered not available")
     return TFDecoders()
@@ -320,9 +320,9 @@ def test_differential_tensorflow(tf_decoders):
 
 
 def _takes_fast_path(layout, n_ranks, data) -> bool:
-    """Does the TF decoder take its binary fast path (horovod_sbc.tensorflow.binary) here?"""
+    """Does the TF decoder take its binary fast path (horovod_sbc.tensorflow.backend.binary) here?"""
     import tensorflow as tf
-    from horovod_sbc.tensorflow import binary, decoder
+    from horovod_sbc.tensorflow.backend import binary, decoder
     buf = np.frombuffer(data, np.uint8)
     try:
         code, table = decoder.parse_host(buf, layout, n_ranks, False, False, True)
@@ -335,8 +335,8 @@ def _takes_fast_path(layout, n_ranks, data) -> bool:
 
 def test_differential_tensorflow_kernel_ops(tf_decoders):
     """Valid and mutated steps of binary SBC messages only: the TF decoder's kernel ops
-    (horovod_sbc.tensorflow.native) must reach numpy's verdicts and bits."""
-    from horovod_sbc.tensorflow import decoder, native
+    (horovod_sbc.tensorflow.backend.native) must reach numpy's verdicts and bits."""
+    from horovod_sbc.tensorflow.backend import decoder, native
     assert kernels.tf_ops() is not None, "the TF kernel ops must build here"
     n = max(60, CASES // (20 * TF_EVERY))
     seen = {}
@@ -361,7 +361,7 @@ def test_signed_zero_sums_survive_tf_function(tf_decoders):
     so a message whose value decodes to -0.0 gave -0.0 where numpy gives +0.0 (found by a
     DIFF_CASES=2e7 run of the kernel-ops differential, case 20003083: a mutated value field)."""
     tf = tf_decoders.tf
-    from horovod_sbc.tensorflow import decoder
+    from horovod_sbc.tensorflow.backend import decoder
     pairs = np.array([[0, 0], [0, -2 ** 31], [-2 ** 31, 0], [-2 ** 31, -2 ** 31]], np.int32)
     want = [0, 0, 0, -2 ** 31]
     zeros = tf.zeros([4], tf.int32)  # a constant zero operand: what Grappler folds
@@ -377,7 +377,7 @@ def test_signed_zero_sums_survive_tf_function(tf_decoders):
 def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatch):
     """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF decoder's fast
     path must reach numpy's verdicts and bits, with either way of building the rank masks."""
-    from horovod_sbc.tensorflow import binary
+    from horovod_sbc.tensorflow.backend import binary
     monkeypatch.setattr(binary, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
     tf_decoders.graphs.clear()  # SORT_FACTOR is read while tracing
     n = max(60, CASES // (20 * TF_EVERY))

@@ -80,7 +80,7 @@ def test_stc_torch_writes_the_golden_bytes(kernels_on):
 
 def test_stc_tensorflow_writes_the_golden_bytes_eager_and_in_tf_function():
     tf = pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import codec as tfcodec
+    from horovod_sbc.tensorflow.backend import codec as tfcodec
     for name, u, density, msg, _ in _golden():
         zero = tf.zeros(u.shape, tf.float64 if u.dtype == np.float64 else tf.float32)
         # A = dW + R with R = 0 (so -0.0 entries of dW become +0.0, in numpy too)
@@ -157,7 +157,7 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
     assert a.numpy().tobytes() == want_res.tobytes()
     assert 0 < pos.numel() < u.size
     tf = pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import codec as tfcodec
+    from horovod_sbc.tensorflow.backend import codec as tfcodec
     seed = tf.constant([5, 7], tf.int64)
     tf_draws = tf.random.stateless_uniform([u.size], seed=seed, dtype=tf.float32).numpy()
     want, want_res = reference.compress_np(u, None, 1.0, mode="terngrad", uniform=tf_draws)

@@ -1,4 +1,4 @@
-"""The native TensorFlow codec (horovod_sbc/tensorflow/codec.py, decoder.py): byte-identical to
+"""The native TensorFlow codec (horovod_sbc/tensorflow/backend/codec.py, decoder.py): byte-identical to
 the numpy reference on the golden vectors and on random tensors, eagerly and inside tf.function;
 exact bit-level helpers; subnormal values survive graph mode; the single-tensor API equals the reference."""
 import contextlib
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 tf = pytest.importorskip("tensorflow")
 
 from horovod_sbc import reference, kernels, wire  # noqa: E402
-from horovod_sbc.tensorflow import codec, decoder  # noqa: E402
-from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
+from horovod_sbc.tensorflow.backend import codec, decoder  # noqa: E402
+from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "golden"))
@@ -254,7 +254,7 @@ def test_encoded_positions_and_sent_values_commit_the_residual():
 
 
 def _fast_path_taken(data: bytes, layout, n_ranks: int) -> bool:
-    from horovod_sbc.tensorflow import binary
+    from horovod_sbc.tensorflow.backend import binary
     buf = np.frombuffer(data, np.uint8)
     _, table = decoder.parse_host(buf, layout, n_ranks, False, False, True)
     numels = [wire.layout_numel(s) for _, s in layout]
@@ -265,11 +265,11 @@ def _fast_path_taken(data: bytes, layout, n_ranks: int) -> bool:
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("masks", ["sorted", "dense"])
 def test_binary_fast_path_edge_steps(graph, masks, monkeypatch):
-    """The TF decoder's binary fast path (tensorflow/binary.py) on the steps that stress it: no
+    """The TF decoder's binary fast path (tensorflow/backend/binary.py) on the steps that stress it: no
     positions at all, every rank sending the same positions (all 2**8 rank sets of the sum
     table are exercised by random signs), subnormal values and sums, empty tensors between
     others — bit-identical to numpy, with either way of building the rank masks."""
-    from horovod_sbc.tensorflow import binary
+    from horovod_sbc.tensorflow.backend import binary
     monkeypatch.setattr(binary, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
     layout = [("a", (4000,)), ("e", (0,)), ("b", (9,)), ("c", (700,))]
     fp = wire.layout_fingerprint(layout)

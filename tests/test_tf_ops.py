@@ -1,4 +1,4 @@
-"""The TF codec's kernel ops (horovod_sbc/kernels/sbc_tf_ops.cc, horovod_sbc/tensorflow/native.py):
+"""The TF codec's kernel ops (horovod_sbc/kernels/sbc_tf_ops.cc, horovod_sbc/tensorflow/backend/native.py):
 they build and are used for float32 binary SBC on the CPU, eagerly and inside tf.function; they
 give the bytes, residuals and decoded sums of the stock-TF-op path and of numpy (golden vectors:
 tests/test_tf_codec.py runs them through both paths); subnormals survive TensorFlow's
@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 tf = pytest.importorskip("tensorflow")
 
 from horovod_sbc import reference, kernels, wire  # noqa: E402
-from horovod_sbc.tensorflow import codec, decoder  # noqa: E402
-from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
+from horovod_sbc.tensorflow.backend import codec, decoder  # noqa: E402
+from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
 SBC_OPS = {"SbcEncode", "SbcDecodeBinary", "SbcScatterAdd"}
 
@@ -79,7 +79,7 @@ def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
         import warnings
         import numpy as np, tensorflow as tf
         from horovod_sbc import reference, kernels
-        from horovod_sbc.tensorflow import codec
+        from horovod_sbc.tensorflow.backend import codec
         u = np.random.default_rng(1).standard_normal(30000).astype(np.float32)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -254,7 +254,7 @@ def test_tf_decoder_memory_is_bounded_by_the_message_size():
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(1)
         from horovod_sbc import kernels
-        from horovod_sbc.tensorflow import exchange as tfx
+        from horovod_sbc.tensorflow.sync import exchange as tfx
         assert kernels.tf_ops() is not None
 
         def make(buf, layout, numel):

@@ -38,7 +38,7 @@ class SBC(registry.Compressor):
         return codec.encode_update(a, density, "sbc", name, selection=selection)
 
     def encode_tf(self, a, density, selection, name, generator=None):
-        from ..tensorflow import codec
+        from ..tensorflow.backend import codec
         return codec.encode_update(a, density, "sbc", selection, name)
 
 

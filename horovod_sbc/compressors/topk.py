@@ -29,7 +29,7 @@ class TopK(registry.Compressor):
         return codec.encode_update(a, density, "values", name)
 
     def encode_tf(self, a, density, selection, name, generator=None):
-        from ..tensorflow import codec
+        from ..tensorflow.backend import codec
         return codec.encode_update(a, density, "values", selection, name)
 
 

@@ -66,7 +66,7 @@ lie where they do). :func:`tf_ops` builds it on first use like the C library —
 compiled by ``cc`` as a C object, linked with the ``.cc`` by ``g++`` (``$CXX``) with
 ``tf.sysconfig``'s compile and link flags, cached under a hash of both sources, the commands and
 the TensorFlow version — and loads it with ``tf.load_op_library``;
-:mod:`horovod_sbc.tensorflow.native` drives it. The same switches disable it.
+:mod:`horovod_sbc.tensorflow.backend.native` drives it. The same switches disable it.
 """
 from __future__ import annotations
 

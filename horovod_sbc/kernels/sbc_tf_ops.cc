@@ -1,7 +1,7 @@
 // TensorFlow custom ops (CPU) around SBC's C kernels (sbc_kernels.c, linked in as a C object).
 //
 // Built on first use by horovod_sbc/kernels/__init__.py (build_tf_ops) and loaded with
-// tf.load_op_library; horovod_sbc/tensorflow/native.py drives the ops. The bytes and numbers are
+// tf.load_op_library; horovod_sbc/tensorflow/backend/native.py drives the ops. The bytes and numbers are
 // those of the C kernels, hence of the numpy reference (tests/golden, tests/test_differential.py).
 //
 // Why three ops, each doing a whole sequence in one Compute(): the C kernels keep positions in
@@ -266,7 +266,7 @@ REGISTER_KERNEL_BUILDER(Name("SbcEncode").Device(DEVICE_CPU), SbcEncodeOp);
 // ------------------------------------------------------------------------------------------
 // SbcDecodeBinary
 // ------------------------------------------------------------------------------------------
-// columns of the per-message table (horovod_sbc/tensorflow/decoder.py C_*), passed as attrs
+// columns of the per-message table (horovod_sbc/tensorflow/backend/decoder.py C_*), passed as attrs
 REGISTER_OP("SbcDecodeBinary")
     .Input("buf: uint8")
     .Input("table: int64")

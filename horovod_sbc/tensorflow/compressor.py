@@ -34,8 +34,8 @@ import tensorflow as tf
 from .. import reference, registry, wire
 from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
-from . import exchange
-from .exchange import COMMIT, residual_dtype, tf_name
+from .sync import exchange
+from .sync.exchange import COMMIT, residual_dtype, tf_name
 from .owner import identify, variable_name
 
 # Our graph-building code uses Python control flow on Python values only; AutoGraph must not

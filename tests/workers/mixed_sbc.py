@@ -41,7 +41,7 @@ def sha(arrays) -> str:
 def run_tf():
     import tensorflow as tf
     import horovod.tensorflow as hvd
-    from horovod_sbc.tensorflow import exchange
+    from horovod_sbc.tensorflow.sync import exchange
     hvd.init()
     size, rank = hvd.size(), hvd.rank()
     res = [tf.zeros(s) for s in SHAPES]

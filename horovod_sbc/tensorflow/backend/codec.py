@@ -13,7 +13,7 @@ Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.re
   float64 -> float32 rounding (round-to-nearest-even on the bit pattern, so a mean like 1e-40 of
   a float64 tensor survives: TensorFlow flushes subnormal floats to zero on CPU).
 * **on the host** — nothing while encoding a tensor. Framing a step message needs the CRC-32 of
-  the compressed body: :mod:`horovod_sbc.tensorflow.exchange` does that in one small
+  the compressed body: :mod:`horovod_sbc.tensorflow.sync.exchange` does that in one small
   ``tf.numpy_function`` on the compressed bytes only (kilobytes, never the O(numel) tensor).
   Decoding parses headers on the host (also O(message bytes)); see :func:`decode_gathered`.
 
@@ -44,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import config, reference, registry, wire
+from ... import config, reference, registry, wire
 from . import graphs, native
 from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
 from .decoder import decode_messages
@@ -57,7 +57,7 @@ _BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviati
 _SAMPLE_EXPECT = 1024    # sample so that ~this many sampled entries reach the k-th (top_k cost)
 _DENSE_UPDATE = 200      # residual update by one dense subtraction once k * this >= numel
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
-    raise ImportError("horovod_sbc.tensorflow.codec assumes a little-endian host")
+    raise ImportError("horovod_sbc.tensorflow.backend.codec assumes a little-endian host")
 
 _no_autograph = tf.autograph.experimental.do_not_convert
 
@@ -92,7 +92,7 @@ class Encoded:
     numel:     the tensor's element count (static)
     update:    how the error feedback is best applied (:class:`ResidualUpdate`, static)
     new_residual: flat ``A - sent`` when the encoder computed it already (the kernel op of
-               :mod:`horovod_sbc.tensorflow.native`), else None (:meth:`residual` computes it)
+               :mod:`horovod_sbc.tensorflow.backend.native`), else None (:meth:`residual` computes it)
     """
     header: tf.Tensor
     body: tf.Tensor
@@ -561,7 +561,7 @@ def encode_sum(update: Optional[tf.Tensor], residual: tf.Tensor, density: float,
                selection: str = "paper", name: str = "tensor", generator=None) -> Encoded:
     """:func:`encode_update` of ``A = update + residual`` (flat, same dtype; ``update`` None:
     ``A = residual``), with :attr:`Encoded.new_residual` (``A - sent``) set. Binary SBC of a
-    float32 tensor on the CPU runs in one kernel op (:mod:`horovod_sbc.tensorflow.native`: the
+    float32 tensor on the CPU runs in one kernel op (:mod:`horovod_sbc.tensorflow.backend.native`: the
     sum is formed in the selection's pass); everything else in TF ops."""
     mode = _normalize_mode(mode)
     residual = tf.reshape(residual, [-1])

@@ -3,9 +3,9 @@
 One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.function``:
 
 1. **encode (TF ops, on the tensors' device)** — per tensor ``A = R + dW`` and
-   :func:`horovod_sbc.tensorflow.codec.encode_sum` (selection, binarization, streams and
+   :func:`horovod_sbc.tensorflow.backend.codec.encode_sum` (selection, binarization, streams and
    tensor header as TF ops, or one kernel op for float32 binary SBC on the CPU:
-   :mod:`horovod_sbc.tensorflow.native`); the new residuals ``A - sent`` are computed but not
+   :mod:`horovod_sbc.tensorflow.backend.native`); the new residuals ``A - sent`` are computed but not
    committed.
 2. **frame (host, O(compressed bytes))** — one small ``tf.numpy_function`` gets the tensor
    messages (kilobytes) and a finiteness flag per tensor and returns the step message: the
@@ -15,7 +15,7 @@ One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.
    allgather instead of hanging. No O(numel) tensor ever crosses to the host.
 3. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
    Horovod's background thread, blocks no TensorFlow thread).
-4. **decode** — :func:`horovod_sbc.tensorflow.decoder.decode_gathered`: headers and verdict on
+4. **decode** — :func:`horovod_sbc.tensorflow.backend.decoder.decode_gathered`: headers and verdict on
    the host (:mod:`horovod_sbc.protocol`, on the compressed bytes), streams and the accumulation
    of ``scale`` x every rank's tensor, in rank order, in TF ops (zeros, or e.g. the reference
    weights). Every rank adds the same values in the same order: bit-identical results.
@@ -35,11 +35,11 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import wire
-from . import codec as tfcodec
-from . import decoder
+from ... import wire
+from ..backend import codec as tfcodec
+from ..backend import decoder
 # what decoder.decode_gathered tells the caller to do with the residuals
-from .decoder import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
+from ..backend.decoder import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
 
 def tf_name(name: str) -> str:
     """A string usable as a TensorFlow op / Horovod tensor name."""
@@ -79,7 +79,7 @@ def residual_dtype(dtype: tf.DType) -> tf.DType:
 def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
                skip: bool, capacity: Optional[int], finite, headers, *bodies):
     """Step 2 (host, compressed bytes only): the step message of this rank's tensors — each
-    tensor header from its five integers (:func:`horovod_sbc.tensorflow.codec.header_bytes_host`)
+    tensor header from its five integers (:func:`horovod_sbc.tensorflow.backend.codec.header_bytes_host`)
     followed by its body — or an ERROR/SKIP step message naming the first tensor whose update is
     not finite; with ``capacity`` a PADDED step of exactly that many bytes. Returns (the step
     uint8, its zero padding in bytes int64)."""
@@ -129,7 +129,7 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
 
     ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
     zeros) plus ``scale`` x the sum of all ranks' decoded updates; ``code`` is a scalar int32
-    (:class:`horovod_sbc.tensorflow.decoder.SyncCode`). The caller commits ``new_residuals``
+    (:class:`horovod_sbc.tensorflow.backend.decoder.SyncCode`). The caller commits ``new_residuals``
     according to ``code``; ``positions`` (int64 scalar) is how many positions this rank's
     messages carry (``stats()["positions_sent"]`` of a committed sync).
     ``on_gathered(step, gathered, padding)`` returns ops (e.g. traffic counters) that run before

@@ -22,12 +22,12 @@ A decode is four pieces, the same eagerly and inside ``tf.function``:
 
 Three ways through steps 2-4, chosen by a ``tf.cond`` on the parsed headers:
 
-* the **kernel ops** (:mod:`horovod_sbc.tensorflow.native`) when every message is binary SBC
+* the **kernel ops** (:mod:`horovod_sbc.tensorflow.backend.native`) when every message is binary SBC
   (or empty), the outputs are float32 and the buffer is on the CPU: one op decodes the streams'
   statistics and positions (C), the host verdict as below, one op adds every rank's values in
   rank order (C; IEEE subnormals kept);
 
-* the **binary fast path** (:mod:`horovod_sbc.tensorflow.binary`) when every message is binary
+* the **binary fast path** (:mod:`horovod_sbc.tensorflow.backend.binary`) when every message is binary
   SBC (or empty), the outputs are fresh float32 zeros and there are at most 8 ranks: the one
   bits are located once, positions come from one running sum, and the rank-ordered float32
   sums come from a small exact table indexed by which ranks sent a position (no sort of all
@@ -54,7 +54,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import protocol, wire
+from ... import protocol, wire
 from . import binary, graphs, native
 from .bits import add_f32_bits, f32_bits_to_f64, f64_to_f32_bits  # noqa: F401
 from .table import (C_B, C_COUNT, C_KIND, C_NEG, C_NUMEL, C_RANK, C_RBYTES, C_RSTART,  # noqa: F401

@@ -1,6 +1,6 @@
 """The TF decoder's fast path: binary SBC messages of every rank, decoded and averaged at once.
 
-:func:`horovod_sbc.tensorflow.decoder.decode_gathered` takes this path (a ``tf.cond`` on
+:func:`horovod_sbc.tensorflow.backend.decoder.decode_gathered` takes this path (a ``tf.cond`` on
 O(messages) values of the host parse) when every message of the step is *binary* (no SIGNS, no
 VALUES, not ALL; or empty), its Rice parameter is at most :data:`MAX_RICE_B`, the gathered buffer
 is below :data:`MAX_BUFFER` bytes, and — static conditions — the outputs are fresh float32 zeros
@@ -30,7 +30,7 @@ What makes it cheaper than the general path, per decoded position:
   rank and the tensor, so the rank-ordered sum at a position depends only on *which* ranks sent
   it: a ``mask`` of up to 8 bits. A table ``[tensor, mask]`` of the exact rank-ordered float32
   sums (``horovod_sbc.protocol``'s arithmetic, computed on 2**n_ranks entries per tensor with
-  :func:`horovod_sbc.tensorflow.bits.add_f32_bits`, so subnormal values and sums stay exact)
+  :func:`horovod_sbc.tensorflow.backend.bits.add_f32_bits`, so subnormal values and sums stay exact)
   replaces the sort and the per-rank fold. With many positions (``positions * SORT_FACTOR >= elements``) the masks are
   written with one ``SparseToDense`` per rank into a dense uint8 vector and OR-ed as uint64
   words, and each position reads its mask back; with few, the (position, rank) pairs are sorted

@@ -13,8 +13,8 @@ use and loads it with ``tf.load_op_library``. The ops are CPU kernels, eager and
 * ``SbcScatterAdd`` — after the verdict, ``float32(float64(value) * scale)`` of every rank added
   at its positions, each element receiving its ranks' values in rank order.
 
-Used by :mod:`horovod_sbc.tensorflow.codec` (``encode_update``, ``compress``),
-:mod:`horovod_sbc.tensorflow.exchange` and :mod:`horovod_sbc.tensorflow.decoder` for float32
+Used by :mod:`horovod_sbc.tensorflow.backend.codec` (``encode_update``, ``compress``),
+:mod:`horovod_sbc.tensorflow.sync.exchange` and :mod:`horovod_sbc.tensorflow.backend.decoder` for float32
 tensors placed on the CPU in binary SBC mode; everything else (GPU tensors, float64, top-k values,
 signSGD, bare single-message decodes) takes the stock-TF-op path, and so does everything when the
 op library cannot be built (warned once) or ``HOROVOD_SBC_KERNELS=0`` /
@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from .. import kernels, wire
+from ... import kernels, wire
 
 
 def ops():

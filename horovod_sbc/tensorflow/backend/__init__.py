@@ -1,0 +1,1 @@
+"""The TensorFlow backends: encode and decode SBC's wire format in TensorFlow."""
