@@ -7,17 +7,17 @@
 Single-threaded (intra- and inter-op parallelism 1), on one fp32 tensor of ``n`` elements:
 
 * ``add``       ``tf.add`` of two such tensors (the baseline; no ``.numpy()`` conversion);
-* ``compress``  ``codec.compress(update, residual, density)`` inside a ``tf.function``: the
+* ``compress``  ``backend.compress(update, residual, density)`` inside a ``tf.function``: the
                 residual-corrected update ``A = R + dW``, selection (paper rule), binarization,
                 the Golomb-Rice message and the new residual ``A - sent`` — what one tensor costs
                 in a sync (same work as the torch codec's ``compress_step`` in ``bench codec``);
 * ``decode``    8 ranks' step messages (one 25M tensor each) decoded and averaged into a dense
-                result inside a ``tf.function`` (``decoder.decode_gathered``);
-* ``native_*`` is the codec as it runs by default: on the CPU the float32 binary SBC path is the
-  C kernels as TensorFlow custom ops (:mod:`horovod_sbc.tensorflow.backend.native`); the ``path`` field
-  says whether they were available;
+                result inside a ``tf.function`` (``backend.decode_gathered``);
+* ``native_*``  the backend the CPU gets by default: the kernel backend (SBC's C kernels as
+                TensorFlow custom ops, :mod:`horovod_sbc.tensorflow.backend.native`) when they
+                are available; the ``path`` field says which;
 * ``stock_*``   the same two with the kernel ops disabled (``horovod_sbc.kernels.disabled()``:
-                stock TensorFlow ops only, the path GPU tensors take), unless ``--no-stock``;
+                the TF-ops backend, the one GPU tensors get), unless ``--no-stock``;
 * the same two for the numpy reference (:mod:`horovod_sbc.reference`) in ``tf.numpy_function``.
 
 Times are the minimum over ``repeats`` runs after a warm-up (the shared CI machine is noisy; the
@@ -57,7 +57,7 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
     except RuntimeError:  # already initialised by the caller: keep its setting
         pass
     from horovod_sbc import kernels, wire, reference
-    from horovod_sbc.tensorflow.backend import codec, decoder
+    from horovod_sbc.tensorflow import backend
     path = "kernel ops" if kernels.tf_ops() is not None else "stock TF ops"
 
     def sync(out):
@@ -78,7 +78,7 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
     add_times = []
     for d in densities:
         row: Dict[str, object] = {"density": d}
-        comp = tf.function(lambda u, r, d=d: codec.compress(u, r, d))
+        comp = tf.function(lambda u, r, d=d: backend.compress(u, r, d))
         t_add = _min_time(lambda: add(a, b), repeats, sync)
         t_comp = _min_time(lambda: comp(grad, resid), repeats, sync)
         msgs = []
@@ -87,8 +87,8 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
             m, _ = comp(tf.constant(g), tf.zeros([n]))
             msgs.append(wire.step_message_bytes(m.numpy().tobytes(), fp, 1))
         gathered = tf.constant(np.frombuffer(b"".join(msgs), np.uint8))
-        dec = tf.function(lambda g: decoder.decode_gathered(g, layout, n_ranks, None,
-                                                            1.0 / n_ranks)[1][0])
+        dec = tf.function(lambda g: backend.decode_gathered(g, layout, n_ranks,
+                                                            1.0 / n_ranks)[0])
         t_dec = _min_time(lambda: dec(gathered), repeats, sync)
         t_add = min(t_add, _min_time(lambda: add(a, b), repeats, sync))
         add_times.append(t_add)
@@ -97,9 +97,9 @@ def run(n: int = 25_000_000, densities: Sequence[float] = (1e-4, 1e-3, 1e-2, 5e-
                    message_bytes=len(msgs[0]))
         if stock:
             with kernels.disabled():  # traced and run without the kernel ops
-                scomp = tf.function(lambda u, r, d=d: codec.compress(u, r, d))
-                sdec = tf.function(lambda g: decoder.decode_gathered(g, layout, n_ranks, None,
-                                                                     1.0 / n_ranks)[1][0])
+                scomp = tf.function(lambda u, r, d=d: backend.compress(u, r, d))
+                sdec = tf.function(lambda g: backend.decode_gathered(g, layout, n_ranks,
+                                                                     1.0 / n_ranks)[0])
                 t_sc = _min_time(lambda: scomp(grad, resid), repeats, sync)
                 t_sd = _min_time(lambda: sdec(gathered), repeats, sync)
                 # the same bytes and the same decoded average as the default path

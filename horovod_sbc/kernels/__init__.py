@@ -61,7 +61,7 @@ platform; concurrent ranks building at once each write a private file and rename
 :func:`disabled` for a block of code (tests).
 
 TensorFlow: ``sbc_tf_ops.cc`` wraps the same kernels as three TensorFlow custom ops (CPU only;
-``SbcEncode``, ``SbcDecodeBinary``, ``SbcScatterAdd``; the file documents why the op boundaries
+``SbcEncode``, ``SbcDecode``, ``SbcScatterAdd``; the file documents why the op boundaries
 lie where they do). :func:`tf_ops` builds it on first use like the C library — ``sbc_kernels.c``
 compiled by ``cc`` as a C object, linked with the ``.cc`` by ``g++`` (``$CXX``) with
 ``tf.sysconfig``'s compile and link flags, cached under a hash of both sources, the commands and
