@@ -144,12 +144,17 @@ def test_nonfinite_update_is_reported():
 # ---------------------------------------------------------------------------------------------
 # exact bit helpers and subnormal values
 # ---------------------------------------------------------------------------------------------
+# traced once (inputs of one shape and dtype), called by every example
+_F64_TO_F32_BITS = tf.function(codec.f64_to_f32_bits)
+_F32_BITS_TO_F64 = tf.function(codec.f32_bits_to_f64)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.floats(allow_nan=False, allow_infinity=False, width=64))
 def test_f64_to_f32_bits_rounds_like_numpy(x):
     with np.errstate(over="ignore"):
         want = np.array([x], np.float64).astype(np.float32).view(np.int32)[0]
-    for fn in (codec.f64_to_f32_bits, tf.function(codec.f64_to_f32_bits)):
+    for fn in (codec.f64_to_f32_bits, _F64_TO_F32_BITS):
         assert int(fn(tf.constant([x], tf.float64))[0]) == int(want)
 
 
@@ -157,7 +162,7 @@ def test_f64_to_f32_bits_rounds_like_numpy(x):
 @given(st.integers(-2 ** 31, 2 ** 31 - 1).filter(lambda b: (b >> 23) & 0xFF != 0xFF))
 def test_f32_bits_to_f64_is_exact(bits):
     want = float(np.array([bits], np.int32).view(np.float32)[0])
-    got = float(tf.function(codec.f32_bits_to_f64)(tf.constant([bits], tf.int32))[0])
+    got = float(_F32_BITS_TO_F64(tf.constant([bits], tf.int32))[0])
     assert got == want and math.copysign(1, got) == math.copysign(1, want)
 
 

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 tf = pytest.importorskip("tensorflow")
 
 from horovod_sbc import reference, kernels, wire  # noqa: E402
+import horovod_sbc.tensorflow as hsbc  # noqa: E402
 from horovod_sbc.tensorflow import backend as tfb  # noqa: E402
 from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
@@ -68,11 +69,28 @@ def test_ops_are_used_in_graphs_and_not_when_disabled():
 
 
 def test_ops_follow_the_environment_switch():
-    code = ("from horovod_sbc import kernels; import tensorflow; "
-            "print(kernels.tf_ops() is None)")
+    code = ("from horovod_sbc import kernels; from horovod_sbc.tensorflow import backend; "
+            "print(kernels.tf_ops() is None, type(backend.backend_for('CPU')).__name__)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "HOROVOD_SBC_KERNELS": "0"})
-    assert res.stdout.strip() == "True", res.stderr[-2000:]
+    assert res.stdout.strip() == "True OpsBackend", res.stderr[-2000:]
+
+
+def test_a_backend_is_chosen_once_per_device_type_and_switch():
+    """backend_for: the kernel backend on the CPU, the TF-ops backend on a GPU and wherever the
+    kernels are disabled, the same object every time; an SBC keeps the one of its first sync."""
+    cpu = tfb.backend_for("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert isinstance(cpu, tfb.KernelBackend) and tfb.backend_for("CPU") is cpu
+    assert isinstance(tfb.backend_for("/device:GPU:0"), tfb.OpsBackend)
+    with kernels.disabled():
+        ops = tfb.backend_for("CPU")
+        assert isinstance(ops, tfb.OpsBackend) and tfb.backend_for("CPU") is ops
+    assert tfb.backend_for("CPU") is cpu
+    sbc = hsbc.SBC(density=0.1)
+    assert sbc.backend is None
+    with kernels.disabled():
+        assert sbc._backend_of([tf.Variable(tf.zeros([3]))]) is ops
+    assert sbc._backend_of([tf.Variable(tf.zeros([3]))]) is ops and sbc.backend is ops
 
 
 def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
@@ -87,6 +105,7 @@ def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
             for _ in range(2):
                 msg, res = tfb.compress(tf.constant(u), tf.zeros(30000), 0.01)
         assert kernels.tf_ops() is None
+        assert isinstance(tfb.backend_for("CPU"), tfb.OpsBackend)
         warned = [x for x in w if "TensorFlow kernel ops unavailable" in str(x.message)]
         assert len(warned) == 1, [str(x.message) for x in w]
         want, want_res = reference.compress_np(u, np.zeros(30000, np.float32), 0.01)
