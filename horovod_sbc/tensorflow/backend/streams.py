@@ -27,7 +27,7 @@ message kind (binary, SIGNS and VALUES messages share the position code of :mod:
 Statistics: one bits per message by a binary search of the message's end among the sorted
 one-bit offsets, the largest quotient, remainder and position by sorted segment maxima, the
 padding of the remainder and sign streams from their last bytes (O(messages)), the non-finite
-values of VALUES messages from their value streams (only when the step holds some).
+values of VALUES messages from their value streams.
 
 The whole decoder is one graph function (:func:`decode`), traced once per process: it depends
 on no layout (sizes, offsets and the table are its inputs).
@@ -119,30 +119,29 @@ def _one_bits(buf: tf.Tensor, table: tf.Tensor):
 
 def _quotients(table: tf.Tensor, g, owner, ones) -> Tuple[tf.Tensor, tf.Tensor]:
     """``(q, msg)`` of every element: its quotient and its message (int32)."""
-    count = table[:, C_COUNT]
+    count, kind = table[:, C_COUNT], table[:, C_KIND]
     first, c_total = _excl(count), tf.reduce_sum(count)
+    nonempty = tf.reshape(tf.where(count > 0), [-1])
+    first_ne = tf.gather(first, nonempty)
+    ustart_bit = 8 * tf.gather(_excl(table[:, C_UBYTES]), nonempty)
+
+    def gaps(gi):  # zero bits between consecutive one bits; a message's first from its start
+        q = gi - tf.concat([[_c64(-1)], gi[:-1]], 0) - 1
+        return tf.tensor_scatter_nd_update(q, first_ne[:, None],
+                                           tf.gather(gi, first_ne) - ustart_bit)
 
     def matched():  # valid binary, SIGNS and VALUES messages: the one bits are the elements
-        return g, tf.gather(owner, tf.bitwise.right_shift(g, 3)), tf.constant(False)
+        return gaps(g), tf.gather(owner, tf.bitwise.right_shift(g, 3))
 
     def by_index():  # ALL messages or corrupt input (rejected by the verdict)
         i = tf.range(c_total, dtype=tf.int64)
         e = _owner(first, c_total)
         j = tf.gather(_excl(ones) - first, e) + i
         padded = tf.concat([g, tf.zeros([1], tf.int64)], 0)
-        gi = tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64)))
-        return gi, e, tf.reduce_any(table[:, C_KIND] >= K_ALL_SIGNS)
+        q = gaps(tf.gather(padded, tf.clip_by_value(j, 0, tf.size(g, out_type=tf.int64))))
+        return tf.where(tf.gather(kind, e) >= K_ALL_SIGNS, tf.zeros_like(q), q), e
 
-    gi, msg, has_all = tf.cond(tf.reduce_all(tf.equal(ones, count)), matched, by_index)
-    nonempty = tf.reshape(tf.where(count > 0), [-1])
-    first_ne = tf.gather(first, nonempty)
-    # zero bits between consecutive one bits; a message's first one counts from its stream start
-    q = gi - tf.concat([[_c64(-1)], gi[:-1]], 0) - 1
-    q = tf.tensor_scatter_nd_update(q, first_ne[:, None], tf.gather(gi, first_ne)
-                                    - 8 * tf.gather(_excl(table[:, C_UBYTES]), nonempty))
-    q = tf.cond(has_all, lambda: tf.where(tf.gather(table[:, C_KIND], msg) >= K_ALL_SIGNS,
-                                          tf.zeros_like(q), q), lambda: q)
-    return q, msg
+    return tf.cond(tf.reduce_all(tf.equal(ones, count)), matched, by_index)
 
 
 def _pad_nonzero(buf: tf.Tensor, start, nbytes, used_bits) -> tf.Tensor:
@@ -161,15 +160,12 @@ def _nonfinite(buf: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     vcount = tf.where(tf.logical_or(tf.equal(kind, K_VALUES), tf.equal(kind, K_ALL_VALUES)),
                       count, 0)
 
-    def count_them():
-        vfirst, total = _excl(vcount), tf.reduce_sum(vcount)
-        e = _owner(vfirst, total)
-        at = tf.gather(table[:, C_VSTART] - 4 * vfirst, e) + 4 * tf.range(total, dtype=tf.int64)
-        exp = tf.bitwise.bitwise_and(tf.gather(buf, at + 3), 0x7F)  # the top byte holds 7 bits
-        top = tf.logical_and(tf.equal(exp, 0x7F), tf.gather(buf, at + 2) >= 0x80)
-        return tf.math.unsorted_segment_sum(tf.cast(top, tf.int64), e, tf.size(count))
-
-    return tf.cond(tf.reduce_any(vcount > 0), count_them, lambda: tf.zeros_like(count))
+    vfirst, total = _excl(vcount), tf.reduce_sum(vcount)  # no values: empty tensors below
+    e = _owner(vfirst, total)
+    at = tf.gather(table[:, C_VSTART] - 4 * vfirst, e) + 4 * tf.range(total, dtype=tf.int64)
+    exp = tf.bitwise.bitwise_and(tf.gather(buf, at + 3), 0x7F)  # the top byte holds 7 bits
+    top = tf.logical_and(tf.equal(exp, 0x7F), tf.gather(buf, at + 2) >= 0x80)
+    return tf.math.unsorted_segment_sum(tf.cast(top, tf.int64), e, tf.size(count))
 
 
 def _decode(buf: tf.Tensor, table: tf.Tensor, offs: tf.Tensor):
