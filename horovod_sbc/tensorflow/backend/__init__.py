@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from ... import config, reference, registry, wire
+from ... import config, reference, wire
 from . import codec, decoder, host, native
 from .codec import Encoded
 
@@ -85,7 +85,7 @@ def _prepare(gathered, layout, outs, out_dtypes):
 
 class OpsBackend(Backend):
     """TensorFlow ops on the tensors' device: :func:`.codec.encode_update` per tensor, and
-    :func:`.decoder.decode_streams` / :func:`.decoder.accumulate` for a gathered step."""
+    :func:`.decoder.decode` (the stream decoder, then the accumulation) for a gathered step."""
 
     name = "tf-ops"
 

@@ -38,8 +38,9 @@ from .table import C_COUNT, C_KIND, C_NEG, C_TENSOR, C_VBITS, K_BINARY, N_COLS
 MAX_MASK_RANKS = 8       # masks are uint8
 SORT_FACTOR = 32
 """The masks come from a sort of the positions when ``positions * SORT_FACTOR < elements``, else
-from dense per-rank masks (one CPU thread: a sort costs ~35 ns per position, the dense masks
-~1.2 ns per element of the layout). Read while tracing; tests set it to force either way."""
+from dense per-rank masks: a sort's cost per position is about this many times the dense masks'
+cost per element of the layout (on one CPU thread; docs/tensorflow.md). Read while tracing;
+tests set it to force either way."""
 
 _SIGN32 = -2 ** 31
 

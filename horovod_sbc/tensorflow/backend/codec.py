@@ -71,9 +71,9 @@ class ResidualUpdate(enum.Enum):
     """How :func:`apply_sent` subtracts what was sent (chosen while tracing from the keep count;
     every way gives the same bits: ``a - 0 == a`` for every float TensorFlow keeps)."""
     SCATTER = "scatter"  # copy ``a``, subtract at the positions (few positions)
-    DENSE = "dense"      # ``a - SparseToDense(positions, sent)`` (many positions: TF's scatter
-                         # costs ~100 ns per position on one CPU thread, the dense fill ~0.1 ns
-                         # per element)
+    DENSE = "dense"      # ``a - SparseToDense(positions, sent)`` (many positions,
+                         # ``k * _DENSE_UPDATE >= numel``: TF's scatter costs more per position
+                         # than the dense fill does per element by about that factor)
     ALL = "all"          # every element was sent: ``a - sent``
 
 
