@@ -52,7 +52,7 @@ class Compressor:
         raise NotImplementedError(f"compressor {self.name!r} has no torch encoder")
 
     def encode_tf(self, a, density: float, selection: str, name: str, generator=None):
-        """TensorFlow: a ``horovod_sbc.tensorflow.codec.Encoded`` for flat non-empty ``a``
+        """TensorFlow: a ``horovod_sbc.tensorflow.backend.codec.Encoded`` for flat non-empty ``a``
         (graph-safe: no host read; a non-finite ``a`` sets ``Encoded.finite`` False).
         ``generator``: for a random compressor, the stateless seed (int64 ``[2]``) of its
         draws."""

@@ -59,7 +59,7 @@ class STC(registry.Compressor):
 
     def encode_tf(self, a, density, selection, name, generator=None):
         import tensorflow as tf
-        from horovod_sbc.tensorflow import codec
+        from horovod_sbc.tensorflow.backend import codec
         n = int(a.shape[0])
         k = reference.keep_count(n, density)
         idx, finite = codec.top_k_abs(a, k)

@@ -152,7 +152,7 @@ def test_golden_vectors_numpy_torch_spec(case):
                          ids=lambda c: c["name"])
 def test_golden_vectors_tensorflow(case):
     tf = pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import codec as tfcodec
+    from horovod_sbc.tensorflow import backend as tfcodec
     dt = NP_DT[case["dtype"]]
     u, r = make_golden.make_inputs(case["index"], case["numel"], dt, case["kind"])
     msg, res = tfcodec.compress(tf.constant(u), tf.constant(r), case["density"], case["binarize"],

@@ -15,7 +15,7 @@ Mutation classes (each case draws one; the step framing and CRCs are recomputed 
                  flags, the float value's bits: NaN, Inf, negative zero, subnormal), framing recomputed;
 * ``step``     — step-header fields (flags ERROR/SKIP/both, origin, layout, n_tensors), CRC recomputed;
 * ``peers``    — ranks that send ERROR and/or SKIP besides ranks that send malformed messages;
-* ``stream``   — (binary-only cases, for the TF decoder's fast path) stream bytes of one tensor
+* ``stream``   — (binary-only cases, for the TF rank-mask accumulation) stream bytes of one tensor
                  message flipped or overwritten, framing recomputed.
 
 ``DIFF_CASES`` sets the number of cases for numpy and torch (default 40000; ``make fuzz``
@@ -160,7 +160,7 @@ def _mutate_stream(msg: bytes, r: random.Random) -> bytes:
 
 def make_case(seed: int, binary_only: bool = False):
     """(layout, n_ranks, gathered bytes, mutation class) for one case; deterministic in seed.
-    ``binary_only``: every tensor message is binary SBC (the TF decoder's fast path) before the
+    ``binary_only``: every tensor message is binary SBC (the TF rank-mask accumulation) before the
     mutation, up to 8 ranks."""
     r = random.Random(seed)
     layout = LAYOUTS[r.randrange(len(LAYOUTS))]
@@ -237,19 +237,21 @@ def decode_torch(layout, n_ranks, data, scale):
 
 
 class TFDecoders:
-    """The TensorFlow decoder, eager and inside ``tf.function`` (one trace per layout)."""
+    """The TensorFlow backends' decoders, eager and inside ``tf.function`` (one trace per
+    layout): the backend of the CPU, the kernel ops unless they are disabled."""
 
     def __init__(self):
         import tensorflow as tf
-        from horovod_sbc.tensorflow import exchange as tfx
-        self.tf, self.tfx = tf, tfx
+        from horovod_sbc.tensorflow import backend as tfb
+        from horovod_sbc.tensorflow.sync import exchange as tfx
+        self.tf, self.tfb, self.tfx = tf, tfb, tfx
         self.graphs = {}
 
     def _decode(self, layout, n_ranks, scale, gathered):
-        return self.tfx.decode_gathered(gathered, layout, n_ranks, scale)
+        return self.tfb.decode_gathered(gathered, layout, n_ranks, scale)
 
     def run(self, layout, n_ranks, data, scale, graph: bool, stock: bool = False):
-        """``stock``: the stock-TF-op decoder (kernel ops disabled, traced without them)."""
+        """``stock``: the TF-ops backend (kernel ops disabled, traced without them)."""
         if stock:
             with kernels.disabled():
                 return self.run(layout, n_ranks, data, scale, graph)
@@ -273,8 +275,8 @@ class TFDecoders:
 @pytest.fixture(scope="module")
 def tf_decoders():
     pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import exchange as tfx
-    if not hasattr(tfx, "decode_gathered"):
+    from horovod_sbc.tensorflow import backend as tfb
+    if not hasattr(tfb, "decode_gathered"):
         pytest.skip("TensorFlow decoder API decode_gathered not available")
     return TFDecoders()
 
@@ -288,7 +290,7 @@ def _check(seed, tf_dec=None, binary_only=False, tf_stock_only=False):
         with kernels.disabled():
             got["torch (tensor ops)"] = decode_torch(layout, n_ranks, data, scale)
     if tf_dec is not None:
-        # the kernel ops (binary messages on the CPU) and, every OPS_EVERY-th case, stock TF ops
+        # the kernel backend (the CPU's) and, on every other batch of cases, the TF-ops backend
         stock_too = tf_stock_only or (seed // TF_EVERY) % 2 == 0
         for stock in ([True] if tf_stock_only else [False, True] if stock_too else [False]):
             sfx = " (stock ops)" if stock else ""
@@ -320,39 +322,38 @@ def test_differential_tensorflow(tf_decoders):
         _check(seed, tf_decoders)
 
 
-def _takes_fast_path(layout, n_ranks, data) -> bool:
-    """Does the TF decoder take its binary fast path (horovod_sbc.tensorflow.binary) here?"""
+def _rank_masks_taken(layout, n_ranks, data) -> bool:
+    """Does the TF-ops backend accumulate this step by rank masks
+    (horovod_sbc.tensorflow.backend.accumulate.by_rank_masks)?"""
     import tensorflow as tf
-    from horovod_sbc.tensorflow import binary, decoder
+    from horovod_sbc.tensorflow.backend import accumulate, host
     buf = np.frombuffer(data, np.uint8)
     try:
-        code, table = decoder.parse_host(buf, layout, n_ranks, False, False, True)
+        code, table = host.parse_host(buf, layout, n_ranks, False, False, True)
     except ValueError:
         return False  # rejected by the host parse, before any stream is decoded
     numels = [wire.layout_numel(s) for _, s in layout]
-    return (binary.static_ok(numels, n_ranks, None, [tf.float32] * len(layout), False)
-            and bool(binary.runtime_ok(tf.constant(buf), tf.constant(table))))
+    return (accumulate.masks_fit(numels, n_ranks, None, [tf.float32] * len(layout))
+            and bool(accumulate.binary_step(tf.constant(table))))
 
 
 def test_differential_tensorflow_kernel_ops(tf_decoders):
-    """Valid and mutated steps of binary SBC messages only: the TF decoder's kernel ops
-    (horovod_sbc.tensorflow.native) must reach numpy's verdicts and bits."""
-    from horovod_sbc.tensorflow import decoder, native
+    """Valid and mutated steps of binary SBC messages only: the TF kernel backend's ops
+    (horovod_sbc.tensorflow.backend.native) must reach numpy's verdicts and bits (the mixed
+    steps of test_differential_tensorflow go through them too)."""
+    from horovod_sbc.tensorflow.backend import host
     assert kernels.tf_ops() is not None, "the TF kernel ops must build here"
+    assert isinstance(tf_decoders.tfb.backend_for("CPU"), tf_decoders.tfb.KernelBackend)
     n = max(60, CASES // (20 * TF_EVERY))
     seen = {}
     for seed in range(n):
         cls, verdict, (layout, n_ranks, data) = _check(2 * 10 ** 7 + seed, tf_decoders,
                                                       binary_only=True)
         try:
-            _, table = decoder.parse_host(np.frombuffer(data, np.uint8), layout, n_ranks, False,
-                                          False, True)
+            host.parse_host(np.frombuffer(data, np.uint8), layout, n_ranks, False, False, True)
         except ValueError:
             continue  # rejected by the host parse, before any stream is decoded
-        cols = (decoder.C_COUNT, decoder.C_KIND, decoder.C_B, decoder.K_BINARY,
-                decoder.K_ALL_SIGNS)
-        if bool(native.decoder_runtime_ok(tf_decoders.tf.constant(table), cols)):
-            seen[(cls, verdict)] = seen.get((cls, verdict), 0) + 1
+        seen[(cls, verdict)] = seen.get((cls, verdict), 0) + 1
     assert seen.get(("valid", "ok"), 0) >= n // 10, seen
     assert sum(v for (c, k), v in seen.items() if k == "invalid") >= n // 20, seen
 
@@ -362,12 +363,12 @@ def test_signed_zero_sums_survive_tf_function(tf_decoders):
     so a message whose value decodes to -0.0 gave -0.0 where numpy gives +0.0 (found by a
     DIFF_CASES=2e7 run of the kernel-ops differential, case 20003083: a mutated value field)."""
     tf = tf_decoders.tf
-    from horovod_sbc.tensorflow import decoder
+    from horovod_sbc.tensorflow.backend import bits
     pairs = np.array([[0, 0], [0, -2 ** 31], [-2 ** 31, 0], [-2 ** 31, -2 ** 31]], np.int32)
     want = [0, 0, 0, -2 ** 31]
     zeros = tf.zeros([4], tf.int32)  # a constant zero operand: what Grappler folds
-    fn = tf.function(lambda y: (decoder.add_f32_bits(zeros, y),
-                                decoder.add_f32_bits(tf.constant(pairs[:, 0]), y)))
+    fn = tf.function(lambda y: (bits.add_f32_bits(zeros, y),
+                                bits.add_f32_bits(tf.constant(pairs[:, 0]), y)))
     folded, plain = fn(tf.constant(pairs[:, 1]))
     assert list(plain.numpy()) == want
     assert list(folded.numpy()) == [0, 0, 0, 0]  # +0 + y for y = +0, -0, +0, -0
@@ -375,20 +376,21 @@ def test_signed_zero_sums_survive_tf_function(tf_decoders):
 
 
 @pytest.mark.parametrize("masks", ["sorted", "dense"])
-def test_differential_tensorflow_binary_fast_path(tf_decoders, masks, monkeypatch):
-    """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF decoder's fast
-    path must reach numpy's verdicts and bits, with either way of building the rank masks."""
-    from horovod_sbc.tensorflow import binary
-    monkeypatch.setattr(binary, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
+def test_differential_tensorflow_rank_masks(tf_decoders, masks, monkeypatch):
+    """Valid and mutated steps of binary SBC messages only (1-8 ranks): the TF-ops backend,
+    whose accumulation takes the rank masks on them, must reach numpy's verdicts and bits, with
+    either way of building the masks."""
+    from horovod_sbc.tensorflow.backend import accumulate
+    monkeypatch.setattr(accumulate, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
     tf_decoders.graphs.clear()  # SORT_FACTOR is read while tracing
     n = max(60, CASES // (20 * TF_EVERY))
     fast = {}
     for seed in range(n):
         cls, verdict, case = _check(10 ** 7 + seed, tf_decoders, binary_only=True,
                                     tf_stock_only=True)
-        if _takes_fast_path(*case):
+        if _rank_masks_taken(*case):
             fast[(cls, verdict)] = fast.get((cls, verdict), 0) + 1
-    # the fast path saw valid steps and mutated ones it had to reject from its statistics
+    # the masks saw valid steps, and mutated ones the streams' statistics had to reject
     assert fast.get(("valid", "ok"), 0) >= n // 10, fast
     assert sum(v for (c, k), v in fast.items() if k == "invalid") >= n // 20, fast
 
@@ -467,7 +469,8 @@ def test_empty_tensor_has_one_encoding_in_every_mode():
         assert reference.compress_np(e, None, 0.5, **kw)[0] == want
     from horovod_sbc.torch import backend as tcodec
     for mode in ("sbc", "values", "sign", "terngrad"):
-        assert tcodec.backend_for("cpu").encode_tensor(torch.zeros(0), 0.5, mode).message.numpy().tobytes() == want
+        msg = tcodec.backend_for("cpu").encode_tensor(torch.zeros(0), 0.5, mode).message
+        assert msg.numpy().tobytes() == want
 
 
 def test_sign_mode_scale_is_order_independent_across_implementations():

@@ -80,13 +80,13 @@ def test_stc_torch_writes_the_golden_bytes(kernels_on):
 
 def test_stc_tensorflow_writes_the_golden_bytes_eager_and_in_tf_function():
     tf = pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import codec as tfcodec
+    from horovod_sbc.tensorflow import backend as tfb
     for name, u, density, msg, _ in _golden():
         zero = tf.zeros(u.shape, tf.float64 if u.dtype == np.float64 else tf.float32)
         # A = dW + R with R = 0 (so -0.0 entries of dW become +0.0, in numpy too)
         res = reference.compress_np(u, np.zeros_like(u), density, mode="stc")[1]
-        fn = tf.function(lambda x, r, d=density, n=name: tfcodec.compress(x, r, d, "stc", name=n))
-        for how, f in (("eager", lambda x, r: tfcodec.compress(x, r, density, "stc", name=name)),
+        fn = tf.function(lambda x, r, d=density, n=name: tfb.compress(x, r, d, "stc", name=n))
+        for how, f in (("eager", lambda x, r: tfb.compress(x, r, density, "stc", name=name)),
                        ("tf.function", fn)):
             got, got_res = f(tf.constant(u), zero)
             assert got.numpy().tobytes() == msg, (name, how)
@@ -158,13 +158,14 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
     assert a.numpy().tobytes() == want_res.tobytes()
     assert 0 < pos.numel() < u.size
     tf = pytest.importorskip("tensorflow")
-    from horovod_sbc.tensorflow import codec as tfcodec
+    from horovod_sbc.tensorflow import backend as tfb
     seed = tf.constant([5, 7], tf.int64)
     tf_draws = tf.random.stateless_uniform([u.size], seed=seed, dtype=tf.float32).numpy()
     want, want_res = reference.compress_np(u, None, 1.0, mode="terngrad", uniform=tf_draws)
     for how in ("eager", "tf.function"):
         def enc(x):
-            e = tfcodec.encode_sum(None, x, 1.0, "terngrad", generator=seed)
+            (e,) = tfb.backend_for("CPU").encode(["w"], [None], [x], density=1.0,
+                                                  mode="terngrad", seeds=[seed])
             return e.message, e.new_residual
         f = tf.function(enc) if how == "tf.function" else enc
         got, got_res = f(tf.constant(u))

@@ -1,6 +1,7 @@
-"""The native TensorFlow codec (horovod_sbc/tensorflow/codec.py, decoder.py): byte-identical to
-the numpy reference on the golden vectors and on random tensors, eagerly and inside tf.function;
-exact bit-level helpers; subnormal values survive graph mode; the single-tensor API equals the reference."""
+"""The TensorFlow backends (horovod_sbc/tensorflow/backend/): byte-identical to the numpy reference
+on the golden vectors and on random tensors, eagerly and inside tf.function, with the kernel ops
+and with TF ops; exact bit-level helpers; subnormal values survive graph mode; the single-tensor
+API equals the reference."""
 import contextlib
 import json
 import math
@@ -15,8 +16,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 tf = pytest.importorskip("tensorflow")
 
 from horovod_sbc import reference, kernels, wire  # noqa: E402
-from horovod_sbc.tensorflow import codec, decoder  # noqa: E402
-from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
+from horovod_sbc.tensorflow import backend as tfb  # noqa: E402
+from horovod_sbc.tensorflow.backend import accumulate, codec, host  # noqa: E402
+from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "golden"))
@@ -28,15 +30,15 @@ _GRAPH = {}
 
 
 def _compress(u, r, density, mode, selection, graph, stock=False):
-    """codec.compress; ``stock``: with the kernel ops disabled (the stock-TF-op path)."""
+    """tfb.compress; ``stock``: with the kernel ops disabled (the TF-ops backend)."""
     with (kernels.disabled() if stock else contextlib.nullcontext()):
         if not graph:
-            return codec.compress(tf.constant(u), tf.constant(r), density, mode, selection)
+            return tfb.compress(tf.constant(u), tf.constant(r), density, mode, selection)
         key = (density, str(mode), selection, u.dtype.str, r.dtype.str, u.shape, stock)
         fn = _GRAPH.get(key)
         if fn is None:
             fn = _GRAPH[key] = tf.function(
-                lambda a, b: codec.compress(a, b, density, mode, selection))
+                lambda a, b: tfb.compress(a, b, density, mode, selection))
         return fn(tf.constant(u), tf.constant(r))
 
 
@@ -44,7 +46,7 @@ def _compress(u, r, density, mode, selection, graph, stock=False):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("case", GOLDEN, ids=[c["name"] for c in GOLDEN])
 def test_golden_vectors_native(case, graph, stock):
-    """Both TF paths: the kernel op (float32 binary SBC on the CPU) and the stock TF ops."""
+    """Both TF backends: the kernel ops (float32 binary SBC on the CPU) and TF ops."""
     u, r = make_golden.make_inputs(case["index"], case["numel"], NP_DT[case["dtype"]],
                                    case["kind"])
     binarize, mode = make_golden.mode_args(case["binarize"])
@@ -53,7 +55,7 @@ def test_golden_vectors_native(case, graph, stock):
     want = bytes.fromhex(case["message_hex"])
     assert msg.numpy().tobytes() == want
     assert make_golden.digest(res.numpy()) == case["new_residual_sha256"]
-    dense = codec.decompress(msg, (case["numel"],))
+    dense = tfb.decompress(msg, (case["numel"],))
     assert dense.numpy().tobytes() == reference.decompress_np(want, (case["numel"],)).tobytes()
 
 
@@ -103,7 +105,7 @@ def test_random_tensors_identical_to_numpy(ur, density, mode, selection, graph):
     msg, res = _compress(u, r, density, mode, selection, graph)
     assert msg.numpy().tobytes() == want
     assert res.numpy().tobytes() == want_res.astype(r.dtype).tobytes()
-    dense = codec.decompress(msg, u.shape)
+    dense = tfb.decompress(msg, u.shape)
     assert dense.numpy().tobytes() == reference.decompress_np(want, u.shape).tobytes()
 
 
@@ -130,23 +132,29 @@ def test_nonfinite_update_is_reported():
     u = np.ones(50, np.float32)
     u[7] = np.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
-        codec.compress(tf.constant(u), tf.zeros(50), 0.1)
-    enc = codec.encode_update(tf.constant(np.where(np.arange(40000) == 5, np.inf, 1.0)
-                                          .astype(np.float32)), 0.001)
-    assert not bool(enc.finite)
+        tfb.compress(tf.constant(u), tf.zeros(50), 0.1)
+    a = tf.constant(np.where(np.arange(40000) == 5, np.inf, 1.0).astype(np.float32))
+    for b in (tfb.backend_for("CPU"), tfb.OpsBackend()):  # the kernel op, the TF-op encoder
+        (enc,) = b.encode(["w"], [None], [a], density=0.001)
+        assert not bool(enc.finite), b
     with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or Inf"):
-        tf.function(lambda x: codec.compress(x, tf.zeros(50), 0.1))(tf.constant(u))
+        tf.function(lambda x: tfb.compress(x, tf.zeros(50), 0.1))(tf.constant(u))
 
 
 # ---------------------------------------------------------------------------------------------
 # exact bit helpers and subnormal values
 # ---------------------------------------------------------------------------------------------
+# traced once (inputs of one shape and dtype), called by every example
+_F64_TO_F32_BITS = tf.function(codec.f64_to_f32_bits)
+_F32_BITS_TO_F64 = tf.function(codec.f32_bits_to_f64)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.floats(allow_nan=False, allow_infinity=False, width=64))
 def test_f64_to_f32_bits_rounds_like_numpy(x):
     with np.errstate(over="ignore"):
         want = np.array([x], np.float64).astype(np.float32).view(np.int32)[0]
-    for fn in (codec.f64_to_f32_bits, tf.function(codec.f64_to_f32_bits)):
+    for fn in (codec.f64_to_f32_bits, _F64_TO_F32_BITS):
         assert int(fn(tf.constant([x], tf.float64))[0]) == int(want)
 
 
@@ -154,7 +162,7 @@ def test_f64_to_f32_bits_rounds_like_numpy(x):
 @given(st.integers(-2 ** 31, 2 ** 31 - 1).filter(lambda b: (b >> 23) & 0xFF != 0xFF))
 def test_f32_bits_to_f64_is_exact(bits):
     want = float(np.array([bits], np.int32).view(np.float32)[0])
-    got = float(tf.function(codec.f32_bits_to_f64)(tf.constant([bits], tf.int32))[0])
+    got = float(_F32_BITS_TO_F64(tf.constant([bits], tf.int32))[0])
     assert got == want and math.copysign(1, got) == math.copysign(1, want)
 
 
@@ -163,13 +171,13 @@ def test_subnormal_mean_and_values_survive_graph_mode():
     u = np.zeros(100, np.float64)
     u[[3, 50]] = 1e-40
     want, want_res = reference.compress_np(u, None, 0.02)
-    fn = tf.function(lambda x, r: codec.compress(x, r, 0.02))
+    fn = tf.function(lambda x, r: tfb.compress(x, r, 0.02))
     msg, res = fn(tf.constant(u), tf.zeros(100, tf.float64))
     assert msg.numpy().tobytes() == want
     assert res.numpy().tobytes() == want_res.tobytes()
     hdr = wire.parse_tensor_header(want, 0)
     assert 0 < hdr.value < 1.2e-38  # subnormal on the wire
-    dense = tf.function(lambda m: codec.decompress(m, (100,)))(msg)
+    dense = tf.function(lambda m: tfb.decompress(m, (100,)))(msg)
     assert dense.numpy().tobytes() == reference.decompress_np(want, (100,)).tobytes()
     assert dense.numpy()[3] != 0
     # a VALUES message with subnormal values, decoded and averaged over two ranks in graph mode
@@ -181,8 +189,8 @@ def test_subnormal_mean_and_values_survive_graph_mode():
     ref = np.zeros(10, np.float32)
     reference.accumulate_np(per, [ref], 0.5)
     g = tf.constant(np.frombuffer(step + step, np.uint8))
-    for fn in (lambda x: tfx.decode_gathered(x, layout, 2, 0.5),
-               tf.function(lambda x: tfx.decode_gathered(x, layout, 2, 0.5))):
+    for fn in (lambda x: tfb.decode_gathered(x, layout, 2, 0.5),
+               tf.function(lambda x: tfb.decode_gathered(x, layout, 2, 0.5))):
         assert fn(g)[0].numpy().tobytes() == ref.tobytes()
 
 
@@ -211,8 +219,8 @@ def test_decoder_matches_numpy_and_rejects_like_it():
     data = b"".join(steps)
     ref = [np.zeros(wire.layout_numel(s), np.float32) for _, s in layout]
     reference.accumulate_np(reference.decode_step_np(data, layout, 3), ref, 1 / 3)
-    fn = tf.function(lambda g: tfx.decode_gathered(g, layout, 3, 1 / 3))
-    for dec in (lambda g: tfx.decode_gathered(g, layout, 3, 1 / 3), fn):
+    fn = tf.function(lambda g: tfb.decode_gathered(g, layout, 3, 1 / 3))
+    for dec in (lambda g: tfb.decode_gathered(g, layout, 3, 1 / 3), fn):
         got = dec(tf.constant(np.frombuffer(data, np.uint8)))
         assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref]
     # a flipped bit in the middle of rank 1's unary stream: the same verdict text
@@ -224,7 +232,7 @@ def test_decoder_matches_numpy_and_rejects_like_it():
         fn(tf.constant(np.frombuffer(bytes(bad), np.uint8)))
     assert tfx.outcome_of_error(tf_err.value) == ("invalid", str(np_err.value))
     with pytest.raises(ValueError, match=str(np_err.value)[:30]):
-        tfx.decode_gathered(tf.constant(np.frombuffer(bytes(bad), np.uint8)), layout, 3)
+        tfb.decode_gathered(tf.constant(np.frombuffer(bytes(bad), np.uint8)), layout, 3)
 
 
 def test_single_tensor_api_agrees_with_the_reference():
@@ -232,11 +240,11 @@ def test_single_tensor_api_agrees_with_the_reference():
     u = rng.standard_normal((30, 40)).astype(np.float32)
     r = (0.1 * rng.standard_normal((30, 40))).astype(np.float32)
     for sel in ("paper", "magnitude"):
-        m1, r1 = codec.compress(tf.constant(u), tf.constant(r), 0.02, True, sel)
+        m1, r1 = tfb.compress(tf.constant(u), tf.constant(r), 0.02, True, sel)
         m2, r2 = reference.compress_np(u, r, 0.02, True, selection=sel)
         assert m1.numpy().tobytes() == m2
         assert r1.numpy().tobytes() == r2.astype(np.float32).tobytes() and r1.shape == (30, 40)
-        assert np.array_equal(codec.decompress(m1, (30, 40)).numpy(),
+        assert np.array_equal(tfb.decompress(m1, (30, 40)).numpy(),
                               reference.decompress_np(m2, (30, 40)))
 
 
@@ -253,24 +261,24 @@ def test_encoded_positions_and_sent_values_commit_the_residual():
         == hdr.value
 
 
-def _fast_path_taken(data: bytes, layout, n_ranks: int) -> bool:
-    from horovod_sbc.tensorflow import binary
+def _masks_taken(data: bytes, layout, n_ranks: int) -> bool:
+    """Does the TF-ops backend accumulate this step by rank masks (accumulate.by_rank_masks)?"""
     buf = np.frombuffer(data, np.uint8)
-    _, table = decoder.parse_host(buf, layout, n_ranks, False, False, True)
+    _, table = host.parse_host(buf, layout, n_ranks, False, False, True)
     numels = [wire.layout_numel(s) for _, s in layout]
-    return (binary.static_ok(numels, n_ranks, None, [tf.float32] * len(layout), False)
-            and bool(binary.runtime_ok(tf.constant(buf), tf.constant(table))))
+    return (accumulate.masks_fit(numels, n_ranks, None, [tf.float32] * len(layout))
+            and bool(accumulate.binary_step(tf.constant(table))))
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("masks", ["sorted", "dense"])
-def test_binary_fast_path_edge_steps(graph, masks, monkeypatch):
-    """The TF decoder's binary fast path (tensorflow/binary.py) on the steps that stress it: no
-    positions at all, every rank sending the same positions (all 2**8 rank sets of the sum
-    table are exercised by random signs), subnormal values and sums, empty tensors between
-    others — bit-identical to numpy, with either way of building the rank masks."""
-    from horovod_sbc.tensorflow import binary
-    monkeypatch.setattr(binary, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
+def test_rank_mask_accumulation_edge_steps(graph, masks, monkeypatch):
+    """The TF-ops backend's accumulation by rank masks (tensorflow/backend/accumulate.py) on
+    the steps that stress it: no positions at all, every rank sending the same positions (all
+    2**8 rank sets of the sum table are exercised by random signs), subnormal values and sums,
+    empty tensors between others — bit-identical to numpy, with either way of building the rank
+    masks; the kernel backend on the same steps too."""
+    monkeypatch.setattr(accumulate, "SORT_FACTOR", 0 if masks == "sorted" else 1 << 40)
     layout = [("a", (4000,)), ("e", (0,)), ("b", (9,)), ("c", (700,))]
     fp = wire.layout_fingerprint(layout)
     rng = np.random.default_rng(11)
@@ -288,14 +296,18 @@ def test_binary_fast_path_edge_steps(graph, masks, monkeypatch):
             parts.append(reference.compress_np(x, None, 0.05)[0])
         return wire.step_message_bytes(b"".join(parts), fp, len(parts))
 
+    backends = [tfb.OpsBackend(), tfb.backend_for("CPU")]
+    assert isinstance(backends[1], tfb.KernelBackend)
     for n_ranks, kind in [(3, "empty"), (8, "same"), (8, "subnormal"), (1, "same")]:
         data = b"".join(step_of(r, kind) for r in range(n_ranks))
-        assert _fast_path_taken(data, layout, n_ranks)
+        assert _masks_taken(data, layout, n_ranks)
         ref = [np.zeros(wire.layout_numel(s), np.float32) for _, s in layout]
         reference.accumulate_np(reference.decode_step_np(data, layout, n_ranks), ref, 1 / n_ranks)
-        dec = lambda g: tfx.decode_gathered(g, layout, n_ranks, 1 / n_ranks)  # noqa: E731
-        got = (tf.function(dec) if graph else dec)(tf.constant(np.frombuffer(data, np.uint8)))
-        assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], (n_ranks, kind)
+        for b in backends:
+            dec = lambda g: b.decode(g, layout, n_ranks, scale=1 / n_ranks)[1]  # noqa: E731
+            got = (tf.function(dec) if graph else dec)(tf.constant(np.frombuffer(data, np.uint8)))
+            assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], \
+                (n_ranks, kind, b)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -316,9 +328,7 @@ def test_residual_update_ways_agree(dtype):
     got = codec.apply_sent(tf.constant(a), tf.range(5000, dtype=tf.int64), tf.constant(full),
                            codec.ResidualUpdate.ALL)
     assert got.numpy().tobytes() == (a - full).tobytes()
-    # the stock-TF-op path's choice (the kernel op commits the residual itself)
-    assert codec.encode_update(tf.constant(a), 0.01, native_ok=False).update \
-        is codec.ResidualUpdate.DENSE
-    assert codec.encode_update(tf.constant(a), 1e-3, native_ok=False).update \
-        is codec.ResidualUpdate.SCATTER
+    # the TF-op encoder's choice (the kernel op commits the residual itself)
+    assert codec.encode_update(tf.constant(a), 0.01).update is codec.ResidualUpdate.DENSE
+    assert codec.encode_update(tf.constant(a), 1e-3).update is codec.ResidualUpdate.SCATTER
     assert codec.encode_update(tf.constant(a), 1.0, "sign").update is codec.ResidualUpdate.ALL

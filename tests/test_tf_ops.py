@@ -1,9 +1,10 @@
-"""The TF codec's kernel ops (horovod_sbc/kernels/sbc_tf_ops.cc, horovod_sbc/tensorflow/native.py):
-they build and are used for float32 binary SBC on the CPU, eagerly and inside tf.function; they
-give the bytes, residuals and decoded sums of the stock-TF-op path and of numpy (golden vectors:
-tests/test_tf_codec.py runs them through both paths); subnormals survive TensorFlow's
-flush-to-zero; the stock path takes over when they are disabled or cannot be built; NaN/Inf is
-rejected naming the tensor; the decoder's memory stays within 40 bytes per message byte."""
+"""The TF kernel backend (horovod_sbc/kernels/sbc_tf_ops.cc, tensorflow/backend/native.py): its
+ops build and are used for float32 binary SBC on the CPU, eagerly and inside tf.function;
+they give the bytes, residuals and decoded sums of the TF-ops backend and of numpy (golden
+vectors: tests/test_tf_codec.py runs them through both backends); subnormals survive
+TensorFlow's flush-to-zero; the TF-ops backend takes over when they are disabled or cannot be
+built; NaN/Inf is rejected naming the tensor; the decoder's memory stays within 40 bytes per
+message byte."""
 import contextlib
 import json
 import os
@@ -19,10 +20,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 tf = pytest.importorskip("tensorflow")
 
 from horovod_sbc import reference, kernels, wire  # noqa: E402
-from horovod_sbc.tensorflow import codec, decoder  # noqa: E402
-from horovod_sbc.tensorflow import exchange as tfx  # noqa: E402
+import horovod_sbc.tensorflow as hsbc  # noqa: E402
+from horovod_sbc.tensorflow import backend as tfb  # noqa: E402
+from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
-SBC_OPS = {"SbcEncode", "SbcDecodeBinary", "SbcScatterAdd"}
+SBC_OPS = {"SbcEncode", "SbcDecode", "SbcScatterAdd"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,8 +59,8 @@ def test_ops_are_used_in_graphs_and_not_when_disabled():
     got = {}
     for path, ctx in _paths():
         with ctx():
-            comp = tf.function(lambda a, b: codec.compress(a, b, 0.01))
-            dec = tf.function(lambda x: tfx.decode_gathered(x, layout, 1, 0.5))
+            comp = tf.function(lambda a, b: tfb.compress(a, b, 0.01))
+            dec = tf.function(lambda x: tfb.decode_gathered(x, layout, 1, 0.5))
             used = _op_types(comp, u, r) | _op_types(dec, g)
             got[path] = (comp(u, r)[0].numpy().tobytes(), comp(u, r)[1].numpy().tobytes(),
                          dec(g)[0].numpy().tobytes())
@@ -67,11 +69,28 @@ def test_ops_are_used_in_graphs_and_not_when_disabled():
 
 
 def test_ops_follow_the_environment_switch():
-    code = ("from horovod_sbc import kernels; import tensorflow; "
-            "print(kernels.tf_ops() is None)")
+    code = ("from horovod_sbc import kernels; from horovod_sbc.tensorflow import backend; "
+            "print(kernels.tf_ops() is None, type(backend.backend_for('CPU')).__name__)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "HOROVOD_SBC_KERNELS": "0"})
-    assert res.stdout.strip() == "True", res.stderr[-2000:]
+    assert res.stdout.strip() == "True OpsBackend", res.stderr[-2000:]
+
+
+def test_a_backend_is_chosen_once_per_device_type_and_switch():
+    """backend_for: the kernel backend on the CPU, the TF-ops backend on a GPU and wherever the
+    kernels are disabled, the same object every time; an SBC keeps the one of its first sync."""
+    cpu = tfb.backend_for("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert isinstance(cpu, tfb.KernelBackend) and tfb.backend_for("CPU") is cpu
+    assert isinstance(tfb.backend_for("/device:GPU:0"), tfb.OpsBackend)
+    with kernels.disabled():
+        ops = tfb.backend_for("CPU")
+        assert isinstance(ops, tfb.OpsBackend) and tfb.backend_for("CPU") is ops
+    assert tfb.backend_for("CPU") is cpu
+    sbc = hsbc.SBC(density=0.1)
+    assert sbc.backend is None
+    with kernels.disabled():
+        assert sbc._backend_of([tf.Variable(tf.zeros([3]))]) is ops
+    assert sbc._backend_of([tf.Variable(tf.zeros([3]))]) is ops and sbc.backend is ops
 
 
 def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
@@ -79,13 +98,14 @@ def test_without_a_compiler_the_stock_ops_run_and_warn_once(tmp_path):
         import warnings
         import numpy as np, tensorflow as tf
         from horovod_sbc import reference, kernels
-        from horovod_sbc.tensorflow import codec
+        from horovod_sbc.tensorflow import backend as tfb
         u = np.random.default_rng(1).standard_normal(30000).astype(np.float32)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for _ in range(2):
-                msg, res = codec.compress(tf.constant(u), tf.zeros(30000), 0.01)
+                msg, res = tfb.compress(tf.constant(u), tf.zeros(30000), 0.01)
         assert kernels.tf_ops() is None
+        assert isinstance(tfb.backend_for("CPU"), tfb.OpsBackend)
         warned = [x for x in w if "TensorFlow kernel ops unavailable" in str(x.message)]
         assert len(warned) == 1, [str(x.message) for x in w]
         want, want_res = reference.compress_np(u, np.zeros(30000, np.float32), 0.01)
@@ -114,8 +134,8 @@ def test_subnormals_survive_the_ops(graph):
     r[::97] = np.float32(3e-41)  # R + dW subnormal where dW is 0 (and also where it is not)
     want, want_res = reference.compress_np(u, r, 0.001)
     assert 0 < wire.parse_tensor_header(want, 0).value < 1.2e-38
-    fn = (tf.function(lambda a, b: codec.compress(a, b, 0.001)) if graph
-          else (lambda a, b: codec.compress(a, b, 0.001)))
+    fn = (tf.function(lambda a, b: tfb.compress(a, b, 0.001)) if graph
+          else (lambda a, b: tfb.compress(a, b, 0.001)))
     msg, res = fn(tf.constant(u), tf.constant(r))
     assert msg.numpy().tobytes() == want
     assert res.numpy().tobytes() == want_res.tobytes()
@@ -125,8 +145,8 @@ def test_subnormals_survive_the_ops(graph):
     buf = _step([[want], [want]], layout)
     ref = np.zeros(n, np.float32)
     reference.accumulate_np(reference.decode_step_np(buf, layout, 2), [ref], 0.5)
-    dec = (tf.function(lambda x: tfx.decode_gathered(x, layout, 2, 0.5)) if graph
-           else (lambda x: tfx.decode_gathered(x, layout, 2, 0.5)))
+    dec = (tf.function(lambda x: tfb.decode_gathered(x, layout, 2, 0.5)) if graph
+           else (lambda x: tfb.decode_gathered(x, layout, 2, 0.5)))
     got = dec(tf.constant(np.frombuffer(buf, np.uint8)))[0].numpy()
     assert got.tobytes() == ref.tobytes() and np.count_nonzero(got) > 0
 
@@ -136,12 +156,13 @@ def test_nonfinite_update_is_rejected_naming_the_tensor(graph):
     u = np.ones(30_000, np.float32)
     u[1234] = np.inf
     name = "dense_3/kernel:0"
-    fn = (tf.function(lambda a, b: codec.compress(a, b, 0.01, name=name)) if graph
-          else (lambda a, b: codec.compress(a, b, 0.01, name=name)))
+    fn = (tf.function(lambda a, b: tfb.compress(a, b, 0.01, name=name)) if graph
+          else (lambda a, b: tfb.compress(a, b, 0.01, name=name)))
     err = tf.errors.InvalidArgumentError if graph else ValueError
     with pytest.raises(err, match=r"NaN or Inf \(\\?'dense_3/kernel:0\\?'\)"):
         fn(tf.constant(u), tf.zeros(30_000))
-    enc = codec.encode_sum(tf.constant(u), tf.zeros(30_000), 0.01, name=name)
+    (enc,) = tfb.backend_for("CPU").encode([name], [tf.constant(u)], [tf.zeros(30_000)],
+                                           density=0.01)
     assert enc.new_residual is not None and not bool(enc.finite)
     # the exchange's step message names it (what the other ranks are told)
     step, _ = tfx.frame_host([name], [30_000], 0, 0, False, None, np.array([bool(enc.finite)]),
@@ -166,8 +187,8 @@ def _fns(path, density, selection, layout, n_ranks, scale):
     if key not in _FNS:
         with dict(_paths())[path]():
             _FNS[key] = (
-                tf.function(lambda a, b: codec.compress(a, b, density, True, selection)),
-                tf.function(lambda g: tfx.decode_gathered(g, layout, n_ranks, scale)))
+                tf.function(lambda a, b: tfb.compress(a, b, density, True, selection)),
+                tf.function(lambda g: tfb.decode_gathered(g, layout, n_ranks, scale)))
     return _FNS[key]
 
 
@@ -206,8 +227,8 @@ def test_ops_and_stock_ops_agree(case, graph):
             if graph:
                 comp, dec = _fns(path, density, selection, layout, n_ranks, scale)
             else:
-                comp = lambda a, b: codec.compress(a, b, density, True, selection)  # noqa: E731
-                dec = lambda g: tfx.decode_gathered(g, layout, n_ranks, scale)  # noqa: E731
+                comp = lambda a, b: tfb.compress(a, b, density, True, selection)  # noqa: E731
+                dec = lambda g: tfb.decode_gathered(g, layout, n_ranks, scale)  # noqa: E731
             out = [comp(tf.constant(u), tf.constant(r)) for u in us]
             msgs = [m.numpy().tobytes() for m, _ in out]
             buf = _step([[m] for m in msgs], layout)
@@ -232,7 +253,7 @@ def test_close_means_choose_the_reference_side():
                 got = {}
                 for path, ctx in _paths():
                     with ctx():
-                        msg, res = codec.compress(tf.zeros([n]), tf.constant(a), density, True,
+                        msg, res = tfb.compress(tf.zeros([n]), tf.constant(a), density, True,
                                                   "paper")
                     got[path] = (msg.numpy().tobytes(), res.numpy().tobytes())
                 want, _ = reference.compress_np(a.copy(), None, density)
@@ -254,12 +275,12 @@ def test_tf_decoder_memory_is_bounded_by_the_message_size():
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(1)
         from horovod_sbc import kernels
-        from horovod_sbc.tensorflow import exchange as tfx
+        from horovod_sbc.tensorflow import backend as tfb
         assert kernels.tf_ops() is not None
 
         def make(buf, layout, numel):
             gathered = tf.constant(np.frombuffer(buf, np.uint8))
-            return lambda: tfx.decode_gathered(gathered, layout, 1)[0]
+            return lambda: tfb.decode_gathered(gathered, layout, 1)[0]
     """)
     assert got["ok"]
     assert got["bytes"] > 1 << 20
@@ -291,7 +312,7 @@ def test_decode_into_outputs_matches_the_stock_path(graph):
     for path, ctx in _paths():
         with ctx():
             outs = [tf.constant(b) for b in bases]
-            fn = lambda g, o0, o1: tfx.decode_gathered(g, layout, 3, 1 / 3, [o0, o1])  # noqa
+            fn = lambda g, o0, o1: tfb.decode_gathered(g, layout, 3, 1 / 3, [o0, o1])  # noqa
             res = (tf.function(fn) if graph else fn)(buf, *outs)
             got[path] = [x.numpy().tobytes() for x in res]
             assert [o.numpy().tobytes() for o in outs] == [b.tobytes() for b in bases]
@@ -309,5 +330,5 @@ def test_stock_path_paper_rule_at_high_density_on_large_tensors(density):
     u[:8] = 0
     want, want_res = reference.compress_np(u, None, density)
     with kernels.disabled():
-        msg, res = codec.compress(tf.constant(u), tf.zeros(20_000), density)
+        msg, res = tfb.compress(tf.constant(u), tf.zeros(20_000), density)
     assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()

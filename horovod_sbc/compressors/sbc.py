@@ -39,7 +39,7 @@ class SBC(registry.Compressor):
         return enc.message, enc.positions, enc.sent
 
     def encode_tf(self, a, density, selection, name, generator=None):
-        from ..tensorflow import codec
+        from ..tensorflow.backend import codec
         return codec.encode_update(a, density, "sbc", selection, name)
 
 

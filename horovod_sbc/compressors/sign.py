@@ -49,7 +49,7 @@ class SignSGD(registry.Compressor):
 
     def encode_tf(self, a, density, selection, name, generator=None):
         import tensorflow as tf
-        from ..tensorflow import codec
+        from ..tensorflow.backend import codec
         n = int(a.shape[0])
         sbits = codec.f64_to_f32_bits(codec.tree_sum(tf.abs(a), n) / float(n))
         neg = a < 0

@@ -63,7 +63,7 @@ class TernGrad(registry.Compressor):
         this tensor's draws (``tf.random.stateless_uniform``: graph-safe, and a resumed run
         draws the same)."""
         import tensorflow as tf
-        from ..tensorflow import codec
+        from ..tensorflow.backend import codec
         if generator is None:
             raise ValueError(f"TernGrad needs a seed for the draws of {name!r}")
         n = int(a.shape[0])

@@ -30,7 +30,7 @@ class TopK(registry.Compressor):
         return enc.message, enc.positions, enc.sent
 
     def encode_tf(self, a, density, selection, name, generator=None):
-        from ..tensorflow import codec
+        from ..tensorflow.backend import codec
         return codec.encode_update(a, density, "values", selection, name)
 
 

@@ -61,12 +61,12 @@ platform; concurrent ranks building at once each write a private file and rename
 :func:`disabled` for a block of code (tests).
 
 TensorFlow: ``sbc_tf_ops.cc`` wraps the same kernels as three TensorFlow custom ops (CPU only;
-``SbcEncode``, ``SbcDecodeBinary``, ``SbcScatterAdd``; the file documents why the op boundaries
+``SbcEncode``, ``SbcDecode``, ``SbcScatterAdd``; the file documents why the op boundaries
 lie where they do). :func:`tf_ops` builds it on first use like the C library — ``sbc_kernels.c``
 compiled by ``cc`` as a C object, linked with the ``.cc`` by ``g++`` (``$CXX``) with
 ``tf.sysconfig``'s compile and link flags, cached under a hash of both sources, the commands and
 the TensorFlow version — and loads it with ``tf.load_op_library``;
-:mod:`horovod_sbc.tensorflow.native` drives it. The same switches disable it.
+:mod:`horovod_sbc.tensorflow.backend.native` drives it. The same switches disable it.
 """
 from __future__ import annotations
 

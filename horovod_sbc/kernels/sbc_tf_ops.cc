@@ -1,13 +1,13 @@
 // TensorFlow custom ops (CPU) around SBC's C kernels (sbc_kernels.c, linked in as a C object).
 //
 // Built on first use by horovod_sbc/kernels/__init__.py (build_tf_ops) and loaded with
-// tf.load_op_library; horovod_sbc/tensorflow/native.py drives the ops. The bytes and numbers are
+// tf.load_op_library; horovod_sbc/tensorflow/backend/native.py drives the ops. The bytes and numbers are
 // those of the C kernels, hence of the numpy reference (tests/golden, tests/test_differential.py).
 //
 // Why three ops, each doing a whole sequence in one Compute(): the C kernels keep positions in
 // per-thread scratch between sbc_select and sbc_take, and TensorFlow may run two ops on two
 // threads. So SbcEncode does selection + binarization mean + take + Rice parameter + streams +
-// the error feedback's commit at once; SbcDecodeBinary writes positions into its own output
+// the error feedback's commit at once; SbcDecode writes positions into its own output
 // tensor (sbc_decode_batch_into) and SbcScatterAdd reads them from there
 // (sbc_scatter_add_groups_from): between the two the host judges the streams' statistics
 // (horovod_sbc.protocol), so nothing is added before the verdict.
@@ -264,15 +264,30 @@ class SbcEncodeOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("SbcEncode").Device(DEVICE_CPU), SbcEncodeOp);
 
 // ------------------------------------------------------------------------------------------
-// SbcDecodeBinary
+// the message kinds of the per-message table (horovod_sbc/tensorflow/backend/table.py K_*)
 // ------------------------------------------------------------------------------------------
-// columns of the per-message table (horovod_sbc/tensorflow/decoder.py C_*), passed as attrs
-REGISTER_OP("SbcDecodeBinary")
+constexpr int64_t kBinary = 0, kSigns = 1, kValues = 2, kAllSigns = 3, kAllValues = 4;
+
+inline bool has_signs(int64_t kind) { return kind == kSigns || kind == kAllSigns; }
+inline bool has_values(int64_t kind) { return kind == kValues || kind == kAllValues; }
+inline bool all_positions(int64_t kind) { return kind == kAllSigns || kind == kAllValues; }
+
+inline uint32_t load_le32(const uint8_t *p) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+}
+
+// ------------------------------------------------------------------------------------------
+// SbcDecode
+// ------------------------------------------------------------------------------------------
+// columns of the per-message table (horovod_sbc/tensorflow/backend/table.py C_*), passed as attrs
+REGISTER_OP("SbcDecode")
     .Input("buf: uint8")
     .Input("table: int64")
     .Output("stats: int64")
     .Output("positions: uint32")
-    .Attr("columns: list(int)")  // [ustart, ubytes, rstart, rbytes, count, b, numel]
+    // [ustart, ubytes, rstart, rbytes, count, b, numel, kind, sstart, sbytes, vstart]
+    .Attr("columns: list(int)")
     .SetIsStateful()
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext *c) {
       c->set_output(0, c->Matrix(c->Dim(c->input(1), 0), 8));
@@ -280,63 +295,97 @@ REGISTER_OP("SbcDecodeBinary")
       return tensorflow::OkStatus();
     })
     .Doc(R"doc(
-Decode every (binary SBC) message of a gathered step: stats [m, 8] are the rows of
+Decode every message of a gathered step, whatever its kind: stats [m, 8] are the rows of
 horovod_sbc.protocol.StreamStats (ones, unary_last_zero, max_q, max_r, rem_pad_nonzero, pos_max,
-0, 0) and positions (uint32) hold message j's count positions at sum(count[0..j)) when its
-statistics are valid (else they are unspecified: the protocol rejects the step). Reads only
-inside the byte ranges of the table, which the host parser checked.
+sign_pad_nonzero, nonfinite) and positions (uint32) hold message j's count positions at
+sum(count[0..j)) when its statistics are valid (else they are unspecified: the protocol rejects
+the step). The position streams of binary, SIGNS and VALUES messages are the same Rice code
+(sbc_decode_batch_into); an ALL message's positions are 0..count-1. Reads only inside the byte
+ranges of the table, which the host parser checked (and which are checked here once more).
 )doc");
 
-class SbcDecodeBinaryOp : public OpKernel {
+class SbcDecodeOp : public OpKernel {
  public:
-  explicit SbcDecodeBinaryOp(OpKernelConstruction *ctx) : OpKernel(ctx) {
+  explicit SbcDecodeOp(OpKernelConstruction *ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("columns", &cols_));
-    OP_REQUIRES(ctx, cols_.size() == 7, InvalidArgument("SbcDecodeBinary: 7 columns"));
+    OP_REQUIRES(ctx, cols_.size() == 11, InvalidArgument("SbcDecode: 11 columns"));
   }
 
   void Compute(OpKernelContext *ctx) override {
     DenormalGuard guard;
-    const Tensor &buf = ctx->input(0);
+    const Tensor &buf_t = ctx->input(0);
     const Tensor &table = ctx->input(1);
-    OP_REQUIRES(ctx, table.dims() == 2, InvalidArgument("SbcDecodeBinary: table must be 2-D"));
+    OP_REQUIRES(ctx, table.dims() == 2, InvalidArgument("SbcDecode: table must be 2-D"));
     const int64_t m = table.dim_size(0), w = table.dim_size(1);
     for (int64_t c : cols_)
-      OP_REQUIRES(ctx, c >= 0 && c < w, InvalidArgument("SbcDecodeBinary: bad column"));
+      OP_REQUIRES(ctx, c >= 0 && c < w, InvalidArgument("SbcDecode: bad column"));
     auto tab = table.matrix<int64_t>();
-    std::vector<int64_t> col(7 * m);
-    int64_t total = 0;
-    for (int i = 0; i < 7; i++)
-      for (int64_t j = 0; j < m; j++) col[i * m + j] = tab(j, cols_[i]);
+    auto at = [&](int64_t j, int i) { return tab(j, cols_[i]); };
+    const uint8_t *buf = buf_t.flat<uint8_t>().data();
+    const int64_t buflen = buf_t.NumElements();
+    std::vector<int64_t> off(m + 1, 0);
     for (int64_t j = 0; j < m; j++) {
-      int64_t c = col[4 * m + j];
-      OP_REQUIRES(ctx, c >= 0 && total <= (int64_t(1) << 40) - c,
-                  InvalidArgument("SbcDecodeBinary: bad count"));
-      total += c;
+      const int64_t c = at(j, 4), kind = at(j, 7);
+      OP_REQUIRES(ctx, c >= 0 && off[j] <= (int64_t(1) << 40) - c,
+                  InvalidArgument("SbcDecode: bad count"));
+      OP_REQUIRES(ctx, kind >= kBinary && kind <= kAllValues,
+                  InvalidArgument("SbcDecode: bad message kind ", kind));
+      OP_REQUIRES(ctx, !all_positions(kind) || c <= (int64_t(1) << 32),
+                  InvalidArgument("SbcDecode: ALL message of more than 2^32 elements"));
+      const int64_t sbytes = has_signs(kind) ? at(j, 9) : 0;
+      const int64_t vbytes = has_values(kind) ? 4 * c : 0;
+      OP_REQUIRES(ctx, InBuffer(at(j, 8), sbytes, buflen) && InBuffer(at(j, 10), vbytes, buflen),
+                  InvalidArgument("SbcDecode: a sign or value stream lies outside the buffer"));
+      off[j + 1] = off[j] + c;
     }
-    std::vector<int64_t> raw(6 * m);
-    Tensor *pos_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total}), &pos_t));
-    int rc = m ? sbc_decode_batch_into(buf.flat<uint8_t>().data(), buf.NumElements(), m,
-                                       &col[0], &col[m], &col[2 * m], &col[3 * m], &col[4 * m],
-                                       &col[5 * m], &col[6 * m], raw.data(),
-                                       pos_t->flat<uint32_t>().data())
-               : kOk;
-    OP_REQUIRES(ctx, rc == kOk,
-                Internal("SbcDecodeBinary: the decoder rejected the parsed ranges (", rc, ")"));
-    Tensor *st_t = nullptr;
+    Tensor *pos_t = nullptr, *st_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({off[m]}), &pos_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m, 8}), &st_t));
+    uint32_t *pos = pos_t->flat<uint32_t>().data();
     auto st = st_t->matrix<int64_t>();
     for (int64_t j = 0; j < m; j++) {
-      for (int i = 0; i < 6; i++) st(j, i) = raw[6 * j + i];
-      st(j, 6) = st(j, 7) = 0;
+      const int64_t kind = at(j, 7), count = at(j, 4);
+      int64_t raw[6] = {0, 0, 0, 0, 0, -1};
+      if (all_positions(kind)) {  // no position streams: every element, in order
+        for (int64_t i = 0; i < count; i++) pos[off[j] + i] = static_cast<uint32_t>(i);
+      } else {
+        int64_t cols[7];
+        for (int i = 0; i < 7; i++) cols[i] = at(j, i);
+        int rc = sbc_decode_batch_into(buf, buflen, 1, &cols[0], &cols[1], &cols[2], &cols[3],
+                                       &cols[4], &cols[5], &cols[6], raw, pos + off[j]);
+        OP_REQUIRES(ctx, rc == kOk,
+                    Internal("SbcDecode: the decoder rejected the parsed ranges (", rc, ")"));
+      }
+      for (int i = 0; i < 6; i++) st(j, i) = raw[i];
+      st(j, 6) = has_signs(kind) ? SignPadNonzero(buf, at(j, 8), at(j, 9), count) : 0;
+      st(j, 7) = has_values(kind) ? NonFinite(buf + at(j, 10), count) : 0;
     }
   }
 
  private:
+  static bool InBuffer(int64_t start, int64_t n, int64_t buflen) {
+    return n == 0 || (start >= 0 && n > 0 && start <= buflen - n);
+  }
+
+  // protocol.StreamStats.sign_pad_nonzero: a padding bit of the last sign byte is set
+  static int64_t SignPadNonzero(const uint8_t *buf, int64_t start, int64_t nbytes, int64_t count) {
+    const int64_t pad = 8 * nbytes - count;
+    if (nbytes <= 0 || pad <= 0 || pad >= 8) return 0;
+    return (buf[start + nbytes - 1] & ((1u << pad) - 1u)) != 0;
+  }
+
+  // protocol.StreamStats.nonfinite: float32 values whose exponent bits are all ones (read as
+  // bits: the value itself may be subnormal)
+  static int64_t NonFinite(const uint8_t *v, int64_t count) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) n += (load_le32(v + 4 * i) & 0x7F800000u) == 0x7F800000u;
+    return n;
+  }
+
   std::vector<int64_t> cols_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("SbcDecodeBinary").Device(DEVICE_CPU), SbcDecodeBinaryOp);
+REGISTER_KERNEL_BUILDER(Name("SbcDecode").Device(DEVICE_CPU), SbcDecodeOp);
 
 // ------------------------------------------------------------------------------------------
 // SbcScatterAdd
@@ -344,12 +393,13 @@ REGISTER_KERNEL_BUILDER(Name("SbcDecodeBinary").Device(DEVICE_CPU), SbcDecodeBin
 REGISTER_OP("SbcScatterAdd")
     .Input("positions: uint32")
     .Input("table: int64")
+    .Input("buf: uint8")         // the gathered step: sign bits and per-position values
     .Input("scale: double")      // the protocol's float64(value) * scale, rounded to float32
     .Input("bases: N * float")
     .Output("outs: N * float")
     .Attr("N: int >= 1")
     .Attr("numels: list(int)")
-    .Attr("columns: list(int)")  // [tensor, count, value_bits, negative]
+    .Attr("columns: list(int)")  // [tensor, count, value_bits, negative, kind, sstart, vstart]
     .Attr("zero: bool")          // outs start from zeros (bases are ignored)
     .SetIsStateful()
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext *c) {
@@ -361,10 +411,12 @@ REGISTER_OP("SbcScatterAdd")
     })
     .Doc(R"doc(
 outs[t] (flat, numels[t] elements) = bases[t] (or zeros: then bases may be empty) + for each
-rank in rank order float32(float64(value) * scale) at
-that rank's positions of tensor t (float32 adds in rank order at every element: the reference's
-arithmetic, IEEE subnormals kept). The table rows are the messages in (rank, tensor) order, the
-positions those of SbcDecodeBinary after the protocol accepted the step.
+rank in rank order float32(float64(value) * scale) at that rank's positions of tensor t
+(float32 adds in rank order at every element: the reference's arithmetic, IEEE subnormals
+kept). A binary message adds its one signed value everywhere, a SIGNS message its value with
+each position's sign bit, a VALUES message each position's own float32. The table rows are the
+messages in (rank, tensor) order, the positions those of SbcDecode after the protocol accepted
+the step.
 )doc");
 
 class SbcScatterAddOp : public OpKernel {
@@ -373,16 +425,17 @@ class SbcScatterAddOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("numels", &numels_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("columns", &cols_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("zero", &zero_));
-    OP_REQUIRES(ctx, cols_.size() == 4, InvalidArgument("SbcScatterAdd: 4 columns"));
+    OP_REQUIRES(ctx, cols_.size() == 7, InvalidArgument("SbcScatterAdd: 7 columns"));
   }
 
   void Compute(OpKernelContext *ctx) override {
     DenormalGuard guard;
-    const Tensor &pos = ctx->input(0);
+    const Tensor &pos_t = ctx->input(0);
     const Tensor &table = ctx->input(1);
+    const Tensor &buf_t = ctx->input(2);
     const int64_t nt = static_cast<int64_t>(numels_.size());
-    const double scale = ctx->input(2).scalar<double>()();
-    OP_REQUIRES(ctx, ctx->num_inputs() == 3 + nt,
+    const double scale = ctx->input(3).scalar<double>()();
+    OP_REQUIRES(ctx, ctx->num_inputs() == 4 + nt,
                 InvalidArgument("SbcScatterAdd: one base per numel"));
     OP_REQUIRES(ctx, table.dims() == 2, InvalidArgument("SbcScatterAdd: table must be 2-D"));
     const int64_t m = table.dim_size(0);
@@ -390,54 +443,100 @@ class SbcScatterAddOp : public OpKernel {
       OP_REQUIRES(ctx, c >= 0 && c < table.dim_size(1),
                   InvalidArgument("SbcScatterAdd: bad column"));
     auto tab = table.matrix<int64_t>();
-    std::vector<int64_t> outs(nt);
+    auto at = [&](int64_t j, int i) { return tab(j, cols_[i]); };
+    std::vector<float *> outs(nt);
     for (int64_t t = 0; t < nt; t++) {
       Tensor *o = nullptr;
-      if (zero_) {  // sbc_scatter_add_groups_from zeroes them chunk by chunk
+      if (zero_) {  // zeroed below, by the scatter (chunk by chunk) or before the element loop
         OP_REQUIRES_OK(ctx, ctx->allocate_output(t, TensorShape({numels_[t]}), &o));
       } else {
-        const Tensor &base = ctx->input(3 + t);
+        const Tensor &base = ctx->input(4 + t);
         OP_REQUIRES(ctx, base.NumElements() == numels_[t],
                     InvalidArgument("SbcScatterAdd: base ", t, " has the wrong size"));
         OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(
-                                {static_cast<int>(3 + t)}, t, TensorShape({numels_[t]}), &o));
+                                {static_cast<int>(4 + t)}, t, TensorShape({numels_[t]}), &o));
         const float *src = base.flat<float>().data();
         if (o->flat<float>().data() != src && numels_[t])
           std::memcpy(o->flat<float>().data(), src,
                       static_cast<size_t>(numels_[t]) * sizeof(float));
       }
-      outs[t] = reinterpret_cast<int64_t>(o->flat<float>().data());
+      outs[t] = o->flat<float>().data();
     }
-    // per tensor, its messages in rank order (rows are rank-major), positions at pos_off
+    // per tensor, its messages in rank order (rows are rank-major), positions at off
     std::vector<int64_t> off(m + 1, 0);
-    for (int64_t j = 0; j < m; j++) off[j + 1] = off[j] + tab(j, cols_[1]);
-    OP_REQUIRES(ctx, off[m] == pos.NumElements(),
+    std::vector<bool> binary_only(nt, true);
+    for (int64_t j = 0; j < m; j++) {
+      off[j + 1] = off[j] + at(j, 1);
+      const int64_t t = at(j, 0);
+      OP_REQUIRES(ctx, t >= 0 && t < nt, InvalidArgument("SbcScatterAdd: bad tensor index"));
+      if (at(j, 4) != kBinary && at(j, 1) > 0) binary_only[t] = false;
+    }
+    OP_REQUIRES(ctx, off[m] == pos_t.NumElements(),
                 InvalidArgument("SbcScatterAdd: positions do not match the table's counts"));
+    const uint32_t *pos = pos_t.flat<uint32_t>().data();
+    // tensors whose messages are all binary: one value per message, the chunked scatter
     std::vector<int64_t> gstart(1, 0), g_out, g_numel, p_off, cnt;
     std::vector<float> val;
     for (int64_t t = 0; t < nt; t++) {
+      if (!binary_only[t]) continue;
       for (int64_t j = 0; j < m; j++) {
-        if (tab(j, cols_[0]) != t) continue;
-        const uint32_t vb = static_cast<uint32_t>(tab(j, cols_[2]));
-        double v = static_cast<double>(bits_f32(vb));  // wire.TensorMessage.signed_value
-        if (tab(j, cols_[3])) v = -v;
+        if (at(j, 0) != t) continue;
         p_off.push_back(off[j]);
-        cnt.push_back(tab(j, cols_[1]));
-        val.push_back(static_cast<float>(v * scale));
+        cnt.push_back(at(j, 1));
+        val.push_back(Scaled(Signed(static_cast<uint32_t>(at(j, 2)), at(j, 3) != 0), scale));
       }
       gstart.push_back(static_cast<int64_t>(p_off.size()));
-      g_out.push_back(outs[t]);
+      g_out.push_back(reinterpret_cast<int64_t>(outs[t]));
       g_numel.push_back(numels_[t]);
     }
-    int rc = sbc_scatter_add_groups_from(pos.flat<uint32_t>().data(), pos.NumElements(), nt,
-                                         gstart.data(), g_out.data(), g_numel.data(),
-                                         p_off.data(), cnt.data(), val.data(), zero_ ? 1 : 0);
+    const int64_t ng = static_cast<int64_t>(g_out.size());
+    int rc = ng ? sbc_scatter_add_groups_from(pos, pos_t.NumElements(), ng, gstart.data(),
+                                              g_out.data(), g_numel.data(), p_off.data(),
+                                              cnt.data(), val.data(), zero_ ? 1 : 0)
+                : kOk;
     OP_REQUIRES(ctx, rc != kNoMem, ResourceExhausted("SbcScatterAdd: out of memory"));
     OP_REQUIRES(ctx, rc == kOk,
                 Internal("SbcScatterAdd: the scatter rejected its arguments (", rc, ")"));
+    // tensors with SIGNS or VALUES messages: a value per position, added rank after rank
+    const uint8_t *buf = buf_t.flat<uint8_t>().data();
+    const int64_t buflen = buf_t.NumElements();
+    for (int64_t t = 0; t < nt; t++) {
+      if (binary_only[t]) continue;
+      float *o = outs[t];
+      if (zero_ && numels_[t]) std::memset(o, 0, static_cast<size_t>(numels_[t]) * sizeof(float));
+      for (int64_t j = 0; j < m; j++) {
+        if (at(j, 0) != t) continue;
+        const int64_t kind = at(j, 4), count = at(j, 1);
+        const int64_t sstart = at(j, 5), vstart = at(j, 6);
+        OP_REQUIRES(ctx, !has_signs(kind) || (sstart >= 0 && sstart <= buflen - (count + 7) / 8),
+                    InvalidArgument("SbcScatterAdd: sign stream outside the buffer"));
+        OP_REQUIRES(ctx, !has_values(kind) || (vstart >= 0 && vstart <= buflen - 4 * count),
+                    InvalidArgument("SbcScatterAdd: value stream outside the buffer"));
+        const uint32_t *pj = pos + off[j];
+        for (int64_t i = 0; i < count; i++) {
+          OP_REQUIRES(ctx, pj[i] < static_cast<uint64_t>(numels_[t]),
+                      InvalidArgument("SbcScatterAdd: position out of range"));
+          uint32_t bits = has_values(kind) ? load_le32(buf + vstart + 4 * i)
+                                           : static_cast<uint32_t>(at(j, 2));
+          bool neg = at(j, 3) != 0;
+          if (has_signs(kind)) neg = neg || ((buf[sstart + i / 8] >> (7 - i % 8)) & 1);
+          o[pj[i]] += Scaled(Signed(bits, neg), scale);
+        }
+      }
+    }
   }
 
  private:
+  // wire.TensorMessage.signed_value (and a SIGNS position's sign bit): the sign bit set
+  static uint32_t Signed(uint32_t bits, bool negative) {
+    return negative ? bits | 0x80000000u : bits;
+  }
+
+  // the protocol's decoded arithmetic: float32(float64(value) * scale)
+  static float Scaled(uint32_t bits, double scale) {
+    return static_cast<float>(static_cast<double>(bits_f32(bits)) * scale);
+  }
+
   std::vector<int64_t> numels_, cols_;
   bool zero_ = true;
 };

@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
                       "'horovod_sbc[tensorflow]' (and Horovod built with HOROVOD_WITH_TENSORFLOW=1; "
                       "see scripts/install.sh)") from e
 
-from .codec import compress, decompress
+from .backend import compress, decompress
 from .compressor import SBC
 from .tape import DistributedGradientTape, broadcast_variables
 

@@ -34,8 +34,9 @@ import tensorflow as tf
 from .. import reference, registry, wire
 from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
-from . import exchange
-from .exchange import COMMIT, residual_dtype, tf_name
+from .backend import Backend, backend_for
+from .sync import exchange
+from .sync.exchange import COMMIT, residual_dtype, tf_name
 from .owner import identify, variable_name
 
 # Our graph-building code uses Python control flow on Python values only; AutoGraph must not
@@ -139,6 +140,7 @@ class SBC(tf.Module):
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
         self._mode: Optional[str] = None
+        self._backend: Optional[Backend] = None
         with tf.init_scope():
             self.residuals = {}
             self.reference = {}
@@ -184,6 +186,19 @@ class SBC(tf.Module):
             raise ValueError(f"this SBC object is used through {_MODES[self._mode]}; it cannot "
                              f"also be used through {_MODES[mode]} (their residuals would mix). "
                              "Use one SBC object per training loop.")
+
+    @property
+    def backend(self) -> Optional[Backend]:
+        """The backend that encodes and decodes this object's syncs
+        (:mod:`horovod_sbc.tensorflow.backend`), chosen at the first sync for the device of
+        its first residual (the kernel ops on the CPU unless disabled, else TF ops); None
+        before."""
+        return self._backend
+
+    def _backend_of(self, residuals) -> Backend:
+        if self._backend is None:
+            self._backend = backend_for(residuals[0].device if residuals else "")
+        return self._backend
 
     def _world(self) -> Tuple[int, int]:
         import horovod.tensorflow as hvd
@@ -307,7 +322,8 @@ class SBC(tf.Module):
         capacity = reference.step_capacity([wire.layout_numel(s) for s in shapes],
                                            self.density, self.mode) \
             if self.config.fixed_size else None
-        return exchange.exchange(names, shapes, updates, [r.read_value() for r in residuals],
+        return exchange.exchange(self._backend_of(residuals), names, shapes, updates,
+                                 [r.read_value() for r in residuals],
                                  density=self.density, mode=self.mode, seeds=seeds,
                                  selection=self.selection, capacity=capacity,
                                  skip=self.nonfinite == "skip", rank=rank, size=size,

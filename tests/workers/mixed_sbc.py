@@ -41,7 +41,8 @@ def sha(arrays) -> str:
 def run_tf():
     import tensorflow as tf
     import horovod.tensorflow as hvd
-    from horovod_sbc.tensorflow import exchange
+    from horovod_sbc.tensorflow.backend import backend_for
+    from horovod_sbc.tensorflow.sync import exchange
     hvd.init()
     size, rank = hvd.size(), hvd.rank()
     res = [tf.zeros(s) for s in SHAPES]
@@ -50,8 +51,9 @@ def run_tf():
     def sync(s, nan=False, skip=False):
         nonlocal res
         code, results, new_res, _ = exchange.exchange(
-            NAMES, SHAPES, [tf.constant(u) for u in update(rank, s, nan)], res, density=DENSITY,
-            mode="sbc", skip=skip, rank=rank, size=size, scale=1.0 / size, tag="sbc_mixed")
+            backend_for("CPU"), NAMES, SHAPES, [tf.constant(u) for u in update(rank, s, nan)],
+            res, density=DENSITY, mode="sbc", skip=skip, rank=rank, size=size, scale=1.0 / size,
+            tag="sbc_mixed")
         if int(code) == exchange.COMMIT:
             res = new_res
         return int(code), [r.numpy() for r in results]

@@ -26,7 +26,7 @@ import keras  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
-from horovod_sbc.tensorflow import exchange  # noqa: E402
+from horovod_sbc.tensorflow.sync import exchange  # noqa: E402
 
 MODE, KW = None, {}  # of the scenario running
 

@@ -6,7 +6,8 @@ device, and the host reads only O(tensors) integers a fixed number of times per 
 
 * **Encoding a sync** (:meth:`OpsBackend.encode_many`): SBC with the paper's selection on
   float32 updates goes through the fused encoder (:mod:`horovod_sbc.torch.backend.fused`), every
-  tensor at once in a constant number of kernels and two host reads. Anything else, and a sync
+  tensor at once in a constant number of kernels and two host reads, its step header uploaded
+  with the encoder's plan and its CRC computed on the device. Anything else, and a sync
   whose update holds NaN/Inf (so that the error names the tensor and its residual is handled by
   its own rule), is encoded tensor by tensor (:meth:`OpsBackend.encode_tensor`: the selection of
   :mod:`horovod_sbc.torch.backend.select`, the streams of :mod:`horovod_sbc.torch.backend.
@@ -16,7 +17,7 @@ device, and the host reads only O(tensors) integers a fixed number of times per 
   job decoded together (:func:`horovod_sbc.torch.backend.batch.decode_messages`), the verdict,
   then per output dtype one buffer of all outputs receives each rank's values with one
   ``index_add_`` per rank (rank order kept on any device: each rank's positions are unique) and
-  is copied back. Host reads per call: three, whatever the number of tensors and ranks.
+  is copied back. Host reads per call: two, whatever the number of tensors, ranks and jobs.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""SBC codec in TensorFlow ops: selection, binarization, residual and Golomb-Rice streams on the
-tensor's own device, eagerly and inside ``tf.function``.
+"""The TF-ops backend's encoder: selection, binarization, residual and Golomb-Rice streams in
+TensorFlow ops on the tensor's own device, eagerly and inside ``tf.function``.
 
 Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.reference`,
 :mod:`horovod_sbc.wire`) and of the torch codec (pinned by ``tests/golden/``). What runs where:
@@ -13,9 +13,9 @@ Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.re
   float64 -> float32 rounding (round-to-nearest-even on the bit pattern, so a mean like 1e-40 of
   a float64 tensor survives: TensorFlow flushes subnormal floats to zero on CPU).
 * **on the host** — nothing while encoding a tensor. Framing a step message needs the CRC-32 of
-  the compressed body: :mod:`horovod_sbc.tensorflow.exchange` does that in one small
+  the compressed body: :mod:`horovod_sbc.tensorflow.sync.exchange` does that in one small
   ``tf.numpy_function`` on the compressed bytes only (kilobytes, never the O(numel) tensor).
-  Decoding parses headers on the host (also O(message bytes)); see :func:`decode_gathered`.
+  Decoding parses headers on the host (also O(message bytes)); see :mod:`.host`.
 
 Selection is the exact top-k with the reference's tie rule (ties at the k-th value go to the lower
 flat index) without a ``tf.math.top_k`` of the whole tensor: one pass computes the maximum and
@@ -44,10 +44,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import config, reference, registry, wire
-from . import graphs, native
+from ... import config, reference, registry, wire
+from . import graphs
 from .bits import f32_bits_to_f64, f64_to_f32_bits  # noqa: F401 (re-exported)
-from .decoder import decode_messages
 
 _EXACT_BELOW = 1 << 14   # below this (or at high density) the exact path runs on the whole tensor
 _BLOCK = 32              # elements per block of the block-maxima pass
@@ -57,7 +56,7 @@ _BAND_SIGMAS = 4.0       # the sampled thresholds sit this many standard deviati
 _SAMPLE_EXPECT = 1024    # sample so that ~this many sampled entries reach the k-th (top_k cost)
 _DENSE_UPDATE = 200      # residual update by one dense subtraction once k * this >= numel
 if sys.byteorder != "little":  # pragma: no cover - tf.bitcast of float32 values to wire bytes
-    raise ImportError("horovod_sbc.tensorflow.codec assumes a little-endian host")
+    raise ImportError("horovod_sbc.tensorflow.backend.codec assumes a little-endian host")
 
 _no_autograph = tf.autograph.experimental.do_not_convert
 
@@ -72,9 +71,9 @@ class ResidualUpdate(enum.Enum):
     """How :func:`apply_sent` subtracts what was sent (chosen while tracing from the keep count;
     every way gives the same bits: ``a - 0 == a`` for every float TensorFlow keeps)."""
     SCATTER = "scatter"  # copy ``a``, subtract at the positions (few positions)
-    DENSE = "dense"      # ``a - SparseToDense(positions, sent)`` (many positions: TF's scatter
-                         # costs ~100 ns per position on one CPU thread, the dense fill ~0.1 ns
-                         # per element)
+    DENSE = "dense"      # ``a - SparseToDense(positions, sent)`` (many positions,
+                         # ``k * _DENSE_UPDATE >= numel``: TF's scatter costs more per position
+                         # than the dense fill does per element by about that factor)
     ALL = "all"          # every element was sent: ``a - sent``
 
 
@@ -91,8 +90,8 @@ class Encoded:
                sent and nothing may be committed)
     numel:     the tensor's element count (static)
     update:    how the error feedback is best applied (:class:`ResidualUpdate`, static)
-    new_residual: flat ``A - sent`` when the encoder computed it already (the kernel op of
-               :mod:`horovod_sbc.tensorflow.native`), else None (:meth:`residual` computes it)
+    new_residual: flat ``A - sent`` once computed (the kernel op computes it with the message;
+               a backend's encode sets it), else None (:meth:`residual` computes it)
     """
     header: tf.Tensor
     body: tf.Tensor
@@ -531,7 +530,9 @@ def all_finite(a: tf.Tensor) -> tf.Tensor:
                    lambda: tf.reduce_all(tf.math.is_finite(a)))
 
 
-def _normalize_mode(mode) -> str:
+def normalize_mode(mode) -> str:
+    """The compressor's name: ``True`` is ``"sbc"``, ``False`` ``"values"`` (ValueError naming the
+    known ones for an unknown name)."""
     mode = "sbc" if mode is True else "values" if mode is False else mode
     registry.get(mode)  # ValueError naming the known modes
     return mode
@@ -547,39 +548,9 @@ def abs_max_f32_bits(a: tf.Tensor) -> tf.Tensor:
     return f64_to_f32_bits(tf.bitcast(tf.reduce_max(mag), tf.float64))
 
 
-def _encode_native(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int,
-                   selection: str) -> Encoded:
-    """:class:`Encoded` from the ``SbcEncode`` kernel op (binary SBC of float32 on the CPU)."""
-    new_res, header, body, pos, value, finite = native.encode(mod, update, residual, k,
-                                                               selection)
-    return Encoded(header, body, pos, tf.fill(tf.shape(pos), value), finite,
-                   int(new_res.shape[0]), ResidualUpdate.SCATTER, new_res)
-
-
-@_no_autograph
-def encode_sum(update: Optional[tf.Tensor], residual: tf.Tensor, density: float, mode="sbc",
-               selection: str = "paper", name: str = "tensor", generator=None) -> Encoded:
-    """:func:`encode_update` of ``A = update + residual`` (flat, same dtype; ``update`` None:
-    ``A = residual``), with :attr:`Encoded.new_residual` (``A - sent``) set. Binary SBC of a
-    float32 tensor on the CPU runs in one kernel op (:mod:`horovod_sbc.tensorflow.native`: the
-    sum is formed in the selection's pass); everything else in TF ops."""
-    mode = _normalize_mode(mode)
-    residual = tf.reshape(residual, [-1])
-    n = int(residual.shape[0])
-    mod = native.encoder_for(residual, mode) if n else None
-    if mod is not None and (update is None or update.dtype == tf.float32):
-        config.validate_selection(selection)
-        k = reference.keep_count(n, config.validate_density(density))
-        return _encode_native(mod, update, residual, k, selection)
-    a = residual if update is None else tf.reshape(update, [-1]) + residual
-    enc = encode_update(a, density, mode, selection, name, native_ok=False, generator=generator)
-    enc.new_residual = enc.residual(a)
-    return enc
-
-
 @_no_autograph
 def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "paper",
-                  name: str = "tensor", native_ok: bool = True, generator=None) -> Encoded:
+                  name: str = "tensor", generator=None) -> Encoded:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``, float32 or float64).
 
     ``mode``: ``"sbc"`` (or True) top-k + binarization and ``"values"`` (or False) top-k with
@@ -589,10 +560,8 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     ``selection``: SBC's candidate sets, ``"paper"`` or ``"magnitude"`` (see
     :mod:`horovod_sbc.reference`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
     error feedback with ``a - sent`` at ``positions``, see :func:`apply_sent`).
-    ``native_ok``: binary SBC of float32 on the CPU may run in the kernel op (see
-    :func:`encode_sum`); False forces the stock-TF-op path (tests, benchmarks).
     """
-    mode = _normalize_mode(mode)
+    mode = normalize_mode(mode)
     config.validate_selection(selection)
     density = config.validate_density(density)
     a = tf.reshape(a, [-1])
@@ -607,9 +576,6 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     if mode not in ("sbc", "values"):  # a registered compressor's own encoder
         return registry.get(mode).encode_tf(a, density, selection, name, generator)
     k = reference.keep_count(n, density)
-    mod = native.encoder_for(a, mode) if native_ok else None
-    if mod is not None:
-        return _encode_native(mod, None, a, k, selection)
     header, body, pos, sent, finite = _encoder_graph(n, k, mode, selection, a.dtype)(a)
     if mode == "values" and k >= n:
         update = ResidualUpdate.ALL
@@ -707,40 +673,3 @@ def apply_sent(a: tf.Tensor, positions: tf.Tensor, sent: tf.Tensor,
     else:
         out = tf.tensor_scatter_nd_sub(flat, positions[:, None], sent)
     return tf.reshape(out, tf.shape(a))
-
-
-# ----------------------------------------------------------------------------------------------
-# single-tensor API
-# ----------------------------------------------------------------------------------------------
-@_no_autograph
-def compress(update: tf.Tensor, residual: tf.Tensor, density: float, binarize=True,
-             selection: str = "paper", name: str = "tensor"):
-    """(message uint8 1-D, new residual) for one tensor, like :func:`horovod_sbc.reference.compress_np`;
-    the residual keeps ``residual``'s dtype. ``binarize``: True (SBC), False (top-k values) or a
-    mode name (``"sign"``). Raises on NaN/Inf (``InvalidArgumentError`` from the TF assert;
-    ``ValueError`` eagerly)."""
-    rdt = tf.float64 if update.dtype == tf.float64 else tf.float32
-    enc = encode_sum(tf.cast(update, rdt), tf.cast(residual, rdt), density, binarize, selection,
-                     name)
-    if tf.executing_eagerly():
-        if not bool(enc.finite):
-            raise ValueError(f"update contains NaN or Inf ({name!r})")
-        check = []
-    else:
-        check = [tf.debugging.Assert(enc.finite, [f"update contains NaN or Inf ({name!r})"])]
-    with tf.control_dependencies(check):
-        new_res = tf.cast(tf.reshape(enc.new_residual, tf.shape(residual)), residual.dtype)
-        return tf.identity(enc.message), new_res
-
-
-@_no_autograph
-def decompress(message: tf.Tensor, shape, dtype=tf.float32) -> tf.Tensor:
-    """Dense tensor of ``shape`` from one tensor message (validated; errors like
-    :func:`horovod_sbc.reference.decompress_np`). Values are placed as bits, so a subnormal value
-    survives. Header parsing runs on the host (O(message bytes)); the streams in TF ops."""
-    shape = tuple(int(d) for d in shape)
-    numel = wire.layout_numel(shape)
-    dense = decode_messages(message, [("tensor", shape)], n_ranks=1, single=True)[0]
-    out = tf.reshape(dense, shape)
-    return out if dtype == tf.float32 else tf.cast(out, dtype)
-

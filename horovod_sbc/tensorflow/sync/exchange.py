@@ -2,11 +2,10 @@
 
 One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.function``:
 
-1. **encode (TF ops, on the tensors' device)** — per tensor ``A = R + dW`` and
-   :func:`horovod_sbc.tensorflow.codec.encode_sum` (selection, binarization, streams and
-   tensor header as TF ops, or one kernel op for float32 binary SBC on the CPU:
-   :mod:`horovod_sbc.tensorflow.native`); the new residuals ``A - sent`` are computed but not
-   committed.
+1. **encode (the backend, on the tensors' device)** — per tensor ``A = R + dW`` and its
+   tensor message (:meth:`horovod_sbc.tensorflow.backend.Backend.encode`: TF ops, or one kernel
+   op per float32 tensor of binary SBC on the CPU); the new residuals ``A - sent`` are computed
+   but not committed.
 2. **frame (host, O(compressed bytes))** — one small ``tf.numpy_function`` gets the tensor
    messages (kilobytes) and a finiteness flag per tensor and returns the step message: the
    24-byte step header needs the CRC-32 of the body (:func:`horovod_sbc.wire.step_message_bytes`).
@@ -15,10 +14,11 @@ One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.
    allgather instead of hanging. No O(numel) tensor ever crosses to the host.
 3. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
    Horovod's background thread, blocks no TensorFlow thread).
-4. **decode** — :func:`horovod_sbc.tensorflow.decoder.decode_gathered`: headers and verdict on
-   the host (:mod:`horovod_sbc.protocol`, on the compressed bytes), streams and the accumulation
-   of ``scale`` x every rank's tensor, in rank order, in TF ops (zeros, or e.g. the reference
-   weights). Every rank adds the same values in the same order: bit-identical results.
+4. **decode (the backend)** — :meth:`horovod_sbc.tensorflow.backend.Backend.decode`: headers
+   and verdict on the host (:mod:`horovod_sbc.protocol`, on the compressed bytes), streams and
+   the accumulation of ``scale`` x every rank's tensor, in rank order (onto zeros, or e.g. the
+   reference weights). Every rank adds the same values in the same order: bit-identical
+   results.
 
 The bytes are those of the wire format spec (``horovod_sbc/wire.py``), identical to the PyTorch
 adapter's: a TensorFlow rank and a PyTorch rank decode each other's messages.
@@ -35,11 +35,10 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import wire
-from . import codec as tfcodec
-from . import decoder
-# what decoder.decode_gathered tells the caller to do with the residuals
-from .decoder import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
+from ... import wire
+from ..backend import Backend, codec, host
+# what a decode tells the caller to do with the residuals
+from ..backend.host import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
 
 def tf_name(name: str) -> str:
     """A string usable as a TensorFlow op / Horovod tensor name."""
@@ -79,7 +78,7 @@ def residual_dtype(dtype: tf.DType) -> tf.DType:
 def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
                skip: bool, capacity: Optional[int], finite, headers, *bodies):
     """Step 2 (host, compressed bytes only): the step message of this rank's tensors — each
-    tensor header from its five integers (:func:`horovod_sbc.tensorflow.codec.header_bytes_host`)
+    tensor header from its five integers (:func:`..backend.codec.header_bytes_host`)
     followed by its body — or an ERROR/SKIP step message naming the first tensor whose update is
     not finite; with ``capacity`` a PADDED step of exactly that many bytes. Returns (the step
     uint8, its zero padding in bytes int64)."""
@@ -89,7 +88,7 @@ def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, ran
             step = wire.error_step_message(reason, layout_crc, skip, rank, capacity)
             pad = len(step) - len(step.rstrip(b"\0")) if capacity else 0
             return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
-    body = b"".join(tfcodec.header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
+    body = b"".join(codec.header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
                     for n, h, b in zip(numels, np.asarray(headers).tolist(), bodies))
     if capacity is None:
         step, pad = wire.step_message_bytes(body, layout_crc, len(bodies)), 0
@@ -99,37 +98,28 @@ def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, ran
     return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
 
 
-@tf.autograph.experimental.do_not_convert
-def decode_gathered(gathered: tf.Tensor, layout: Sequence[Tuple[str, Sequence[int]]],
-                    n_ranks: int, scale: float = 1.0, outs=None, out_dtypes=None):
-    """The TF decoder on its own (flat results, see :func:`decoder.decode_gathered`): a rank's
-    ERROR or SKIP raises :class:`horovod_sbc.wire.PeerError` (eagerly; inside ``tf.function`` an
-    ``InvalidArgumentError``, see :func:`outcome_of_error`)."""
-    return decoder.decode_gathered(gathered, layout, n_ranks, outs, scale, out_dtypes,
-                                   strict=True)[1]
-
-
 def outcome_of_error(e: BaseException):
     """Normalise a decoder error to ``("error"|"skip", rank, reason)`` or ``("invalid", text)``
     (TensorFlow wraps host-step exceptions inside ``tf.function``)."""
-    e = decoder.original_error(e)
+    e = host.original_error(e)
     if isinstance(e, wire.PeerError):
         return ("skip" if e.skip else "error", e.rank, e.reason)
     return ("invalid", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
 
 
 @tf.autograph.experimental.do_not_convert
-def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
+def exchange(backend: Backend, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
              updates: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], *, density: float,
              mode="sbc", skip: bool, rank: int, size: int, scale: float, tag: str,
              outs: Optional[Sequence[tf.Tensor]] = None, on_gathered=None,
              selection: str = "paper", seeds: Optional[Sequence[tf.Tensor]] = None,
              capacity: Optional[int] = None):
-    """One sync as graph ops: ``(code, results, new_residuals, positions)``.
+    """One sync as graph ops, encoded and decoded by ``backend``: ``(code, results,
+    new_residuals, positions)``.
 
     ``updates`` and ``residuals`` are tensors of the residual dtype; ``results`` are ``outs`` (or
     zeros) plus ``scale`` x the sum of all ranks' decoded updates; ``code`` is a scalar int32
-    (:class:`horovod_sbc.tensorflow.decoder.SyncCode`). The caller commits ``new_residuals``
+    (:class:`horovod_sbc.tensorflow.backend.host.SyncCode`). The caller commits ``new_residuals``
     according to ``code``; ``positions`` (int64 scalar) is how many positions this rank's
     messages carry (``stats()["positions_sent"]`` of a committed sync).
     ``on_gathered(step, gathered, padding)`` returns ops (e.g. traffic counters) that run before
@@ -141,15 +131,13 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
     layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
     fp = wire.layout_fingerprint(layout)
     numels = [wire.layout_numel(s) for s in shapes]
-    heads, bodies, finite, new_res = [], [], [], []
-    for i, (name, u, r) in enumerate(zip(names, updates, residuals)):
-        # A = dW + R, encoded (by the kernel op for float32 binary SBC on the CPU)
-        enc = tfcodec.encode_sum(u, r, density, mode, selection, name,
-                                 None if seeds is None else seeds[i])
-        heads.append(enc.header)
-        bodies.append(enc.body)
-        finite.append(enc.finite)
-        new_res.append(tf.reshape(enc.new_residual, tf.shape(r)))
+    # A = dW + R, encoded (not committed)
+    encoded = backend.encode(names, updates, residuals, density=density, mode=mode,
+                             selection=selection, seeds=seeds)
+    heads = [e.header for e in encoded]
+    bodies = [e.body for e in encoded]
+    finite = [e.finite for e in encoded]
+    new_res = [tf.reshape(e.new_residual, tf.shape(r)) for e, r in zip(encoded, residuals)]
     if not names:
         heads, finite = [tf.zeros([5], tf.int64)], [tf.constant(True)]
     all_finite = tf.reduce_all(tf.stack(finite))
@@ -165,8 +153,9 @@ def exchange(names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
     out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
     with tf.control_dependencies(on_gathered(step, gathered, padding) if on_gathered else []):
         gathered = tf.identity(gathered)
-    code, flat = decoder.decode_gathered(
-        gathered, layout, size, None if outs is None else list(outs), scale, out_dtypes,
-        tf.logical_not(all_finite), strict=False)
+    code, flat = backend.decode(gathered, layout, size, scale=scale,
+                                outs=None if outs is None else list(outs),
+                                out_dtypes=out_dtypes, failed=tf.logical_not(all_finite),
+                                strict=False)
     results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
     return code, results, new_res, tf.reduce_sum(tf.stack(heads)[:, 2])

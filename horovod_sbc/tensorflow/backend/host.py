@@ -1,0 +1,149 @@
+"""The host half of every TensorFlow decode: the parse of a gathered step and the verdict on its
+streams, in exact Python integers (:mod:`horovod_sbc.protocol`), run by ``tf.numpy_function``.
+
+Both backends decode in four pieces, the same eagerly and inside ``tf.function``:
+
+1. **parse (host, here)** — the gathered *compressed* bytes (O(message bytes), never O(numel)):
+   split the step messages, check step headers and CRC-32s, the verdict of the step (malformed
+   framing > ERROR > SKIP, lowest rank first), the layout, and every tensor header
+   (:mod:`horovod_sbc.wire`). It returns one row of integers per tensor message
+   (:mod:`.table`: stream offsets, count, Rice b, kind, value bits).
+2. **streams (the backend)** — positions and the per-message statistics the protocol judges
+   (:class:`horovod_sbc.protocol.StreamStats`).
+3. **verdict (host, here)** — :func:`horovod_sbc.protocol.check_stream` on those O(1)-per-message
+   statistics. Nothing is added to any output before it passed (a control dependency).
+4. **accumulate (the backend)** — ``scale`` x every rank's decoded tensor, rank after rank at
+   every element, into the outputs.
+
+Errors: ``ValueError`` raised by the host steps (``InvalidArgumentError`` with the same text
+inside ``tf.function``; :func:`original_error` gives the Python exception back).
+"""
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Callable, List, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from ... import protocol, wire
+from .table import K_ALL_SIGNS, K_ALL_VALUES, K_BINARY, K_SIGNS, K_VALUES, N_COLS
+
+
+class SyncCode(enum.IntEnum):
+    """What a decode tells the caller to do with its residuals (an int32 inside graphs)."""
+    COMMIT = 0            # the sync succeeded: subtract what was sent
+    SKIP_KEEP_UPDATE = 1  # a rank asked to skip: healthy ranks keep R + dW in the residual
+    SKIP_DROP_UPDATE = 2  # ... and the rank that failed to encode drops its update
+
+
+COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = (SyncCode.COMMIT, SyncCode.SKIP_KEEP_UPDATE,
+                                              SyncCode.SKIP_DROP_UPDATE)
+
+_LAST_ERROR: List[BaseException] = []
+
+
+def _remember(e: BaseException) -> BaseException:
+    """Keep the last exception a host step raised: inside ``tf.function`` TensorFlow delivers it
+    as ``InvalidArgumentError`` text; :func:`original_error` gives the Python object back."""
+    _LAST_ERROR[:] = [e]
+    return e
+
+
+def original_error(e: BaseException) -> BaseException:
+    """The Python exception behind ``e`` (an ``InvalidArgumentError`` from a host step inside
+    ``tf.function``), or ``e`` itself."""
+    if isinstance(e, tf.errors.OpError) and _LAST_ERROR and str(_LAST_ERROR[0]) in e.message:
+        return _LAST_ERROR[0]
+    return e
+
+
+def _row(host: bytes, msg: wire.TensorMessage, t: int, r: int) -> List[int]:
+    # the value's bits straight from the bytes: inside tf.function this runs on a TensorFlow
+    # thread whose FPU flushes subnormals, so msg.value (a float) may have lost them
+    vbits = int.from_bytes(host[msg.unary[0] - 4:msg.unary[0]], "little")
+    if msg.all_positions:
+        kind = K_ALL_VALUES if msg.has_values else K_ALL_SIGNS
+    else:
+        kind = K_VALUES if msg.has_values else K_SIGNS if msg.has_signs else K_BINARY
+    return [t, r, msg.count, msg.rice_b, kind, msg.unary[0], msg.unary[1] - msg.unary[0],
+            msg.remainder[0], msg.signs[0], msg.values[0], vbits, int(msg.negative),
+            msg.numel, msg.remainder[1] - msg.remainder[0], msg.signs[1] - msg.signs[0]]
+
+
+def _parse(host: bytes, layout, n_ranks: int, single: bool):
+    if single:
+        name, shape = layout[0]
+        msg = wire.parse_tensor_header(host, 0, wire.layout_numel(shape), name)
+        if msg.nbytes != len(host):
+            raise ValueError("corrupt message: trailing bytes after tensor message")
+        return [(0, 0, msg, name)]
+    return protocol.parse_gathered(host, layout, n_ranks).flat()
+
+
+def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
+               failed: bool, single: bool, strict: bool) -> Tuple[np.int32, np.ndarray]:
+    """Step 1: ``(code, table int64 [n_ranks * len(layout), N_COLS])``
+    (:func:`horovod_sbc.protocol.parse_gathered`, checks a-e).
+
+    ``single``: ``buf`` is one bare tensor message (no step framing), as ``decompress`` takes.
+    ``strict``: a rank's ERROR or SKIP raises :class:`horovod_sbc.wire.PeerError`. Otherwise
+    ERROR raises ``ValueError("SBC: rank R could not encode ...")`` and SKIP warns and returns a
+    table without positions (outputs stay as they were) and the code ``SKIP_DROP_UPDATE`` if
+    this rank ``failed``, else ``SKIP_KEEP_UPDATE``.
+    """
+    host = np.asarray(buf, np.uint8).tobytes()
+    table = np.zeros((n_ranks * len(layout), N_COLS), np.int64)
+    try:
+        flat = _parse(host, layout, n_ranks, single)
+    except wire.PeerError as e:
+        if strict:
+            raise _remember(e)
+        if not e.skip:
+            raise _remember(ValueError(f"SBC: {e}")) from None
+        warnings.warn(f"horovod_sbc: skipping this sync: {e}")
+        return np.int32(SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), table
+    except ValueError as e:
+        raise _remember(e)
+    for row, (r, t, msg, _) in enumerate(flat):
+        table[row] = _row(host, msg, t, r)
+    return np.int32(COMMIT), table
+
+
+def check_stats_host(buf: np.ndarray, code, stats: np.ndarray,
+                     layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
+                     single: bool) -> np.int32:
+    """Step 3: :func:`horovod_sbc.protocol.check_stream` on the backend's statistics (check f).
+    The headers are parsed again (stateless; O(number of tensors) on the compressed bytes)."""
+    if int(code) != COMMIT:
+        return np.int32(0)
+    flat = _parse(np.asarray(buf, np.uint8).tobytes(), layout, n_ranks, single)
+    rows = [protocol.StreamStats.from_row(x) for x in np.asarray(stats).tolist()]
+    try:
+        for (_, _, msg, name), st in zip(flat, rows):
+            protocol.check_stream(msg, st, name)
+    except ValueError as e:
+        raise _remember(e)
+    return np.int32(0)
+
+
+def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool = False,
+          strict: bool = True) -> Tuple[tf.Tensor, tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
+    """Steps 1 and 3 as graph ops: ``(code, table, check)``; ``check(stats)`` (int64 ``[M, 8]``
+    statistics rows) returns the verdict op that must run, and pass, before anything is added.
+    ``gathered`` is flat uint8; see :func:`parse_host` for the arguments."""
+    def parse_fn(g, f):
+        return parse_host(g, layout, n_ranks, bool(f), single, strict)
+
+    code, table = tf.numpy_function(parse_fn, [gathered, tf.cast(failed, tf.bool)],
+                                    [tf.int32, tf.int64], stateful=True, name="sbc_parse")
+    code.set_shape([])
+    table.set_shape([n_ranks * len(layout), N_COLS])
+
+    def check(stats):
+        return tf.numpy_function(
+            lambda g, c, st: check_stats_host(g, c, st, layout, n_ranks, single),
+            [gathered, code, stats], tf.int32, stateful=True, name="sbc_verdict")
+
+    return code, table, check

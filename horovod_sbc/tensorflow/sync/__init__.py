@@ -1,0 +1,1 @@
+"""The TensorFlow sync driver: one sync as graph pieces (encode, frame, allgather, decode)."""
