@@ -68,6 +68,7 @@ def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
     steps = STEPS_2
     results = TWO["train"]
     runs = {spec: check_run(results, spec, steps) for spec in RUNS_2}
+    assert {r["backend"] for rs in runs.values() for r in rs} == {"tf-kernel-ops"}
     # eager and tf.function compute the same thing, bit for bit
     for api in ("stock", "dropin"):
         assert runs[f"{api}-eager-1"][0]["digests"] == runs[f"{api}-fn-1"][0]["digests"]
@@ -110,11 +111,15 @@ def test_every_compressor_keeps_ranks_identical_with_exact_accounting(spec):
 
 
 def test_three_ranks_and_pytorch_decodes_tensorflow_messages():
+    """3 ranks with the C kernels off: TensorFlow's TF-op backend (what GPU tensors take) and
+    torch's tensor-op backend, end to end."""
     steps, runs = 4, ["stock-fn-1", "dropin-fn-2"]  # eager == tf.function: the 2-rank test
     results, _ = run_ranks("tf_sbc.py", 3, ["train", f"steps={steps}", "runs=" + ",".join(runs),
-                                            "interop=1"], timeout=600)
+                                            "interop=1"], timeout=600,
+                           env={"HOROVOD_SBC_KERNELS": "0"})
     for spec in runs:
         check_run(results, spec, steps)
+        assert {r[spec]["backend"] for r in results} == {"tf-ops"}, spec
     for r in results:  # a real sync: horovod_sbc.torch makes the same bytes from the same
         # update and decodes the gathered buffer into the same average
         assert r["interop"]["torch_encodes_identically"]

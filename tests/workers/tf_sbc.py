@@ -158,6 +158,7 @@ def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr
     return model, {"digests": digests, "losses": losses, "stats": sbc.stats() if sbc else None,
                    "gathered": rec_value(), "numel": numel,
                    "n_tensors": len(model.trainable_variables),
+                   "backend": sbc.backend.name if sbc is not None and sbc.backend else None,
                    "seconds": time.perf_counter() - t0}
 
 
