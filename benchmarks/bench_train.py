@@ -821,17 +821,30 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    score_shared, finish_bits = None, 0
     if hasattr(opt, "finish"):
-        opt.finish()  # sync a partial window; all ranks end on the same weights
+        # the shared weights W_ref after a last (counted) sync of a partial window: a model
+        # every rank holds with no traffic beyond the exchange's
+        if getattr(opt, "_sbc_local_steps", 0):
+            opt.synchronize()
+        with opt.shared_weights():
+            score_shared = task.evaluate(model)
+        # finish(): W_ref + the average of the ranks' residuals, one dense allreduce of every
+        # parameter that the compressor's statistics do not count; counted here
+        finish_bits = sum(8 * p.element_size() * p.numel() for p in model.parameters()
+                          if p.requires_grad)
+        opt.finish()  # all ranks end on the same weights
     score = task.evaluate(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     st = run_stats(comp, method, numel, steps)
+    st["finish_bits"] = finish_bits
     every = max(1, steps // 20)
     curve = [float(np.mean(losses[i:i + every])) for i in range(0, steps, every)]
     skip = min(5, len(times) - 1)
-    return {"score": score, "digest": digest, "stats": st, "params": numel, "steps": steps,
-            "loss_curve": curve, "step_time_mean": float(np.mean(times[skip:]))}
+    return {"score": score, "score_shared": score_shared, "digest": digest, "stats": st,
+            "params": numel, "steps": steps, "loss_curve": curve,
+            "step_time_mean": float(np.mean(times[skip:]))}
 
 
 def task_worker_main(argv: Sequence[str]) -> int:
@@ -891,12 +904,26 @@ def task_worker_main(argv: Sequence[str]) -> int:
                    steps=per_seed[0]["steps"], params=per_seed[0]["params"],
                    loss_curve=per_seed[0]["loss_curve"], wall_s=time.perf_counter() - t0,
                    task_info=task.info)
-        up = out["upstream_bits"]
-        out["compression_ratio"] = out["dense_bits"] / up if up > 0 else None
-        if out["elements_synced"]:
-            out["measured_density"] = out["positions_sent"] / out["elements_synced"]
+        shared = [r["score_shared"] for r in per_seed]
+        if all(v is not None for v in shared):  # drop-in: the shared weights before finish()
+            out.update(score_shared=float(np.mean(shared)),
+                       score_shared_std=float(np.std(shared)), score_shared_seeds=shared,
+                       finish_bits=mean_over("finish_bits"))
+        _add_ratios(out)
         print(RESULT_TAG + json.dumps(out), flush=True)
     return 0
+
+
+def _add_ratios(out: dict) -> None:
+    """``compression_ratio``: dense bits / the exchange's upstream bits (the shared weights'
+    ratio); ``ratio_with_finish``: the same with ``finish()``'s dense allreduce counted (the
+    ratio of ``score``, the model after finish())."""
+    up = out["upstream_bits"]
+    out["compression_ratio"] = out["dense_bits"] / up if up > 0 else None
+    if "finish_bits" in out and up > 0:
+        out["ratio_with_finish"] = out["dense_bits"] / (up + out["finish_bits"])
+    if out.get("elements_synced"):
+        out["measured_density"] = out["positions_sent"] / out["elements_synced"]
 
 
 def spec_label(s: dict) -> str:
@@ -1092,15 +1119,21 @@ def merge_seed_runs(runs: List[dict]) -> List[dict]:
         m["score_seeds"] = [s for r in rs for s in r["score_seeds"]]
         m["score"] = float(np.mean(m["score_seeds"]))
         m["score_std"] = float(np.std(m["score_seeds"]))
+        if all("score_shared_seeds" in r for r in rs):
+            m["score_shared_seeds"] = [s for r in rs for s in r["score_shared_seeds"]]
+            m["score_shared"] = float(np.mean(m["score_shared_seeds"]))
+            m["score_shared_std"] = float(np.std(m["score_shared_seeds"]))
+        else:
+            for key in ("score_shared", "score_shared_std", "score_shared_seeds",
+                        "finish_bits"):
+                m.pop(key, None)
         for key in ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "positions_sent",
-                    "elements_synced", "step_time_s", "server_out_bits", "wall_s"):
+                    "elements_synced", "step_time_s", "server_out_bits", "wall_s",
+                    "finish_bits"):
             if all(key in r for r in rs):
                 m[key] = float(np.average([r[key] for r in rs], weights=w))
         m["ranks_identical"] = all(r.get("ranks_identical") for r in rs)
-        up = m["upstream_bits"]
-        m["compression_ratio"] = m["dense_bits"] / up if up > 0 else None
-        if m.get("elements_synced"):
-            m["measured_density"] = m["positions_sent"] / m["elements_synced"]
+        _add_ratios(m)
         m["merged_from_jobs"] = len(rs)
         out.append(m)
     return out
