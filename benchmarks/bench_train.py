@@ -821,12 +821,14 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    score_shared, finish_bits = None, 0
+    score_shared, score_own, finish_bits = None, None, 0
     if hasattr(opt, "finish"):
-        # the shared weights W_ref after a last (counted) sync of a partial window: a model
-        # every rank holds with no traffic beyond the exchange's
+        # after a last (counted) sync of a partial window, two models a rank holds with no
+        # traffic beyond the exchange's: the shared weights W_ref (the same on every rank) and
+        # the rank's own live weights (W_ref + its residual with local_residual=True)
         if getattr(opt, "_sbc_local_steps", 0):
             opt.synchronize()
+        score_own = task.evaluate(model)
         with opt.shared_weights():
             score_shared = task.evaluate(model)
         # finish(): W_ref + the average of the ranks' residuals, one dense allreduce of every
@@ -842,7 +844,8 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     every = max(1, steps // 20)
     curve = [float(np.mean(losses[i:i + every])) for i in range(0, steps, every)]
     skip = min(5, len(times) - 1)
-    return {"score": score, "score_shared": score_shared, "digest": digest, "stats": st,
+    return {"score": score, "score_shared": score_shared, "score_own": score_own,
+            "digest": digest, "stats": st,
             "params": numel, "steps": steps, "loss_curve": curve,
             "step_time_mean": float(np.mean(times[skip:]))}
 
@@ -869,8 +872,8 @@ def task_worker_main(argv: Sequence[str]) -> int:
         if rank == 0:
             print(PROGRESS_TAG + json.dumps({"frac": (si + 1) / len(specs),
                                              "info": spec_label(spec)}), flush=True)
-        mine = [{"score": r["score"], "digest": r["digest"], "stats": r["stats"]}
-                for r in per_seed]
+        mine = [{"score": r["score"], "score_own": r["score_own"], "digest": r["digest"],
+                 "stats": r["stats"]} for r in per_seed]
         everyone = hvd.allgather_object(mine)
         if rank != 0:
             continue
@@ -906,9 +909,13 @@ def task_worker_main(argv: Sequence[str]) -> int:
                    task_info=task.info)
         shared = [r["score_shared"] for r in per_seed]
         if all(v is not None for v in shared):  # drop-in: the shared weights before finish()
+            # each rank's own live weights before finish(): per seed the mean over ranks
+            own = [float(np.mean([everyone[r][s]["score_own"] for r in range(len(everyone))]))
+                   for s in range(len(seeds))]
             out.update(score_shared=float(np.mean(shared)),
                        score_shared_std=float(np.std(shared)), score_shared_seeds=shared,
-                       finish_bits=mean_over("finish_bits"))
+                       score_own=float(np.mean(own)), score_own_std=float(np.std(own)),
+                       score_own_seeds=own, finish_bits=mean_over("finish_bits"))
         _add_ratios(out)
         print(RESULT_TAG + json.dumps(out), flush=True)
     return 0
@@ -1119,14 +1126,16 @@ def merge_seed_runs(runs: List[dict]) -> List[dict]:
         m["score_seeds"] = [s for r in rs for s in r["score_seeds"]]
         m["score"] = float(np.mean(m["score_seeds"]))
         m["score_std"] = float(np.std(m["score_seeds"]))
-        if all("score_shared_seeds" in r for r in rs):
-            m["score_shared_seeds"] = [s for r in rs for s in r["score_shared_seeds"]]
-            m["score_shared"] = float(np.mean(m["score_shared_seeds"]))
-            m["score_shared_std"] = float(np.std(m["score_shared_seeds"]))
-        else:
-            for key in ("score_shared", "score_shared_std", "score_shared_seeds",
-                        "finish_bits"):
-                m.pop(key, None)
+        for which in ("score_shared", "score_own"):  # joined only where every job has it
+            if all(f"{which}_seeds" in r for r in rs):
+                m[f"{which}_seeds"] = [s for r in rs for s in r[f"{which}_seeds"]]
+                m[which] = float(np.mean(m[f"{which}_seeds"]))
+                m[f"{which}_std"] = float(np.std(m[f"{which}_seeds"]))
+            else:
+                for key in (which, f"{which}_std", f"{which}_seeds"):
+                    m.pop(key, None)
+        if "score_shared" not in m:
+            m.pop("finish_bits", None)
         for key in ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "positions_sent",
                     "elements_synced", "step_time_s", "server_out_bits", "wall_s",
                     "finish_bits"):
