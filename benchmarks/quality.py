@@ -82,6 +82,13 @@ STUDY: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 1, outer=MILD), S0),
         (_s("sbc", 0.01, 4), S0),
         (_s("sbc", 0.01, 4, outer=MILD), S0),
+        # third round: Nesterov(1.0, 0.5) was ahead at every delay with seed 0; its 3 seeds at
+        # small delays (a default must hold there), and delay 24 between 16 and 32
+        (_s("sbc", 0.01, 1), S12),
+        (_s("sbc", 0.01, 1, outer=MILD), S12),
+        (_s("sbc", 0.01, 4), S12),
+        (_s("sbc", 0.01, 4, outer=MILD), S12),
+        (_s("sbc", 0.01, 24, outer=MILD), S3),
     ],
     "skewed": [(b, S3) for b in BASELINES] + [
         (_s("sbc", 0.01, 8), S3),
@@ -89,14 +96,22 @@ STUDY: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 8, local_residual=False), S0),
         (_s("sbc", 0.01, 8, outer=MILD, local_residual=False), S0),
         (_s("sbc", 0.01, 8, outer=MILD), S0),
+        (_s("sbc", 0.01, 8, outer=MILD), S12),
     ],
-    "lm_docs": [(b, S3) for b in BASELINES] + [
+    "lm_docs": [(_s("none"), S3), (_s("local"), S3)] + [
         (_s("sbc", 0.01, 4), S0),
-        (_s("sbc", 0.01, 4, outer=NESTEROV), S0),
+        (_s("sbc", 0.01, 4, outer=MILD), S0),
+        (_s("sbc", 0.01, 4, local_residual=False), S0),
         (_s("sbc", 0.001, 2), S0),
         (_s("sbc", 0.01, 18), S0),
+        (_s("sbc", 0.01, 1, api="stock"), S3),
+        # second round: Nesterov(1.0, 0.5) was ahead at delay 4; its 3 seeds there and at x5,000
+        (_s("sbc", 0.01, 4, outer=MILD), S12),
+        (_s("sbc", 0.01, 18, outer=MILD), S3),
+        (_s("sbc", 0.01, 4, outer=STRONG), S0),
     ],
-    "lm_iid": [(_s("none"), S3), (_s("local"), S3), (_s("sbc", 0.01, 4), S3)],
+    "lm_iid": [(_s("none"), S3), (_s("local"), S3), (_s("sbc", 0.01, 4), S3),
+               (_s("sbc", 0.01, 4, outer=MILD), S3), (_s("sbc", 0.01, 16, outer=MILD), S0)],
 }
 
 
@@ -439,6 +454,9 @@ def main(argv=None) -> int:
         write_outputs(res, a.json)
         print(markdown(res))
         return 0
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwinds run_job, which ends the mpirun job
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     t0 = time.perf_counter()
     partial = a.json + ".partial"
     done: Dict[str, list] = {}
