@@ -197,11 +197,21 @@ def _points(r: dict) -> List[tuple]:
     return pts
 
 
+def _order(r: dict) -> tuple:
+    """Dense, no communication, the stock hook, then the drop-in by delay, density (largest
+    first), outer step and residual placement."""
+    first = {"none": 0, "local": 1}.get(r["method"], 2 if r.get("api") == "stock" else 3)
+    return (first, r.get("delay", 1), -r.get("density", 1.0), r.get("outer") is not None,
+            json.dumps(r.get("outer")),
+            r.get("local_residual", True) is False)
+
+
 def _by_part(res: dict) -> Dict[str, List[dict]]:
-    out: Dict[str, List[dict]] = {}
+    """The runs of each part, in :data:`PARTS`' order and each part's in :func:`_order`."""
+    out: Dict[str, List[dict]] = {p: [] for p in PARTS}
     for r in res["runs"]:
         out.setdefault(r.get("part", "?"), []).append(r)
-    return out
+    return {p: sorted(v, key=_order) for p, v in out.items() if v}
 
 
 def _find(runs, method, **kw):
@@ -359,9 +369,11 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> None:
-    """Score against upstream ratio (log x) per part: each drop-in run twice (shared weights,
-    filled; after finish() with its traffic, hollow), the stock hook, dense and no
-    communication as lines, and the goal's tolerance."""
+    """Score against upstream ratio (log x), one panel per part: every drop-in run as its
+    shared weights (filled circle) and each rank's own weights (triangle) at the exchange's
+    ratio, and after finish() at the ratio counting it (hollow circle); the stock hook
+    (square); dense, the goal's tolerance and no communication as lines. Rows of 3 seeds are
+    labelled and carry their std."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -370,9 +382,12 @@ def plot(res: dict, path: str) -> None:
     keys = list(parts)
     if not keys:
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.6 * len(keys), 4.6), squeeze=False)
+    cols = min(2, len(keys))
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(7.2 * cols, 5.4 * rows), squeeze=False)
     tol = {"iid": 0.01, "skewed": 0.02, "lm_docs": 0.03, "lm_iid": 0.03}
-    for ax, part in zip(axes[0], keys):
+    marker = {"shared weights": "o", "own weights": "^", "after finish()": "o", "model": "s"}
+    for ax, part in zip(axes.flat, keys):
         runs = parts[part]
         acc = runs[0]["metric"] == "accuracy"
         f = (lambda v: 100 * v) if acc else (lambda v: v)
@@ -390,27 +405,32 @@ def plot(res: dict, path: str) -> None:
                 continue
             stock = r.get("api") == "stock"
             c = "tab:red" if stock else ("tab:orange" if r.get("outer") else "tab:blue")
+            three = len(r["seeds"]) >= 3
             for v, sd, ratio, which in _points(r):
                 if ratio is None:
                     continue
-                hollow = which == "after finish()"
-                ax.errorbar(ratio, f(v), yerr=f(sd) if sd and len(r["seeds"]) > 1 else None,
-                            fmt="o" if not stock else "s", ms=5, capsize=2, color=c,
-                            mfc="none" if hollow else c)
-            if not stock and r.get("score_shared") is not None:
+                ax.errorbar(ratio, f(v), yerr=f(sd) if sd and three else None,
+                            fmt=marker[which], ms=5 if three else 3.5, capsize=2, color=c,
+                            mfc="none" if which == "after finish()" else c,
+                            alpha=1.0 if three else 0.5)
+            if three and not stock:
                 ax.annotate(describe(r).replace("drop-in ", "").replace("`", ""),
-                            (r["compression_ratio"], f(r["score_shared"])), fontsize=5,
-                            xytext=(2, 2), textcoords="offset points")
+                            (r["compression_ratio"], f(r["score_shared"])), fontsize=5.5,
+                            xytext=(3, 2), textcoords="offset points")
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(PARTS.get(part, {"title": part})["title"], fontsize=8)
+        ax.set_title(PARTS.get(part, {"title": part})["title"], fontsize=9)
         ax.set_xlabel("upstream ratio (dense bits / bits sent), log", fontsize=8)
         ax.set_ylabel("test accuracy (%)" if acc else "test perplexity", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6, loc="best")
-    fig.suptitle("Issue 27 quality study (4 workers; filled: shared weights, hollow: after "
-                 "finish() with its dense allreduce; blue plain, orange outer step, red stock "
-                 "hook)", fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle("Issue 27 quality study, 4 workers. Drop-in: filled circle = shared weights, "
+                 "triangle = each rank's own weights (both at the exchange's ratio), hollow = "
+                 "after finish() (its dense allreduce counted).\nBlue: plain outer step, orange: "
+                 "Nesterov outer step, red square: stock hook. Faint: 1 seed; labelled, with "
+                 "std: 3 seeds.", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
