@@ -27,8 +27,9 @@ Two scores per drop-in run, each with the traffic that produced it:
 
 Writes ``FILE`` (every run), ``FILE.md`` (tables per part and the goals) and ``FILE.png``
 (score against upstream ratio per part). ``--report`` redraws the tables and the plot from
-``FILE`` without running anything; ``--quick`` runs a tiny 2-worker version (short runs, one
-seed) to check that the study runs end to end.
+``FILE`` without running anything; ``--saved`` writes all three from the jobs finished so far
+(``FILE.partial``), runs none and lists the others as not run; ``--quick`` runs a tiny 2-worker
+version (short runs, one seed) to check that the study runs end to end.
 """
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ STUDY: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 8, outer=MILD, local_residual=False), S0),
         (_s("sbc", 0.01, 8, outer=MILD), S0),
         (_s("sbc", 0.01, 8, outer=MILD), S12),
+        (_s("sbc", 0.01, 8, outer=NESTEROV), S12),
     ],
     "lm_docs": [(_s("none"), S3), (_s("local"), S3)] + [
         (_s("sbc", 0.01, 4), S0),
@@ -111,7 +113,8 @@ STUDY: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 4, outer=STRONG), S0),
     ],
     "lm_iid": [(_s("none"), S3), (_s("local"), S3), (_s("sbc", 0.01, 4), S3),
-               (_s("sbc", 0.01, 4, outer=MILD), S3), (_s("sbc", 0.01, 16, outer=MILD), S0)],
+               (_s("sbc", 0.01, 4, outer=MILD), S3), (_s("sbc", 0.01, 16, outer=MILD), S0),
+               (_s("sbc", 0.01, 1, api="stock"), S3)],
 }
 
 
@@ -365,6 +368,11 @@ def markdown(res: dict) -> str:
                      f" | {cell(g.get('best_at_min_ratio'))} | "
                      f"{'yes' if g['reached'] else 'no'} |")
     out.append("\n".join(lines))
+    missing = [s for s in res.get("skipped", []) if "runs" in s.get("job", {})]
+    if missing:
+        out.append("**Not run** (listed in the study, no finished job saved):\n\n" + "\n".join(
+            f"- {s['part']}: {describe(dict(s['job']['runs'][0], seeds=s['job']['seeds']))}, "
+            f"seeds {s['job']['seeds']} ({s['reason']})" for s in missing))
     return "\n\n".join(out)
 
 
@@ -461,6 +469,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="reuse the jobs saved in JSON.partial")
     ap.add_argument("--report", action="store_true",
                     help="run nothing: rewrite JSON.md and JSON.png from JSON")
+    ap.add_argument("--saved", action="store_true",
+                    help="run nothing new: report the jobs saved in JSON.partial, list the rest "
+                         "as not run")
     ap.add_argument("--quick", action="store_true", help="2 workers, 40 steps, 1 seed")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -480,7 +491,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     partial = a.json + ".partial"
     done: Dict[str, list] = {}
-    if a.resume and os.path.exists(partial):
+    if (a.resume or a.saved) and os.path.exists(partial):
         with open(partial) as f:
             done = json.load(f)
 
@@ -491,6 +502,9 @@ def main(argv=None) -> int:
     runs, skipped = [], []
     for part, job in study_jobs(parts, a.quick):
         task = PARTS[part]["task"]
+        if a.saved and job_key(task, job, job["seeds"]) not in done:
+            skipped.append({"job": job, "part": part, "reason": "--saved"})
+            continue
         r = run_task_jobs(task, [job], job["seeds"], timeout=4 * 3600,
                           progress=not a.no_progress, done=done, on_job=save,
                           title=f"{part}: {job['runs'][0]['method']}")
@@ -509,7 +523,7 @@ def main(argv=None) -> int:
     print(markdown(res))
     for s in skipped:
         print("SKIPPED", s["job"], s["reason"][-500:], file=sys.stderr)
-    return 0 if not skipped else 1
+    return 0 if not skipped or a.saved else 1
 
 
 if __name__ == "__main__":
