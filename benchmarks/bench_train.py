@@ -821,17 +821,33 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    score_shared, score_own, finish_bits = None, None, 0
     if hasattr(opt, "finish"):
-        opt.finish()  # sync a partial window; all ranks end on the same weights
+        # after a last (counted) sync of a partial window, two models a rank holds with no
+        # traffic beyond the exchange's: the shared weights W_ref (the same on every rank) and
+        # the rank's own live weights (W_ref + its residual with local_residual=True)
+        if getattr(opt, "_sbc_local_steps", 0):
+            opt.synchronize()
+        score_own = task.evaluate(model)
+        with opt.shared_weights():
+            score_shared = task.evaluate(model)
+        # finish(): W_ref + the average of the ranks' residuals, one dense allreduce of every
+        # parameter that the compressor's statistics do not count; counted here
+        finish_bits = sum(8 * p.element_size() * p.numel() for p in model.parameters()
+                          if p.requires_grad)
+        opt.finish()  # all ranks end on the same weights
     score = task.evaluate(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     st = run_stats(comp, method, numel, steps)
+    st["finish_bits"] = finish_bits
     every = max(1, steps // 20)
     curve = [float(np.mean(losses[i:i + every])) for i in range(0, steps, every)]
     skip = min(5, len(times) - 1)
-    return {"score": score, "digest": digest, "stats": st, "params": numel, "steps": steps,
-            "loss_curve": curve, "step_time_mean": float(np.mean(times[skip:]))}
+    return {"score": score, "score_shared": score_shared, "score_own": score_own,
+            "digest": digest, "stats": st,
+            "params": numel, "steps": steps, "loss_curve": curve,
+            "step_time_mean": float(np.mean(times[skip:]))}
 
 
 def task_worker_main(argv: Sequence[str]) -> int:
@@ -856,8 +872,8 @@ def task_worker_main(argv: Sequence[str]) -> int:
         if rank == 0:
             print(PROGRESS_TAG + json.dumps({"frac": (si + 1) / len(specs),
                                              "info": spec_label(spec)}), flush=True)
-        mine = [{"score": r["score"], "digest": r["digest"], "stats": r["stats"]}
-                for r in per_seed]
+        mine = [{"score": r["score"], "score_own": r["score_own"], "digest": r["digest"],
+                 "stats": r["stats"]} for r in per_seed]
         everyone = hvd.allgather_object(mine)
         if rank != 0:
             continue
@@ -891,12 +907,30 @@ def task_worker_main(argv: Sequence[str]) -> int:
                    steps=per_seed[0]["steps"], params=per_seed[0]["params"],
                    loss_curve=per_seed[0]["loss_curve"], wall_s=time.perf_counter() - t0,
                    task_info=task.info)
-        up = out["upstream_bits"]
-        out["compression_ratio"] = out["dense_bits"] / up if up > 0 else None
-        if out["elements_synced"]:
-            out["measured_density"] = out["positions_sent"] / out["elements_synced"]
+        shared = [r["score_shared"] for r in per_seed]
+        if all(v is not None for v in shared):  # drop-in: the shared weights before finish()
+            # each rank's own live weights before finish(): per seed the mean over ranks
+            own = [float(np.mean([everyone[r][s]["score_own"] for r in range(len(everyone))]))
+                   for s in range(len(seeds))]
+            out.update(score_shared=float(np.mean(shared)),
+                       score_shared_std=float(np.std(shared)), score_shared_seeds=shared,
+                       score_own=float(np.mean(own)), score_own_std=float(np.std(own)),
+                       score_own_seeds=own, finish_bits=mean_over("finish_bits"))
+        _add_ratios(out)
         print(RESULT_TAG + json.dumps(out), flush=True)
     return 0
+
+
+def _add_ratios(out: dict) -> None:
+    """``compression_ratio``: dense bits / the exchange's upstream bits (the shared weights'
+    ratio); ``ratio_with_finish``: the same with ``finish()``'s dense allreduce counted (the
+    ratio of ``score``, the model after finish())."""
+    up = out["upstream_bits"]
+    out["compression_ratio"] = out["dense_bits"] / up if up > 0 else None
+    if "finish_bits" in out and up > 0:
+        out["ratio_with_finish"] = out["dense_bits"] / (up + out["finish_bits"])
+    if out.get("elements_synced"):
+        out["measured_density"] = out["positions_sent"] / out["elements_synced"]
 
 
 def spec_label(s: dict) -> str:
@@ -1092,15 +1126,23 @@ def merge_seed_runs(runs: List[dict]) -> List[dict]:
         m["score_seeds"] = [s for r in rs for s in r["score_seeds"]]
         m["score"] = float(np.mean(m["score_seeds"]))
         m["score_std"] = float(np.std(m["score_seeds"]))
+        for which in ("score_shared", "score_own"):  # joined only where every job has it
+            if all(f"{which}_seeds" in r for r in rs):
+                m[f"{which}_seeds"] = [s for r in rs for s in r[f"{which}_seeds"]]
+                m[which] = float(np.mean(m[f"{which}_seeds"]))
+                m[f"{which}_std"] = float(np.std(m[f"{which}_seeds"]))
+            else:
+                for key in (which, f"{which}_std", f"{which}_seeds"):
+                    m.pop(key, None)
+        if "score_shared" not in m:
+            m.pop("finish_bits", None)
         for key in ("upstream_bits", "downstream_bits", "dense_bits", "syncs", "positions_sent",
-                    "elements_synced", "step_time_s", "server_out_bits", "wall_s"):
+                    "elements_synced", "step_time_s", "server_out_bits", "wall_s",
+                    "finish_bits"):
             if all(key in r for r in rs):
                 m[key] = float(np.average([r[key] for r in rs], weights=w))
         m["ranks_identical"] = all(r.get("ranks_identical") for r in rs)
-        up = m["upstream_bits"]
-        m["compression_ratio"] = m["dense_bits"] / up if up > 0 else None
-        if m.get("elements_synced"):
-            m["measured_density"] = m["positions_sent"] / m["elements_synced"]
+        _add_ratios(m)
         m["merged_from_jobs"] = len(rs)
         out.append(m)
     return out

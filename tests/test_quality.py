@@ -1,0 +1,70 @@
+"""benchmarks/quality.py (issue 27's study): seeds joined, finish() counted, goals judged."""
+import json
+
+from benchmarks import quality
+from benchmarks.bench_train import _add_ratios, merge_seed_runs
+
+
+def _run(method, seeds, scores, shared=None, up=1000.0, dense_bits=1e7, part="iid", **kw):
+    r = dict(method=method, density=kw.pop("density", 1.0), delay=kw.pop("delay", 1),
+             label=kw.pop("label", method), task="mnist1d_long", metric="accuracy",
+             partition="iid" if part == "iid" else "by_class", workers=4, part=part,
+             seeds=list(seeds), score_seeds=list(scores), score=sum(scores) / len(scores),
+             score_std=0.0, upstream_bits=up, downstream_bits=up, dense_bits=dense_bits,
+             syncs=1.0, positions_sent=0.0, elements_synced=0.0, step_time_s=0.1, wall_s=1.0,
+             steps=1500, ranks_identical=True, **kw)
+    if shared is not None:
+        r.update(score_shared_seeds=list(shared), score_shared=sum(shared) / len(shared),
+                 score_shared_std=0.0, finish_bits=32 * 8010.0)
+    if method == "local":
+        r["upstream_bits"] = 0.0
+    _add_ratios(r)
+    return r
+
+
+def test_finish_is_counted_and_seeds_are_joined():
+    a = _run("sbc", [0], [0.90], shared=[0.93], up=1000.0, density=0.01, delay=16,
+             label="sbc p=0.01 n=16")
+    b = _run("sbc", [1, 2], [0.92, 0.94], shared=[0.95, 0.97], up=1000.0, density=0.01,
+             delay=16, label="sbc p=0.01 n=16")
+    assert a["compression_ratio"] == 1e7 / 1000
+    assert a["ratio_with_finish"] == 1e7 / (1000 + 32 * 8010)
+    (m,) = merge_seed_runs([a, b])
+    assert m["seeds"] == [0, 1, 2] and m["score_seeds"] == [0.90, 0.92, 0.94]
+    assert abs(m["score_shared"] - 0.95) < 1e-12 and len(m["score_shared_seeds"]) == 3
+    assert m["ratio_with_finish"] == 1e7 / (1000 + 32 * 8010)
+
+
+def test_goals_use_three_seed_rows_and_both_models():
+    runs = [_run("none", [0, 1, 2], [0.945] * 3, up=1e7),
+            _run("local", [0, 1, 2], [0.86] * 3),
+            # within 1 point by its shared weights at x20,000, but only 1 seed: not counted
+            _run("sbc", [0], [0.80], shared=[0.95], up=500.0, density=0.01, delay=128,
+                 label="one seed"),
+            # 3 seeds: shared weights within 1 point at x10,000; after finish() far below
+            _run("sbc", [0, 1, 2], [0.90] * 3, shared=[0.94] * 3, up=1000.0, density=0.01,
+                 delay=64, label="three seeds"),
+            _run("sbc", [0, 1, 2], [0.93] * 3, up=1e7 / 77, api="stock", density=0.01,
+                 label="stock")]
+    res = {"runs": runs}
+    g = {x["goal"]: x for x in quality.goals(res)}
+    iid = next(v for k, v in g.items() if k.startswith("mnist1d_long IID"))
+    assert iid["reached"] and iid["largest_ratio_within"]["ratio"] == 10_000
+    assert iid["largest_ratio_within"]["model"] == "shared weights"
+    stock = next(v for k, v in g.items() if k.startswith("stock hook") and v["part"] == "iid")
+    assert stock["reached"] and not stock["within_1pt_of_dense"]
+    skew = next(v for k, v in g.items() if "skewed" in k)
+    assert skew["measured"] is False
+    md = quality.markdown(res)
+    assert "×10,000" in md and "not measured" in md
+    json.dumps(quality.goals(res))  # the goals go into the JSON
+
+
+def test_quick_study_is_small_and_every_part_has_baselines():
+    jobs = quality.study_jobs(list(quality.PARTS), quick=True)
+    assert {j["workers"] for _, j in jobs} == {2}
+    assert all(r.get("steps") == 40 for _, j in jobs for r in j["runs"])
+    for part, runs in quality.STUDY.items():
+        methods = [s["method"] for s, _ in runs]
+        assert "none" in methods and "local" in methods, part
+        assert all(seeds for _, seeds in runs)
