@@ -21,6 +21,9 @@ bench: install
 	$(PY) -m benchmarks.bench downlink --json benchmarks/results/downlink.json
 	$(PY) -m benchmarks.bench_tf_codec --json benchmarks/results/tf_codec.json
 	$(PY) -m benchmarks.bench_ddp --json benchmarks/results/ddp.json
+	$(PY) -m benchmarks.bench gpu-proxy --json benchmarks/results/gpu_proxy.json
+	$(PY) -m benchmarks.bench soak --json benchmarks/results/soak.json
+	$(PY) -m benchmarks.quality --resume --json benchmarks/results/quality.json
 
 fuzz: install
 	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} DIFF_TF_EVERY=10 \
