@@ -36,6 +36,29 @@ def validate_selection(selection) -> str:
     return selection
 
 
+def check_number(what: str, value, low: float, high: float, low_open: bool = False) -> float:
+    """``value`` as a float in ``[low, high]`` (``(low, high]`` with ``low_open``), else a
+    ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    v = float(value)
+    if not (low < v if low_open else low <= v) or not v <= high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{what} must be in {bracket}{low}, {high}], got {value!r}")
+    return v
+
+
+def resolve_outer(outer, plain: type, module: str):
+    """An outer step: ``None`` -> ``plain()``; an instance of ``plain`` (or of a subclass)
+    as is; anything else a ValueError naming ``module``'s outer steps."""
+    if outer is None:
+        return plain()
+    if not isinstance(outer, plain):
+        raise ValueError(f"outer must be {module}.Plain(), Nesterov(...) or ErrorDecay(...), "
+                         f"got {outer!r}")
+    return outer
+
+
 def validate_delay(delay) -> int:
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
         raise ValueError(f"delay must be an integer >= 1, got {delay!r}")

@@ -8,6 +8,7 @@ import json
 import os
 import tempfile
 
+import numpy as np
 import pytest
 
 from harness import ROOT, SharedJob, run_ranks
@@ -60,8 +61,11 @@ TWO = SharedJob("tf_sbc.py", 2, {
     "save": ["save", f"ckpt={CKPT}"],
     "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1",
               "modes=" + ",".join(MODE_RUNS), "fixed=" + ",".join(FIXED_RUNS)],
-    "errors": ["errors"]}, timeout=1200)
-LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"]}, after=[TWO], timeout=400)
+    "errors": ["errors"], "outer": ["outer"],
+    "save_outer": ["save", f"ckpt={CKPT}", "outer=nesterov"]}, timeout=1200)
+LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"],
+                                  "load_outer": ["load", f"ckpt={CKPT}", "outer=nesterov"]},
+                 after=[TWO], timeout=400)
 
 
 def test_two_ranks_identical_variables_exact_accounting_and_dense_equivalence():
@@ -128,7 +132,7 @@ def test_three_ranks_and_pytorch_decodes_tensorflow_messages():
 
 def test_checkpoint_mid_delay_window_resumes_bit_identically():
     saved = TWO["save"]
-    assert sorted(os.listdir(CKPT)) == ["rank0", "rank1"]
+    assert sorted(os.listdir(os.path.join(CKPT, "plain"))) == ["rank0", "rank1"]
     names = saved[0]["saved"]
     assert any(n.startswith("sbc/residuals/") for n in names)
     assert any(n.startswith("sbc/reference/") for n in names)
@@ -145,6 +149,62 @@ def test_checkpoint_mid_delay_window_resumes_bit_identically():
     assert saved[0]["at_checkpoint"]["stats"]["steps"] == 7
     assert saved[0]["at_checkpoint"]["local_steps"] == 1  # saved between syncs (delay 3)
     assert saved[0]["at_checkpoint"]["digest"] != saved[1]["at_checkpoint"]["digest"]
+
+
+def test_checkpoint_with_the_outer_step_resumes_bit_identically():
+    """SBC(outer=Nesterov(...)): the momentum buffers are in the checkpoint (``sbc/outer/
+    buffers/<name>``) and a resumed run continues bit-identically."""
+    saved, loaded = TWO["save_outer"], LOAD["load_outer"]
+    assert any(n.startswith("sbc/outer/buffers/") for n in saved[0]["saved"])
+    for r in range(2):
+        assert loaded[r]["at_checkpoint"] == saved[r]["at_checkpoint"]
+        assert loaded[r]["digests"] == saved[r]["digests"]
+        assert loaded[r]["without_sbc_state"][-1] != saved[r]["digests"][-1]
+    # the outer step changed the run: the plain run's checkpoint diverges from it
+    assert saved[0]["digests"][-1] != TWO["save"][0]["digests"][-1]
+
+
+def _flat(d):
+    return {k: np.asarray(v, np.float64) for k, v in d.items()}
+
+
+def test_outer_step_arithmetic_on_two_ranks():
+    """Each sync's average U (here exact: dense values of every rank's window update) moves
+    W_ref by U (Plain), by lr * (U + m * v) with v <- m * v + U (Nesterov(1.0, 0.5)) or by
+    lr * U (ErrorDecay(0.5, 0.8)); W_ref and the buffers are identical on both ranks, and
+    the outer steps change training (negative control: their runs end elsewhere)."""
+    out = TWO["outer"]
+    for kind in ("plain", "nesterov", "decay"):
+        runs = [out[r][kind] for r in range(2)]
+        assert len(runs[0]["syncs"]) == 3 and runs[0]["stats"]["syncs"] == 3
+        v = None
+        for i in range(3):
+            recs = [runs[r]["syncs"][i] for r in range(2)]
+            assert recs[0]["ref_before"] == recs[1]["ref_before"], (kind, i)
+            assert recs[0]["ref_after"] == recs[1]["ref_after"], (kind, i)
+            before, after = _flat(recs[0]["ref_before"]), _flat(recs[0]["ref_after"])
+            ws = [_flat(rec["w"]) for rec in recs]
+            for name in before:
+                u = (ws[0][name] - before[name] + ws[1][name] - before[name]) / 2
+                if kind == "plain":
+                    want = before[name] + u
+                elif kind == "decay":
+                    want = before[name] + 0.8 * u
+                else:
+                    vb = _flat(recs[0]["v_before"])[name] if recs[0]["v_before"] else 0.0
+                    vn = 0.5 * vb + u
+                    np.testing.assert_allclose(_flat(recs[0]["v_after"])[name], vn,
+                                               rtol=1e-5, atol=1e-7, err_msg=f"v {name} {i}")
+                    assert recs[0]["v_after"][name] == recs[1]["v_after"][name]
+                    want = before[name] + 1.0 * (u + 0.5 * vn)
+                np.testing.assert_allclose(after[name], want, rtol=1e-5, atol=1e-7,
+                                           err_msg=f"{kind} {name} sync {i}")
+                assert not np.any(_flat(recs[0]["res"])[name])  # all sent: no residual
+    ends = {kind: out[0][kind]["syncs"][-1]["ref_after"] for kind in ("plain", "nesterov",
+                                                                        "decay")}
+    assert ends["plain"] != ends["nesterov"] and ends["plain"] != ends["decay"]
+    for r in range(2):
+        assert "acts on the shared weights of weight mode" in out[r]["stock_refused"]
 
 
 def test_errors_are_clear_and_raised_on_every_rank():

@@ -8,6 +8,9 @@
 * :class:`SBCCallback` — Keras 3 ``model.fit`` with SBC (imported lazily: needs ``keras``).
 * :func:`broadcast_variables` — start all ranks equal (accepts Keras 3 variables).
 * :func:`compress` / :func:`decompress` — the single-tensor codec (TF ops).
+* :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — weight mode's outer step
+  (``SBC(..., delay=16, outer=Nesterov(lr=1.0, momentum=0.5))``, see
+  :mod:`horovod_sbc.tensorflow.outer`).
 
 See docs/tensorflow.md.
 """
@@ -20,10 +23,11 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
 
 from .backend import compress, decompress
 from .compressor import SBC
+from .outer import ErrorDecay, Nesterov, Plain
 from .tape import DistributedGradientTape, broadcast_variables
 
 __all__ = ["SBC", "DistributedGradientTape", "SBCCallback", "broadcast_variables", "compress",
-           "decompress"]
+           "decompress", "Plain", "Nesterov", "ErrorDecay"]
 
 
 def __getattr__(name):

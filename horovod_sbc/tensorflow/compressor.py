@@ -37,6 +37,7 @@ from ..residual import COUNTER_KEYS, ResidualManager
 from .backend import Backend, backend_for
 from .sync import exchange
 from .sync.exchange import COMMIT, residual_dtype, tf_name
+from .outer import Plain, resolve_outer
 from .owner import identify, variable_name
 
 # Our graph-building code uses Python control flow on Python values only; AutoGraph must not
@@ -117,13 +118,17 @@ class SBC(tf.Module):
             ``SBCCallback`` with ``delay=1``) this trains worse on IID data, better on
             label-skewed shards (docs/benchmarks.md). Gradient modes (delay 1 tape, stock tape)
             exchange gradients and are not affected.
+        outer: weight mode only: the outer step that turns each sync's averaged update into
+            the change of the shared weights (:mod:`horovod_sbc.tensorflow.outer`: ``Plain()``,
+            the default, ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
+            drop-in's ``outer=``; its state is saved with this module.
         name: the ``tf.Module`` name.
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper",
                  name: str = "sbc", local_residual: bool = True, mode: Optional[str] = None,
-                 seed: int = 0, fixed_size: bool = False):
+                 seed: int = 0, fixed_size: bool = False, outer: Optional[Plain] = None):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
@@ -139,6 +144,7 @@ class SBC(tf.Module):
         self.density, self.delay = self.config.density, self.config.delay
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
+        self.outer = resolve_outer(outer)
         self._mode: Optional[str] = None
         self._backend: Optional[Backend] = None
         with tf.init_scope():
@@ -180,6 +186,11 @@ class SBC(tf.Module):
 
     # -- state --------------------------------------------------------------------------------
     def _use(self, mode: str) -> None:
+        if mode != "weights" and self.outer.kind != "plain":
+            raise ValueError(f"SBC(outer={self.outer!r}) acts on the shared weights of weight "
+                             f"mode; it cannot be used through {_MODES[mode]} (use delay > 1 with "
+                             "horovod_sbc.tensorflow.DistributedGradientTape and sbc.step(), or "
+                             "SBCCallback)")
         if self._mode is None:
             self._mode = mode
         elif self._mode != mode:
@@ -413,20 +424,35 @@ class SBC(tf.Module):
             r = self._residual(name, shape, v.dtype)
             upds.append(self._window_update(v, ref, r))
             names.append(name), shapes.append(shape), res.append(r), refs.append(ref)
-        # the average of all ranks' decoded updates is added straight into W_ref
-        code, new_refs, new_res, sent = self._exchange(
-            names, shapes, upds, res, 1.0 / size, tag, outs=[r.read_value() for r in refs])
-        committed = [self._commit(res, upds, code, new_res, sent),
-                     self.counters["syncs"].assign_add(tf.cast(tf.equal(code, COMMIT), tf.int64)),
-                     self.local_steps.assign(0)]
-        ops = list(committed)
-        for (name, v, _), ref, new in zip(entries, refs, new_refs):
-            ops.append(ref.assign(new))
+        plain = self.outer.kind == "plain"
+        if not plain:
+            with tf.init_scope():
+                self.outer.build(names, [r.read_value() for r in res],
+                                 lambda init, n: _state(init, "outer_" + tf_name(n)))
+        # plain: the average of all ranks' decoded updates is added straight into W_ref
+        code, decoded, new_res, sent = self._exchange(
+            names, shapes, upds, res, 1.0 / size, tag,
+            outs=[r.read_value() for r in refs] if plain else None)
+        committed = tf.equal(code, COMMIT)
+        ops = [self._commit(res, upds, code, new_res, sent),
+               self.counters["syncs"].assign_add(tf.cast(committed, tf.int64)),
+               self.local_steps.assign(0)]
+        if plain:
+            new_refs = decoded
+        else:
+            with tf.control_dependencies(ops):
+                deltas = self.outer.delta(names, decoded, committed)
+                ops += self.outer.after_commit(res, committed)
+            new_refs = [tf.where(committed, tf.cast(tf.cast(ref.read_value(), d.dtype) + d,
+                                                    ref.dtype), ref.read_value())
+                        for ref, d in zip(refs, deltas)]
+        with tf.control_dependencies(ops):
+            ops = ops + [ref.assign(new) for ref, new in zip(refs, new_refs)]
         with tf.control_dependencies(ops):
             assigns = [v.assign(self._continue_from(v, ref, r))
                        for (name, v, _), ref, r in zip(entries, refs, res)]
         with tf.control_dependencies(assigns):
-            return tf.equal(code, COMMIT)
+            return committed
 
     def _window_update(self, v, ref, r):
         """The update of this delay window. Shared weights (``local_residual=False``):

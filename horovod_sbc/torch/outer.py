@@ -25,15 +25,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-
-def _check_number(what: str, value, low: float, high: float, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number, got {value!r}")
-    v = float(value)
-    if not (low < v if low_open else low <= v) or not v <= high:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{what} must be in {bracket}{low}, {high}], got {value!r}")
-    return v
+from .. import config
+from ..config import check_number as _check_number
 
 
 class Plain:
@@ -201,9 +194,4 @@ class ErrorDecay(Plain):
 
 def resolve_outer(outer) -> Plain:
     """``None`` -> :class:`Plain`; otherwise one of this module's outer steps."""
-    if outer is None:
-        return Plain()
-    if not isinstance(outer, Plain):
-        raise ValueError("outer must be horovod_sbc.torch.outer.Plain(), Nesterov(...) or "
-                         f"ErrorDecay(...), got {outer!r}")
-    return outer
+    return config.resolve_outer(outer, Plain, "horovod_sbc.torch.outer")

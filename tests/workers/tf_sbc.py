@@ -347,15 +347,17 @@ def run_errors():
     return out
 
 
-def ckpt_dir():
-    return os.path.join(KW["ckpt"], f"rank{RANK}")
+def ckpt_dir(rank=None):
+    rank = RANK if rank is None else rank
+    return os.path.join(KW["ckpt"], KW.get("outer", "plain"), f"rank{rank}")
 
 
 def run_save_load():
     delay, first, more = 3, 7, 10
     model = make_model(aux=False)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    sbc = SBC(density=0.05, delay=delay)
+    outer = OUTERS[KW.get("outer", "plain")]
+    sbc = SBC(density=0.05, delay=delay, outer=outer())
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt, sbc=sbc)
     step = make_step(model, opt, "dropin", sbc, True, delay)
     if MODE == "save":
@@ -381,7 +383,7 @@ def run_save_load():
     # control: the same checkpoint without the SBC state does not continue the same way
     model = make_model(aux=False)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    sbc = SBC(density=0.05, delay=delay)
+    sbc = SBC(density=0.05, delay=delay, outer=outer())
     tf.train.Checkpoint(model=model, optimizer=opt).read(path).expect_partial()
     sbc.build(model.trainable_variables)
     step = make_step(model, opt, "dropin", sbc, True, delay)
@@ -393,13 +395,63 @@ def run_save_load():
     # another rank's SBC state is refused
     other = SBC(density=0.05, delay=delay)
     tf.train.Checkpoint(sbc=other).read(
-        os.path.join(KW["ckpt"], f"rank{(RANK + 1) % SIZE}", "ckpt")).expect_partial()
+        os.path.join(ckpt_dir((RANK + 1) % SIZE), "ckpt")).expect_partial()
     out["other_rank"] = catch(lambda: other.build(make_model(aux=False).trainable_variables))
     return out
 
 
+OUTERS = {"plain": lambda: None, "nesterov": lambda: hsbc.Nesterov(1.0, 0.5),
+          "decay": lambda: hsbc.ErrorDecay(decay=0.5, lr=0.8)}
+
+
+def run_outer():
+    """Weight mode (delay 2, eager) with each outer step, on dense values (``mode="values"``,
+    density 1: every rank's window update is sent exactly and its residual is zero): per sync,
+    this rank's weights before the sync, ``W_ref`` and Nesterov's buffers before and after.
+    The momentum-free inner SGD keeps a rank's window update a function of its weights."""
+    out = {}
+    for kind, make in OUTERS.items():
+        model = make_model(aux=False)
+        opt = keras.optimizers.SGD(0.05)
+        sbc = SBC(density=1.0, delay=2, mode="values", outer=make())
+        hsbc.broadcast_variables(model.variables, root_rank=0)
+        sbc.build(model.trainable_variables)
+        names = [n for n, _, _ in sbc._entries(model.trainable_variables)]
+        variables = {n: v for n, v, _ in sbc._entries(model.trainable_variables)}
+        snap = lambda d: {n: d[n].numpy().ravel().tolist() for n in names}  # noqa: E731
+        bufs = lambda: snap(sbc.outer.buffers) if kind == "nesterov" and \
+            sbc.outer.buffers else None  # noqa: E731
+        syncs = []
+        for s in range(6):
+            x, y = batch(s)
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x))
+            grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
+                loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            due = (s + 1) % 2 == 0
+            if due:
+                rec = {"w": snap(variables), "ref_before": snap(sbc.reference),
+                       "v_before": bufs()}
+            sbc.step(model.trainable_variables)
+            if due:
+                rec.update(ref_after=snap(sbc.reference), v_after=bufs(),
+                           res=snap(sbc.residuals))
+                syncs.append(rec)
+        out[kind] = {"syncs": syncs, "digest": digest(model), "stats": sbc.stats()}
+    # the outer step belongs to weight mode: the stock tape refuses it on every rank
+    sbc = SBC(outer=hsbc.Nesterov())
+    x, y = batch(0)
+    model = make_model(aux=False)
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, model(x))
+    out["stock_refused"] = catch(lambda: hvd.DistributedGradientTape(
+        tape, compression=sbc).gradient(loss, [v.value for v in model.trainable_variables]))
+    return out
+
+
 MODES = {"train": run_train, "errors": run_errors, "save": run_save_load,
-         "load": run_save_load}
+         "load": run_save_load, "outer": run_outer}
 
 
 def run_scenario(mode, kw):
