@@ -40,10 +40,7 @@ def pytest_collection_modifyitems(config, items):
     """``scripts/test.sh`` runs the suite on 2 pytest-xdist workers (``--dist loadgroup``): the
     tests that start multi-process jobs stay together on one worker, in file order (their
     shared jobs are started once per process, and two jobs at a time would fight for the
-    cores and the timeouts), while the single-process tests fill the other core. Tests marked
-    ``idle`` (jobs that sleep until their timeout) may run beside them."""
+    cores and the timeouts), while the single-process tests fill the other core."""
     for item in items:
-        if item.get_closest_marker("idle"):  # a job that sleeps until its timeout
-            continue
         if item.get_closest_marker("multirank") or item.path.name in _JOB_FILES:
             item.add_marker(pytest.mark.xdist_group("jobs"))

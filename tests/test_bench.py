@@ -104,7 +104,6 @@ def test_codec_subcommand_still_works(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.idle
 def test_a_job_past_its_timeout_is_ended_with_all_its_ranks():
     cmd = bt.launcher_prefix(2, "mpirun", bt.ENV_NAMES) + [
         sys.executable, "-c", "import os, time; print('@@progress {\"pid\": %d}' % os.getpid(), "

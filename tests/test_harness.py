@@ -41,9 +41,8 @@ def test_variable_length_uint8_allgather(fw, np_, controller):
     assert len({res["sha"] for res in results}) == 1
 
 
-@pytest.mark.idle
 def test_hung_worker_fails_within_timeout():
     t0 = time.monotonic()
-    with pytest.raises(RankJobError, match="did not finish within 12 s"):
-        run_ranks("hang.py", 2, timeout=12)
-    assert time.monotonic() - t0 < 30
+    with pytest.raises(RankJobError, match="did not finish within 20 s"):
+        run_ranks("hang.py", 2, timeout=20)
+    assert time.monotonic() - t0 < 40
