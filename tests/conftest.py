@@ -29,3 +29,17 @@ def pytest_runtest_protocol(item, nextitem):
             f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - t0, 2),
                                 "cpu": round(own - own0, 2), "kids": round(kids - kids0, 2)})
                     + "\n")
+
+
+#: test files that start jobs, clusters or installs without the ``multirank`` marker
+_JOB_FILES = {"test_slurm.py", "test_package.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``scripts/test.sh`` runs the suite on 2 pytest-xdist workers (``--dist loadgroup``): the
+    tests that start multi-process jobs stay together on one worker, in file order (their
+    shared jobs are started once per process, and two jobs at a time would fight for the
+    cores and the timeouts), while the single-process tests fill the other core."""
+    for item in items:
+        if item.get_closest_marker("multirank") or item.path.name in _JOB_FILES:
+            item.add_marker(pytest.mark.xdist_group("jobs"))

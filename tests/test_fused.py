@@ -5,6 +5,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from horovod_sbc import reference, kernels
@@ -269,10 +270,10 @@ def test_dropin_device_path_nonfinite_names_the_parameter():
             raise AssertionError("no error")
 
 
+@pytest.mark.multirank
 def test_dropin_job_with_the_kernels_off_gives_the_kernels_bytes():
     """A real 2-rank drop-in job on the device path (kernels off, as on CUDA): every rank's
     weights after every sync are those of the same job with the kernels on."""
-    import pytest
     from harness import run_ranks
     pytest.importorskip("horovod.torch")
     args = ["train", "api=dropin", "delay=2", "steps=8", "density=0.05"]
