@@ -35,6 +35,7 @@ def pytest_runtest_protocol(item, nextitem):
 _JOB_FILES = {"test_slurm.py", "test_package.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """``scripts/test.sh`` runs the suite on 2 pytest-xdist workers (``--dist loadgroup``): the
     tests that start multi-process jobs stay together on one worker, in file order (their
