@@ -14,8 +14,11 @@ benchmark runs that path on the CPU (the kernels switched off with
   ``output_size``, plus the Python-level reads that do not dispatch (``Tensor.tolist``,
   ``Tensor.numpy``), each counted once however it is implemented underneath;
 * ``uploads``: tensors made from host data (``torch.tensor``, ``as_tensor``, ``frombuffer``,
-  ``from_numpy``): on CUDA each becomes a host-to-device copy, which PyTorch makes synchronous
-  for pageable memory (it waits for the stream);
+  ``from_numpy``) outside :func:`horovod_sbc.torch.backend.transfer.upload`: on CUDA each
+  becomes a host-to-device copy, which PyTorch makes synchronous for pageable memory (it waits
+  for the stream);
+* ``async_uploads``: calls of :func:`~horovod_sbc.torch.backend.transfer.upload`, which on
+  CUDA copies from pinned memory with ``non_blocking=True`` (queued on the stream, no wait);
 * ``syncs = reads + uploads``: what would stall the device.
 
 Paths, all in ONE process with a fake collective that returns this rank's step message as if
@@ -166,6 +169,8 @@ class Counter(TorchDispatchMode):
         self.views = 0
         self.reads: Dict[str, int] = collections.Counter()
         self.uploads = 0
+        self.async_uploads = 0
+        self._in_async = 0
         self.collectives = 0
         self.by_op: Dict[str, int] = collections.Counter()
         self._pause = 0
@@ -194,7 +199,8 @@ class Counter(TorchDispatchMode):
     def snapshot(self) -> Dict[str, object]:
         reads = sum(self.reads.values())
         return {"ops": self.ops, "kernels": self.ops - self.views, "reads": reads,
-                "uploads": self.uploads, "syncs": reads + self.uploads,
+                "uploads": self.uploads, "async_uploads": self.async_uploads,
+                "syncs": reads + self.uploads,
                 "collectives": self.collectives, "reads_by_kind": dict(self.reads)}
 
 
@@ -211,9 +217,22 @@ def _wrap_read(counter: Counter, orig, kind: str):
     return wrapped
 
 
+def _wrap_async_upload(counter: Counter, orig):
+    def wrapped(*a, **kw):
+        if counter._pause or counter._inside_read:
+            return orig(*a, **kw)
+        counter.async_uploads += 1
+        counter._in_async += 1  # its own tensor from host data is not a blocking upload
+        try:
+            return orig(*a, **kw)
+        finally:
+            counter._in_async -= 1
+    return wrapped
+
+
 def _wrap_upload(counter: Counter, orig):
     def wrapped(*a, **kw):
-        if not counter._pause and not counter._inside_read:
+        if not counter._pause and not counter._inside_read and not counter._in_async:
             counter.uploads += 1
         return orig(*a, **kw)
     return wrapped
@@ -222,8 +241,9 @@ def _wrap_upload(counter: Counter, orig):
 @contextlib.contextmanager
 def counting():
     """A :class:`Counter` active for the block: the dispatch mode plus the Python-level wraps of
-    ``Tensor.tolist/numpy/item/__bool__/__int__/__float__/__index__`` and of the tensor
-    constructors from host data (restored afterwards)."""
+    ``Tensor.tolist/numpy/item/__bool__/__int__/__float__/__index__``, of the tensor
+    constructors from host data and of :func:`horovod_sbc.torch.backend.transfer.upload`
+    (restored afterwards)."""
     c = Counter()
     saved = []
     for name in _PY_READS + _PY_SCALARS:
@@ -234,6 +254,9 @@ def counting():
         orig = getattr(torch, name)
         saved.append((torch, name, orig))
         setattr(torch, name, _wrap_upload(c, orig))
+    from horovod_sbc.torch.backend import transfer
+    saved.append((transfer, "upload", transfer.upload))
+    transfer.upload = _wrap_async_upload(c, transfer.upload)
     try:
         with c:
             yield c
@@ -481,7 +504,7 @@ def run_cell(layout_name: str, shapes, path: str, size: int, density: float, noi
     gc.collect()
     row = {"layout": layout_name, "path": path, "ranks": size, "density": density,
            "tensors": len(shapes), "steps": steps}
-    for key in ("ops", "kernels", "reads", "uploads", "syncs", "collectives"):
+    for key in ("ops", "kernels", "reads", "uploads", "async_uploads", "syncs", "collectives"):
         row[key] = sum(p[key] for p in per_step) / max(1, steps)
         row[key + "_max"] = max(p[key] for p in per_step) if per_step else 0
     kinds = collections.Counter()
@@ -515,6 +538,7 @@ def run(layouts=LAYOUTS, paths=PATHS, ranks=RANKS, densities=DENSITIES, steps: i
 
 
 COLUMNS = ("layout", "path", "ranks", "density", "tensors", "ops", "kernels", "reads", "uploads",
+           "async_uploads",
            "syncs", "collectives")
 
 

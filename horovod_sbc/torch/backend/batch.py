@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ... import protocol, wire
+from . import transfer
 
 _POPCOUNT = {}
 _BIT_OF = {}
@@ -55,8 +56,8 @@ def _tables(dev):
         for x in range(256):
             nz = np.flatnonzero(bits[x])
             where[x, :nz.size] = nz
-        _POPCOUNT[key] = torch.from_numpy(pc).to(dev)
-        _BIT_OF[key] = torch.from_numpy(where.reshape(-1)).to(dev)
+        _POPCOUNT[key] = transfer.upload(pc, dev)
+        _BIT_OF[key] = transfer.upload(where.reshape(-1), dev)
     return _POPCOUNT[key], _BIT_OF[key]
 
 
@@ -85,9 +86,7 @@ class Uploads:
         sizes = [p.size for p in self._parts]
         host = np.concatenate([p.view(np.int64) for p in self._parts]) if sizes else \
             np.zeros(0, np.int64)
-        buf = torch.from_numpy(host)
-        if torch.device(dev).type != "cpu":
-            buf = buf.to(dev)
+        buf = transfer.upload(host, dev)
         out = []
         for part, kind in zip(torch.split(buf, sizes), self._kinds):
             out.append(part.view(torch.float64) if kind == "f" else part != 0 if kind == "b"

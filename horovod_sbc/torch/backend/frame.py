@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ... import reference, wire
+from . import transfer
 
 
 def host_bytes(t: torch.Tensor) -> bytes:
@@ -26,9 +27,8 @@ def host_bytes(t: torch.Tensor) -> bytes:
 
 
 def device_bytes(b: bytes, device) -> torch.Tensor:
-    """``b`` as a uint8 tensor on ``device``: one host-to-device copy."""
-    t = torch.frombuffer(bytearray(b), dtype=torch.uint8)
-    return t if torch.device(device).type == "cpu" else t.to(device)
+    """``b`` as a uint8 tensor on ``device``: one asynchronous host-to-device copy."""
+    return transfer.upload(b, device)
 
 
 def frame(msgs: Sequence[torch.Tensor], layout_crc: int, device,

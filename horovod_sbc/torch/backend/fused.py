@@ -50,6 +50,7 @@ from ... import wire
 from ...reference import choose_side, keep_count
 from .base import NonFiniteError
 from .select import f32
+from . import transfer
 
 _BUCKET_BITS = 12
 _NB = 1 << _BUCKET_BITS
@@ -368,9 +369,7 @@ def _upload(p: _Plan, dev, head: bytes = b"") -> Tuple[torch.Tensor, torch.Tenso
     ints = p.group_flag + p.b + p.unary_bit + p.rem_bit + p.start + p.streams + p.value_byte
     raw = struct.pack(f"<{len(ints)}q{m}d", *ints, *p.signed) + head + bytes(p.template) + \
         bytes(8)
-    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if buf.device != torch.device(dev):
-        buf = buf.to(dev)
+    buf = transfer.upload(raw, dev)
     at = 8 * (len(ints) + m)
     whole = buf[at:at + len(head) + len(p.template)]
     return buf[:at].view(torch.int64), buf[at + len(head):], whole
@@ -515,7 +514,7 @@ def _crc_tables(n_chunks: int, dev) -> Tuple[torch.Tensor, torch.Tensor]:
         powers.append(_gf2_apply(z, powers[-1]))
     shift = np.stack(powers[::-1])  # chunk c (of c_max) is followed by c_max - 1 - c chunks
     second = ((shift[:, :, None] >> bit) & np.uint64(1)).astype(np.float32).reshape(-1, 32)
-    tables = (torch.from_numpy(first).to(dev), torch.from_numpy(second).to(dev), c_max)
+    tables = (transfer.upload(first, dev), transfer.upload(second, dev), c_max)
     _CRC_TABLES[key] = tables
     return tables[0], tables[1][(c_max - n_chunks) * 32:]
 
@@ -558,7 +557,7 @@ def frame_device(body: torch.Tensor, layout_crc: int, n_tensors: int, padded: bo
     if head is None:
         raw = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags, origin, body.numel(),
                                     layout_crc, n_tensors, 0)[:20]
-        head = _HEADS[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(body.device)
+        head = _HEADS[key] = transfer.upload(raw, body.device)
     return torch.cat([head, crc_bytes(body), body])
 
 

@@ -13,6 +13,7 @@ import torch
 
 from ... import wire
 from .select import gaps, rice_candidates
+from . import transfer
 
 _U8_SHIFTS = {}
 
@@ -73,11 +74,6 @@ def _pack_fields(r: torch.Tensor, b: int, dev) -> torch.Tensor:
     return out[:nbytes]
 
 
-def _head(head: bytes, dev) -> torch.Tensor:
-    t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    return t if dev.type == "cpu" else t.to(dev)
-
-
 def stream_sizes(count: int, b: int, sum_q: int) -> Tuple[int, int]:
     """Bytes of the unary and remainder streams of ``count`` positions, Rice parameter ``b``,
     ``sum_q = sum(gaps >> b)``."""
@@ -117,13 +113,14 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
     if all_positions:
         if values is not None:
             head = wire.tensor_header(numel, numel, 0, 0, 0.0, False, True, False, True)
-            return torch.cat([_head(head, dev),
+            return torch.cat([transfer.upload(head, dev),
                               values.to(torch.float32).contiguous().view(torch.uint8)])
         head = wire.tensor_header(numel, numel, 0, 0, value, False, False, True, True)
-        return torch.cat([_head(head, dev), _pack_bits(signs)])
+        return torch.cat([transfer.upload(head, dev), _pack_bits(signs)])
     count = pos.numel()
     if count == 0:
-        return _head(wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None), dev)
+        head = wire.tensor_header(numel, 0, 0, 0, 0.0, False, values is not None)
+        return transfer.upload(head, dev)
     b, unary, rem = position_streams(pos, numel, rice_b, sum_q)
     parts = [None, unary, rem]
     if values is not None:
@@ -134,7 +131,7 @@ def encode_positions(pos: torch.Tensor, numel: int, value: float = 0.0, negative
         parts.append(_pack_bits(signs))
     else:
         head = wire.tensor_header(numel, count, b, unary.numel(), value, negative)
-    parts[0] = _head(head, dev)
+    parts[0] = transfer.upload(head, dev)
     return torch.cat(parts)
 
 
