@@ -54,13 +54,16 @@ MODE_RUNS = ["sign-eager", "terngrad-eager", "values-eager", "stc-eager"]  # eag
 # of these encoders is tests/test_registry.py's
 # SBC(fixed_size=True): the same runs with padded step messages
 FIXED_RUNS = ["stock-eager-1", "dropin-eager-1"]
+# the stock tape with hvd.DistributedGradientTape(..., groups=1)
+GROUPED_RUNS = ["stock-eager-1", "stock-fn-1"]
 STEPS_2 = 8
 CKPT = tempfile.mkdtemp(prefix="sbc-tf-ckpt-")
 # "save" first: Keras numbers layer names per process, and the load runs in a fresh one
 TWO = SharedJob("tf_sbc.py", 2, {
     "save": ["save", f"ckpt={CKPT}"],
     "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1",
-              "modes=" + ",".join(MODE_RUNS), "fixed=" + ",".join(FIXED_RUNS)],
+              "modes=" + ",".join(MODE_RUNS), "fixed=" + ",".join(FIXED_RUNS),
+              "grouped=" + ",".join(GROUPED_RUNS)],
     "errors": ["errors"], "outer": ["outer"],
     "save_outer": ["save", f"ckpt={CKPT}", "outer=nesterov"]}, timeout=1200)
 LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"],
@@ -102,6 +105,25 @@ def test_fixed_size_steps_are_padded_and_train_bit_identically(spec):
         if spec.startswith("dropin"):  # one step message of one capacity per sync
             cap = reference.step_capacity([20 * 32, 32, 32 * 5, 5, 32 * 5, 5], 0.05, "sbc")
             assert r["gathered"]["sent"] == st["syncs"] * cap, spec
+
+
+@pytest.mark.parametrize("spec", GROUPED_RUNS)
+def test_grouped_stock_tape_exchanges_once_per_group_bit_identically(spec):
+    """With Horovod's grouped allreduce (groups=1) the stock hook encodes every gradient of the
+    group into one step message: one exchange (one host parse) per step instead of one per
+    gradient, and the weights bit for bit those of the ungrouped run."""
+    results = TWO["train"]
+    runs = check_run(results, "grouped:" + spec, STEPS_2)
+    for r, res in zip(runs, results):
+        per_tensor = res[spec]
+        assert per_tensor["host_parses"] == N_TENSORS["stock"] * STEPS_2, spec
+        assert r["host_parses"] == STEPS_2, spec
+        assert r["digests"] == per_tensor["digests"], spec
+        st, var = r["stats"], per_tensor["stats"]
+        assert st["positions_sent"] == var["positions_sent"] > 0, spec
+        # one 24-byte step header per step instead of one per gradient
+        saved = 8 * 24 * (N_TENSORS["stock"] - 1) * STEPS_2
+        assert st["upstream_bits"] == var["upstream_bits"] - saved, spec
 
 
 @pytest.mark.parametrize("spec", MODE_RUNS)

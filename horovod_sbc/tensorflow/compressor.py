@@ -147,6 +147,7 @@ class SBC(tf.Module):
         self.outer = resolve_outer(outer)
         self._mode: Optional[str] = None
         self._backend: Optional[Backend] = None
+        self._stock_batch: Optional[_StockBatch] = None
         with tf.init_scope():
             self.residuals = {}
             self.reference = {}
@@ -514,9 +515,15 @@ class SBC(tf.Module):
     # -- stock horovod.tensorflow.DistributedGradientTape interface -------------------------------
     @_no_autograph
     def compress(self, tensor):
-        """Horovod hook: compress this gradient and allgather its step message; returns a
-        1-element dummy for Horovod's allreduce (the real data travels by allgather) and the
-        context for :meth:`decompress`."""
+        """Horovod hook: queue this gradient for the next exchange; returns a 1-element dummy for
+        Horovod's allreduce (the real data travels by allgather) and the context for
+        :meth:`decompress`.
+
+        The gradients Horovod compresses before it decompresses the first of them (all of a
+        group with ``hvd.DistributedGradientTape(..., num_groups=1)`` or ``groups=``) are
+        encoded, allgathered and decoded together, as one step message: one exchange and a
+        constant number of host round trips per group. Without groups Horovod compresses and
+        decompresses one gradient at a time, and each is its own exchange."""
         if self.delay != 1:
             raise ValueError(
                 f"SBC(delay={self.delay}) needs local steps between syncs, which stock "
@@ -528,26 +535,66 @@ class SBC(tf.Module):
         if isinstance(tensor, tf.IndexedSlices):
             raise ValueError(f"SBC: gradient of {name!r} is sparse (tf.IndexedSlices); pass "
                              "sparse_as_dense=True to hvd.DistributedGradientTape")
-        size, _ = self._world()
         shape = _static_shape(tensor, name)
         res = self._residual(name, shape, tensor.dtype)
         if name not in self.calls:
             with tf.init_scope():
                 self.calls[name] = _state(tf.constant(0, tf.int64), "calls_" + tf_name(name))
-        upd = tf.cast(tensor, res.dtype)
-        dummy = tf.zeros([1], tensor.dtype)
         numel = wire.layout_numel(shape)
         counted = [self.counters["dense_bits"].assign_add(32 * numel),
                    self.calls[name].assign_add(1)]
         with tf.control_dependencies(counted):
-            code, avg, new_res, sent = self._exchange(
-                [name], [shape], [upd], [res], 1.0 if op_sum else 1.0 / size,
-                f"sbc_{tf_name(name)}", extra_up_bits=8 * dummy.dtype.size)
-        return dummy, (tensor.dtype, res, upd, code, avg[0], new_res, sent)
+            upd = tf.identity(tf.cast(tensor, res.dtype))
+        batch = self._stock_batch
+        if batch is None or batch.done or batch.graph is not tf.compat.v1.get_default_graph():
+            batch = self._stock_batch = _StockBatch(op_sum)
+        if batch.op_sum != op_sum:
+            raise ValueError(f"SBC: {name!r} is reduced with another op than the gradients "
+                             "grouped with it")
+        batch.add(name, shape, tensor.dtype, res, upd)
+        return tf.zeros([1], tensor.dtype), (batch, len(batch.names) - 1)
 
     @_no_autograph
     def decompress(self, tensor, ctx):
-        """Horovod hook: commit the error feedback and return the averaged gradient."""
-        dtype, res, upd, code, avg, new_res, sent = ctx
-        with tf.control_dependencies([self._commit([res], [upd], code, new_res, sent)]):
-            return tf.cast(tf.identity(avg), dtype)  # zeros if the step was skipped
+        """Horovod hook: the averaged gradient; the first call of a group runs its exchange and
+        commits its error feedback."""
+        batch, i = ctx
+        if not batch.done:
+            self._exchange_batch(batch)
+        with tf.control_dependencies([batch.committed]):
+            return tf.cast(tf.identity(batch.avg[i]), batch.dtypes[i])  # zeros if skipped
+
+    def _exchange_batch(self, batch: "_StockBatch") -> None:
+        size, _ = self._world()
+        first = tf_name(batch.names[0])
+        tag = f"sbc_{first}" if len(batch.names) == 1 else f"sbc_{first}_x{len(batch.names)}"
+        dummies = sum(dt.size for dt in batch.dtypes)  # Horovod's allreduce of the dummies
+        code, avg, new_res, sent = self._exchange(
+            batch.names, batch.shapes, batch.updates, batch.residuals,
+            1.0 if batch.op_sum else 1.0 / size, tag, extra_up_bits=8 * dummies)
+        batch.avg = avg
+        batch.committed = self._commit(batch.residuals, batch.updates, code, new_res, sent)
+        batch.done = True
+
+
+class _StockBatch:
+    """The gradients the stock hook compressed since its last exchange, in one graph."""
+
+    def __init__(self, op_sum: bool):
+        self.graph = tf.compat.v1.get_default_graph()
+        self.op_sum = op_sum
+        self.names: List[str] = []
+        self.shapes: List[Tuple[int, ...]] = []
+        self.dtypes: List[tf.DType] = []
+        self.residuals: List[tf.Variable] = []
+        self.updates: List[tf.Tensor] = []
+        self.done = False
+        self.avg: List[tf.Tensor] = []
+        self.committed = None
+
+    def add(self, name, shape, dtype, residual, update) -> None:
+        self.names.append(name)
+        self.shapes.append(shape)
+        self.dtypes.append(dtype)
+        self.residuals.append(residual)
+        self.updates.append(update)

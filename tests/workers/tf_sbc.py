@@ -27,6 +27,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
 from horovod_sbc.tensorflow.sync import exchange  # noqa: E402
+from horovod_sbc.tensorflow.backend import host as tf_host  # noqa: E402
 
 MODE, KW = None, {}  # of the scenario running
 
@@ -62,6 +63,19 @@ def _recording_allgather(step, name):
 
 
 exchange.allgather = _recording_allgather
+
+
+PARSES = [0]  # host parses of gathered steps (one per exchange), in this process
+
+
+def _counting_parse(orig):
+    def parse_host(*a, **kw):
+        PARSES[0] += 1
+        return orig(*a, **kw)
+    return parse_host
+
+
+tf_host.parse_host = _counting_parse(tf_host.parse_host)
 
 
 def rec_reset():
@@ -108,7 +122,7 @@ def digest(model):
     return h.hexdigest()
 
 
-def make_step(model, opt, api, sbc, fn, delay):
+def make_step(model, opt, api, sbc, fn, delay, groups=None):
     def step(x, y, use_aux: bool):
         with tf.GradientTape() as tape:
             outs = model(x)
@@ -117,7 +131,7 @@ def make_step(model, opt, api, sbc, fn, delay):
             if use_aux:
                 loss = loss + LOSS(y, outs[1])
         if api == "stock":
-            t = hvd.DistributedGradientTape(tape, compression=sbc)
+            t = hvd.DistributedGradientTape(tape, compression=sbc, groups=groups)
             variables = [v.value for v in model.trainable_variables]  # upstream #4290 workaround
             grads = t.gradient(loss, variables)
         elif api == "dense":
@@ -139,16 +153,17 @@ def use_aux_at(api, s):
 
 
 def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr=0.05,
-            aux=None, mode=None, fixed_size=False):
+            aux=None, mode=None, fixed_size=False, groups=None):
     t0 = time.perf_counter()
     rec_reset()
+    parses0 = PARSES[0]
     aux = api == "dropin" if aux is None else aux
     model = make_model(aux=aux)
     opt = keras.optimizers.SGD(lr, momentum=momentum)
     sbc = SBC(density=density, delay=delay, binarize=binarize, mode=mode,
               fixed_size=fixed_size) if api != "dense" else None
     hsbc.broadcast_variables(model.variables, root_rank=0)
-    step = make_step(model, opt, api, sbc, fn, delay)
+    step = make_step(model, opt, api, sbc, fn, delay, groups)
     digests, losses = [digest(model)], []
     for s in range(steps):
         x, y = batch(s)
@@ -157,6 +172,7 @@ def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr
     numel = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     return model, {"digests": digests, "losses": losses, "stats": sbc.stats() if sbc else None,
                    "gathered": rec_value(), "numel": numel,
+                   "host_parses": PARSES[0] - parses0,
                    "n_tensors": len(model.trainable_variables),
                    "backend": sbc.backend.name if sbc is not None and sbc.backend else None,
                    "seconds": time.perf_counter() - t0}
@@ -172,6 +188,10 @@ def run_train():
                                "dropin-fn-3").split(","):
         api, mode, delay = spec.split("-")
         _, out[spec] = run_one(api, mode == "fn", int(delay), steps)
+    for spec in KW.get("grouped", "").split(",") if KW.get("grouped") else []:
+        # the stock tape with Horovod's grouped allreduce: one exchange per group
+        api, mode, delay = spec.split("-")
+        _, out["grouped:" + spec] = run_one(api, mode == "fn", int(delay), steps, groups=1)
     for spec in KW.get("fixed", "").split(",") if KW.get("fixed") else []:
         # the same runs with fixed-size (padded) step messages
         api, mode, delay = spec.split("-")

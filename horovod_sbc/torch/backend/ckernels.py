@@ -33,7 +33,7 @@ from ...reference import choose_side, keep_count
 from . import frame
 from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, PositionBuffer,
                    Source, as_source, check_request)
-from .ops import OpsBackend, form, kept_values, one_value, undo
+from .ops import OpsBackend, form, one_value
 from .select import Binarized, f32, rice_candidates
 from .streams import encode_positions, stream_sizes
 
@@ -219,19 +219,11 @@ class KernelBackend(OpsBackend):
         else:
             a, target = form(src)
         lib = kernels_for(a) if mode in ("sbc", "values") and a.numel() else None
-        try:
-            if lib is None:
-                msg, pos, sent = self.encode_formed(a, density, mode, name, selection,
-                                                    generator)
-            else:
-                msg, pos, sent = self._encode_c(lib, a, density, mode, name, selection,
-                                                src if in_pass else None, positions)
-        except NonFiniteError:
-            undo(src)
-            raise
-        kept = kept_values(src, pos, sent) if mode != "sbc" else None
-        ref = src.reference if kept is not None else None
-        return Encoded(msg, pos, sent, target, self.subtract_sent, ref, kept)
+        if lib is None:
+            return self._encoded(src, target, mode, lambda: self.encode_formed(
+                a, density, mode, name, selection, generator))
+        return self._encoded(src, target, mode, lambda: self._encode_c(
+            lib, a, density, mode, name, selection, src if in_pass else None, positions))
 
     def _encode_c(self, lib, a: torch.Tensor, density: float, mode: str, name: str,
                   selection: str, source, positions):

@@ -94,8 +94,15 @@ class OpsBackend(Backend):
         mode = check_request(mode, selection)
         src = as_source(source)
         a, target = form(src)
+        return self._encoded(src, target, mode, lambda: self.encode_formed(
+            a, density, mode, name, selection, generator))
+
+    def _encoded(self, src, target: torch.Tensor, mode: str, encode) -> Encoded:
+        """The :class:`Encoded` of ``encode()`` -> (message, positions, values sent), whose
+        commit subtracts what was sent from ``target``; a non-finite update first undoes what
+        forming it changed in ``src``."""
         try:
-            msg, pos, sent = self.encode_formed(a, density, mode, name, selection, generator)
+            msg, pos, sent = encode()
         except NonFiniteError:
             undo(src)
             raise
