@@ -8,7 +8,8 @@ with SBC, printing accuracy and measured compression.
 ``--api dropin`` uses horovod_sbc.tensorflow.DistributedGradientTape (one allgather per sync,
 supports --delay: local steps, then ``sbc.step(variables)`` exchanges the weight update);
 ``--api stock`` is the one-line change to stock Horovod:
-``hvd.DistributedGradientTape(tape, compression=SBC(...))`` (delay 1; with Keras 3 variables pass
+``hvd.DistributedGradientTape(tape, compression=SBC(...), groups=1)`` (delay 1; ``groups=1``
+makes the step one exchange; with Keras 3 variables pass
 ``[v.value for v in model.trainable_variables]``, upstream Horovod issue #4290).
 """
 import argparse
@@ -52,7 +53,7 @@ def train(method: str, args, data, progress: bool):
         if method == "dense":
             grads = hvd.DistributedGradientTape(tape).gradient(loss, [v.value for v in variables])
         elif args.api == "stock":
-            tape = hvd.DistributedGradientTape(tape, compression=sbc)
+            tape = hvd.DistributedGradientTape(tape, compression=sbc, groups=1)  # one exchange
             grads = tape.gradient(loss, [v.value for v in variables])
         else:
             grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(loss, variables)
