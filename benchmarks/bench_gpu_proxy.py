@@ -34,7 +34,9 @@ gathered from N ranks (its own work is not counted; the collective calls are, as
   order, 1 MiB first bucket, then 25 MiB), called for every bucket before the futures are
   waited for, as DDP does, through the real
   :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` over a fake all-gather;
-* ``dropin-fixed``, ``stock-fixed``, ``ddp-fixed``: the same with ``SBC(fixed_size=True)``.
+* ``dropin-fixed``, ``stock-fixed``: the same with ``SBC(fixed_size=True)``; the DDP hook pads
+  by default (``fixed_size=None``: its all-gather needs one size from every rank), and
+  ``ddp-variable`` is the DDP hook with ``SBC(fixed_size=False)`` (the lengths exchanged first).
 
 Layouts: ResNet-50's 161 parameter tensors and GPT-2 small's 148 (built here from their
 architectures, no torchvision or transformers needed).
@@ -64,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Shape = Tuple[int, ...]
 LAYOUTS = ("resnet50", "gpt2")
-PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-fixed")
+PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-variable")
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 RANKS = (2, 8)
 
@@ -359,7 +361,7 @@ def _params(shapes):
     return [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in shapes]
 
 
-def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed: bool = False):
+def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed=None):
     """The drop-in optimizer (residual in the weights); a local step moves every weight.
     ``fixed``: ``SBC(fixed_size=True)``."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
@@ -377,7 +379,7 @@ def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed: bool = 
     return perturb, opt.synchronize
 
 
-def setup_stock(shapes, density: float, size: int, noise: Noise, fixed: bool = False):
+def setup_stock(shapes, density: float, size: int, noise: Noise, fixed=None):
     """Stock ``hvd.DistributedOptimizer``'s calls: ``compress`` per gradient (backward), then
     per gradient the allreduce of its placeholder (a collective) and ``decompress``.
     ``fixed``: ``SBC(fixed_size=True)``."""
@@ -441,15 +443,16 @@ def ddp_buckets(named, first_cap: int = 1 << 20, cap: int = 25 << 20) -> List[Li
     return buckets + ([cur] if cur else [])
 
 
-def setup_ddp(shapes, density: float, size: int, noise: Noise, fixed: bool = False):
+def setup_ddp(shapes, density: float, size: int, noise: Noise, fixed=None):
     """:func:`sbc_hook` over every bucket of a backward pass (granularity ``"parameter"``).
-    ``fixed``: ``SBC(fixed_size=True)`` (the transport exchanges no lengths)."""
+    ``fixed``: ``SBC(fixed_size=fixed)``; the default pads (the transport exchanges no
+    lengths), ``False`` exchanges the lengths first."""
     from horovod_sbc.torch import SBC
     from horovod_sbc.torch.ddp import SBCState, sbc_hook
     named = _params(shapes)
     state = SBCState(named, compression=SBC(density=density, fixed_size=fixed))
     fake = fake_process_group_transport(size, _active)
-    fake.equal_sizes = fixed
+    fake.equal_sizes = state.compression.config.padded(True)
     state.transport = state.compression.transport = fake
     groups = ddp_buckets(named)
     buckets = [FakeBucket(b, [named[i][1] for i in idx], b == len(groups) - 1)
@@ -470,7 +473,7 @@ def setup_ddp(shapes, density: float, size: int, noise: Noise, fixed: bool = Fal
 SETUPS = {"dropin": setup_dropin, "stock": setup_stock, "ddp": setup_ddp,
           "dropin-fixed": functools.partial(setup_dropin, fixed=True),
           "stock-fixed": functools.partial(setup_stock, fixed=True),
-          "ddp-fixed": functools.partial(setup_ddp, fixed=True)}
+          "ddp-variable": functools.partial(setup_ddp, fixed=False)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -116,7 +116,11 @@ class SBCConfig:
         path). The cost is the padding between the streams' worst-case bound and their actual
         length, counted in ``stats()["upstream_bits"]`` and separately in
         ``stats()["padding_bits"]`` (docs/benchmarks.md measures both sides). The tensor
-        messages are the same bytes either way. ``topology="allgather"`` only.
+        messages are the same bytes either way. ``topology="allgather"`` only. ``None`` (the
+        default) lets the collective decide: padded where it needs one size from every rank
+        anyway (the DDP hook and model averager: ``torch.distributed``'s all-gather, where
+        variable messages would be padded to the longest rank's after an extra exchange of the
+        lengths and a host read of them), variable over Horovod's allgather.
 
     Each adapter adds its own knobs (torch: ``named_parameters``, ``momentum_masking``; TF:
     ``local_residual``, ``name``) and says which of these it supports.
@@ -130,7 +134,7 @@ class SBCConfig:
     downlink_density: Optional[float] = None
     downlink_binarize: bool = False
     seed: int = field(default=0)
-    fixed_size: bool = False
+    fixed_size: Optional[bool] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -147,8 +151,9 @@ class SBCConfig:
             set_("downlink_density", validate_density(self.downlink_density))
         set_("downlink_binarize", bool(self.downlink_binarize))
         set_("seed", int(self.seed))
-        if not isinstance(self.fixed_size, bool):
-            raise ValueError(f"fixed_size must be True or False, got {self.fixed_size!r}")
+        if self.fixed_size is not None and not isinstance(self.fixed_size, bool):
+            raise ValueError(f"fixed_size must be True, False or None, got "
+                             f"{self.fixed_size!r}")
         if self.fixed_size and self.topology != "allgather":
             raise ValueError("fixed_size applies to topology='allgather' (the server's "
                              "messages are not padded)")
@@ -161,6 +166,11 @@ class SBCConfig:
     @property
     def downlink_mode(self) -> str:
         return "sbc" if self.downlink_binarize else "values"
+
+    def padded(self, collective_needs_equal_sizes: bool = False) -> bool:
+        """Whether step messages are padded to their layout's capacity (``fixed_size``, or
+        when it is ``None`` whether the collective needs equal sizes)."""
+        return collective_needs_equal_sizes if self.fixed_size is None else self.fixed_size
 
     def record(self) -> Dict[str, Any]:
         """The knobs as a plain dict (stored with the residual state in checkpoints)."""

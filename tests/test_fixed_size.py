@@ -159,10 +159,24 @@ def test_stock_compress_reads_nothing_and_matches_the_variable_path():
 
 
 def test_fixed_size_is_validated():
-    with pytest.raises(ValueError, match="fixed_size must be True or False"):
+    with pytest.raises(ValueError, match="fixed_size must be True, False or None, got 1"):
         SBC(fixed_size=1)
     with pytest.raises(ValueError, match="topology='allgather'"):
         SBC(fixed_size=True, topology="server")
+    SBC(fixed_size=None, topology="server")  # the default: variable over Horovod
+
+
+def test_the_default_pads_only_where_the_collective_needs_equal_sizes():
+    from horovod_sbc.config import SBCConfig
+    from horovod_sbc.torch.backend import frame
+    layout = [("a", (1000,)), ("b", (30, 7))]
+    cap = frame.step_capacity(layout, SBCConfig(fixed_size=True))
+    assert cap == reference.step_capacity([1000, 210], 0.01, "sbc")
+    assert frame.step_capacity(layout, SBCConfig()) is None  # Horovod's allgather
+    assert frame.step_capacity(layout, SBCConfig(), equal_sizes=True) == cap  # torch.distributed
+    assert frame.step_capacity(layout, SBCConfig(fixed_size=False), equal_sizes=True) is None
+    assert SBC().fixed_size is None and not SBCConfig().padded()
+    assert SBCConfig().padded(True) and not SBCConfig(fixed_size=False).padded(True)
 
 
 def test_golden_padded_steps_are_the_references_and_decode_everywhere():

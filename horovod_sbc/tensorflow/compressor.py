@@ -105,7 +105,8 @@ class SBC(tf.Module):
             resumed run draws what it would have drawn.
         fixed_size: every step message padded to the capacity of its layout, as in
             :class:`horovod_sbc.config.SBCConfig` (the allgather then has one shape every step;
-            ``stats()["padding_bits"]`` counts the padding).
+            ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
+            here (Horovod's allgather takes any sizes).
         binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
             and momentum masking are torch-only.
         local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
@@ -128,7 +129,8 @@ class SBC(tf.Module):
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper",
                  name: str = "sbc", local_residual: bool = True, mode: Optional[str] = None,
-                 seed: int = 0, fixed_size: bool = False, outer: Optional[Plain] = None):
+                 seed: int = 0, fixed_size: Optional[bool] = None,
+                 outer: Optional[Plain] = None):
         super().__init__(name=name)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be True or False, got {local_residual!r}")

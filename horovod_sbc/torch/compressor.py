@@ -81,7 +81,8 @@ class SBC(StockHook):
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
                  downlink_density: Optional[float] = None, downlink_binarize: bool = False,
                  selection: str = "paper", mode: Optional[str] = None, seed: int = 0,
-                 momentum_masking: bool = True, hierarchy=None, fixed_size: bool = False):
+                 momentum_masking: bool = True, hierarchy=None,
+                 fixed_size: Optional[bool] = None):
         if mode is None:
             mode = "sbc" if binarize else "values"
         elif not binarize and mode == "sbc":

@@ -90,9 +90,13 @@ class SBCState:
         granularity: ``"parameter"`` (default) or ``"bucket"`` (see the module docstring).
         process_group: the group to exchange in (``None``: the default group).
 
-    ``stats()`` is :meth:`SBC.stats` (``upstream_bits`` are the step messages' bits, the same
-    figure as on the Horovod path) plus ``transport_upstream_bits``: what this rank put into the
-    collectives, i.e. its message zero-padded to the longest rank's plus the 64-bit length.
+    Step messages are padded to their layout's capacity unless ``SBC(fixed_size=False)``:
+    ``torch.distributed``'s all-gather takes one size from every rank, and a capacity known from
+    the layout spares the exchange of the lengths and its host read (see
+    :class:`horovod_sbc.config.SBCConfig`). ``stats()`` is :meth:`SBC.stats` (``upstream_bits``
+    are the step messages' bits, padding included; ``padding_bits`` the padding) plus
+    ``transport_upstream_bits``: what this rank put into the collectives (with
+    ``fixed_size=False`` its message zero-padded to the longest rank's plus the 64-bit length).
     ``state_dict()`` / ``load_state_dict()`` save and restore residuals and counters: save them
     on every rank (residuals differ per rank).
     """
@@ -108,7 +112,7 @@ class SBCState:
         self.granularity = Granularity(granularity)
         self.process_group = process_group
         self.transport = ProcessGroupTransport(process_group,
-                                               equal_sizes=self.compression.config.fixed_size)
+                                               equal_sizes=self.compression.config.padded(True))
         self.compression.transport = self.transport
         self._names: Dict[int, str] = {id(p): n for n, p in named_parameters(model)}
         self._bucket_keys: Dict[int, str] = {}
@@ -261,7 +265,7 @@ class SBCModelAverager(ModelAverager):
         self.period, self.warmup_steps = period, warmup_steps
         self.compression = _make_compression(compression, density, "SBCModelAverager")
         self.transport = ProcessGroupTransport(process_group,
-                                               equal_sizes=self.compression.config.fixed_size)
+                                               equal_sizes=self.compression.config.padded(True))
         self.compression.transport = self.transport
         self.compression.manager.config.update(delay=period)
         self._named = [(n, p) for n, p in named_parameters(model)

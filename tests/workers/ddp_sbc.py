@@ -91,9 +91,10 @@ def step(model, opt, s, nan=False):
     opt.step()
 
 
-def hook_model(density=0.05, nonfinite="raise", granularity="parameter"):
+def hook_model(density=0.05, nonfinite="raise", granularity="parameter", fixed_size=None):
     model = DDP(net())
-    state = SBCState(model, SBC(density=density, nonfinite=nonfinite), granularity=granularity)
+    state = SBCState(model, SBC(density=density, nonfinite=nonfinite, fixed_size=fixed_size),
+                     granularity=granularity)
     model.register_comm_hook(state, sbc_hook)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
 
@@ -131,7 +132,9 @@ def run(model, opt, steps):
 def run_train():
     steps = int(KW.get("steps", 150))
     out = {}
-    model, opt, state = hook_model(granularity=KW.get("granularity", "parameter"))
+    fixed = {"": None, "0": False, "1": True}[KW.get("fixed_size", "")]
+    model, opt, state = hook_model(granularity=KW.get("granularity", "parameter"),
+                                   fixed_size=fixed)
     out["hook"] = {"digests": run(model, opt, steps), "accuracy": accuracy(model.module),
                    "stats": state.stats(),
                    "backend": state.compression.state.backend("cpu").name}

@@ -81,10 +81,13 @@ def error_padding(reason: str, layout_crc: int, skip: bool, origin: int,
     return len(raw) - len(raw.rstrip(b"\0"))
 
 
-def step_capacity(layout: Sequence[Tuple[str, Sequence[int]]], config) -> Optional[int]:
+def step_capacity(layout: Sequence[Tuple[str, Sequence[int]]], config,
+                  equal_sizes: bool = False) -> Optional[int]:
     """The bytes of every step message of ``layout`` under ``config`` (an
-    :class:`~horovod_sbc.config.SBCConfig`) when it has ``fixed_size``, else None."""
-    if not config.fixed_size:
+    :class:`~horovod_sbc.config.SBCConfig`) when its messages are padded
+    (:meth:`~horovod_sbc.config.SBCConfig.padded`; ``equal_sizes``: the collective needs one
+    size from every rank), else None."""
+    if not config.padded(equal_sizes):
         return None
     return _step_capacity(tuple(wire.layout_numel(s) for _, s in layout), config.density,
                           config.mode)

@@ -212,7 +212,9 @@ def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int
     :meth:`Update.weights_finite`)."""
     cfg = state.config
     skip = cfg.nonfinite == "skip"
-    cap = frame.step_capacity([(u.name, u.value.shape) for u in updates], cfg)
+    # a transport whose collective needs one size from every rank says so (equal_sizes)
+    cap = frame.step_capacity([(u.name, u.value.shape) for u in updates], cfg,
+                              getattr(state.transport, "equal_sizes", False))
     if error is not None:
         return Uplink(_error_frame(state, error[1], fp, skip, dev, error[0], cap), [], True)
     bad = next((u for u in updates if u.base_offset is not None and not u.weights_finite()),
