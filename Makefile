@@ -23,6 +23,7 @@ bench: install
 	$(PY) -m benchmarks.bench_ddp --json benchmarks/results/ddp.json
 	$(PY) -m benchmarks.bench gpu-proxy --json benchmarks/results/gpu_proxy.json
 	$(PY) -m benchmarks.bench soak --json benchmarks/results/soak.json
+	$(PY) -m benchmarks.bench tf-train --json benchmarks/results/tf_vs_torch.json
 	$(PY) -m benchmarks.quality --resume --json benchmarks/results/quality.json
 
 fuzz: install

@@ -20,6 +20,9 @@ gpu-proxy  aten ops and host reads per sync step on the tensor-op path (C kernel
 fixed   fixed-size messages: padding per density on ResNet-50's shapes, and Horovod's
         negotiation time with varying vs constant allgather sizes under MPI and Gloo
         (:mod:`benchmarks.bench_fixed`)
+tf-train  TF drop-in tape and Keras SBCCallback vs the torch drop-in on mnist1d, dense baselines
+        of both, 4 workers, 3 seeds: accuracy, ratio, TF - torch gap
+        (:mod:`benchmarks.bench_tf_train`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
 (default: the JSON's directory).
 
@@ -448,7 +451,7 @@ def main(argv=None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
     own = {"downlink": "bench_downlink", "gpu-proxy": "bench_gpu_proxy",
-           "fixed": "bench_fixed", "soak": "bench_soak"}
+           "fixed": "bench_fixed", "soak": "bench_soak", "tf-train": "bench_tf_train"}
     if _ARGV[:1] and _ARGV[0] in own:  # benchmarks with their own module and options
         import importlib
         return importlib.import_module(f"benchmarks.{own[_ARGV[0]]}").main(_ARGV[1:])

@@ -1,0 +1,596 @@
+"""TensorFlow vs PyTorch drop-in on mnist1d (issue 27: "TF drop-in and Keras callback: the same
+defaults, within 1 point of torch on mnist1d").
+
+    python -m benchmarks.bench_tf_train --workers 4 --seeds 0,1,2 \\
+        --json benchmarks/results/tf_vs_torch.json
+    (also: python -m benchmarks.bench tf-train ...)
+
+Five methods, each a real ``mpirun -np W`` job per seed and framework, on the ``mnist1d`` task of
+:mod:`benchmarks.tasks` (``make_dataset``, generated locally; IID shards; the task's recipe: SGD
+lr 0.05 momentum 0.9, batch 64 per rank, 500 steps unless ``--steps``):
+
+``torch_dense``  stock ``hvd.DistributedOptimizer`` (dense allreduce of gradients);
+``torch_sbc``    the torch drop-in ``horovod_sbc.torch.DistributedOptimizer(opt, named_parameters=
+                 ..., compression=SBC(density, delay))``, then ``finish()``;
+``tf_dense``     ``tf.GradientTape`` in a ``tf.function`` through ``hvd.DistributedGradientTape``;
+``tf_tape_sbc``  the TF drop-in ``horovod_sbc.tensorflow.DistributedGradientTape(tape,
+                 compression=SBC(density, delay))``, ``sbc.step(variables)`` after every optimizer
+                 step, ``sbc.finish(variables)`` at the end;
+``keras_sbc``    ``model.fit(..., callbacks=[SBCCallback(SBC(density, delay))])`` (the callback
+                 broadcasts at the start and calls ``finish()`` at the end itself).
+
+The torch side is :func:`benchmarks.bench_train.run_task_jobs` (the ``task-worker`` of the
+``tasks`` sweep, unchanged). The TF side (:func:`tf_worker_main`) builds the *same* model: the
+task's 1-D CNN is built in torch with ``torch.manual_seed(seed)`` exactly as the torch worker does,
+translated layer by layer to Keras 3 (``Conv1d(padding=p)`` -> ``ZeroPadding1D(p)`` + ``Conv1D``
+valid; a ``Permute`` before ``Flatten`` keeps torch's channel-major order) and its initial weights
+copied; the initial logits of both are compared (``init_max_abs_diff``). Each rank trains on the
+same shard with the same batch sequence as the torch worker (``task.batches`` with seed
+``seed * 1000 + rank``); ``model.fit`` gets those batches in that order (``shuffle=False``).
+Keras' SGD with momentum is the same update as torch's for a constant learning rate. So per seed
+the two frameworks start equal and see the same data; only the framework and its SBC differ.
+
+SBC settings: density 0.01, delay 4 (``bench_train.HEADLINE`` and the ``sbc p=0.01 n=4`` row of
+the mnist1d task sweep), every other knob at each framework's default (both: selection "paper",
+``local_residual=True``, plain outer step, ``nonfinite="raise"``, no fixed size).
+
+Reported per method: test accuracy (fraction) of the final model (after ``finish()`` for SBC)
+mean ± std over seeds (population std, as the other tables), the upstream compression ratio
+``dense_bits / upstream_bits`` from ``stats()`` (the exchange only; ``finish()``'s dense
+allreduce is recorded apart as ``ratio_with_finish``), whether all ranks end bit-identical
+(a sha256 of the weights per rank; for SBC also of the shared reference weights), and per TF
+method the gap TF − torch in accuracy points (the mean over seeds; also the per-seed paired
+difference). "Within 1 point" is ``|gap| <= 1``.
+
+Writes ``--json FILE`` (every run and the summary), ``FILE.md`` (the table) and, while running,
+``FILE.partial`` (finished jobs; ``--resume`` reuses them).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from .bench_train import (ENV_NAMES, PROGRESS_TAG, RESULT_TAG, JobError, Progress, _s,
+                          job_env, launcher_prefix, python_exe, run_job, run_task_jobs)
+
+TASK = "mnist1d"
+DENSITY, DELAY = 0.01, 4                 # bench_train.HEADLINE; the mnist1d sweep's p=0.01 n=4
+TORCH_METHODS = ("torch_dense", "torch_sbc")
+TF_METHODS = ("tf_dense", "tf_tape_sbc", "keras_sbc")
+METHODS = TORCH_METHODS + TF_METHODS
+#: the torch counterpart each TF method is compared with
+COUNTERPART = {"tf_dense": "torch_dense", "tf_tape_sbc": "torch_sbc", "keras_sbc": "torch_sbc"}
+DESCRIPTION = {
+    "torch_dense": "torch, stock hvd.DistributedOptimizer (dense allreduce)",
+    "torch_sbc": "torch drop-in DistributedOptimizer + SBC",
+    "tf_dense": "TF, hvd.DistributedGradientTape (dense allreduce)",
+    "tf_tape_sbc": "TF drop-in DistributedGradientTape + SBC",
+    "keras_sbc": "Keras model.fit + SBCCallback",
+}
+WITHIN_PT = 1.0
+RECIPE_STEPS = 500   # benchmarks.tasks: the mnist1d recipe's steps (tests check they agree)
+
+
+# ------------------------------------------------------------------------------------------------
+# the TF worker (every rank)
+# ------------------------------------------------------------------------------------------------
+def keras_from_torch(tmodel, length: int):
+    """A Keras 3 ``Sequential`` computing what the torch ``nn.Sequential`` ``tmodel`` computes
+    (Unflatten, Conv1d, ReLU, Flatten, Linear), with ``tmodel``'s current weights."""
+    import keras
+    import torch.nn as nn
+    layers, copies = [keras.Input((length,))], []
+    channels_last = False
+    for m in tmodel:
+        if isinstance(m, nn.Unflatten):
+            layers.append(keras.layers.Reshape((length, 1)))
+            channels_last = True
+        elif isinstance(m, nn.Conv1d):
+            pad = m.padding[0]
+            if pad:
+                layers.append(keras.layers.ZeroPadding1D(pad))
+            conv = keras.layers.Conv1D(m.out_channels, m.kernel_size[0], strides=m.stride[0],
+                                       padding="valid")
+            layers.append(conv)
+            copies.append((conv, [m.weight.detach().numpy().transpose(2, 1, 0),
+                                  m.bias.detach().numpy()]))
+        elif isinstance(m, nn.ReLU):
+            layers.append(keras.layers.ReLU())
+        elif isinstance(m, nn.Flatten):
+            if channels_last:  # torch flattens (N, C, L) channel-major
+                layers.append(keras.layers.Permute((2, 1)))
+            layers.append(keras.layers.Flatten())
+        elif isinstance(m, nn.Linear):
+            dense = keras.layers.Dense(m.out_features)
+            layers.append(dense)
+            copies.append((dense, [m.weight.detach().numpy().T, m.bias.detach().numpy()]))
+        else:
+            raise ValueError(f"no Keras translation for {type(m).__name__}")
+    model = keras.Sequential(layers)
+    for layer, weights in copies:
+        layer.set_weights(weights)
+    return model
+
+
+def weights_digest(arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _tf_evaluate(model, x, y, batch: int = 500) -> float:
+    correct = 0
+    for i in range(0, len(x), batch):
+        logits = model(x[i:i + batch], training=False).numpy()
+        correct += int((logits.argmax(-1) == y[i:i + batch]).sum())
+    return correct / len(x)
+
+
+def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
+    import numpy as np
+    import tensorflow as tf
+    import torch
+    import keras
+    import horovod.tensorflow as hvd
+    import horovod_sbc.tensorflow as hsbc
+    from horovod_sbc.tensorflow.owner import variable_name
+
+    rank, size = hvd.rank(), hvd.size()
+    recipe = task.recipe
+    steps, bs = cfg["steps"], recipe.batch_size
+    keras.backend.clear_session()
+    torch.manual_seed(seed)                      # as benchmarks.bench_train._task_train_once
+    tmodel = task.build_model()
+    xte, yte = task.x_test.numpy(), task.y_test.numpy()
+    model = keras_from_torch(tmodel, task.x_train.shape[1])
+    with torch.no_grad():
+        t_logits = tmodel(task.x_test[:256]).numpy()
+    init_diff = float(np.abs(model(xte[:256], training=False).numpy() - t_logits).max())
+    del tmodel
+    variables = model.trainable_variables
+    numel = int(sum(int(np.prod(v.shape)) for v in variables))
+    # the torch worker's shard and batch sequence
+    xs_t, ys_t = task.shard(rank, size, "iid")
+    xs, ys = xs_t.numpy(), ys_t.numpy()
+    batches = task.batches(len(xs), bs, seed * 1000 + rank)
+    idx = [next(batches).numpy() for _ in range(steps)]
+    opt = keras.optimizers.SGD(recipe.lr, momentum=recipe.momentum)
+    sbc = None
+    times: List[float] = []
+    t_start = time.perf_counter()
+    if method == "keras_sbc":
+        sbc = hsbc.SBC(density=cfg["density"], delay=cfg["delay"])
+        cb = hsbc.SBCCallback(sbc)
+
+        class Timer(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                self.t0 = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                times.append(time.perf_counter() - self.t0)
+
+        model.compile(optimizer=opt,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+        order = np.concatenate(idx)
+        model.fit(xs[order], ys[order], batch_size=bs, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[cb, Timer()])      # the timer after the SBC callback: sync counted
+    else:
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if method == "tf_tape_sbc":
+            sbc = hsbc.SBC(density=cfg["density"], delay=cfg["delay"])
+        hsbc.broadcast_variables(model.variables, root_rank=0)
+
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            if sbc is None:
+                grads = hvd.DistributedGradientTape(tape).gradient(
+                    loss, [v.value for v in variables])
+            else:
+                grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
+                    loss, variables)
+            opt.apply_gradients(zip(grads, variables))
+            if sbc is not None and sbc.delay > 1:
+                sbc.step(variables)
+            return loss
+
+        for b in idx:
+            t0 = time.perf_counter()
+            train_step(tf.constant(xs[b]), tf.constant(ys[b]))
+            times.append(time.perf_counter() - t0)
+    score_shared = None
+    # weight mode (the tape with delay > 1, the callback at any delay) keeps shared reference
+    # weights and ends with finish(); the tape with delay 1 exchanges gradients (gradient
+    # mode: every rank applies the same averaged gradients, no reference, no finish())
+    weight_mode = sbc is not None and len(sbc.reference) > 0
+    if method == "tf_tape_sbc" and weight_mode:
+        if int(sbc.local_steps.numpy()):      # a partial window: synchronize it (counted)
+            sbc.synchronize(variables)
+        own = [v.numpy() for v in variables]  # the shared weights W_ref, before finish()
+        for v in variables:
+            v.assign(sbc.reference[variable_name(v)].read_value())
+        score_shared = _tf_evaluate(model, xte, yte)
+        for v, a in zip(variables, own):
+            v.assign(a)
+        sbc.finish(variables)
+    train_s = time.perf_counter() - t_start
+    acc = _tf_evaluate(model, xte, yte)
+    out = {"method": method, "seed": seed, "accuracy": acc, "score_shared": score_shared,
+           "digest": weights_digest([v.numpy() for v in variables]),
+           "init_max_abs_diff": init_diff, "params": numel, "steps": steps,
+           "step_time_s": float(np.mean(times[min(5, len(times) - 1):])), "train_s": train_s}
+    if sbc is None:
+        out["stats"] = {"upstream_bits": 32 * numel * steps, "downstream_bits": 32 * numel * steps,
+                        "dense_bits": 32 * numel * steps, "syncs": steps, "steps": steps}
+    else:
+        out["stats"] = sbc.stats()
+        out["sbc_mode"] = "weights" if weight_mode else "gradients"
+        if weight_mode:
+            out["reference_digest"] = weights_digest(  # in the weights' order: comparable
+                [sbc.reference[variable_name(v)].numpy() for v in variables])
+            out["stats"]["finish_bits"] = 32 * numel
+    return out
+
+
+def tf_worker_main(argv: Sequence[str]) -> int:
+    """One job: every method of ``cfg["methods"]`` for every seed of ``cfg["seeds"]``; rank 0
+    prints one ``@@result`` per (method, seed) with every rank's accuracy, digests and stats."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import torch
+    import horovod.tensorflow as hvd
+    from .tasks import make_task
+
+    cfg = json.loads(argv[0])
+    hvd.init()
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    task = make_task(TASK, cfg.get("data_seed", 0))
+    todo = [(m, s) for s in cfg["seeds"] for m in cfg["methods"]]
+    for i, (method, seed) in enumerate(todo):
+        r = _tf_train_once(method, task, cfg, seed)
+        everyone = hvd.allgather_object(r)
+        if rank != 0:
+            continue
+        print(PROGRESS_TAG + json.dumps({"frac": (i + 1) / len(todo),
+                                         "info": f"{method} seed {seed}"}), flush=True)
+        print(RESULT_TAG + json.dumps(tf_row(everyone, task.info)), flush=True)
+    return 0
+
+
+def tf_row(everyone: List[dict], task_info: Optional[dict] = None) -> dict:
+    """One run's row from every rank's result (rank order)."""
+    r0 = everyone[0]
+    n = len(everyone)
+
+    def mean_over(key):
+        return sum(e["stats"].get(key, 0) for e in everyone) / n
+    digests = [e["digest"] for e in everyone]
+    row = {"method": r0["method"], "framework": "tf", "seed": r0["seed"],
+           "accuracy": r0["accuracy"], "accuracy_all_ranks": [e["accuracy"] for e in everyone],
+           "score_shared": r0.get("score_shared"),
+           "upstream_bits": mean_over("upstream_bits"),
+           "downstream_bits": mean_over("downstream_bits"),
+           "dense_bits": mean_over("dense_bits"), "syncs": mean_over("syncs"),
+           "positions_sent": mean_over("positions_sent"),
+           "elements_synced": mean_over("elements_synced"),
+           "finish_bits": mean_over("finish_bits"),
+           "digests": digests, "ranks_identical": len(set(digests)) == 1,
+           "init_max_abs_diff": max(e["init_max_abs_diff"] for e in everyone),
+           "params": r0["params"], "steps": r0["steps"], "workers": n,
+           "step_time_s": sum(e["step_time_s"] for e in everyone) / n,
+           "train_s": max(e["train_s"] for e in everyone)}
+    if "sbc_mode" in r0:
+        row["sbc_mode"] = r0["sbc_mode"]
+    if "reference_digest" in r0:
+        refs = [e["reference_digest"] for e in everyone]
+        row["reference_digests"] = refs
+        row["reference_identical"] = len(set(refs)) == 1
+        row["reference_equals_weights"] = refs[0] == digests[0]
+    if task_info:
+        row["data_sha256"] = task_info.get("sha256")
+    _ratios(row)
+    return row
+
+
+def _ratios(row: dict) -> None:
+    up = row.get("upstream_bits") or 0
+    row["compression_ratio"] = row["dense_bits"] / up if up > 0 else None
+    fb = row.get("finish_bits") or 0
+    row["ratio_with_finish"] = row["dense_bits"] / (up + fb) if up > 0 and fb else None
+
+
+def torch_rows(task_runs: List[dict]) -> List[dict]:
+    """Rows (one per seed) from :func:`benchmarks.bench_train.run_task_jobs` results."""
+    rows = []
+    for r in task_runs:
+        method = "torch_dense" if r["method"] == "none" else "torch_sbc"
+        for i, seed in enumerate(r["seeds"]):
+            row = {"method": method, "framework": "torch", "seed": seed,
+                   "accuracy": r["score_seeds"][i],
+                   "score_shared": (r["score_shared_seeds"][i] if "score_shared_seeds" in r
+                                    else None),
+                   "upstream_bits": r["upstream_bits"], "downstream_bits": r["downstream_bits"],
+                   "dense_bits": r["dense_bits"], "syncs": r["syncs"],
+                   "positions_sent": r.get("positions_sent"),
+                   "elements_synced": r.get("elements_synced"),
+                   "finish_bits": r.get("finish_bits", 0),
+                   "ranks_identical": r["ranks_identical"], "params": r["params"],
+                   "steps": r["steps"], "workers": r["workers"],
+                   "step_time_s": r["step_time_s"], "train_s": r.get("wall_s"),
+                   "data_sha256": (r.get("task_info") or {}).get("sha256"),
+                   "command": r.get("command")}
+            _ratios(row)
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# summary, gap, tables
+# ------------------------------------------------------------------------------------------------
+def _mean_std(xs: Sequence[float]):
+    n = len(xs)
+    m = sum(xs) / n
+    return m, (sum((x - m) ** 2 for x in xs) / n) ** 0.5
+
+
+def summarize(rows: List[dict]) -> Dict[str, dict]:
+    """Per method: accuracy mean ± std over seeds (population std), the seeds' accuracies, the
+    upstream ratio (mean over seeds) and whether every run ended with identical ranks."""
+    out: Dict[str, dict] = {}
+    for method in METHODS:
+        rs = sorted((r for r in rows if r["method"] == method), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        accs = [r["accuracy"] for r in rs]
+        m, s = _mean_std(accs)
+        ratios = [r["compression_ratio"] for r in rs if r.get("compression_ratio")]
+        shared = [r["score_shared"] for r in rs if r.get("score_shared") is not None]
+        out[method] = {
+            "framework": rs[0]["framework"], "seeds": [r["seed"] for r in rs],
+            "accuracy": m, "accuracy_std": s, "accuracy_seeds": accs,
+            "compression_ratio": sum(ratios) / len(ratios) if ratios else None,
+            "ranks_identical": all(r.get("ranks_identical") for r in rs),
+            "step_time_s": sum(r["step_time_s"] for r in rs) / len(rs)}
+        if len(shared) == len(rs):
+            out[method]["score_shared"] = _mean_std(shared)[0]
+        modes = {r["sbc_mode"] for r in rs if r.get("sbc_mode")}
+        if modes:
+            out[method]["sbc_mode"] = "/".join(sorted(modes))
+        if any("reference_identical" in r for r in rs):
+            out[method]["reference_identical"] = all(r.get("reference_identical") for r in rs)
+    return out
+
+
+def gaps(summary: Dict[str, dict], within_pt: float = WITHIN_PT) -> Dict[str, dict]:
+    """Per TF method: TF − torch accuracy in points (difference of the means over seeds), the
+    per-seed paired differences (same seed = same initial weights and batches), and whether
+    ``|gap| <= within_pt``."""
+    out = {}
+    for tf_m, torch_m in COUNTERPART.items():
+        a, b = summary.get(tf_m), summary.get(torch_m)
+        if not a or not b:
+            continue
+        gap = 100.0 * (a["accuracy"] - b["accuracy"])
+        by_seed = dict(zip(b["seeds"], b["accuracy_seeds"]))
+        paired = [100.0 * (acc - by_seed[s]) for s, acc in zip(a["seeds"], a["accuracy_seeds"])
+                  if s in by_seed]
+        pm, ps = _mean_std(paired) if paired else (None, None)
+        ra, rb = a.get("compression_ratio"), b.get("compression_ratio")
+        out[tf_m] = {"versus": torch_m, "gap_pt": gap, "paired_gap_pt": paired,
+                     "paired_gap_mean_pt": pm, "paired_gap_std_pt": ps,
+                     # accuracies are counts / test size: a gap of exactly 1 point must not
+                     # fail by float rounding
+                     "within": abs(gap) <= within_pt + 1e-9, "within_pt": within_pt,
+                     "ratio_tf_over_torch": ra / rb if ra and rb else None}
+    return out
+
+
+def verdict(g: Dict[str, dict]) -> str:
+    sbc = {m: v for m, v in g.items() if m != "tf_dense"}
+    if not sbc:
+        return "not measured"
+    parts = [f"{m} {v['gap_pt']:+.2f} pt" for m, v in sbc.items()]
+    ok = all(v["within"] for v in sbc.values())
+    return (("reached" if ok else "NOT reached") + ": TF − torch at the same SBC setting: "
+            + ", ".join(parts) + f" (|gap| <= {WITHIN_PT:g} point required)")
+
+
+def _ratio_str(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if v >= 10 else f"{v:.2f}"
+
+
+def markdown_table(summary: Dict[str, dict], g: Dict[str, dict]) -> str:
+    lines = ["| method | test accuracy (mean ± std) | per seed | upstream ratio | "
+             "TF − torch (pt) | ranks identical |", "|---|---:|---:|---:|---:|:---:|"]
+    for method in METHODS:
+        s = summary.get(method)
+        if not s:
+            continue
+        acc = f"{100 * s['accuracy']:.2f} ± {100 * s['accuracy_std']:.2f} %"
+        seeds = ", ".join(f"{100 * a:.1f}" for a in s["accuracy_seeds"])
+        gap = g.get(method)
+        gap_s = "-" if gap is None else (
+            f"{gap['gap_pt']:+.2f} (vs {gap['versus']}; paired {gap['paired_gap_mean_pt']:+.2f} "
+            f"± {gap['paired_gap_std_pt']:.2f})")
+        same = "yes" if s["ranks_identical"] else "no"
+        desc = DESCRIPTION[method] + (" (gradient mode)" if s.get("sbc_mode") == "gradients"
+                                      else "")
+        lines.append(f"| {method}: {desc} | {acc} | {seeds} | "
+                     f"{_ratio_str(s['compression_ratio'])} | {gap_s} | {same} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# orchestration
+# ------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_tf_train",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x != ""],
+                    default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per run (default: the mnist1d "
+                                              "recipe's 500)")
+    ap.add_argument("--density", type=float, default=DENSITY)
+    ap.add_argument("--delay", type=int, default=DELAY)
+    ap.add_argument("--methods", type=lambda v: [m for m in v.split(",") if m],
+                    default=list(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    ap.add_argument("--json", help="write the results here (and FILE.md, FILE.partial)")
+    ap.add_argument("--resume", action="store_true", help="reuse the jobs saved in JSON.partial")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown method(s) {','.join(bad)}; choose from {','.join(METHODS)}")
+    if not args.seeds:
+        ap.error("--seeds needs at least one seed")
+    if args.workers < 1 or args.delay < 1 or not 0 < args.density <= 1:
+        ap.error("--workers and --delay must be >= 1, --density in (0, 1]")
+    return args
+
+
+def _steps(args) -> int:
+    return args.steps or RECIPE_STEPS
+
+
+def jobs(args) -> List[dict]:
+    """One job per (framework, seed): ``{"framework", "seed", "methods", "key"}``."""
+    steps = _steps(args)
+    out = []
+    for seed in args.seeds:
+        for fw, ms in (("torch", TORCH_METHODS), ("tf", TF_METHODS)):
+            mine = [m for m in ms if m in args.methods]
+            if mine:
+                key = json.dumps([fw, seed, mine, steps, args.density, args.delay, args.workers])
+                out.append({"framework": fw, "seed": seed, "methods": mine, "key": key})
+    return out
+
+
+def run_job_rows(job: dict, args, prog: Progress) -> List[dict]:
+    steps = _steps(args)
+    if job["framework"] == "torch":
+        specs = [_s("none", steps=steps) if m == "torch_dense"
+                 else _s("sbc", args.density, args.delay, steps=steps) for m in job["methods"]]
+        res = run_task_jobs(TASK, [{"workers": args.workers, "partition": "iid",
+                                    "seeds": [job["seed"]], "runs": specs}], [job["seed"]],
+                            timeout=args.timeout, progress=False)
+        if res["skipped"]:
+            raise JobError(res["skipped"][0]["reason"])
+        return torch_rows(res["runs"])
+    cfg = {"seeds": [job["seed"]], "methods": job["methods"], "steps": steps,
+           "density": args.density, "delay": args.delay, "data_seed": 0}
+    cmd = launcher_prefix(args.workers, "mpirun", ENV_NAMES) + [
+        python_exe(), "-m", "benchmarks.bench_tf_train", "tf-worker", json.dumps(cfg)]
+    rows = run_job(cmd, job_env(), args.timeout, prog.update)
+    for r in rows:
+        r["command"] = shlex.join(cmd[:-1]) + " CONFIG_JSON"
+    return rows
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def report(rows: List[dict], args, wall_s: float, command: str) -> dict:
+    summ = summarize(rows)
+    g = gaps(summ)
+    tf_rows = [r for r in rows if r["framework"] == "tf"]
+    return {
+        "command": command, "machine": {"python": platform.python_version(),
+                                        "cores": os.cpu_count()},
+        "config": {"task": TASK, "partition": "iid", "workers": args.workers,
+                   "seeds": args.seeds, "steps": _steps(args), "density": args.density,
+                   "delay": args.delay, "lr": 0.05, "momentum": 0.9, "batch_size": 64,
+                   "sbc_other_knobs": "each framework's defaults (selection 'paper', "
+                                      "local_residual=True, plain outer step)"},
+        "rows": rows, "summary": summ, "gaps": g, "verdict": verdict(g),
+        "tf_ranks_identical": all(r.get("ranks_identical") for r in tf_rows) if tf_rows
+        else None,
+        "tf_reference_identical": all(r.get("reference_identical", True) for r in tf_rows)
+        if tf_rows else None,
+        "init_max_abs_diff": max((r["init_max_abs_diff"] for r in tf_rows), default=None),
+        "same_data": len({r.get("data_sha256") for r in rows}) == 1,
+        "wall_s": wall_s,
+        "notes": [
+            "accuracy: test accuracy of rank 0's final model (after finish() for SBC; all "
+            "ranks are checked to hold identical weights), mean ± population std over seeds",
+            "upstream ratio: dense_bits / upstream_bits of stats(), the exchange only; "
+            "finish()'s one dense allreduce is in ratio_with_finish",
+            "TF − torch: difference of the means over seeds; 'paired': the mean ± std of the "
+            "per-seed differences (same seed: same initial weights, shards and batches)",
+            "TF model: the torch CNN translated to Keras with the torch initial weights copied "
+            "(init_max_abs_diff: the largest difference of the initial logits)"]}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    command = "python -m benchmarks.bench_tf_train " + " ".join(argv)
+    partial = args.json + ".partial" if args.json else None
+    done: Dict[str, List[dict]] = {}
+    if partial and args.resume and os.path.exists(partial):
+        with open(partial) as f:
+            done = json.load(f)
+    todo = jobs(args)
+    prog = Progress(len(todo), f"TF vs torch on {TASK}, {args.workers} workers, seeds "
+                               f"{args.seeds}", not args.no_progress)
+    t0 = time.perf_counter()
+    rows: List[dict] = []
+    failed = []
+    for job in todo:
+        if job["key"] in done:
+            rows += done[job["key"]]
+            continue
+        prog.start(f"{job['framework']} seed {job['seed']}")
+        try:
+            out = run_job_rows(job, args, prog)
+        except JobError as e:
+            prog.end("FAILED")
+            failed.append({"job": job["key"], "reason": str(e)[-3000:]})
+            print(str(e)[-3000:], file=sys.stderr)
+            continue
+        rows += out
+        done[job["key"]] = out
+        if partial:
+            _write_json(partial, done)
+        prog.end(", ".join(f"{r['method']} {100 * r['accuracy']:.1f}%" for r in out))
+    res = report(rows, args, time.perf_counter() - t0, command)
+    res["failed"] = failed
+    table = markdown_table(res["summary"], res["gaps"])
+    print("\n" + table + "\n\n" + res["verdict"])
+    print(f"TF ranks identical: {res['tf_ranks_identical']}, TF shared weights identical: "
+          f"{res['tf_reference_identical']}, init max |logit diff| {res['init_max_abs_diff']}")
+    if args.json:
+        _write_json(args.json, res)
+        md = os.path.splitext(args.json)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(f"<!-- generated by: {command} -->\n\n{table}\n\n{res['verdict']}\n")
+        print(f"wrote {args.json} and {md}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "tf-worker":
+        sys.exit(tf_worker_main(sys.argv[2:]))
+    sys.exit(main())

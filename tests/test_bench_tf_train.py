@@ -1,0 +1,197 @@
+"""benchmarks/bench_tf_train.py without jobs: the summary, the TF − torch gap, the table, the rows
+built from per-rank results, argument parsing, and the Keras translation of the torch CNN."""
+import math
+
+import pytest
+
+from benchmarks import bench_tf_train as bt
+
+
+def _row(method, seed, acc, ratio=None, identical=True):
+    fw = "torch" if method.startswith("torch") else "tf"
+    up = 1000.0 if ratio is None else 1000.0 / ratio
+    return {"method": method, "framework": fw, "seed": seed, "accuracy": acc,
+            "upstream_bits": up, "dense_bits": 1000.0, "compression_ratio": 1000.0 / up,
+            "ranks_identical": identical, "step_time_s": 0.01}
+
+
+def _rows():
+    rows = []
+    for seed, (td, ts, fd, ft, fk) in enumerate([(0.86, 0.84, 0.86, 0.85, 0.82),
+                                                 (0.88, 0.85, 0.87, 0.86, 0.83),
+                                                 (0.84, 0.83, 0.85, 0.84, 0.81)]):
+        rows += [_row("torch_dense", seed, td), _row("torch_sbc", seed, ts, 591.0),
+                 _row("tf_dense", seed, fd), _row("tf_tape_sbc", seed, ft, 589.0),
+                 _row("keras_sbc", seed, fk, 589.0)]
+    return rows
+
+
+def test_summary_mean_and_population_std():
+    s = bt.summarize(_rows())
+    assert list(s) == list(bt.METHODS)
+    assert s["torch_dense"]["accuracy"] == pytest.approx(0.86)
+    # population std of 0.86, 0.88, 0.84: sqrt(8e-4 / 3)
+    assert s["torch_dense"]["accuracy_std"] == pytest.approx(math.sqrt(8e-4 / 3))
+    assert s["torch_sbc"]["accuracy_seeds"] == [0.84, 0.85, 0.83]
+    assert s["torch_sbc"]["compression_ratio"] == pytest.approx(591.0)
+    assert s["tf_tape_sbc"]["framework"] == "tf"
+    assert s["keras_sbc"]["ranks_identical"] is True
+
+
+def test_summary_flags_a_run_whose_ranks_differ_and_sorts_seeds():
+    rows = _rows()
+    rows[-1]["ranks_identical"] = False           # keras_sbc, seed 2
+    rows.reverse()                                # seed order must not matter
+    s = bt.summarize(rows)
+    assert s["keras_sbc"]["ranks_identical"] is False
+    assert s["tf_tape_sbc"]["ranks_identical"] is True
+    assert s["keras_sbc"]["seeds"] == [0, 1, 2]
+
+
+def test_gap_in_points_paired_and_within():
+    g = bt.gaps(bt.summarize(_rows()))
+    assert set(g) == {"tf_dense", "tf_tape_sbc", "keras_sbc"}
+    # tape: 0.85 mean vs torch 0.84: +1.0 point, paired differences +1, +1, +1
+    assert g["tf_tape_sbc"]["versus"] == "torch_sbc"
+    assert g["tf_tape_sbc"]["gap_pt"] == pytest.approx(1.0)
+    assert g["tf_tape_sbc"]["paired_gap_pt"] == pytest.approx([1.0, 1.0, 1.0])
+    assert g["tf_tape_sbc"]["paired_gap_std_pt"] == pytest.approx(0.0, abs=1e-9)
+    assert g["tf_tape_sbc"]["within"] is True     # |gap| <= 1 point
+    # keras: 0.82 vs 0.84: -2 points, not within
+    assert g["keras_sbc"]["gap_pt"] == pytest.approx(-2.0)
+    assert g["keras_sbc"]["within"] is False
+    # dense: 0.86 vs 0.86
+    assert g["tf_dense"]["gap_pt"] == pytest.approx(0.0, abs=1e-9)
+    assert g["tf_dense"]["paired_gap_pt"] == pytest.approx([0.0, -1.0, 1.0])
+    assert g["tf_tape_sbc"]["ratio_tf_over_torch"] == pytest.approx(589.0 / 591.0)
+    assert "NOT reached" in bt.verdict(g) and "keras_sbc -2.00 pt" in bt.verdict(g)
+
+
+def test_gap_is_symmetric_and_verdict_reached():
+    rows = [r for r in _rows() if r["method"] != "keras_sbc"]
+    for r in rows:  # TF 1.5 points above torch: also outside "within 1 point"
+        if r["method"] == "tf_tape_sbc":
+            r["accuracy"] += 0.005
+    g = bt.gaps(bt.summarize(rows))
+    assert g["tf_tape_sbc"]["gap_pt"] == pytest.approx(1.5)
+    assert g["tf_tape_sbc"]["within"] is False
+    for r in rows:
+        if r["method"] == "tf_tape_sbc":
+            r["accuracy"] -= 0.02                 # now 0.5 below
+    g = bt.gaps(bt.summarize(rows))
+    assert g["tf_tape_sbc"]["gap_pt"] == pytest.approx(-0.5)
+    assert "keras_sbc" not in g
+    assert bt.verdict(g).startswith("reached")
+    assert bt.verdict({}) == "not measured"
+
+
+def test_markdown_table_numbers():
+    s = bt.summarize(_rows())
+    md = bt.markdown_table(s, bt.gaps(s))
+    lines = md.splitlines()
+    assert len(lines) == 2 + len(bt.METHODS)
+    tape = next(x for x in lines if x.startswith("| tf_tape_sbc"))
+    assert "85.00 ± 0.82 %" in tape               # std of 0.85, 0.86, 0.84
+    assert "85.0, 86.0, 84.0" in tape
+    assert "| 589 |" in tape
+    assert "+1.00 (vs torch_sbc; paired +1.00 ± 0.00)" in tape
+    keras = next(x for x in lines if x.startswith("| keras_sbc"))
+    assert "-2.00 (vs torch_sbc" in keras
+    torch_dense = next(x for x in lines if x.startswith("| torch_dense"))
+    assert "| 1.00 |" in torch_dense and "| - |" in torch_dense
+
+
+def _rank(acc, digest, ref=None, up=600, method="tf_tape_sbc"):
+    r = {"method": method, "seed": 1, "accuracy": acc, "score_shared": 0.8, "digest": digest,
+         "init_max_abs_diff": 1e-7, "params": 10, "steps": 8, "step_time_s": 0.01,
+         "train_s": 1.0, "stats": {"upstream_bits": up, "downstream_bits": 3 * up,
+                                   "dense_bits": 32 * 10 * 8, "syncs": 2, "steps": 8,
+                                   "positions_sent": 4, "elements_synced": 40,
+                                   "finish_bits": 320}}
+    if ref is not None:
+        r["reference_digest"] = ref
+    return r
+
+
+def test_tf_row_from_ranks():
+    row = bt.tf_row([_rank(0.9, "a", "a", 600), _rank(0.9, "a", "a", 680)], {"sha256": "x"})
+    assert row["ranks_identical"] and row["reference_identical"]
+    assert row["reference_equals_weights"]
+    assert row["upstream_bits"] == 640                  # mean over ranks
+    assert row["compression_ratio"] == pytest.approx(2560 / 640)
+    assert row["ratio_with_finish"] == pytest.approx(2560 / (640 + 320))
+    assert row["workers"] == 2 and row["data_sha256"] == "x"
+    bad = bt.tf_row([_rank(0.9, "a", "r"), _rank(0.8, "b", "s")])
+    assert not bad["ranks_identical"] and not bad["reference_identical"]
+    assert not bad["reference_equals_weights"]
+    assert bad["accuracy"] == 0.9 and bad["accuracy_all_ranks"] == [0.9, 0.8]
+
+
+def test_torch_rows_split_seeds():
+    run = {"method": "sbc", "seeds": [0, 1], "score_seeds": [0.8, 0.82],
+           "score_shared_seeds": [0.79, 0.81], "upstream_bits": 100.0, "downstream_bits": 300.0,
+           "dense_bits": 59100.0, "syncs": 125.0, "finish_bits": 256320.0,
+           "ranks_identical": True, "params": 8010, "steps": 500, "workers": 4,
+           "step_time_s": 0.04, "wall_s": 30.0, "task_info": {"sha256": "d"}}
+    rows = bt.torch_rows([run, dict(run, method="none", seeds=[0], score_seeds=[0.85])])
+    assert [(r["method"], r["seed"], r["accuracy"]) for r in rows] == [
+        ("torch_sbc", 0, 0.8), ("torch_sbc", 1, 0.82), ("torch_dense", 0, 0.85)]
+    assert rows[1]["score_shared"] == 0.81
+    assert rows[0]["compression_ratio"] == pytest.approx(591.0)
+
+
+def test_parse_args_and_jobs():
+    a = bt.parse_args(["--workers", "4", "--seeds", "0,1,2", "--json", "x.json"])
+    assert (a.workers, a.seeds, a.density, a.delay, a.json) == (4, [0, 1, 2], 0.01, 4, "x.json")
+    assert a.methods == list(bt.METHODS) and bt._steps(a) == 500
+    js = bt.jobs(a)
+    assert [(j["framework"], j["seed"]) for j in js] == [
+        ("torch", 0), ("tf", 0), ("torch", 1), ("tf", 1), ("torch", 2), ("tf", 2)]
+    assert js[1]["methods"] == ["tf_dense", "tf_tape_sbc", "keras_sbc"]
+    assert len({j["key"] for j in js}) == 6
+    b = bt.parse_args(["--seeds", "3", "--steps", "200", "--methods", "keras_sbc,torch_sbc"])
+    assert bt._steps(b) == 200
+    assert [(j["framework"], j["methods"]) for j in bt.jobs(b)] == [
+        ("torch", ["torch_sbc"]), ("tf", ["keras_sbc"])]
+    for bad in (["--methods", "tf_sbc"], ["--seeds", ""], ["--density", "0"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(bad)
+
+
+def test_recipe_steps_are_the_mnist1d_tasks():
+    pytest.importorskip("mnist1d")
+    from benchmarks.tasks import make_task
+    task = make_task("mnist1d", 0, num_samples=120)
+    assert task.recipe.steps == bt.RECIPE_STEPS
+    assert (task.recipe.lr, task.recipe.momentum, task.recipe.batch_size) == (0.05, 0.9, 64)
+
+
+def test_keras_translation_computes_the_torch_cnn():
+    pytest.importorskip("keras")
+    torch = pytest.importorskip("torch")
+    from benchmarks.tasks import mnist1d_cnn
+    torch.manual_seed(3)
+    tm = mnist1d_cnn(8, 40)
+    km = bt.keras_from_torch(tm, 40)
+    assert sum(int(v.numpy().size) for v in km.trainable_variables) == \
+        sum(p.numel() for p in tm.parameters())
+    x = torch.randn(16, 40)
+    with torch.no_grad():
+        want = tm(x).numpy()
+    got = km(x.numpy(), training=False).numpy()
+    assert abs(got - want).max() < 1e-4
+
+
+def test_table_marks_the_tapes_gradient_mode():
+    rows = _rows()
+    for r in rows:
+        if r["method"] == "tf_tape_sbc":
+            r["sbc_mode"] = "gradients"           # the tape at delay 1
+        elif r["method"] == "keras_sbc":
+            r["sbc_mode"] = "weights"
+    s = bt.summarize(rows)
+    assert s["tf_tape_sbc"]["sbc_mode"] == "gradients"
+    md = bt.markdown_table(s, bt.gaps(s))
+    tape = next(x for x in md.splitlines() if x.startswith("| tf_tape_sbc"))
+    keras = next(x for x in md.splitlines() if x.startswith("| keras_sbc"))
+    assert "(gradient mode)" in tape and "(gradient mode)" not in keras
