@@ -59,6 +59,8 @@ def _make_step(method, model, opt, sbc, loss_fn, hvd, hsbc, tf):
         else:
             grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(loss, variables)
         opt.apply_gradients(zip(grads, variables))
+        if method not in ("dense", "stock"):
+            sbc.step(variables)  # the drop-in: the weight update's exchange
         return loss
 
     return step

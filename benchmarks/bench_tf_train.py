@@ -200,7 +200,7 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
                 grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
                     loss, variables)
             opt.apply_gradients(zip(grads, variables))
-            if sbc is not None and sbc.delay > 1:
+            if sbc is not None:
                 sbc.step(variables)
             return loss
 
@@ -209,9 +209,8 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
             train_step(tf.constant(xs[b]), tf.constant(ys[b]))
             times.append(time.perf_counter() - t0)
     score_shared = None
-    # weight mode (the tape with delay > 1, the callback at any delay) keeps shared reference
-    # weights and ends with finish(); the tape with delay 1 exchanges gradients (gradient
-    # mode: every rank applies the same averaged gradients, no reference, no finish())
+    # weight mode (the tape and the callback) keeps shared reference weights and ends with
+    # finish(); results saved before the tape became weight mode at delay 1 show "gradients"
     weight_mode = sbc is not None and len(sbc.reference) > 0
     if method == "tf_tape_sbc" and weight_mode:
         if int(sbc.local_steps.numpy()):      # a partial window: synchronize it (counted)

@@ -17,13 +17,14 @@ Three ways to use one ``SBC`` object (one at a time per object):
 
 * **stock** — ``hvd.DistributedGradientTape(tape, compression=SBC(...))``: Horovod calls
   :meth:`SBC.compress` / :meth:`SBC.decompress` per gradient; each gradient's message travels by its
-  own allgather. ``delay`` must be 1.
-* **gradients** — :func:`horovod_sbc.tensorflow.DistributedGradientTape` with ``delay=1``: all
-  gradients in one step message, one allgather per step, averaged gradients returned.
-* **weights** — communication delay (the paper's *n*): every rank takes ``delay`` local optimizer
-  steps, then ``dW = W - W_ref`` is compressed and exchanged, the average is added to ``W_ref`` and
-  every rank continues from ``W_ref``. Driven by :meth:`SBC.step` after each optimizer step (the
-  drop-in tape with ``delay > 1``, and :class:`horovod_sbc.tensorflow.SBCCallback` for Keras).
+  own allgather (one per group with ``groups=``). ``delay`` must be 1.
+* **weights** — the drop-in, as the torch drop-in optimizer: every rank takes ``delay`` local
+  optimizer steps (1 or more), then ``dW = W - W_ref`` is compressed and exchanged, the average is
+  added to ``W_ref`` and every rank continues from ``W_ref`` (plus its residual, with
+  ``local_residual``). Driven by :meth:`SBC.step` after each optimizer step (the drop-in tape,
+  and :class:`horovod_sbc.tensorflow.SBCCallback` for Keras).
+* **gradients** — :meth:`SBC.exchange_gradients`: all gradients in one step message, one
+  allgather, averaged gradients returned (for loops that need exchanged gradients).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ from .owner import identify, variable_name
 # rewrite it when a user's tf.function calls into it.
 _no_autograph = tf.autograph.experimental.do_not_convert
 _MODES = {"stock": "hvd.DistributedGradientTape(tape, compression=SBC(...))",
-          "gradients": "horovod_sbc.tensorflow.DistributedGradientTape(tape, compression=SBC(...))",
-          "weights": "SBC.step() (DistributedGradientTape with delay > 1, or SBCCallback)"}
+          "gradients": "SBC.exchange_gradients()",
+          "weights": "SBC.step() (horovod_sbc.tensorflow.DistributedGradientTape or SBCCallback)"}
 
 
 def tf_variable(v) -> tf.Variable:
@@ -93,8 +94,8 @@ class SBC(tf.Module):
     Args:
         density, delay, nonfinite, selection: the knobs of
             :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
-            needs :func:`horovod_sbc.tensorflow.DistributedGradientTape` plus :meth:`step`, or
-            :class:`horovod_sbc.tensorflow.SBCCallback`. With ``nonfinite="skip"`` in weight mode
+            needs weight mode: :func:`horovod_sbc.tensorflow.DistributedGradientTape` plus
+            :meth:`step`, or :class:`horovod_sbc.tensorflow.SBCCallback`. With ``nonfinite="skip"`` in weight mode
             the weights go back to the last shared state; in gradient modes the returned
             gradients are zeros for that step. Inside ``tf.function`` a ``ValueError`` arrives
             as ``tf.errors.InvalidArgumentError`` with the same text.
@@ -109,7 +110,7 @@ class SBC(tf.Module):
             here (Horovod's allgather takes any sizes).
         binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
             and momentum masking are torch-only.
-        local_residual: weight mode only (:meth:`step`, the drop-in tape with ``delay > 1``,
+        local_residual: weight mode only (:meth:`step`: the drop-in tape,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
             own steps at once (the default, as in :func:`horovod_sbc.torch.DistributedOptimizer`;
@@ -117,8 +118,8 @@ class SBC(tf.Module):
             their residuals until :meth:`finish`. False: every rank continues from the shared
             weights, bit-identical after every sync; with momentum and a small delay (e.g.
             ``SBCCallback`` with ``delay=1``) this trains worse on IID data, better on
-            label-skewed shards (docs/benchmarks.md). Gradient modes (delay 1 tape, stock tape)
-            exchange gradients and are not affected.
+            label-skewed shards (docs/benchmarks.md). Gradient modes (stock tape,
+            :meth:`exchange_gradients`) exchange gradients and are not affected.
         outer: weight mode only: the outer step that turns each sync's averaged update into
             the change of the shared weights (:mod:`horovod_sbc.tensorflow.outer`: ``Plain()``,
             the default, ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
@@ -179,7 +180,7 @@ class SBC(tf.Module):
         downstream_bits bits this rank received from the other ranks
         dense_bits      32 x element count x steps: an uncompressed fp32 upload at every step
         syncs           number of exchanges that went through
-        steps           number of optimizer steps (local steps count, delay > 1)
+        steps           number of optimizer steps (local steps count, weight mode)
         """
         out = {k: int(v.numpy()) for k, v in self.counters.items()}
         if len(self.calls):
@@ -191,7 +192,7 @@ class SBC(tf.Module):
     def _use(self, mode: str) -> None:
         if mode != "weights" and self.outer.kind != "plain":
             raise ValueError(f"SBC(outer={self.outer!r}) acts on the shared weights of weight "
-                             f"mode; it cannot be used through {_MODES[mode]} (use delay > 1 with "
+                             f"mode; it cannot be used through {_MODES[mode]} (use "
                              "horovod_sbc.tensorflow.DistributedGradientTape and sbc.step(), or "
                              "SBCCallback)")
         if self._mode is None:
@@ -345,7 +346,7 @@ class SBC(tf.Module):
                                  on_gathered=lambda s, g, p: self._count_traffic(
                                      s, g, p, extra_up_bits))
 
-    # -- gradient mode (drop-in tape, delay 1) ----------------------------------------------------
+    # -- gradient mode ------------------------------------------------------------------------------
     @_no_autograph
     def exchange_gradients(self, sources, gradients, tag: str = "sbc_sync"):
         """Compress all gradients into one step message, allgather it, return the averages.
@@ -393,7 +394,7 @@ class SBC(tf.Module):
         """Count one optimizer step of ``variables``; every ``delay``-th call, synchronize.
 
         Call it right after ``optimizer.apply_gradients`` on every step, on every rank (the
-        drop-in tape with ``delay > 1`` and :class:`SBCCallback` need it / do it). Works eagerly
+        drop-in tape needs it, :class:`SBCCallback` does it). Works eagerly
         and inside ``tf.function``. At a sync, this window's update (+ residual) is
         SBC-compressed for every variable, all messages go in one allgather, and every rank sets
         ``W_ref += mean over ranks`` (bit-identical everywhere) and ``W = W_ref + R``
@@ -499,8 +500,8 @@ class SBC(tf.Module):
 
     @_no_autograph
     def _check_window(self, sources):
-        """Drop-in tape with delay > 1: make sure reference weights exist (taken now, before the
-        first local step) and that step() was called after the previous gradient()."""
+        """Drop-in tape: make sure reference weights exist (taken now, before the first local
+        step) and that step() was called after the previous gradient()."""
         self._use("weights")
         entries = self._entries(sources)
         with tf.init_scope():
@@ -509,8 +510,8 @@ class SBC(tf.Module):
                 self._reference(name, v)
         check = tf.debugging.assert_equal(
             self.pending, tf.constant(0, tf.int64),
-            message=f"SBC(delay={self.delay}): call sbc.step(variables) after applying the "
-                    "gradients of every DistributedGradientTape.gradient() call")
+            message="SBC: call sbc.step(variables) after applying the gradients of every "
+                    "horovod_sbc.tensorflow.DistributedGradientTape.gradient() call")
         with tf.control_dependencies([check]):
             return self.pending.assign(1)
 

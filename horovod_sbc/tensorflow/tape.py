@@ -6,17 +6,22 @@ TensorFlow's, followed by the exchange. Unlike Horovod's it accepts Keras 3 vari
 (``model.trainable_variables``; Horovod 0.28.1 calls ``.ref()`` on them and fails, upstream issue
 #4290) and it works in eager mode and inside ``tf.function``.
 
-``delay=1``: ``gradient()`` compresses every gradient (plus its residual), sends all of them in one
-step message through one ``horovod.tensorflow.allgather``, and returns the average of all ranks'
-decoded gradients, identical on every rank.
-
-``delay=n > 1`` (the paper's communication delay): ``gradient()`` returns this rank's own
-gradients (no communication); apply them with your optimizer, then call ``sbc.step(variables)``,
-which every n-th time exchanges the weight update since the last sync (see :meth:`SBC.step`)::
+Like the torch drop-in optimizer it exchanges *weight updates*, at every ``delay``: ``gradient()``
+returns this rank's own gradients (no communication); apply them with your optimizer, then call
+``sbc.step(variables)``, which every ``delay``-th time (every time at ``delay=1``) compresses the
+weight update since the last sync (plus its residual) for every variable, sends all of them in
+one step message through one ``horovod.tensorflow.allgather`` and moves the shared weights by
+the average of all ranks' decoded updates, identical on every rank (see :meth:`SBC.step`)::
 
     grads = tape.gradient(loss, model.trainable_variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))
     sbc.step(model.trainable_variables)
+
+Why weight updates, also at ``delay=1``: the optimizer's own state (momentum, Adam's moments)
+then sees this rank's full gradient at every step, and the residual of what was not sent stays
+in this rank's weights (``local_residual``), as in the torch drop-in and :class:`SBCCallback`.
+Exchanging sparse gradients instead feeds the optimizer the sparse average, which momentum
+amplifies: that is what stock ``hvd.DistributedGradientTape(tape, compression=SBC(...))`` does.
 
 A ``gradient()`` call whose gradients were not followed by ``sbc.step()`` fails loudly at the next
 ``gradient()``.
@@ -45,20 +50,16 @@ class _SBCTape:
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
-        """TensorFlow's gradients, then SBC: averaged over ranks (delay 1) or local (delay > 1,
-        call ``sbc.step(variables)`` after applying them)."""
+        """TensorFlow's gradients, this rank's own: apply them, then call
+        ``sbc.step(variables)`` (see the module docstring)."""
         grads = super(self.__class__, self).gradient(target, sources, output_gradients,
                                                      unconnected_gradients)
-        flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
-        if self._sbc.delay > 1:
-            mark = self._sbc._check_window(flat_sources)
-            with tf.control_dependencies([mark]):
-                out = [g if g is None else
-                       (tf.identity(g) if not isinstance(g, tf.IndexedSlices) else g)
-                       for g in flat_grads]
-        else:
-            out = self._sbc.exchange_gradients(flat_sources, flat_grads)
+        mark = self._sbc._check_window(tf.nest.flatten(sources))
+        with tf.control_dependencies([mark]):
+            out = [g if g is None else
+                   (tf.identity(g) if not isinstance(g, tf.IndexedSlices) else g)
+                   for g in flat_grads]
         return tf.nest.pack_sequence_as(grads, out)
 
 
@@ -69,8 +70,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: SBC):
         gradtape: the tape your forward pass was recorded with.
         compression: an :class:`SBC`. Create it ONCE for the whole training run and pass the
             same object at every step: it holds the residuals, reference weights and counters
-            (put it in your ``tf.train.Checkpoint``). Its ``delay`` decides what ``gradient()``
-            returns (see the module docstring).
+            (put it in your ``tf.train.Checkpoint``). Call ``compression.step(variables)``
+            after applying the gradients, at every step (see the module docstring).
 
     Returns a tape whose ``gradient(target, sources)`` accepts ``tf.Variable`` s and Keras 3
     variables (nested structures too). Statistics: ``compression.stats()``.
@@ -88,7 +89,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: SBC):
 def broadcast_variables(variables, root_rank: int = 0, compression: Optional[SBC] = None):
     """Make all ranks start equal: broadcast ``variables`` (``tf.Variable`` s or Keras 3
     variables, e.g. ``model.variables``) from ``root_rank``. With ``compression``, its reference
-    weights are then reset to the broadcast values (weight mode, ``delay > 1``)."""
+    weights are then reset to the broadcast values (weight mode: the drop-in tape, :class:`SBCCallback`)."""
     import horovod.tensorflow as hvd
     from .compressor import tf_variable
     flat = tf.nest.flatten(variables)

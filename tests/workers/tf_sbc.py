@@ -141,7 +141,7 @@ def make_step(model, opt, api, sbc, fn, delay, groups=None):
             t = hsbc.DistributedGradientTape(tape, compression=sbc)
             grads = t.gradient(loss, model.trainable_variables)  # Keras 3 variables directly
         opt.apply_gradients(zip(grads, model.trainable_variables))
-        if delay > 1:
+        if api == "dropin":  # weight mode at every delay: sync every delay-th step
             sbc.step(model.trainable_variables)
         return loss
     return tf.function(step) if fn else step
@@ -232,7 +232,7 @@ def run_interop():
     local = [g.numpy().reshape(-1) for g in tape.gradient(loss, tvars)]  # this rank's update
     with tf.GradientTape() as tape:
         loss = LOSS(y, model(x))
-    grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(loss, tvars)
+    grads = sbc.exchange_gradients(list(tvars), tape.gradient(loss, tvars))
     order = sorted(range(len(tvars)), key=lambda i: tvars[i].path)
     layout = [(tvars[i].path, tuple(tvars[i].shape)) for i in order]
     buf = bytes(LAST["gathered"])
