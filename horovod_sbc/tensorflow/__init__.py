@@ -3,8 +3,9 @@
 * :class:`SBC` — the compressor and its state (a ``tf.Module``: residuals, reference weights and
   counters are ``tf.Variable`` s tracked by ``tf.train.Checkpoint``). One-line change to stock
   Horovod: ``hvd.DistributedGradientTape(tape, compression=SBC(density=0.01))``.
-* :func:`DistributedGradientTape` — drop-in with one fused allgather per sync, communication delay
-  (with :meth:`SBC.step`), Keras 3 variables accepted; eager and ``tf.function``.
+* :func:`DistributedGradientTape` — drop-in: weight updates exchanged by :meth:`SBC.step` after
+  each optimizer step (one fused allgather per sync, any delay), Keras 3 variables accepted; eager
+  and ``tf.function``.
 * :class:`SBCCallback` — Keras 3 ``model.fit`` with SBC (imported lazily: needs ``keras``).
 * :func:`broadcast_variables` — start all ranks equal (accepts Keras 3 variables).
 * :func:`compress` / :func:`decompress` — the single-tensor codec (TF ops).

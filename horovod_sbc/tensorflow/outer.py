@@ -2,7 +2,7 @@
 
 The same three steps, knobs and formulas as :mod:`horovod_sbc.torch.outer` (documented there
 with their papers), for :class:`horovod_sbc.tensorflow.SBC` in weight mode (``SBC.step``: the
-drop-in tape with ``delay > 1`` and :class:`horovod_sbc.tensorflow.SBCCallback`)::
+drop-in tape and :class:`horovod_sbc.tensorflow.SBCCallback`)::
 
     SBC(density=0.01, delay=16, outer=Nesterov(lr=1.0, momentum=0.5))
 
