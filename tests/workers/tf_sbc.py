@@ -280,6 +280,13 @@ def run_errors():
     out["delay_stock"] = catch(lambda: stock(SBC(density=0.1, delay=2)))
     out["adasum"] = catch(lambda: stock(SBC(density=0.1), op=hvd.Adasum))
     out["groups"] = catch(lambda: stock(SBC(density=0.1), groups=1))  # grouped: still works
+    # the stock tape says once per object that it exchanges gradients, naming the drop-in
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sbc = SBC(density=0.1)
+        stock(sbc)
+        stock(sbc)
+    out["stock_warnings"] = [str(w.message) for w in seen if "horovod_sbc" in str(w.message)]
     out["density"] = catch(lambda: SBC(density=0))
     out["wrong_compression"] = catch(
         lambda: hsbc.DistributedGradientTape(tf.GradientTape(), compression=hvd.Compression.fp16))
