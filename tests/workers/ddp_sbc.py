@@ -10,6 +10,7 @@ Writes OUT/rank<R>.json. Modes:
   save / load  checkpoint the hook run and the averager run mid-training (save), continue; or
          load that checkpoint in a fresh job and continue (load). Records the digests after it.
 """
+import gc
 import hashlib
 import os
 import signal
@@ -238,5 +239,9 @@ def run_scenario(mode, kw):
 
 
 write_result(RANK, scenarios(sys.argv, run_scenario))
+# the scenarios' DDP models (their reducers hold the process group) are freed while the group
+# is alive, not in arbitrary order at interpreter exit: a reducer left from a hook that raised
+# aborted one rank there once ("terminate called without an active exception")
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()
