@@ -96,10 +96,11 @@ class SBC(tf.Module):
         density, delay, nonfinite, selection: the knobs of
             :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
             needs weight mode: :func:`horovod_sbc.tensorflow.DistributedGradientTape` plus
-            :meth:`step`, or :class:`horovod_sbc.tensorflow.SBCCallback`. With ``nonfinite="skip"`` in weight mode
-            the weights go back to the last shared state; in gradient modes the returned
-            gradients are zeros for that step. Inside ``tf.function`` a ``ValueError`` arrives
-            as ``tf.errors.InvalidArgumentError`` with the same text.
+            :meth:`step`, or :class:`horovod_sbc.tensorflow.SBCCallback`. With
+            ``nonfinite="skip"`` in weight mode the weights go back to the last shared state;
+            in gradient modes the returned gradients are zeros for that step. Inside
+            ``tf.function`` a ``ValueError`` arrives as ``tf.errors.InvalidArgumentError`` with
+            the same text.
         mode, seed: the compressor (any registered one: ``"sbc"``, ``"values"``, ``"sign"``,
             ``"terngrad"``, or your own, see :mod:`horovod_sbc.registry`) and the seed of a
             random one's draws, as in :class:`horovod_sbc.config.SBCConfig`. TernGrad's draws
@@ -348,7 +349,7 @@ class SBC(tf.Module):
                                  on_gathered=lambda s, g, p: self._count_traffic(
                                      s, g, p, extra_up_bits))
 
-    # -- gradient mode ------------------------------------------------------------------------------
+    # -- gradient mode ----------------------------------------------------------------------------
     @_no_autograph
     def exchange_gradients(self, sources, gradients, tag: str = "sbc_sync"):
         """Compress all gradients into one step message, allgather it, return the averages.

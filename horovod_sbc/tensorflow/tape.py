@@ -89,7 +89,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: SBC):
 def broadcast_variables(variables, root_rank: int = 0, compression: Optional[SBC] = None):
     """Make all ranks start equal: broadcast ``variables`` (``tf.Variable`` s or Keras 3
     variables, e.g. ``model.variables``) from ``root_rank``. With ``compression``, its reference
-    weights are then reset to the broadcast values (weight mode: the drop-in tape, :class:`SBCCallback`)."""
+    weights are then reset to the broadcast values (weight mode: the drop-in tape,
+    :class:`SBCCallback`)."""
     import horovod.tensorflow as hvd
     from .compressor import tf_variable
     flat = tf.nest.flatten(variables)

@@ -39,9 +39,10 @@ class SBC(StockHook):
 
     Args:
         density, delay, mode, selection, nonfinite, topology, downlink_density,
-        downlink_binarize, seed, fixed_size: the knobs of :class:`horovod_sbc.config.SBCConfig`, documented
-            there once. Here ``delay > 1`` needs the drop-in
-            :func:`horovod_sbc.torch.DistributedOptimizer`, ``topology="server"`` needs it and
+        downlink_binarize, seed, fixed_size: the knobs of
+            :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
+            needs the drop-in :func:`horovod_sbc.torch.DistributedOptimizer`,
+            ``topology="server"`` needs it and
             Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``). With ``nonfinite="skip"``
             an update used up before it is found non-finite keeps its finite rest: the drop-in
             with ``local_residual=True`` resets the non-finite weights to the shared weights,
