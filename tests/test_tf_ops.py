@@ -332,3 +332,64 @@ def test_stock_path_paper_rule_at_high_density_on_large_tensors(density):
     with kernels.disabled():
         msg, res = tfb.compress(tf.constant(u), tf.zeros(20_000), density)
     assert msg.numpy().tobytes() == want and res.numpy().tobytes() == want_res.tobytes()
+
+
+_SEGMENT_REDUCTIONS = {"SegmentSum", "SegmentMax", "SegmentMin", "SegmentProd",
+                       "UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                       "UnsortedSegmentProd"}
+
+
+def _segment_dtypes(fn, *args):
+    """``{(op type, dtype)}`` of the segment reductions in tf.function ``fn`` traced for
+    ``args``, nested functions included."""
+    graph = fn.get_concrete_function(*args).graph
+    found = {(op.type, op.get_attr("T")) for op in graph.get_operations()
+             if op.type in _SEGMENT_REDUCTIONS}
+    for f in graph.as_graph_def().library.function:
+        found |= {(n.op, tf.as_dtype(n.attr["T"].type)) for n in f.node_def
+                  if n.op in _SEGMENT_REDUCTIONS}
+    return found
+
+
+@pytest.mark.parametrize("mode", [True, False, "sign"])
+def test_the_tensor_op_path_has_no_int64_segment_reduction(mode):
+    """TensorFlow registers its GPU segment reductions for floats and int32 only: an int64 one
+    would be placed on the host, a device-to-host round trip per call. The path GPU tensors take
+    (the TF-ops backend: kernels off) encodes and decodes without one, for every message kind
+    (binary, values, signs; VALUES messages also go through the non-finite check), one rank and
+    three."""
+    rng = np.random.default_rng(3)
+    layout = [("a", (3000,)), ("b", (40,))]
+    found = set()
+    with kernels.disabled():
+        comp = tf.function(lambda u, r: tfb.compress(u, r, 0.01, mode))
+        u = tf.constant(rng.standard_normal(3000).astype(np.float32))
+        found |= _segment_dtypes(comp, u, tf.zeros([3000]))
+        msgs = [[comp(u, tf.zeros([3000]))[0].numpy().tobytes(),
+                 tfb.compress(tf.constant(rng.standard_normal(40).astype(np.float32)),
+                              tf.zeros([40]), 0.1, mode)[0].numpy().tobytes()]]
+        for n_ranks in (1, 3):
+            g = tf.constant(np.frombuffer(_step(msgs * n_ranks, layout), np.uint8))
+            dec = tf.function(lambda x, n=n_ranks: tfb.decode_gathered(x, layout, n, 0.5))
+            found |= _segment_dtypes(dec, g)
+            dec(g)  # and it runs
+    assert found, "the trace holds no segment reduction: the test no longer sees the codec"
+    assert not {t for t in found if t[1] == tf.int64}, sorted(found)
+
+
+def test_int64_segment_max_through_int32_is_exact():
+    """The int32 replacement of int64 ``segment_max`` (position and gap statistics the verdict
+    reads) gives TensorFlow's own results, extremes and empty segments included."""
+    from horovod_sbc.tensorflow.backend.streams import _segment_max64
+    rng = np.random.default_rng(7)
+    i64 = np.iinfo(np.int64)
+    edges = np.array([i64.min, -2 ** 32, -1, 0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32,
+                      i64.max], np.int64)
+    for case in range(200):
+        n = int(rng.integers(1, 40))
+        x = rng.choice(edges, n) if case % 2 else \
+            rng.integers(i64.min, i64.max, n, dtype=np.int64, endpoint=True)
+        seg = np.sort(rng.integers(0, 6, n)).astype(np.int32)  # some segments empty
+        got = _segment_max64(tf.constant(x), tf.constant(seg)).numpy()
+        want = tf.math.segment_max(tf.constant(x), tf.constant(seg)).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=f"x={x.tolist()} seg={seg.tolist()}")

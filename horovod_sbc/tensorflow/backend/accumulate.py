@@ -116,8 +116,9 @@ def _sorted_masks(msg, key32, offs, n_t: int, n_ranks: int):
     first_one = tf.fill(tf.reshape(tf.minimum(tf.size(k), 1), [1]), True)  # [] if none
     new = tf.concat([first_one, tf.not_equal(k[1:], k[:-1])], 0)
     seg = tf.cumsum(tf.cast(new, tf.int32)) - 1
-    m = tf.math.segment_sum(tf.bitwise.left_shift(tf.constant(1, tf.int64),
-                                                  tf.bitwise.bitwise_and(sk, 7)), seg)
+    # int32 (a mask of <= 8 ranks): TensorFlow has no GPU kernel for int64 segment sums
+    m = tf.cast(tf.math.segment_sum(tf.bitwise.left_shift(
+        1, tf.cast(tf.bitwise.bitwise_and(sk, 7), tf.int32)), seg), tf.int64)
     uk = tf.cast(tf.boolean_mask(k, new), tf.int32)
     if n_t > 1:
         t = tf.searchsorted(tf.cast(offs[1:], tf.int32), uk, side="right", out_type=tf.int64)

@@ -384,7 +384,9 @@ def rice_b(gaps: tf.Tensor, count: tf.Tensor, numel: int) -> tf.Tensor:
 
 def _pack_ones(bit_index: tf.Tensor, nbytes) -> tf.Tensor:
     """uint8 [nbytes]: bytes (MSB first) with a one at each (unique) ``bit_index``."""
-    contrib = tf.bitwise.right_shift(_c64(0x80), tf.bitwise.bitwise_and(bit_index, 7))
+    # int32 bytes: TensorFlow has no GPU kernel for int64 segment sums (a byte sums to <= 255)
+    contrib = tf.cast(tf.bitwise.right_shift(_c64(0x80), tf.bitwise.bitwise_and(bit_index, 7)),
+                      tf.int32)
     out = tf.math.unsorted_segment_sum(contrib, tf.bitwise.right_shift(bit_index, 3),
                                        tf.cast(nbytes, tf.int64))
     return tf.cast(out, tf.uint8)
@@ -409,7 +411,7 @@ def _write_fields(values: tf.Tensor, width, nbytes) -> tf.Tensor:
     sh_lo = tf.cast(tf.maximum(120 - 8 * j, 0), tf.uint64)
     byte = tf.where(j < 8, tf.bitwise.right_shift(hi_u[:, None], sh_hi[None, :]),
                     tf.bitwise.right_shift(lo_u[:, None], sh_lo[None, :]))
-    byte = tf.cast(tf.bitwise.bitwise_and(byte, 0xFF), tf.int64)
+    byte = tf.cast(tf.bitwise.bitwise_and(byte, 0xFF), tf.int32)  # int32: see _pack_ones
     idx = tf.bitwise.right_shift(start, 3)[:, None] + j[None, :]
     nbytes = _i64(nbytes)
     keep = idx < nbytes

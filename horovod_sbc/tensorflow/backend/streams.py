@@ -63,6 +63,22 @@ def _owner(starts: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
     return tf.cumsum(marks[:-1])
 
 
+def _segment_max64(x: tf.Tensor, seg: tf.Tensor) -> tf.Tensor:
+    """Exact ``tf.math.segment_max`` of int64 ``x`` by sorted segment ids ``seg``, through two
+    int32 segment maxima (TensorFlow has no GPU kernel for int64 segment reductions, which would
+    put the op on the host): the high words' maximum, then the maximum of the low words
+    (shifted into int32's order) among the elements whose high word reached it; 0 for an
+    empty segment, as TensorFlow's."""
+    hi = tf.cast(tf.bitwise.right_shift(x, 32), tf.int32)
+    lo = tf.cast(tf.bitwise.bitwise_and(x, 0xFFFFFFFF) + _SIGN32, tf.int32)
+    max_hi = tf.math.segment_max(hi, seg)
+    lo = tf.where(tf.equal(hi, tf.gather(max_hi, seg)), lo, tf.int32.min)
+    max_lo = tf.math.segment_max(lo, seg)
+    full = tf.math.segment_max(tf.ones_like(hi), seg) > 0  # an empty segment's maximum is 0
+    return tf.where(full, tf.bitwise.left_shift(tf.cast(max_hi, tf.int64), 32) +
+                    (tf.cast(max_lo, tf.int64) - _SIGN32), 0)
+
+
 def _windows(buf: tf.Tensor) -> tf.Tensor:
     """uint64 big-endian windows of ``buf``, one starting every 4 bytes (zero padded)."""
     n = tf.size(buf, out_type=tf.int64)
@@ -165,7 +181,9 @@ def _nonfinite(buf: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     at = tf.gather(table[:, C_VSTART] - 4 * vfirst, e) + 4 * tf.range(total, dtype=tf.int64)
     exp = tf.bitwise.bitwise_and(tf.gather(buf, at + 3), 0x7F)  # the top byte holds 7 bits
     top = tf.logical_and(tf.equal(exp, 0x7F), tf.gather(buf, at + 2) >= 0x80)
-    return tf.math.unsorted_segment_sum(tf.cast(top, tf.int64), e, tf.size(count))
+    # int32 counts: TensorFlow has no GPU kernel for int64 segment sums
+    return tf.cast(tf.math.unsorted_segment_sum(tf.cast(top, tf.int32), e, tf.size(count)),
+                   tf.int64)
 
 
 def _decode(buf: tf.Tensor, table: tf.Tensor, offs: tf.Tensor):
@@ -186,7 +204,7 @@ def _decode(buf: tf.Tensor, table: tf.Tensor, offs: tf.Tensor):
     m = tf.size(count)
 
     def seg_max(x):  # per message, 0 for empty ones (segments sorted by message)
-        mx = tf.math.segment_max(x, msg)
+        mx = _segment_max64(x, msg)
         return tf.concat([mx, tf.zeros(tf.reshape(m - tf.size(mx), [1]), x.dtype)], 0)
 
     stats = tf.stack([
