@@ -236,9 +236,13 @@ def test_errors_are_clear_and_raised_on_every_rank():
         assert "use horovod_sbc.tensorflow.DistributedGradientTape" in r["delay_stock"]
         assert "op=hvd.Adasum" in r["adasum"]
         assert r["groups"] is None  # Horovod's grouped allreduce: the data still goes by allgather
-        (warning,) = r["stock_warnings"]  # once per SBC object, however many gradients and steps
+        # once each per SBC object, however many gradients and steps: the tape exchanges
+        # gradients (name the drop-in); without groups one gradient at a time (name groups)
+        warning, ungrouped = r["stock_warnings"]
         assert "exchanges sparse gradients" in warning and \
             "horovod_sbc.tensorflow.DistributedGradientTape" in warning and "sbc.step" in warning
+        assert "one gradient at a time" in ungrouped and "num_groups=1" in ungrouped
+        assert r["grouped_warnings"] == [warning]
         assert "density must be in (0, 1]" in r["density"]
         assert "compression must be horovod_sbc.tensorflow.SBC" in r["wrong_compression"]
         assert r["plain_tensor"].startswith("TypeError: SBC needs variables")

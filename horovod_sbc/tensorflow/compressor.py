@@ -154,6 +154,7 @@ class SBC(tf.Module):
         self._backend: Optional[Backend] = None
         self._stock_batch: Optional[_StockBatch] = None
         self._warned_stock = False
+        self._alone: set = set()  # gradients the stock tape exchanged one at a time
         with tf.init_scope():
             self.residuals = {}
             self.reference = {}
@@ -588,7 +589,24 @@ class SBC(tf.Module):
             "optimizer on each rank's own gradients and compresses the weight change.",
             stacklevel=3)
 
+    def _warn_ungrouped(self, batch: "_StockBatch") -> None:
+        """Once per object: Horovod hands the stock tape one gradient at a time (no groups), so
+        every gradient is an exchange of its own, with its host round trips; say how to group."""
+        if len(batch.names) != 1 or self._alone is None:
+            return
+        if self._alone and batch.names[0] not in self._alone:
+            self._alone = None
+            warnings.warn(
+                "horovod_sbc: stock hvd.DistributedGradientTape hands SBC one gradient at a "
+                "time, so each gradient is an exchange of its own (an allgather and 3 host "
+                "round trips each); pass num_groups=1 (or groups=1) to "
+                "hvd.DistributedGradientTape to exchange all gradients of a step at once.",
+                stacklevel=4)
+            return
+        self._alone.add(batch.names[0])
+
     def _exchange_batch(self, batch: "_StockBatch") -> None:
+        self._warn_ungrouped(batch)
         size, _ = self._world()
         first = tf_name(batch.names[0])
         tag = f"sbc_{first}" if len(batch.names) == 1 else f"sbc_{first}_x{len(batch.names)}"

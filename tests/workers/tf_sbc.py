@@ -287,6 +287,12 @@ def run_errors():
         stock(sbc)
         stock(sbc)
     out["stock_warnings"] = [str(w.message) for w in seen if "horovod_sbc" in str(w.message)]
+    with warnings.catch_warnings(record=True) as seen:  # grouped: no advice to group
+        warnings.simplefilter("always")
+        sbc = SBC(density=0.1)
+        stock(sbc, groups=1)
+        stock(sbc, groups=1)
+    out["grouped_warnings"] = [str(w.message) for w in seen if "horovod_sbc" in str(w.message)]
     out["density"] = catch(lambda: SBC(density=0))
     out["wrong_compression"] = catch(
         lambda: hsbc.DistributedGradientTape(tf.GradientTape(), compression=hvd.Compression.fp16))
