@@ -2,6 +2,7 @@
 
     nice -n 19 python -m benchmarks.quality [--parts iid,skewed,lm_docs,lm_iid]
         [--json benchmarks/results/quality.json] [--resume] [--report] [--quick]
+        [--study screen]   (the one-seed screen, ``SCREEN``)
 
 Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
 
@@ -46,6 +47,7 @@ S0, S12, S3 = [0], [1, 2], [0, 1, 2]
 NESTEROV = ["nesterov", 0.7, 0.9]   # DiLoCo's outer lr and momentum
 MILD = ["nesterov", 1.0, 0.5]
 STRONG = ["nesterov", 1.0, 0.7]
+BOLD = ["nesterov", 1.5, 0.5]
 
 PARTS = {
     "iid": {"task": "mnist1d_long", "partition": "iid",
@@ -117,9 +119,52 @@ STUDY: Dict[str, List[tuple]] = {
                (_s("sbc", 0.01, 1, api="stock"), S3)],
 }
 
+# A one-seed screen of what the study above left open, each part with its own dense and
+# no-communication baselines measured in the same run (``--study screen``): the stock hook on the
+# current code (3 seeds on mnist1d: it now sends one step message per step), the drop-in at
+# delay 1 and 2 on label-skewed shards (does a small delay escape the drift?), and on the
+# transformer plain averaging (FedAvg) against SBC at higher densities with longer delays
+# (fewer, richer syncs at about the same ratio).
+SCREEN: Dict[str, List[tuple]] = {
+    "iid": [(b, S0) for b in BASELINES] + [
+        (_s("sbc", 0.01, 1), S0), (BASELINES[2], S12),
+        # second round: the residual beside the shared weights held up on skewed shards
+        (_s("sbc", 0.01, 1, local_residual=False), S0),
+        (_s("sbc", 0.01, 4, local_residual=False), S0),
+    ],
+    "skewed": [(b, S0) for b in BASELINES] + [
+        (BASELINES[2], S12),
+        (_s("sbc", 0.01, 1), S0),
+        (_s("sbc", 0.01, 1, outer=MILD), S0),
+        (_s("sbc", 0.01, 1, local_residual=False), S0),
+        (_s("sbc", 0.01, 2), S0),
+        (_s("sbc", 0.01, 8), S0),
+        # second round: the residual beside the shared weights, at longer delays
+        (_s("sbc", 0.01, 2, local_residual=False), S0),
+        (_s("sbc", 0.01, 4, local_residual=False), S0),
+    ],
+    "lm_docs": [(b, S0) for b in BASELINES] + [
+        (_s("fedavg", 1.0, 4), S0),
+        (_s("fedavg", 1.0, 16), S0),
+        (_s("sbc", 0.01, 1), S0),
+        (_s("sbc", 0.05, 8, outer=MILD), S0),
+        (_s("sbc", 0.1, 16, outer=MILD), S0),
+        (_s("sbc", 0.2, 32, outer=MILD), S0),
+        # second round: local AdamW updates averaged across ranks partly cancel, so the averaged
+        # step is shorter than a dense one: does a larger outer step make up for it?
+        (_s("fedavg", 1.0, 4, outer=MILD), S0),
+        (_s("sbc", 0.01, 1, outer=MILD), S0),
+        (_s("sbc", 0.01, 1, outer=BOLD), S0),
+        (_s("sbc", 0.05, 8, outer=BOLD), S0),
+        (_s("sbc", 0.01, 1, outer=MILD), S12),  # the best of the screen: its seeds 1 and 2
+    ],
+}
+STUDIES = {"study": STUDY, "screen": SCREEN}
 
-def study_jobs(parts: Sequence[str], quick: bool = False) -> List[tuple]:
-    """``[(part, job)]``: one job per (part, setting, seed list)."""
+
+def study_jobs(parts: Sequence[str], quick: bool = False,
+               study: Dict[str, List[tuple]] = STUDY) -> List[tuple]:
+    """``[(part, job)]``: one job per (part, setting, seed list) of ``study``."""
     out = []
     for part in parts:
         if quick:  # 2 workers, 40 steps: checks the study end to end in a minute or two
@@ -127,7 +172,7 @@ def study_jobs(parts: Sequence[str], quick: bool = False) -> List[tuple]:
                 out.append((part, {"workers": 2, "partition": PARTS[part]["partition"],
                                    "seeds": S0, "runs": [dict(spec, steps=40)]}))
             continue
-        for spec, seeds in STUDY[part]:
+        for spec, seeds in study.get(part, []):
             out.append((part, {"workers": 4, "partition": PARTS[part]["partition"],
                                "seeds": list(seeds), "runs": [spec]}))
     return out
@@ -145,7 +190,8 @@ def describe(r: dict) -> str:
         return "no communication (each worker alone)"
     if r.get("api") == "stock":
         return f"stock hook `SBC({r['density']:g})`"
-    s = f"drop-in `SBC({r['density']:g}, delay={r['delay']})`" if m == "sbc" else r["label"]
+    s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']})`",
+         "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r["label"])
     if r.get("outer"):
         kind, *a = r["outer"]
         s += ", outer " + {"nesterov": "Nesterov", "error_decay": "ErrorDecay",
@@ -473,6 +519,8 @@ def main(argv=None) -> int:
                     help="run nothing new: report the jobs saved in JSON.partial, list the rest "
                          "as not run")
     ap.add_argument("--quick", action="store_true", help="2 workers, 40 steps, 1 seed")
+    ap.add_argument("--study", choices=sorted(STUDIES), default="study",
+                    help="study: the 3-seed study; screen: the one-seed screen (SCREEN)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     parts = [p for p in a.parts.split(",") if p]
@@ -500,7 +548,7 @@ def main(argv=None) -> int:
         _write(partial, done)
 
     runs, skipped = [], []
-    for part, job in study_jobs(parts, a.quick):
+    for part, job in study_jobs(parts, a.quick, STUDIES[a.study]):
         task = PARTS[part]["task"]
         if a.saved and job_key(task, job, job["seeds"]) not in done:
             skipped.append({"job": job, "part": part, "reason": "--saved"})

@@ -68,3 +68,20 @@ def test_quick_study_is_small_and_every_part_has_baselines():
         methods = [s["method"] for s, _ in runs]
         assert "none" in methods and "local" in methods, part
         assert all(seeds for _, seeds in runs)
+
+
+def test_the_screen_measures_its_own_baselines_and_every_setting_with_their_seed():
+    """The one-seed screen judges each setting against dense and no communication measured in
+    the same run with the same seed (0); a setting given more seeds has seed 0 among them."""
+    jobs = quality.study_jobs(list(quality.SCREEN), study=quality.SCREEN)
+    assert jobs and {j["workers"] for _, j in jobs} == {4}
+    for part in quality.SCREEN:
+        seeds_of = {}
+        for p, j in jobs:
+            if p == part:
+                key = json.dumps(j["runs"][0], sort_keys=True)
+                seeds_of.setdefault(key, set()).update(j["seeds"])
+        methods = {json.loads(k)["method"] for k in seeds_of}
+        assert {"none", "local"} <= methods, part
+        for key, seeds in seeds_of.items():
+            assert 0 in seeds, (part, key)
