@@ -48,6 +48,7 @@ NESTEROV = ["nesterov", 0.7, 0.9]   # DiLoCo's outer lr and momentum
 MILD = ["nesterov", 1.0, 0.5]
 STRONG = ["nesterov", 1.0, 0.7]
 BOLD = ["nesterov", 1.5, 0.5]
+DECAY = ["error_decay", 0.9, 1.0]   # SparseLoCo-style: the residual times 0.9 after each sync
 
 PARTS = {
     "iid": {"task": "mnist1d_long", "partition": "iid",
@@ -131,6 +132,8 @@ SCREEN: Dict[str, List[tuple]] = {
         # second round: the residual beside the shared weights held up on skewed shards
         (_s("sbc", 0.01, 1, local_residual=False), S0),
         (_s("sbc", 0.01, 4, local_residual=False), S0),
+        # third round: SparseLoCo's decayed residual bounds how far a rank's weights drift
+        (_s("sbc", 0.01, 1, outer=DECAY), S0),
     ],
     "skewed": [(b, S0) for b in BASELINES] + [
         (BASELINES[2], S12),
@@ -142,6 +145,8 @@ SCREEN: Dict[str, List[tuple]] = {
         # second round: the residual beside the shared weights, at longer delays
         (_s("sbc", 0.01, 2, local_residual=False), S0),
         (_s("sbc", 0.01, 4, local_residual=False), S0),
+        (_s("sbc", 0.01, 1, outer=DECAY), S0),
+        (_s("sbc", 0.01, 1, outer=["error_decay", 0.5, 1.0]), S0),
     ],
     "lm_docs": [(b, S0) for b in BASELINES] + [
         (_s("fedavg", 1.0, 4), S0),
