@@ -154,7 +154,7 @@ class SBC(tf.Module):
         self._backend: Optional[Backend] = None
         self._stock_batch: Optional[_StockBatch] = None
         self._warned_stock = False
-        self._alone: set = set()  # gradients the stock tape exchanged one at a time
+        self._alone: Optional[set] = set()  # gradients exchanged one at a time (None: warned)
         with tf.init_scope():
             self.residuals = {}
             self.reference = {}
