@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import wire
+from ... import crc, wire
 from ...reference import choose_side, keep_count
 from .base import NonFiniteError
 from .select import f32
@@ -462,59 +462,19 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
 # ----------------------------------------------------------------------------------------------
 # fixed-size messages: CRC-32 and a whole step message without a host read
 # ----------------------------------------------------------------------------------------------
-_CRC_POLY = 0xEDB88320                  # zlib's CRC-32, reflected
-_CRC_CHUNK = 1024                       # bytes per row of the first matrix product
 _CRC_TABLES: Dict[str, tuple] = {}
 
 
-def _crc_step(r: int) -> int:
-    return (r >> 1) ^ (_CRC_POLY if r & 1 else 0)
-
-
-def _gf2_apply(cols, v):
-    """The GF(2) 32x32 matrix of column images ``cols`` applied to uint32 array ``v``."""
-    import numpy as np
-    out = np.zeros_like(v)
-    for i in range(32):
-        out ^= np.where((v >> np.uint64(i)) & np.uint64(1) != 0, cols[i], np.uint64(0))
-    return out
-
-
 def _crc_tables(n_chunks: int, dev) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(bit of each chunk bit's CRC contribution float32 [8 S, 32]; per chunk c of
-    ``C >= n_chunks``, the shift of its CRC past the chunks after it, float32 [32 C, 32],
-    rows of the last chunk last). CRC-32 is affine in the message bits: a one bit followed by
-    d more bits adds ``f(d)``, ``f(0) = P``, ``f(d + 1) = step(f(d))``; a chunk's CRC moves
-    past ``8 S`` more bits by a fixed GF(2) matrix Z."""
-    import numpy as np
+    """:func:`horovod_sbc.crc.chunk_table` and the last ``n_chunks`` chunks' rows of
+    :func:`horovod_sbc.crc.shift_table` on ``dev`` (uploaded once, grown by doubling)."""
     key = str(dev)
     have = _CRC_TABLES.get(key)
     if have is not None and have[2] >= n_chunks:
         return have[0], have[1][(have[2] - n_chunks) * 32:]
-    s8 = 8 * _CRC_CHUNK
-    f = [0] * s8
-    r = _CRC_POLY
-    for d in range(s8):
-        f[d] = r
-        r = _crc_step(r)
-    # row 8 j + b: bit b (value 1 << b, processed b-th) of byte j, followed by d bits
-    d_of = [8 * (_CRC_CHUNK - 1 - j) + 7 - b for j in range(_CRC_CHUNK) for b in range(8)]
-    fv = np.array([f[d] for d in d_of], np.uint64)
-    bit = np.arange(32, dtype=np.uint64)
-    first = ((fv[:, None] >> bit) & np.uint64(1)).astype(np.float32)
-    z = []  # Z: images of the 32 basis vectors shifted by 8 S zero bits
-    for i in range(32):
-        r = 1 << i
-        for _ in range(s8):
-            r = _crc_step(r)
-        z.append(np.uint64(r))
     c_max = max(n_chunks, 2 * (have[2] if have else 1))
-    powers = [np.array([1 << i for i in range(32)], np.uint64)]  # Z^0 .. Z^(C-1), by columns
-    while len(powers) < c_max:
-        powers.append(_gf2_apply(z, powers[-1]))
-    shift = np.stack(powers[::-1])  # chunk c (of c_max) is followed by c_max - 1 - c chunks
-    second = ((shift[:, :, None] >> bit) & np.uint64(1)).astype(np.float32).reshape(-1, 32)
-    tables = (transfer.upload(first, dev), transfer.upload(second, dev), c_max)
+    tables = (transfer.upload(crc.chunk_table(), dev),
+              transfer.upload(crc.shift_table(c_max), dev), c_max)
     _CRC_TABLES[key] = tables
     return tables[0], tables[1][(c_max - n_chunks) * 32:]
 
@@ -524,12 +484,12 @@ def crc32_device(data: torch.Tensor) -> torch.Tensor:
     number of tensor ops and no host read (two matrix products of 0/1 floats, whose sums stay
     exact below 2**24; leading zero bytes add nothing to the linear part)."""
     n = data.numel()
-    n_chunks = max(1, -(-n // _CRC_CHUNK))
+    n_chunks = max(1, -(-n // crc.CHUNK))
     first, second = _crc_tables(n_chunks, data.device)
-    pad = n_chunks * _CRC_CHUNK - n
+    pad = n_chunks * crc.CHUNK - n
     x = torch.cat([data.new_zeros(pad), data]) if pad else data
     shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
-    bits = ((x.view(n_chunks, _CRC_CHUNK, 1) >> shifts) & 1).view(n_chunks, -1).float()
+    bits = ((x.view(n_chunks, crc.CHUNK, 1) >> shifts) & 1).view(n_chunks, -1).float()
     per_chunk = torch.remainder(bits @ first, 2.0)
     lin = torch.remainder(per_chunk.view(1, -1) @ second, 2.0).view(32).long()
     weights = torch.ones(32, dtype=torch.int64, device=data.device) << torch.arange(
