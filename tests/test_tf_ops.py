@@ -22,6 +22,7 @@ tf = pytest.importorskip("tensorflow")
 from horovod_sbc import reference, kernels, wire  # noqa: E402
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
 from horovod_sbc.tensorflow import backend as tfb  # noqa: E402
+from horovod_sbc.tensorflow.backend import frame as tfframe, host as tfhost  # noqa: E402
 from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
 SBC_OPS = {"SbcEncode", "SbcDecode", "SbcScatterAdd"}
@@ -165,10 +166,11 @@ def test_nonfinite_update_is_rejected_naming_the_tensor(graph):
                                            density=0.01)
     assert enc.new_residual is not None and not bool(enc.finite)
     # the exchange's step message names it (what the other ranks are told)
-    step, _ = tfx.frame_host([name], [30_000], 0, 0, False, None, np.array([bool(enc.finite)]),
-                             np.stack([enc.header.numpy()]), enc.body.numpy())
+    step, _ = tfframe.frame([30_000], [enc.header], [enc.body], 0, None)
+    step, _ = tfframe.step_or_error(step, tf.constant(0, tf.int64), [enc.finite], [name], 0, 0,
+                                    False, None)
     with pytest.raises(wire.PeerError, match="dense_3/kernel:0"):
-        reference.decode_step_np(step.tobytes(), [(name, (30_000,))], 1)
+        reference.decode_step_np(step.numpy().tobytes(), [(name, (30_000,))], 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,3 +395,85 @@ def test_int64_segment_max_through_int32_is_exact():
         got = _segment_max64(tf.constant(x), tf.constant(seg)).numpy()
         want = tf.math.segment_max(tf.constant(x), tf.constant(seg)).numpy()
         np.testing.assert_array_equal(got, want, err_msg=f"x={x.tolist()} seg={seg.tolist()}")
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_the_step_is_framed_on_the_device_with_the_wire_bytes(graph):
+    """The step header (CRC-32 of the body, lengths, layout) and the ERROR/SKIP step of a
+    non-finite tensor, built in TF ops (the ops backend's frame, which GPU tensors take), are
+    the bytes of the host frame (the CPU kernel backend's, from the wire module), with and
+    without a fixed size, for bodies across the CRC's chunk boundaries; the CRC is zlib's."""
+    import zlib
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 1023, 1024, 1025, 4096 * 3 + 7, 70_000):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        crc = tf.function(tfframe.crc32) if graph else tfframe.crc32
+        assert int(crc(tf.constant(data))) == zlib.crc32(data.tobytes()), n
+    names = ["a", "b/kernel:0", "c"]
+    numels = [5000, 40, 1_000_000]
+    for case in range(12):
+        sizes = [int(rng.integers(0, 3000)) for _ in names]
+        headers = [np.array([0, int(rng.integers(0, 20)), int(rng.integers(0, 300)),
+                             int(rng.integers(0, 2000)), int(rng.integers(0, 2 ** 32))],
+                            np.int64) for _ in names]
+        bodies = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+        finite = [True] * 3 if case % 3 else [True, bool(case % 2), False]
+        capacity = None if case % 2 else 24 + sum(sizes) + 3 * 30 + 17
+        layout_crc, rank, skip = int(rng.integers(0, 2 ** 32)), case % 4, case % 4 == 1
+
+        def build(hs, bs, fs):
+            step, pad = tfframe.frame(numels, hs, bs, layout_crc, capacity)
+            return tfframe.step_or_error(step, pad, fs, names, layout_crc, rank, skip, capacity)
+        fn = tf.function(build) if graph else build
+        step, pad = fn([tf.constant(h) for h in headers], [tf.constant(b) for b in bodies],
+                       [tf.constant(f) for f in finite])
+        want, want_pad = tfhost.frame_host(names, numels, layout_crc, rank, skip, capacity,
+                                           np.array(finite), np.stack(headers), *bodies)
+        assert step.numpy().tobytes() == want.tobytes() and int(pad) == want_pad, case
+
+
+_HOST_STEPS = textwrap.dedent("""
+    import json
+    import numpy as np, tensorflow as tf, horovod.tensorflow as hvd
+    hvd.init()
+    from horovod_sbc.tensorflow.sync import exchange as tfx
+    from horovod_sbc.tensorflow.backend import backend_for
+    names, shapes = ["a", "b", "c"], [(500,), (20,), (3, 7)]
+
+    def run(*t):
+        return tfx.exchange(backend_for("CPU"), names, shapes, list(t[:3]), list(t[3:]),
+                            density=0.05, skip=False, rank=0, size=1, scale=1.0, tag="t",
+                            capacity=CAPACITY)[1]
+
+    args = [tf.constant(np.random.default_rng(0).standard_normal(s).astype(np.float32))
+            for s in shapes] + [tf.zeros(s) for s in shapes]
+    graph = tf.function(run).get_concrete_function(*args).graph
+    nodes = {op.name: (op.type, [i.op.name for i in op.inputs] +
+                       [c.name for c in op.control_inputs]) for op in graph.get_operations()}
+    for f in graph.as_graph_def().library.function:  # nested functions: types only
+        for n in f.node_def:
+            nodes.setdefault(f.signature.name + "/" + n.name, (n.op, []))
+    gather = [k for k, (t, _) in nodes.items() if t == "HorovodAllgather"]
+    seen, todo = set(), list(gather)
+    while todo:  # everything the allgather waits for
+        k = todo.pop()
+        if k not in seen:
+            seen.add(k)
+            todo += nodes.get(k, ("", []))[1]
+    print(json.dumps({"pyfunc": sum(t in ("PyFunc", "EagerPyFunc") for t, _ in nodes.values()),
+                      "before": sorted(nodes[k][0] for k in seen if "PyFunc" in nodes[k][0]),
+                      "gathers": len(gather)}))
+""")
+
+
+@pytest.mark.parametrize("capacity", [None, 4000], ids=["variable", "fixed-size"])
+def test_an_exchange_has_two_host_steps_and_none_before_the_allgather(capacity):
+    """On the ops backend (the path GPU tensors take) the step message is framed in TF ops on
+    the device: nothing the allgather waits for runs on the host; the decode's parse and stream
+    verdict are the exchange's only host steps."""
+    out = subprocess.run([sys.executable, "-c", _HOST_STEPS.replace("CAPACITY", repr(capacity))],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HOROVOD_SBC_KERNELS="0"))  # the GPU's path
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"pyfunc": 2, "before": [], "gathers": 1}, got

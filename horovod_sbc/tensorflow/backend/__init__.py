@@ -9,6 +9,9 @@ The contract (:class:`Backend`), the same for every implementation:
   the positions and values sent, whether ``A`` is finite, and the new residual ``A - sent``:
   computed, never committed (the caller commits after the verdict). The bytes are those of the
   numpy reference (:mod:`horovod_sbc.reference`, pinned by ``tests/golden``).
+* :meth:`Backend.frame` — this rank's step message (the step header with the body's CRC-32, or
+  the ERROR/SKIP step naming a non-finite tensor): on the device for the ops backend, on the
+  host for the CPU kernel backend.
 * :meth:`Backend.decode` — a gathered step (every rank's step message, in rank order): the host
   parses the headers and reaches the protocol's verdict (:mod:`horovod_sbc.protocol`; see
   :mod:`.host`), and only after it passed, ``scale`` x every rank's decoded tensor is added,
@@ -41,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from ... import config, reference, wire
-from . import codec, decoder, host, native
+from . import codec, decoder, frame, host, native
 from .codec import Encoded
 
 Layout = Sequence[Tuple[str, Sequence[int]]]
@@ -60,6 +63,14 @@ class Backend(abc.ABC):
         """One :class:`.codec.Encoded` per tensor, :attr:`~.codec.Encoded.new_residual` set.
         ``updates[i]`` None means ``A = residuals[i]``; ``seeds[i]``: the stateless seed of a
         random compressor's draws for tensor ``i`` (or ``seeds`` None)."""
+
+    @abc.abstractmethod
+    def frame(self, encoded: Sequence[Encoded], names: Sequence[str], numels: Sequence[int],
+              layout_crc: int, rank: int, skip: bool,
+              capacity: Optional[int]) -> Tuple[tf.Tensor, tf.Tensor]:
+        """``(step, padding)``: this rank's step message of ``encoded`` (uint8; with
+        ``capacity`` PADDED to exactly that many bytes), or the ERROR (``skip``: SKIP) step
+        naming the first tensor whose update is not finite; ``padding`` (int64) its zero bytes."""
 
     @abc.abstractmethod
     def decode(self, gathered: tf.Tensor, layout: Layout, n_ranks: int, *, scale: float = 1.0,
@@ -101,6 +112,13 @@ class OpsBackend(Backend):
             out.append(enc)
         return out
 
+    def frame(self, encoded, names, numels, layout_crc, rank, skip, capacity):
+        """On the device (:mod:`.frame`): no host round trip before the allgather."""
+        step, padding = frame.frame(numels, [e.header for e in encoded],
+                                    [e.body for e in encoded], layout_crc, capacity)
+        return frame.step_or_error(step, padding, [e.finite for e in encoded], names,
+                                   layout_crc, rank, skip, capacity)
+
     def decode(self, gathered, layout, n_ranks, *, scale=1.0, outs=None, out_dtypes=None,
                failed=False, strict=True):
         gathered, layout, numels, out_dtypes = _prepare(gathered, layout, outs, out_dtypes)
@@ -135,6 +153,11 @@ class KernelBackend(Backend):
             out.append(Encoded(header, body, pos, tf.fill(tf.shape(pos), value), finite,
                                int(new_res.shape[0]), new_residual=new_res))
         return out
+
+    def frame(self, encoded, names, numels, layout_crc, rank, skip, capacity):
+        """On the host (:func:`.host.frame`): on the CPU zlib's CRC-32 is far cheaper than
+        the device path's matrix products, and there is no device to wait for."""
+        return host.frame(encoded, names, numels, layout_crc, rank, skip, capacity)
 
     def decode(self, gathered, layout, n_ranks, *, scale=1.0, outs=None, out_dtypes=None,
                failed=False, strict=True):

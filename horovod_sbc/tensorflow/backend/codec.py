@@ -12,10 +12,9 @@ Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.re
   breakpoints precomputed in Python per tensor size, looked up with integer ops), the mean's
   float64 -> float32 rounding (round-to-nearest-even on the bit pattern, so a mean like 1e-40 of
   a float64 tensor survives: TensorFlow flushes subnormal floats to zero on CPU).
-* **on the host** — nothing while encoding a tensor. Framing a step message needs the CRC-32 of
-  the compressed body: :mod:`horovod_sbc.tensorflow.sync.exchange` does that in one small
-  ``tf.numpy_function`` on the compressed bytes only (kilobytes, never the O(numel) tensor).
-  Decoding parses headers on the host (also O(message bytes)); see :mod:`.host`.
+* **on the host** — nothing while encoding a tensor, nor while framing the step message
+  (:mod:`.frame`: the body's CRC-32 in TF ops). Decoding parses headers on the host (O(message
+  bytes)); see :mod:`.host`.
 
 Selection is the exact top-k with the reference's tie rule (ties at the k-th value go to the lower
 flat index) without a ``tf.math.top_k`` of the whole tensor: one pass computes the maximum and

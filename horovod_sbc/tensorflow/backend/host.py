@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from ... import protocol, wire
+from .codec import Encoded, header_bytes_host
 from .table import K_ALL_SIGNS, K_ALL_VALUES, K_BINARY, K_SIGNS, K_VALUES, N_COLS
 
 
@@ -147,3 +148,44 @@ def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool 
             [gathered, code, stats], tf.int32, stateful=True, name="sbc_verdict")
 
     return code, table, check
+
+
+def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
+               skip: bool, capacity: Optional[int], finite, headers, *bodies):
+    """The step message of this rank's tensors on the host (compressed bytes only) — each
+    tensor header from its five integers (:func:`.codec.header_bytes_host`) followed by its
+    body — or an ERROR/SKIP step message naming the first tensor whose update is not finite;
+    with ``capacity`` a PADDED step of exactly that many bytes. Returns (the step uint8, its
+    zero padding in bytes int64)."""
+    for name, ok in zip(names, np.asarray(finite).tolist()):
+        if not ok:
+            reason = f"the update of {name!r} contains NaN or Inf"
+            step = wire.error_step_message(reason, layout_crc, skip, rank, capacity)
+            pad = len(step) - len(step.rstrip(b"\0")) if capacity else 0
+            return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
+    body = b"".join(header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
+                    for n, h, b in zip(numels, np.asarray(headers).tolist(), bodies))
+    if capacity is None:
+        step, pad = wire.step_message_bytes(body, layout_crc, len(bodies)), 0
+    else:
+        step = wire.padded_step_message(body, layout_crc, len(bodies), capacity)
+        pad = capacity - wire.STEP_HEADER_SIZE - len(body)
+    return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
+
+
+def frame(encoded: Sequence[Encoded], names: Sequence[str], numels: Sequence[int],
+          layout_crc: int, rank: int, skip: bool,
+          capacity: Optional[int]) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`frame_host` as one ``tf.numpy_function`` on the compressed messages."""
+    heads = [e.header for e in encoded] or [tf.zeros([5], tf.int64)]
+    finite = [e.finite for e in encoded] or [tf.constant(True)]
+
+    def fn(fin, hs, *bs):
+        return frame_host(names, numels, layout_crc, rank, skip, capacity, fin, hs, *bs)
+
+    step, padding = tf.numpy_function(fn, [tf.stack(finite), tf.stack(heads),
+                                           *[e.body for e in encoded]],
+                                      [tf.uint8, tf.int64], stateful=True, name="sbc_frame")
+    step.set_shape([None] if capacity is None else [capacity])
+    padding.set_shape([])
+    return step, padding

@@ -6,12 +6,13 @@ One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.
    tensor message (:meth:`horovod_sbc.tensorflow.backend.Backend.encode`: TF ops, or one kernel
    op per float32 tensor of binary SBC on the CPU); the new residuals ``A - sent`` are computed
    but not committed.
-2. **frame (host, O(compressed bytes))** — one small ``tf.numpy_function`` gets the tensor
-   messages (kilobytes) and a finiteness flag per tensor and returns the step message: the
-   24-byte step header needs the CRC-32 of the body (:func:`horovod_sbc.wire.step_message_bytes`).
-   A non-finite update yields an ERROR (or SKIP) step message instead
+2. **frame (the backend)** — the step message of the tensor messages: the 24-byte step header
+   with the CRC-32 of the body (:meth:`horovod_sbc.tensorflow.backend.Backend.frame`, the bytes
+   of :func:`horovod_sbc.wire.step_message_bytes`), in TF ops on the tensors' device (the ops
+   backend, which GPU tensors take: nothing crosses to the host) or, with the CPU kernels, on
+   the host. A non-finite update yields an ERROR (or SKIP) step message instead
    (:func:`horovod_sbc.wire.error_step_message`), so the other ranks learn of it from the same
-   allgather instead of hanging. No O(numel) tensor ever crosses to the host.
+   allgather instead of hanging.
 3. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
    Horovod's background thread, blocks no TensorFlow thread).
 4. **decode (the backend)** — :meth:`horovod_sbc.tensorflow.backend.Backend.decode`: headers
@@ -32,7 +33,6 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 from ... import wire
@@ -75,29 +75,6 @@ def residual_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
-               skip: bool, capacity: Optional[int], finite, headers, *bodies):
-    """Step 2 (host, compressed bytes only): the step message of this rank's tensors — each
-    tensor header from its five integers (:func:`..backend.codec.header_bytes_host`)
-    followed by its body — or an ERROR/SKIP step message naming the first tensor whose update is
-    not finite; with ``capacity`` a PADDED step of exactly that many bytes. Returns (the step
-    uint8, its zero padding in bytes int64)."""
-    for name, ok in zip(names, np.asarray(finite).tolist()):
-        if not ok:
-            reason = f"the update of {name!r} contains NaN or Inf"
-            step = wire.error_step_message(reason, layout_crc, skip, rank, capacity)
-            pad = len(step) - len(step.rstrip(b"\0")) if capacity else 0
-            return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
-    body = b"".join(codec.header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
-                    for n, h, b in zip(numels, np.asarray(headers).tolist(), bodies))
-    if capacity is None:
-        step, pad = wire.step_message_bytes(body, layout_crc, len(bodies)), 0
-    else:
-        step = wire.padded_step_message(body, layout_crc, len(bodies), capacity)
-        pad = capacity - wire.STEP_HEADER_SIZE - len(body)
-    return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
-
-
 def outcome_of_error(e: BaseException):
     """Normalise a decoder error to ``("error"|"skip", rank, reason)`` or ``("invalid", text)``
     (TensorFlow wraps host-step exceptions inside ``tf.function``)."""
@@ -134,21 +111,11 @@ def exchange(backend: Backend, names: Sequence[str], shapes: Sequence[Tuple[int,
     # A = dW + R, encoded (not committed)
     encoded = backend.encode(names, updates, residuals, density=density, mode=mode,
                              selection=selection, seeds=seeds)
-    heads = [e.header for e in encoded]
-    bodies = [e.body for e in encoded]
+    heads = [e.header for e in encoded] or [tf.zeros([5], tf.int64)]
     finite = [e.finite for e in encoded]
     new_res = [tf.reshape(e.new_residual, tf.shape(r)) for e, r in zip(encoded, residuals)]
-    if not names:
-        heads, finite = [tf.zeros([5], tf.int64)], [tf.constant(True)]
-    all_finite = tf.reduce_all(tf.stack(finite))
-
-    def _frame(fin, hs, *bs):
-        return frame_host(names, numels, fp, rank, skip, capacity, fin, hs, *bs)
-
-    step, padding = tf.numpy_function(_frame, [tf.stack(finite), tf.stack(heads), *bodies],
-                                      [tf.uint8, tf.int64], stateful=True, name="sbc_frame")
-    step.set_shape([None] if capacity is None else [capacity])
-    padding.set_shape([])
+    all_finite = tf.reduce_all(tf.stack(finite + [tf.constant(True)]))
+    step, padding = backend.frame(encoded, names, numels, fp, rank, skip, capacity)
     gathered = allgather(step, tag)
     out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
     with tf.control_dependencies(on_gathered(step, gathered, padding) if on_gathered else []):

@@ -1,0 +1,117 @@
+"""Step messages in TensorFlow ops: the 24-byte step header (:mod:`horovod_sbc.wire`, "Step
+message") around a rank's tensor messages, or the ERROR/SKIP step that names its first
+non-finite tensor, built on the messages' device. The body's CRC-32 is two matrix products and a
+log-depth combination over GF(2) (:mod:`horovod_sbc.crc`), so no byte of the step crosses to the
+host before the allgather: Horovod can take the step as soon as it is computed.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from ... import crc, wire
+from .codec import _const_bytes, _header_bytes, _le32
+
+_MAX_BITS = 32  # body_length is a uint32: a body has fewer than 2**32 bytes
+_SHIFTS = np.arange(8, dtype=np.uint8)
+
+
+def _gf2(x: tf.Tensor) -> tf.Tensor:
+    return tf.math.floormod(x, 2.0)
+
+
+def crc32(data: tf.Tensor) -> tf.Tensor:
+    """zlib's CRC-32 of 1-D uint8 ``data`` (shorter than 2**32 bytes; its length may be known
+    only when the graph runs) as an int64 scalar, on ``data``'s device. Products of 0/1 values
+    summed below 2**24: exact in float32, also with TensorFloat-32 inputs."""
+    n = tf.size(data, out_type=tf.int64)
+    chunks = tf.maximum((n + crc.CHUNK - 1) // crc.CHUNK, 1)
+    x = tf.concat([tf.zeros(tf.reshape(chunks * crc.CHUNK - n, [1]), tf.uint8), data], 0)
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
+        tf.reshape(x, tf.stack([chunks, crc.CHUNK, 1])), _SHIFTS), 1)
+    bits = tf.reshape(tf.cast(bits, tf.float32), tf.stack([chunks, 8 * crc.CHUNK]))
+    part = _gf2(tf.matmul(bits, tf.constant(crc.chunk_table())))  # each chunk's own CRC
+    powers = tf.constant(crc.zero_powers(2 ** _MAX_BITS - 1))    # [32, 32, 32]: 2**k bytes
+    # pairs of neighbours: the left one's CRC moved past the right one, as often as needed
+    level_bytes = (crc.CHUNK - 1).bit_length()
+    for level in range(_MAX_BITS - level_bytes):
+        odd = tf.math.floormod(tf.shape(part, out_type=tf.int64)[0], 2)
+        part = tf.concat([tf.zeros(tf.stack([odd, 32]), tf.float32), part], 0)
+        pair = tf.reshape(part, [-1, 2, 32])
+        moved = tf.matmul(pair[:, 0], powers[level_bytes + level], transpose_b=True)
+        part = _gf2(moved + pair[:, 1])
+    linear = part[0]
+    # the affine part: the register 0xFFFFFFFF moved past n zero bytes, then inverted
+    reg = tf.ones([32, 1], tf.float32)
+    for k in range(_MAX_BITS):
+        moved = _gf2(tf.matmul(powers[k], reg))
+        reg = tf.where(tf.bitwise.bitwise_and(tf.bitwise.right_shift(n, k), 1) > 0, moved, reg)
+    out = _gf2(linear + 1.0 - reg[:, 0])
+    return tf.reduce_sum(tf.bitwise.left_shift(tf.cast(out, tf.int64),
+                                               tf.range(32, dtype=tf.int64)))
+
+
+def _step_header(flags: int, body_length, layout_crc: int, n_tensors: int, body_crc):
+    head = wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags, 0, 0, layout_crc,
+                                 n_tensors, 0)
+    return tf.concat([_const_bytes(head[:8]), _le32(body_length), _const_bytes(head[12:20]),
+                      _le32(body_crc)], 0)
+
+
+def frame(numels: Sequence[int], headers: Sequence[tf.Tensor], bodies: Sequence[tf.Tensor],
+          layout_crc: int, capacity: Optional[int]) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(the step message uint8, its zero padding in bytes int64) of the tensor messages: each
+    tensor header from its five integers (``[flags, rice_b, count, unary_nbytes,
+    value_bits]``, :func:`.codec.encode_parts`) followed by its body; with ``capacity`` a PADDED
+    step of exactly that many bytes."""
+    body = tf.concat([tf.zeros([0], tf.uint8)] + [
+        part for n, h, b in zip(numels, headers, bodies) for part in (_header_bytes(n, h), b)],
+        0)
+    n = tf.size(body, out_type=tf.int64)
+    if capacity is None:
+        return tf.concat([_step_header(0, n, layout_crc, len(bodies), crc32(body)), body],
+                         0), tf.constant(0, tf.int64)
+    pad = capacity - wire.STEP_HEADER_SIZE - n
+    check = tf.debugging.assert_positive(
+        pad, message=f"horovod_sbc: a step body exceeds its capacity of "
+                     f"{capacity - wire.STEP_HEADER_SIZE} bytes")
+    with tf.control_dependencies([check]):
+        body = tf.concat([body, tf.zeros(tf.reshape(pad, [1]), tf.uint8)], 0)
+    head = _step_header(wire.STEP_FLAG_PADDED, capacity - wire.STEP_HEADER_SIZE, layout_crc,
+                        len(bodies), crc32(body))
+    return tf.ensure_shape(tf.concat([head, body], 0), [capacity]), pad
+
+
+def error_steps(names: Sequence[str], layout_crc: int, rank: int, skip: bool,
+                capacity: Optional[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tensor, the ERROR (``skip``: SKIP) step naming it as non-finite, back to back:
+    ``(bytes uint8, start int64 [T + 1], zero padding int64 [T])``."""
+    msgs = [wire.error_step_message(f"the update of {name!r} contains NaN or Inf", layout_crc,
+                                    skip, rank, capacity) for name in names]
+    starts = np.cumsum([0] + [len(m) for m in msgs]).astype(np.int64)
+    pads = np.array([len(m) - len(m.rstrip(b"\0")) if capacity else 0 for m in msgs], np.int64)
+    return np.frombuffer(b"".join(msgs), np.uint8).copy(), starts, pads
+
+
+def step_or_error(step: tf.Tensor, padding: tf.Tensor, finite: Sequence[tf.Tensor],
+                  names: Sequence[str], layout_crc: int, rank: int, skip: bool,
+                  capacity: Optional[int]) -> Tuple[tf.Tensor, tf.Tensor]:
+    """``(step, padding)``, or, when an update is not finite, the ERROR/SKIP step naming the
+    first such tensor (:func:`error_steps`). Fixed-size steps are chosen among on the device;
+    others, whose lengths differ, by a ``tf.cond``."""
+    if not names:
+        return step, padding
+    raw, starts, pads = error_steps(names, layout_crc, rank, skip, capacity)
+    ok = tf.stack(finite)
+    first = tf.argmin(tf.cast(ok, tf.int32), output_type=tf.int64)  # the first False
+    all_ok = tf.reduce_all(ok)
+    table = tf.constant(raw)
+    begin, end = tf.gather(tf.constant(starts), first), tf.gather(tf.constant(starts), first + 1)
+    if capacity is not None:
+        err = tf.reshape(tf.gather(tf.reshape(table, [len(names), capacity]), first), [capacity])
+        return (tf.where(all_ok, step, err),
+                tf.where(all_ok, padding, tf.gather(tf.constant(pads), first)))
+    return tf.cond(all_ok, lambda: (step, padding),
+                   lambda: (table[begin:end], tf.gather(tf.constant(pads), first)))
