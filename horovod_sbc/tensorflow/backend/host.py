@@ -1,5 +1,7 @@
 """The host half of every TensorFlow decode: the parse of a gathered step and the verdict on its
-streams, in exact Python integers (:mod:`horovod_sbc.protocol`), run by ``tf.numpy_function``.
+streams, in exact Python integers (:mod:`horovod_sbc.protocol`), run by ``tf.numpy_function``;
+and the CPU kernel backend's step framing (:func:`frame`; the ops backend frames on the device,
+:mod:`.frame`).
 
 Both backends decode in four pieces, the same eagerly and inside ``tf.function``:
 
