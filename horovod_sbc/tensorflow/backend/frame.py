@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from ... import crc, wire
 from .codec import _const_bytes, _header_bytes, _le32
+from .host import nonfinite_step
 
 _MAX_BITS = 32  # body_length is a uint32: a body has fewer than 2**32 bytes
 _SHIFTS = np.arange(8, dtype=np.uint8)
@@ -88,10 +89,10 @@ def error_steps(names: Sequence[str], layout_crc: int, rank: int, skip: bool,
                 capacity: Optional[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per tensor, the ERROR (``skip``: SKIP) step naming it as non-finite, back to back:
     ``(bytes uint8, start int64 [T + 1], zero padding int64 [T])``."""
-    msgs = [wire.error_step_message(f"the update of {name!r} contains NaN or Inf", layout_crc,
-                                    skip, rank, capacity) for name in names]
+    msgs, pads = zip(*(nonfinite_step(name, layout_crc, rank, skip, capacity)
+                       for name in names))
     starts = np.cumsum([0] + [len(m) for m in msgs]).astype(np.int64)
-    pads = np.array([len(m) - len(m.rstrip(b"\0")) if capacity else 0 for m in msgs], np.int64)
+    pads = np.array(pads, np.int64)
     return np.frombuffer(b"".join(msgs), np.uint8).copy(), starts, pads
 
 
@@ -107,11 +108,10 @@ def step_or_error(step: tf.Tensor, padding: tf.Tensor, finite: Sequence[tf.Tenso
     ok = tf.stack(finite)
     first = tf.argmin(tf.cast(ok, tf.int32), output_type=tf.int64)  # the first False
     all_ok = tf.reduce_all(ok)
-    table = tf.constant(raw)
-    begin, end = tf.gather(tf.constant(starts), first), tf.gather(tf.constant(starts), first + 1)
-    if capacity is not None:
-        err = tf.reshape(tf.gather(tf.reshape(table, [len(names), capacity]), first), [capacity])
-        return (tf.where(all_ok, step, err),
-                tf.where(all_ok, padding, tf.gather(tf.constant(pads), first)))
+    err_pad = tf.gather(tf.constant(pads), first)
+    if capacity is not None:  # every error step is `capacity` bytes too
+        err = tf.gather(tf.reshape(tf.constant(raw), [len(names), capacity]), first)
+        return tf.where(all_ok, step, err), tf.where(all_ok, padding, err_pad)
+    begin, end = tf.gather(starts, first), tf.gather(starts, first + 1)
     return tf.cond(all_ok, lambda: (step, padding),
-                   lambda: (table[begin:end], tf.gather(tf.constant(pads), first)))
+                   lambda: (tf.constant(raw)[begin:end], err_pad))

@@ -152,6 +152,15 @@ def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool 
     return code, table, check
 
 
+def nonfinite_step(name: str, layout_crc: int, rank: int, skip: bool,
+                   capacity: Optional[int]) -> Tuple[bytes, int]:
+    """The ERROR (``skip``: SKIP) step message naming ``name`` as not finite, and its zero
+    padding in bytes (0 without ``capacity``: a reason holds no zero byte)."""
+    step = wire.error_step_message(f"the update of {name!r} contains NaN or Inf", layout_crc,
+                                   skip, rank, capacity)
+    return step, (len(step) - len(step.rstrip(b"\0")) if capacity else 0)
+
+
 def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, rank: int,
                skip: bool, capacity: Optional[int], finite, headers, *bodies):
     """The step message of this rank's tensors on the host (compressed bytes only) — each
@@ -161,9 +170,7 @@ def frame_host(names: Sequence[str], numels: Sequence[int], layout_crc: int, ran
     zero padding in bytes int64)."""
     for name, ok in zip(names, np.asarray(finite).tolist()):
         if not ok:
-            reason = f"the update of {name!r} contains NaN or Inf"
-            step = wire.error_step_message(reason, layout_crc, skip, rank, capacity)
-            pad = len(step) - len(step.rstrip(b"\0")) if capacity else 0
+            step, pad = nonfinite_step(name, layout_crc, rank, skip, capacity)
             return np.frombuffer(step, np.uint8).copy(), np.int64(pad)
     body = b"".join(header_bytes_host(n, h) + np.asarray(b, np.uint8).tobytes()
                     for n, h, b in zip(numels, np.asarray(headers).tolist(), bodies))
