@@ -66,11 +66,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def frame(self, encoded: Sequence[Encoded], names: Sequence[str], numels: Sequence[int],
-              layout_crc: int, rank: int, skip: bool,
-              capacity: Optional[int]) -> Tuple[tf.Tensor, tf.Tensor]:
+              layout_crc: int, rank: int, skip: bool, capacity: Optional[int],
+              max_bytes: int) -> Tuple[tf.Tensor, tf.Tensor]:
         """``(step, padding)``: this rank's step message of ``encoded`` (uint8; with
         ``capacity`` PADDED to exactly that many bytes), or the ERROR (``skip``: SKIP) step
-        naming the first tensor whose update is not finite; ``padding`` (int64) its zero bytes."""
+        naming the first tensor whose update is not finite; ``padding`` (int64) its zero bytes.
+        ``max_bytes``: a bound on the step's length (:func:`.frame.step_bound`)."""
 
     @abc.abstractmethod
     def decode(self, gathered: tf.Tensor, layout: Layout, n_ranks: int, *, scale: float = 1.0,
@@ -112,10 +113,10 @@ class OpsBackend(Backend):
             out.append(enc)
         return out
 
-    def frame(self, encoded, names, numels, layout_crc, rank, skip, capacity):
+    def frame(self, encoded, names, numels, layout_crc, rank, skip, capacity, max_bytes):
         """On the device (:mod:`.frame`): no host round trip before the allgather."""
         step, padding = frame.frame(numels, [e.header for e in encoded],
-                                    [e.body for e in encoded], layout_crc, capacity)
+                                    [e.body for e in encoded], layout_crc, capacity, max_bytes)
         return frame.step_or_error(step, padding, [e.finite for e in encoded], names,
                                    layout_crc, rank, skip, capacity)
 
@@ -154,7 +155,7 @@ class KernelBackend(Backend):
                                int(new_res.shape[0]), new_residual=new_res))
         return out
 
-    def frame(self, encoded, names, numels, layout_crc, rank, skip, capacity):
+    def frame(self, encoded, names, numels, layout_crc, rank, skip, capacity, max_bytes):
         """On the host (:func:`.host.frame`): on the CPU zlib's CRC-32 is far cheaper than
         the device path's matrix products, and there is no device to wait for."""
         return host.frame(encoded, names, numels, layout_crc, rank, skip, capacity)

@@ -6,16 +6,16 @@ host before the allgather: Horovod can take the step as soon as it is computed.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from ... import crc, wire
+from ... import crc, reference, wire
 from .codec import _const_bytes, _header_bytes, _le32
 from .host import nonfinite_step
 
-_MAX_BITS = 32  # body_length is a uint32: a body has fewer than 2**32 bytes
 _SHIFTS = np.arange(8, dtype=np.uint8)
 
 
@@ -23,10 +23,28 @@ def _gf2(x: tf.Tensor) -> tf.Tensor:
     return tf.math.floormod(x, 2.0)
 
 
-def crc32(data: tf.Tensor) -> tf.Tensor:
-    """zlib's CRC-32 of 1-D uint8 ``data`` (shorter than 2**32 bytes; its length may be known
-    only when the graph runs) as an int64 scalar, on ``data``'s device. Products of 0/1 values
-    summed below 2**24: exact in float32, also with TensorFloat-32 inputs."""
+def _zero_crc(n: tf.Tensor, n_bits: int) -> tf.Tensor:
+    """float32 [32]: the bits of the CRC-32 of ``n`` zero bytes (``n < 2**n_bits``): the
+    register 0xFFFFFFFF moved past them, then inverted. The moves by each power of two that
+    ``n`` holds are multiplied together in a tree (log2(n_bits) batched products)."""
+    powers = crc.zero_powers(2 ** n_bits - 1)
+    size = 1 << (len(powers) - 1).bit_length()  # the tree's leaves: a power of two
+    have = tf.bitwise.bitwise_and(tf.bitwise.right_shift(n, tf.range(len(powers),
+                                                                      dtype=tf.int64)), 1) > 0
+    mats = tf.where(have[:, None, None], tf.constant(powers), tf.eye(32, batch_shape=[1]))
+    mats = tf.concat([mats, tf.eye(32, batch_shape=[size - len(powers)])], 0)
+    while size > 1:
+        size //= 2
+        pair = tf.reshape(mats, [size, 2, 32, 32])
+        mats = _gf2(tf.matmul(pair[:, 0], pair[:, 1]))
+    return 1.0 - _gf2(tf.reduce_sum(mats[0], 1))  # the register is all ones: row sums
+
+
+def crc32(data: tf.Tensor, max_bytes: int = 2 ** 32 - 1) -> tf.Tensor:
+    """zlib's CRC-32 of 1-D uint8 ``data`` (at most ``max_bytes`` bytes; its length may be
+    known only when the graph runs) as an int64 scalar, on ``data``'s device. Products of 0/1
+    values summed below 2**24: exact in float32, also with TensorFloat-32 inputs. The number of
+    ops grows with log2(``max_bytes``)."""
     n = tf.size(data, out_type=tf.int64)
     chunks = tf.maximum((n + crc.CHUNK - 1) // crc.CHUNK, 1)
     x = tf.concat([tf.zeros(tf.reshape(chunks * crc.CHUNK - n, [1]), tf.uint8), data], 0)
@@ -34,22 +52,17 @@ def crc32(data: tf.Tensor) -> tf.Tensor:
         tf.reshape(x, tf.stack([chunks, crc.CHUNK, 1])), _SHIFTS), 1)
     bits = tf.reshape(tf.cast(bits, tf.float32), tf.stack([chunks, 8 * crc.CHUNK]))
     part = _gf2(tf.matmul(bits, tf.constant(crc.chunk_table())))  # each chunk's own CRC
-    powers = tf.constant(crc.zero_powers(2 ** _MAX_BITS - 1))    # [32, 32, 32]: 2**k bytes
-    # pairs of neighbours: the left one's CRC moved past the right one, as often as needed
+    levels = (max(1, -(-int(max_bytes) // crc.CHUNK)) - 1).bit_length()
     level_bytes = (crc.CHUNK - 1).bit_length()
-    for level in range(_MAX_BITS - level_bytes):
+    n_bits = max(1, int(max_bytes).bit_length(), level_bytes + levels)
+    shifts = tf.constant(crc.zero_powers(2 ** n_bits - 1)[level_bytes:])  # 2**l chunks
+    # pairs of neighbours: the left one's CRC moved past the right one, until one is left
+    for level in range(levels):
         odd = tf.math.floormod(tf.shape(part, out_type=tf.int64)[0], 2)
         part = tf.concat([tf.zeros(tf.stack([odd, 32]), tf.float32), part], 0)
         pair = tf.reshape(part, [-1, 2, 32])
-        moved = tf.matmul(pair[:, 0], powers[level_bytes + level], transpose_b=True)
-        part = _gf2(moved + pair[:, 1])
-    linear = part[0]
-    # the affine part: the register 0xFFFFFFFF moved past n zero bytes, then inverted
-    reg = tf.ones([32, 1], tf.float32)
-    for k in range(_MAX_BITS):
-        moved = _gf2(tf.matmul(powers[k], reg))
-        reg = tf.where(tf.bitwise.bitwise_and(tf.bitwise.right_shift(n, k), 1) > 0, moved, reg)
-    out = _gf2(linear + 1.0 - reg[:, 0])
+        part = _gf2(tf.matmul(pair[:, 0], shifts[level], transpose_b=True) + pair[:, 1])
+    out = _gf2(part[0] + _zero_crc(n, n_bits))
     return tf.reduce_sum(tf.bitwise.left_shift(tf.cast(out, tf.int64),
                                                tf.range(32, dtype=tf.int64)))
 
@@ -61,19 +74,28 @@ def _step_header(flags: int, body_length, layout_crc: int, n_tensors: int, body_
                       _le32(body_crc)], 0)
 
 
+@functools.lru_cache(maxsize=256)
+def step_bound(numels: Tuple[int, ...], density: float, mode: str) -> int:
+    """The most bytes a step message of this layout can take (its fixed-size capacity,
+    :func:`horovod_sbc.reference.step_capacity`): it sizes the CRC's combination."""
+    return reference.step_capacity(numels, density, mode)
+
+
 def frame(numels: Sequence[int], headers: Sequence[tf.Tensor], bodies: Sequence[tf.Tensor],
-          layout_crc: int, capacity: Optional[int]) -> Tuple[tf.Tensor, tf.Tensor]:
+          layout_crc: int, capacity: Optional[int],
+          max_bytes: int = 2 ** 32 - 1) -> Tuple[tf.Tensor, tf.Tensor]:
     """(the step message uint8, its zero padding in bytes int64) of the tensor messages: each
     tensor header from its five integers (``[flags, rice_b, count, unary_nbytes,
     value_bits]``, :func:`.codec.encode_parts`) followed by its body; with ``capacity`` a PADDED
-    step of exactly that many bytes."""
+    step of exactly that many bytes. ``max_bytes``: a bound on the step message's length
+    (:func:`step_bound`; the fewer, the fewer ops)."""
     body = tf.concat([tf.zeros([0], tf.uint8)] + [
         part for n, h, b in zip(numels, headers, bodies) for part in (_header_bytes(n, h), b)],
         0)
     n = tf.size(body, out_type=tf.int64)
     if capacity is None:
-        return tf.concat([_step_header(0, n, layout_crc, len(bodies), crc32(body)), body],
-                         0), tf.constant(0, tf.int64)
+        return tf.concat([_step_header(0, n, layout_crc, len(bodies), crc32(body, max_bytes)),
+                          body], 0), tf.constant(0, tf.int64)
     pad = capacity - wire.STEP_HEADER_SIZE - n
     check = tf.debugging.assert_positive(
         pad, message=f"horovod_sbc: a step body exceeds its capacity of "
@@ -81,7 +103,7 @@ def frame(numels: Sequence[int], headers: Sequence[tf.Tensor], bodies: Sequence[
     with tf.control_dependencies([check]):
         body = tf.concat([body, tf.zeros(tf.reshape(pad, [1]), tf.uint8)], 0)
     head = _step_header(wire.STEP_FLAG_PADDED, capacity - wire.STEP_HEADER_SIZE, layout_crc,
-                        len(bodies), crc32(body))
+                        len(bodies), crc32(body, capacity - wire.STEP_HEADER_SIZE))
     return tf.ensure_shape(tf.concat([head, body], 0), [capacity]), pad
 
 

@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 import tensorflow as tf
 
 from ... import wire
-from ..backend import Backend, codec, host
+from ..backend import Backend, codec, frame, host
 # what a decode tells the caller to do with the residuals
 from ..backend.host import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
 
@@ -115,7 +115,8 @@ def exchange(backend: Backend, names: Sequence[str], shapes: Sequence[Tuple[int,
     finite = [e.finite for e in encoded]
     new_res = [tf.reshape(e.new_residual, tf.shape(r)) for e, r in zip(encoded, residuals)]
     all_finite = tf.reduce_all(tf.stack(finite + [tf.constant(True)]))
-    step, padding = backend.frame(encoded, names, numels, fp, rank, skip, capacity)
+    bound = capacity or frame.step_bound(tuple(numels), density, codec.normalize_mode(mode))
+    step, padding = backend.frame(encoded, names, numels, fp, rank, skip, capacity, bound)
     gathered = allgather(step, tag)
     out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
     with tf.control_dependencies(on_gathered(step, gathered, padding) if on_gathered else []):
