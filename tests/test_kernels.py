@@ -369,6 +369,49 @@ def test_large_multirank_decode_matches_numpy_across_chunks():
             assert t.numpy().tobytes() == r.tobytes() == o.numpy().tobytes()
 
 
+_MANY_TENSORS = textwrap.dedent("""
+    import numpy as np, torch
+    from horovod_sbc import kernels, wire
+    from horovod_sbc.torch import backend as tb
+    from horovod_sbc.torch.backend import Targets, frame
+    layout = [(f"t{i}", (1000,)) for i in range(300)]
+    fp = wire.layout_fingerprint(layout)
+    steps = []
+    for r in range(3):
+        g = torch.Generator().manual_seed(r)
+        steps.append(frame.frame([tb.compress_(torch.randn(1000, generator=g), 0.05, "sbc", n)[0]
+                                  for n, _ in layout], fp, torch.device("cpu")))
+    buf = torch.cat(steps)
+
+    def run(backend):
+        g = torch.Generator().manual_seed(9)
+        w = [torch.randn(1000, generator=g) for _ in layout]
+        ref = [torch.randn(1000, generator=g) for _ in layout]
+        m = [torch.randn(1000, generator=g) for _ in layout]
+        s = [torch.empty(1000) for _ in layout]
+        backend.decode(buf, layout, 3, Targets.add(ref, w), 1 / 3)  # weights beside W_ref
+        backend.decode(buf, layout, 3, Targets.replace(s, masks=m), 1 / 3)  # momentum masks
+        return [x.numpy().tobytes() for x in w + ref + m + s]
+    got = run(tb.KernelBackend())
+    want = run(tb.OpsBackend())
+    assert got == want, [i for i, (a, b) in enumerate(zip(got, want)) if a != b][:5]
+    print("ok")
+""")
+
+
+def test_a_decode_into_hundreds_of_tensors_keeps_the_heap_intact():
+    """300 tensors (the drop-in's ResNet-50 sync has 161): the scatter kernel's per-tensor
+    address arrays of second outputs and momentum masks (8 bytes a tensor, past numpy's
+    small-buffer cache from 128 tensors on) must live through the kernel call. A freed one was
+    read as heap pointers and written through: a crash ("corrupted double-linked list") or
+    silently wrong sums. Run in a fresh process, so that a crash fails this test alone; the
+    sums are compared with the tensor-op backend's, byte for byte."""
+    res = subprocess.run([sys.executable, "-c", _MANY_TENSORS], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.split()[-1:] == ["ok"], \
+        (res.returncode, res.stderr[-2000:])
+
+
 def test_zero_out_replaces_and_accumulate_adds():
     layout = [("a", (100_000,)), ("b", (5,))]
     buf = _big_step(3, 3, layout, 0.02)

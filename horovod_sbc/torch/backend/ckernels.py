@@ -448,14 +448,17 @@ def _scatter_groups(ks: _KernelStreams, flat, groups, job: DecodeJob, seconds) -
         bufs.append(buf.data_ptr() if ok else 0)
     kalso = [0 if seconds[i] is None else seconds[i].data_ptr() for i, _ in groups]
     n = len(groups)
+    # the address arrays are named so that they outlive the kernel call: a temporary's
+    # ``.ctypes.data`` is a bare integer, and its buffer is freed (and reused) before the call
+    bufs_a, also_a = np.array(bufs, np.int64), np.array(kalso, np.int64)
     if any(bufs):
         rc = lib.sbc_scatter_add_mask_groups(n, g.ctypes.data, addr.ctypes.data,
-                                             np.array(bufs, np.int64).ctypes.data,
+                                             bufs_a.ctypes.data,
                                              numel.ctypes.data, off.ctypes.data,
                                              cnt.ctypes.data, val.ctypes.data, int(zeroed))
     elif any(kalso):  # (a second output comes without fresh outputs)
         rc = lib.sbc_scatter_add_also_groups(n, g.ctypes.data, addr.ctypes.data,
-                                             np.array(kalso, np.int64).ctypes.data,
+                                             also_a.ctypes.data,
                                              numel.ctypes.data, off.ctypes.data,
                                              cnt.ctypes.data, val.ctypes.data)
     else:
