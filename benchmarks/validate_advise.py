@@ -22,7 +22,10 @@
    advise's encode + decode of N); the median over ranks of each figure is the model's input.
    ``--codec-regime alone`` measures it in this one process instead (the earlier validations;
    on 2 cores it under-states the codec at 4 and 8 ranks by the ranks' sharing of the cores).
-   Both are kept in the JSON. Open MPI's allreduce is forced to the ring at N > 2 and to
+   Both are kept in the JSON. The drop-in's sync work outside the codec (advise's
+   ``sync_overhead_s``) is timed in this process and multiplied by the ranks' median CPU share:
+   timed on all ranks at once it would be the difference of two contended figures. Open MPI's
+   allreduce is forced to the ring at N > 2 and to
    recursive doubling at N = 2 (``--ompi-allreduce auto``, see there).
 4. The table gives predicted, measured and the error (predicted / measured - 1); the JSON keeps
    the benchmark's runs, the codec figures and every prediction.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -127,7 +131,7 @@ def codec_worker(sizes: List[int], density: float, reps: int, batch: int = 32,
     rank, size = comm.Get_rank(), comm.Get_size()
     layout = mlp_layout(sizes)
     comm.Barrier()
-    cost = ad.measure_codec(layout, density, reps=reps)
+    cost = ad.measure_codec(layout, density, reps=reps, sync_overhead=False)  # see main
     enc = ad._encoder(layout, density, 100 + rank)
     gathered = torch.cat([ad._encoder(layout, density, 200 + r)() for r in range(size)])
     outs = [torch.zeros(ad._numel(s)) for _, s in layout]
@@ -378,11 +382,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     res["codec_alone"], res["codec_in_job"] = asdict(alone), in_job
     if args.compute_regime == "job":
         res["compute_in_job_s"] = in_job["compute_s"]
+    # the drop-in's sync work outside the codec, timed in this process (timed on all ranks at
+    # once it is a difference of two contended figures), times the ranks' median CPU share
+    in_job["median"]["sync_overhead_s"] = alone.sync_overhead_s * statistics.median(
+        in_job["cpu_share"])
     codec = ad.CodecCost(**in_job["median"]) if args.codec_regime == "job" else alone
     res["codec"] = asdict(codec)
     for name, c in (("alone", alone), ("in job", ad.CodecCost(**in_job["median"]))):
         print(f"codec {name:<6}: encode {1e3 * c.encode_s:.2f} ms, decode of {args.workers} "
-              f"{1e3 * c.decode_s(args.workers):.2f} ms")
+              f"{1e3 * c.decode_s(args.workers):.2f} ms, other sync work "
+              f"{1e3 * c.sync_overhead_s:.2f} ms")
     print("CPU share per rank (sync wall time with all ranks at once / alone): "
           + ", ".join(f"{x:.2f}" for x in in_job["cpu_share"]))
     rows = all_rows(res, codec, args.latency)

@@ -119,6 +119,9 @@ class CodecCost:
     encode_per_element_s: float = 0.0
     decode_per_tensor_s: float = 0.0
     decode_per_position_s: float = 0.0
+    # the drop-in optimizer's sync work outside the codec: W - W_ref, the average added to the
+    # reference, the weights and the reference renewed (passes over every element, once per sync)
+    sync_overhead_s: float = 0.0
 
     def decode_s(self, n_messages: int) -> float:
         return self.decode_fixed_s + n_messages * self.decode_per_message_s
@@ -172,6 +175,42 @@ def _time_decode(layout: Layout, steps, reps: int) -> float:
                                            1.0 / len(steps)), reps)
 
 
+class _OneRank:
+    """A transport for one process: the world is this rank alone, the allgather returns its
+    own step message (the drop-in's whole sync runs, without a collective)."""
+
+    def world(self) -> Tuple[int, int]:
+        return 1, 0
+
+    def allgather(self, step, tag: str):
+        return step
+
+
+def _time_sync_overhead(layout: Layout, density: float, reps: int, codec_s: float) -> float:
+    """The drop-in :func:`horovod_sbc.torch.DistributedOptimizer`'s step on one rank (SGD with
+    momentum, a sync every step, one-rank transport) less the plain SGD step and ``codec_s``
+    (encode + decode of one message, measured apart): what a sync costs beyond the codec."""
+    import torch
+    import horovod_sbc.torch as sbc
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.zeros(s)) for _, s in layout]
+    grads = [torch.randn(s, generator=g) for _, s in layout]
+    base = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    comp = sbc.SBC(density, delay=1)
+    comp.transport = _OneRank()
+    drop_in = sbc.DistributedOptimizer(base, [(n, p) for (n, _), p in zip(layout, params)],
+                                       compression=comp)
+
+    def stepper(opt):
+        def step():
+            for p, x in zip(params, grads):
+                p.grad = x
+            opt.step()
+        return step
+    t_sync, t_base = min_time(stepper(drop_in), reps), min_time(stepper(base), reps)
+    return max(0.0, t_sync - t_base - codec_s)
+
+
 def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[float, float, int]:
     """Server: (encode s, decode s, bits) of the downlink for an average of ``layout``: dense
     fp32 values (``density`` None, the package's default) or top-k with values."""
@@ -193,10 +232,11 @@ def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[floa
 
 
 def measure_codec(layout: Layout, density: float, downlink_density: Optional[float] = None,
-                  reps: int = 3, decode_ranks: int = 4) -> CodecCost:
+                  reps: int = 3, decode_ranks: int = 4, sync_overhead: bool = True) -> CodecCost:
     """Encode one sync, decode 1 and ``decode_ranks`` ranks' messages (the difference gives the
     cost per message), on this machine with the torch codec as configured (C kernels on the CPU
-    unless HOROVOD_SBC_KERNELS=0)."""
+    unless HOROVOD_SBC_KERNELS=0); with ``sync_overhead`` also the drop-in's sync work outside
+    the codec (:func:`_time_sync_overhead`; else 0)."""
     enc = _encoder(layout, density, 0)
     t_enc = min_time(enc, reps)
     steps = [_encoder(layout, density, 100 + r)() for r in range(decode_ranks)]
@@ -207,6 +247,8 @@ def measure_codec(layout: Layout, density: float, downlink_density: Optional[flo
     cost = CodecCost(sum(_numel(s) for _, s in layout), len(layout), density, t_enc,
                      max(0.0, t1 - per_msg), per_msg, 8 * int(steps[0].numel()),
                      d_enc, d_dec, d_bits)
+    if sync_overhead:
+        cost.sync_overhead_s = _time_sync_overhead(layout, density, reps, t_enc + t1)
     return _split_per_tensor(cost, density, reps)
 
 
@@ -281,15 +323,17 @@ def dense_step(c: CodecCost, n: int, net: Net) -> Cost:
 
 def sbc_allgather_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
     """Encode, allgather of every rank's message, decode all n (the package decodes its own
-    too, so every rank adds the same values in the same order); once per ``delay`` steps."""
-    work = Cost(0.0, c.encode_s + c.decode_s(n))
+    too, so every rank adds the same values in the same order), the drop-in's passes outside
+    the codec; once per ``delay`` steps."""
+    work = Cost(0.0, c.encode_s + c.decode_s(n) + c.sync_overhead_s)
     return (work + ring_allgather(c.message_bits, n, net.latency_s)).scaled(1 / delay)
 
 
 def sbc_server_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
     """Rank 0 gathers n-1 messages over its one link, decodes n, re-encodes the average and
     broadcasts it; every rank decodes that one message."""
-    work = Cost(0.0, c.encode_s + c.decode_s(n) + c.downlink_encode_s + c.downlink_decode_s)
+    work = Cost(0.0, c.encode_s + c.decode_s(n) + c.downlink_encode_s + c.downlink_decode_s
+                + c.sync_overhead_s)
     gather = Cost((n - 1) * c.message_bits, net.latency_s)
     return (work + gather + broadcast(c.downlink_bits, n, net.latency_s)).scaled(1 / delay)
 
@@ -447,7 +491,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(dense {cost.dense_bits / 8e6:.1f} MB)")
     print(f"codec here ({args.threads} thread): encode {1e3 * cost.encode_s:.2f} ms per sync, "
           f"decode {1e3 * cost.decode_fixed_s:.2f} ms + {1e3 * cost.decode_per_message_s:.3f} ms "
-          f"per rank's message")
+          f"per rank's message, the drop-in's other sync work {1e3 * cost.sync_overhead_s:.2f} ms")
     print(f"link {args.bandwidth / 1e9:g} Gbit/s, latency {1e6 * args.latency:g} us; compute "
           f"{args.compute_ms:g} ms; hierarchical: {args.gpus_per_node} ranks per node at "
           f"{args.intra_bandwidth / 1e9:g} Gbit/s\n")

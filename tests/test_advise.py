@@ -56,6 +56,11 @@ def test_sbc_allgather_against_dense_and_crossover():
     assert sbc.at(0.5 * x) < dense.at(0.5 * x) and sbc.at(2 * x) > dense.at(2 * x)
     # a sync every 4 steps: a quarter of everything per step
     assert close(ad.sbc_allgather_step(c, 4, net, delay=4), 48_000, 0.004)
+    # the drop-in's sync work outside the codec is added once per sync, whatever N
+    busy = codec(sync_overhead_s=0.003)
+    assert close(ad.sbc_allgather_step(busy, 4, net), 192_000, 0.019)
+    assert close(ad.sbc_allgather_step(busy, 16, net, delay=2), 15 * 64_000 / 2,
+                 (0.010 + 0.002 + 16 * 0.001 + 0.003) / 2)
 
 
 def test_crossover_sides():
@@ -72,6 +77,8 @@ def test_server_and_hierarchical():
     # gather 3 x 64 kbit + 1 latency; broadcast 2 * 3/4 * 32 Mbit + (2 + 3) latencies;
     # encode 10 + decode (2 + 4 x 1) + downlink encode 3 + decode 4 ms
     assert close(srv, 3 * 64_000 + 48e6, 0.023 + 1e-3 + 5e-3)
+    assert close(ad.sbc_server_step(codec(sync_overhead_s=0.003), 4, net), 3 * 64_000 + 48e6,
+                 0.026 + 1e-3 + 5e-3)
     hier = ad.hierarchical_step(c, 16, 8, net)  # 2 nodes of 8
     intra = 2 * 7 / 8 * 32e6 / 1e11 + 14 * 1e-6
     assert close(hier, 64_000, intra + 0.010 + 0.002 + 2 * 0.001 + 1e-3)
@@ -128,6 +135,29 @@ def test_measure_codec_accounts_real_messages():
     assert c.encode_s > 0 and c.decode_s(8) >= c.decode_s(2) > 0
     assert c.encode_per_tensor_s * c.tensors + c.encode_per_element_s * c.numel == \
         pytest.approx(c.encode_s)
+    assert c.sync_overhead_s >= 0
+    assert ad.measure_codec(layout, 0.01, reps=1, decode_ranks=2,
+                            sync_overhead=False).sync_overhead_s == 0
+
+
+def test_the_sync_overhead_runs_the_drop_in_through_a_one_rank_transport(monkeypatch):
+    """The drop-in's whole step is timed with the one-rank transport (its step message handed
+    back, decoded and added: the shared weights move), beside the plain SGD step."""
+    import horovod_sbc.torch as sbc
+    seen = []
+    real = sbc.DistributedOptimizer
+
+    def spy(*a, **kw):
+        opt = real(*a, **kw)
+        seen.append(opt)
+        return opt
+    monkeypatch.setattr(sbc, "DistributedOptimizer", spy)
+    layout = [("a", (3000,)), ("b", (50,))]
+    assert ad._time_sync_overhead(layout, 0.01, reps=2, codec_s=0.0) > 0
+    (opt,) = seen
+    st = opt._sbc.stats()
+    assert st["syncs"] >= 3 and st["positions_sent"] > 0 and st["upstream_bits"] > 0
+    assert any(float(r.abs().sum()) > 0 for r in opt._sbc.manager.reference.values())
 
 
 def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
