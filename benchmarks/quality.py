@@ -135,6 +135,10 @@ SCREEN: Dict[str, List[tuple]] = {
         # third round: SparseLoCo's decayed residual bounds how far a rank's weights drift
         (_s("sbc", 0.01, 1, outer=DECAY), S0),
         (_s("sbc", 0.01, 1, local_residual=False), S12),
+        # fourth round: the shared residual with a delay (fewer open-loop steps) or an outer
+        # Nesterov step
+        (_s("sbc", 0.01, 2, local_residual=False), S0),
+        (_s("sbc", 0.01, 1, outer=MILD, local_residual=False), S0),
     ],
     "skewed": [(b, S0) for b in BASELINES] + [
         (BASELINES[2], S12),
@@ -149,6 +153,7 @@ SCREEN: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 1, outer=DECAY), S0),
         (_s("sbc", 0.01, 1, outer=["error_decay", 0.5, 1.0]), S0),
         (_s("sbc", 0.01, 1, local_residual=False), S12),  # the best drop-in here: 3 seeds
+        (_s("sbc", 0.01, 1, outer=MILD, local_residual=False), S0),
     ],
     "lm_docs": [(b, S0) for b in BASELINES] + [
         (_s("fedavg", 1.0, 4), S0),
