@@ -3,6 +3,8 @@
     python -m benchmarks.bench_hier design [--json benchmarks/results/hier_design.json]
     python -m benchmarks.bench_hier train  [--seeds 0 1 2] [--steps 500]
                                            [--json benchmarks/results/hier_train.json]
+    python -m benchmarks.bench_hier net    [--bandwidth 100mbit --bandwidth 1gbit]
+                                           [--json benchmarks/results/hier_net.json]  (root)
 
 ``design`` — the two ways to compress between nodes, measured with the real codec in one
 process (no job needed: sizes and codec times do not depend on who runs them), on a node's
@@ -26,6 +28,13 @@ in the weights, the node's residual travels too).
 flat SBC and hierarchical SBC (both the drop-in, p = 0.01, ``--delay`` (1), SGD lr 0.05 momentum 0.9,
 batch 64 per rank, the task's 500 steps): test accuracy of the shared weights, upstream bits
 per node, messages decoded per rank per sync, seconds per step on this machine.
+
+``net`` — step time on a two-level network (benchmarks/bench_net.py's namespace testbed with
+``ranks_per_node``): 4 ranks as 2 nodes of 2, each node one network namespace (its two ranks
+talk over the kernel's local path, unshaped) and one ``tc``-shaped veth between the nodes, the
+2.1M-parameter MLP of ``bench net --quick``: dense allreduce, flat SBC and hierarchical SBC
+(groups ``[[0, 1], [2, 3]]``), p = 0.01, delay 1, the methods stepped in turns; and the same at
+loopback (shared memory, no link).
 """
 from __future__ import annotations
 
@@ -270,6 +279,29 @@ def _summary(runs) -> Dict[str, object]:
     return out
 
 
+NET_METHODS = [{"method": "none"}, {"method": "sbc", "density": 0.01},
+               {"method": "sbc", "density": 0.01, "hierarchy": [[0, 1], [2, 3]]}]
+
+
+def cmd_net(args) -> Dict[str, object]:
+    from benchmarks import bench_net as bn
+    res = bn.run_net(args.bandwidth or ["100mbit", "1gbit"], loopback=True, unlimited=False,
+                     workers=4, methods=NET_METHODS, sizes=bn.QUICK_SIZES,
+                     budget_s=args.budget_s, max_steps=8, ranks_per_node=2,
+                     interleave={"rounds": args.rounds, "block": 2})
+    rows = []
+    for r in res["runs"]:
+        per_node = 2 * r["upstream_bits_per_step"]  # a node's 2 ranks each send (a shard)
+        rows.append({"network": r["network"], "method": r["label"],
+                     "step_ms": 1e3 * r["step_time_s"],
+                     "upstream_bits_per_node_per_step": per_node})
+        print(f"{r['network']:<9} {r['label']:<26} {1e3 * r['step_time_s']:8.1f} ms/step "
+              f"{per_node:>12,.0f} bits per node upstream")
+    if res["errors"]:
+        print(json.dumps(res["errors"], indent=1), file=sys.stderr)
+    return {"bench_net": res, "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -280,9 +312,14 @@ def main(argv=None) -> int:
     t.add_argument("--steps", type=int, default=500)
     t.add_argument("--delay", type=int, default=1)
     t.add_argument("--json", default="benchmarks/results/hier_train.json")
+    n = sub.add_parser("net", help="step time, 2 nodes of 2 ranks on a shaped link (root)")
+    n.add_argument("--bandwidth", action="append", help="tc rate between nodes, repeatable")
+    n.add_argument("--rounds", type=int, default=12)
+    n.add_argument("--budget-s", type=float, default=6.0)
+    n.add_argument("--json", default="benchmarks/results/hier_net.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    res = cmd_design(args) if args.cmd == "design" else cmd_train(args)
+    res = {"design": cmd_design, "train": cmd_train, "net": cmd_net}[args.cmd](args)
     res["command"] = "python -m benchmarks.bench_hier " + " ".join(argv or sys.argv[1:])
     if args.cmd == "train":
         print(json.dumps(res["summary"], indent=1))

@@ -86,6 +86,8 @@ def method_label(m: dict) -> str:
         s += f" n={m['delay']}"
     if m.get("api") == "stock":
         s += " (stock hook)"
+    if m.get("hierarchy"):
+        s += " hierarchical"
     return s
 
 
@@ -155,13 +157,17 @@ def _delete_ns(ns: str) -> None:
 class Testbed:
     """W namespaces joined by rate-limited veths to a bridge in a launcher namespace.
 
-    Use as a context manager, or call :meth:`setup` and :meth:`teardown` (idempotent).
+    ``ranks_per_node`` = L > 1 makes a two-level network: the ranks are W / L nodes of L
+    consecutive ranks, each node one namespace (its ranks talk over the kernel's local path,
+    unshaped: the fast link inside a node) with one shaped veth to the bridge (the link between
+    nodes). Use as a context manager, or call :meth:`setup` and :meth:`teardown` (idempotent).
     """
 
     _live: List["Testbed"] = []
     _handlers_installed = False
 
-    def __init__(self, workers: int = 2, subnet: str = SUBNET, tag: Optional[str] = None):
+    def __init__(self, workers: int = 2, subnet: str = SUBNET, tag: Optional[str] = None,
+                 ranks_per_node: int = 1):
         if os.geteuid() != 0:
             raise PermissionError("the network testbed needs root (network namespaces, tc)")
         net = ipaddress.ip_network(subnet)
@@ -169,15 +175,19 @@ class Testbed:
             raise ValueError(f"{subnet}: use a private /24 (or larger) used for nothing else")
         if workers < 1 or workers > 100:
             raise ValueError("workers must be in 1..100")
+        if ranks_per_node < 1 or workers % ranks_per_node:
+            raise ValueError(f"ranks_per_node={ranks_per_node} must divide workers={workers}")
         self.workers = workers
+        self.ranks_per_node = ranks_per_node
+        nodes = workers // ranks_per_node
         self.subnet = str(net)
         hosts = list(net.hosts())
         self.bridge_addr = str(hosts[0])
-        self.addrs = [str(hosts[9 + r]) for r in range(workers)]
+        self.addrs = [str(hosts[9 + r]) for r in range(nodes)]  # one per namespace
         self.prefixlen = net.prefixlen
         self.tag = tag or f"{NS_PREFIX}{os.getpid()}"
         self.launcher = f"{self.tag}-l"
-        self.ranks = [f"{self.tag}-r{r}" for r in range(workers)]
+        self.ranks = [f"{self.tag}-r{r}" for r in range(nodes)]  # the namespaces
         self.rate: Optional[float] = None
         self.up = False
 
@@ -278,8 +288,9 @@ class Testbed:
         self.rate = rate_bps
 
     def measure_link(self, seconds: float = 1.0) -> float:
-        """TCP throughput rank 0 -> rank 1 in Mbit/s (one stream, ~``seconds`` of data)."""
-        if self.workers < 2:
+        """TCP throughput namespace 0 -> namespace 1 (rank 0 -> rank 1, or node 0 -> node 1) in
+        Mbit/s (one stream, ~``seconds`` of data)."""
+        if len(self.ranks) < 2:
             return float("nan")
         ip = _ip()
         nbytes = int(min(200e6, max(1e6, (self.rate or 10e9) / 8 * seconds)))
@@ -320,7 +331,7 @@ class Testbed:
         for r, ns in enumerate(self.ranks):
             if r:
                 cmd.append(":")
-            cmd += ["-np", "1", ip, "netns", "exec", ns] + list(argv)
+            cmd += ["-np", str(self.ranks_per_node), ip, "netns", "exec", ns] + list(argv)
         return cmd
 
     def env(self) -> Dict[str, str]:
@@ -365,6 +376,9 @@ class _MethodRun:
             self.comp = make_compressor(self.method, self.density, 1)
             self.opt = hvd.DistributedOptimizer(base, named_parameters=named,
                                                 compression=self.comp)
+        elif m.get("hierarchy"):  # dense inside each group of ranks, SBC between groups
+            self.comp = sbc.SBC(self.density, delay=self.delay, hierarchy=m["hierarchy"])
+            self.opt = sbc.DistributedOptimizer(base, named, compression=self.comp)
         else:
             self.comp = make_compressor(self.method, self.density, self.delay)
             self.opt = sbc.DistributedOptimizer(base, named, compression=self.comp)
@@ -474,7 +488,12 @@ def worker_main(argv: Sequence[str]) -> int:
     import torch
     import horovod.torch as hvd
     cfg = json.loads(argv[0])
-    hvd.init()
+    groups = next((m["hierarchy"] for m in cfg["methods"] if m.get("hierarchy")), None)
+    if groups is None:
+        hvd.init()
+    else:  # the node groups' process sets, declared at initialisation
+        from horovod_sbc.torch import hierarchy_process_sets
+        hvd.init(process_sets=hierarchy_process_sets(groups))
     torch.set_num_threads(1)
     rank = hvd.rank()
     if cfg.get("interleave"):
@@ -679,9 +698,11 @@ def run_net(bandwidths: Sequence[str] = ("100mbit",), quick: bool = False, loopb
             unlimited: bool = True, workers: int = 2, methods: Optional[List[dict]] = None,
             sizes: Optional[List[int]] = None, budget_s: Optional[float] = None,
             max_steps: Optional[int] = None, timeout: float = 900,
-            progress: bool = True, interleave: Optional[dict] = None) -> Dict[str, object]:
+            progress: bool = True, interleave: Optional[dict] = None,
+            ranks_per_node: int = 1) -> Dict[str, object]:
     """``interleave``: ``{"rounds": R, "block": B}`` steps the methods in turns (R rounds of B
-    sync windows each, see :func:`_bench_interleaved`) instead of one block per method."""
+    sync windows each, see :func:`_bench_interleaved`) instead of one block per method.
+    ``ranks_per_node``: the shaped networks as nodes of that many ranks (:class:`Testbed`)."""
     from .bench_train import method_available
     methods = [m for m in (methods or (QUICK_METHODS if quick else FULL_METHODS))]
     skipped = [m for m in methods if not method_available(m["method"])]
@@ -716,10 +737,13 @@ def run_net(bandwidths: Sequence[str] = ("100mbit",), quick: bool = False, loopb
                     info["transport"] = "Open MPI shared memory (vader), localhost"
                 else:
                     if tb is None:
-                        tb = Testbed(workers).setup()
+                        tb = Testbed(workers, ranks_per_node=ranks_per_node).setup()
                         res["namespaces"] = tb.namespaces()
                     tb.set_rate(bps)
-                    info["transport"] = "TCP over veth + bridge, each rank in its own netns"
+                    info["transport"] = ("TCP over veth + bridge, each rank in its own netns"
+                                         if ranks_per_node == 1 else
+                                         f"TCP over veth + bridge between nodes of "
+                                         f"{ranks_per_node} ranks, one netns per node")
                     info["link_measured_mbit"] = tb.measure_link()
                     cmd = tb.mpirun_cmd(argv_for(net))
                     env = tb.env()

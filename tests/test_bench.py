@@ -177,6 +177,29 @@ def test_testbed_lives_only_in_its_namespaces_and_teardown_is_idempotent():
     assert _root_addrs() == before
 
 
+@needs_root_net
+def test_a_two_level_testbed_puts_each_nodes_ranks_in_one_namespace():
+    """4 ranks as 2 nodes of 2: two rank namespaces, mpirun starts 2 ranks in each (consecutive
+    ranks share a node, as the hierarchy's groups [[0, 1], [2, 3]]), the shaped link joins the
+    nodes; a node size that does not divide the ranks is refused."""
+    with pytest.raises(ValueError, match="ranks_per_node=3 must divide workers=4"):
+        bn.Testbed(4, ranks_per_node=3)
+    tb = bn.Testbed(4, tag=f"sbcnet2l{os.getpid()}", ranks_per_node=2)
+    try:
+        tb.setup()
+        assert len(tb.ranks) == 2 and len(tb.addrs) == 2
+        assert set(tb.namespaces()) <= set(bn.list_netns())
+        cmd = tb.mpirun_cmd(["python", "-c", "pass"])
+        starts = [i for i, a in enumerate(cmd) if a == "-np"]
+        assert [cmd[i + 1] for i in starts] == ["2", "2"]
+        assert [cmd[i + 5] for i in starts] == tb.ranks  # -np 2 ip netns exec NS
+        tb.set_rate(1e8)
+        assert 60 < tb.measure_link(0.3) < 110  # node 0 -> node 1 crosses the shaped link
+    finally:
+        tb.teardown()
+    assert not set(tb.namespaces()) & set(bn.list_netns())
+
+
 _HOLD = """
 import sys, time
 from benchmarks.bench_net import Testbed
