@@ -26,6 +26,20 @@ def test_identical_parameters_after_every_sync_and_exact_accounting(api, np_, de
 
 
 @pytest.mark.parametrize("api", ["stock", "dropin"])
+def test_a_model_of_hundreds_of_tensors_syncs_through_the_c_kernels(api):
+    """210 parameter tensors on 2 ranks with the C kernels: the job ends (a drop-in sync of 128
+    or more tensors once crashed in the scatter kernel, tests/test_kernels.py), and the weights
+    every rank shares are bit-identical; the drop-in's own weights differ by each rank's
+    residual."""
+    results = JOBS[(2, "mpi")][("many", api)]
+    assert [r["tensors"] for r in results] == [210, 210]
+    assert {r["backend"] for r in results} == {"C kernels"}
+    assert len({r["shared"] for r in results}) == 1
+    if api == "dropin":
+        assert len({r["own"] for r in results}) == 2
+
+
+@pytest.mark.parametrize("api", ["stock", "dropin"])
 def test_a_compressor_registered_by_a_test_file_runs_through_both_paths(api):
     """tests/stc_compressor.py (one file, nothing else changed) through the stock hook and
     the drop-in: identical parameters after every sync, its bits counted exactly."""

@@ -277,6 +277,42 @@ def _stock_step(comp, **kw):
     opt.step()
 
 
+def run_many():
+    """A model of 210 parameter tensors (more than ResNet-50's 161), 4 steps through the
+    stock hook and the drop-in (residual in the weights): the digest of the weights every rank
+    must share (the drop-in's shared weights) and of this rank's own live weights."""
+    from horovod_sbc.torch.backend import backend_for
+    torch.manual_seed(0)
+    shapes = [(16, 3, 3), (16,), (16,)] * 70
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s)) for s in shapes])
+    named = [(f"p{i:03d}", p) for i, p in enumerate(params)]
+    base = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if KW["api"] == "stock":
+        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=sbc.SBC(0.05))
+    else:
+        opt = sbc.DistributedOptimizer(base, named, compression=sbc.SBC(0.05, delay=1),
+                                       local_residual=True)
+    g = torch.Generator().manual_seed(RANK)
+    for _ in range(4):
+        opt.zero_grad()
+        sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+        opt.step()
+
+    def weights():
+        h = hashlib.sha256()
+        for p in params:
+            h.update(p.detach().numpy().tobytes())
+        return h.hexdigest()
+    own = weights()
+    if KW["api"] == "stock":
+        return {"tensors": len(named), "shared": own, "own": own,
+                "backend": backend_for("cpu").name}
+    with opt.shared_weights():
+        shared = weights()
+    return {"tensors": len(named), "shared": shared, "own": own,
+            "backend": backend_for("cpu").name}
+
+
 def run_baselines():
     """Every baseline compressor through the drop-in optimizer: identical ranks, real bits."""
     out = {}
@@ -403,7 +439,7 @@ def run_world_size():
 
 MODES = {"train": run_train, "dense_equiv": run_dense_equiv, "save": run_save_load,
          "load": run_save_load, "errors": run_errors, "odd": run_odd, "baselines": run_baselines,
-         "mismatch": run_mismatch, "world_size": run_world_size, "redensity": run_redensity}
+         "mismatch": run_mismatch, "many": run_many, "world_size": run_world_size, "redensity": run_redensity}
 
 
 def run_scenario(mode, kw):
