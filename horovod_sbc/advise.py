@@ -4,7 +4,7 @@
         --compute-ms 150 --density 0.01 --json advise.json --plot advise.png
 
 It measures the torch codec here (encode of one rank's sync, decode of N ranks' messages, the
-message size) for a layout: ``resnet50``, ``gpt2-small``, a comma list of tensor sizes
+message size, and the drop-in optimizer's sync work outside the codec) for a layout: ``resnet50``, ``gpt2-small``, a comma list of tensor sizes
 (``4194304,4096,10``) or the user's model as ``package.module:function`` (a callable returning a
 ``torch.nn.Module`` or a list of ``(name, shape)``). Then it predicts the step time of dense ring
 allreduce, SBC over allgather, SBC's server topology and a hierarchical exchange (dense inside a
