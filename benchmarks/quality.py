@@ -139,6 +139,13 @@ SCREEN: Dict[str, List[tuple]] = {
         # Nesterov step
         (_s("sbc", 0.01, 2, local_residual=False), S0),
         (_s("sbc", 0.01, 1, outer=MILD, local_residual=False), S0),
+        # fifth round: toward x10,000 with a lower density instead of a longer delay (delay 32
+        # lost 3 points with Nesterov(1.0, 0.5) in the study)
+        (_s("sbc", 0.005, 16, outer=MILD), S0),
+        (_s("sbc", 0.002, 16, outer=MILD), S0),
+        (_s("sbc", 0.001, 16, outer=MILD), S0),
+        (_s("sbc", 0.002, 8, outer=MILD), S0),
+        (_s("sbc", 0.001, 8, outer=MILD), S0),
     ],
     "skewed": [(b, S0) for b in BASELINES] + [
         (BASELINES[2], S12),
