@@ -811,8 +811,11 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: task.recipe.lr_factor(s, steps))
     times, losses = [], []
+    warm = spec.get("density_warmup")  # [start density, steps]: DGC's exponential warm-up
     for step in range(steps):
         b = next(batches)
+        if warm and comp is not None:
+            _set_density(comp, _warm_density(warm, spec["density"], step))
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = task.loss(model, xs[b], ys[b])
@@ -933,6 +936,24 @@ def _add_ratios(out: dict) -> None:
         out["measured_density"] = out["positions_sent"] / out["elements_synced"]
 
 
+def _warm_density(warm, target: float, step: int) -> float:
+    """DGC's density warm-up (Lin et al., ICLR 2018): from ``warm[0]`` down to ``target``
+    geometrically over the first ``warm[1]`` steps, then ``target``."""
+    start, n = float(warm[0]), int(warm[1])
+    if step >= n:
+        return target
+    return start * (target / start) ** (step / n)
+
+
+def _set_density(comp, density: float) -> None:
+    """The compressor's density from its next sync on (residuals are unsent update mass, valid
+    at any density; the same knob a checkpoint resumed at another density changes)."""
+    import dataclasses
+    cfg = dataclasses.replace(comp.config, density=density)
+    comp.config = cfg
+    comp.state.config = cfg
+
+
 def spec_label(s: dict) -> str:
     m = s["method"]
     lab = m
@@ -949,6 +970,8 @@ def spec_label(s: dict) -> str:
         lab += " shared"
     if s.get("outer") is not None:
         lab += " outer=" + ",".join(str(a) for a in s["outer"])
+    if s.get("density_warmup"):
+        lab += " warmup={:g}/{}".format(*s["density_warmup"])
     if "momentum_masking" in s:
         lab += " masking" if s["momentum_masking"] else " no-masking"
     for k in ("optimizer", "nesterov", "weight_decay"):

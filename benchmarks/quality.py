@@ -146,6 +146,8 @@ SCREEN: Dict[str, List[tuple]] = {
         (_s("sbc", 0.001, 16, outer=MILD), S0),
         (_s("sbc", 0.002, 8, outer=MILD), S0),
         (_s("sbc", 0.001, 8, outer=MILD), S0),
+        # sixth round: DGC's density warm-up (0.25 down to p over the first tenth of training)
+        (_s("sbc", 0.01, 1, density_warmup=[0.25, 150]), S0),
     ],
     "skewed": [(b, S0) for b in BASELINES] + [
         (BASELINES[2], S12),
@@ -161,6 +163,9 @@ SCREEN: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 1, outer=["error_decay", 0.5, 1.0]), S0),
         (_s("sbc", 0.01, 1, local_residual=False), S12),  # the best drop-in here: 3 seeds
         (_s("sbc", 0.01, 1, outer=MILD, local_residual=False), S0),
+        # sixth round: DGC's density warm-up (0.25 down to p over the first tenth of training)
+        (_s("sbc", 0.01, 1, density_warmup=[0.25, 150]), S0),
+        (_s("sbc", 0.01, 1, local_residual=False, density_warmup=[0.25, 150]), S0),
     ],
     "lm_docs": [(b, S0) for b in BASELINES] + [
         (_s("fedavg", 1.0, 4), S0),
@@ -176,6 +181,8 @@ SCREEN: Dict[str, List[tuple]] = {
         (_s("sbc", 0.01, 1, outer=BOLD), S0),
         (_s("sbc", 0.05, 8, outer=BOLD), S0),
         (_s("sbc", 0.01, 1, outer=MILD), S12),  # the best of the screen: its seeds 1 and 2
+        # sixth round: DGC's density warm-up (0.25 down to p over the first tenth of training)
+        (_s("sbc", 0.01, 1, outer=MILD, density_warmup=[0.25, 60]), S0),
     ],
 }
 STUDIES = {"study": STUDY, "screen": SCREEN}
@@ -217,13 +224,16 @@ def describe(r: dict) -> str:
                            "plain": "Plain"}[kind] + f"({', '.join(f'{x:g}' for x in a)})"
     if r.get("local_residual") is False:
         s += ", `local_residual=False`"
+    if r.get("density_warmup"):
+        start, n = r["density_warmup"]
+        s += f", density warm-up from {start:g} over {n} steps"
     return s
 
 
 def _is_default(r: dict) -> bool:
     """The drop-in with its default outer step and residual placement (any density/delay)."""
     return r["method"] == "sbc" and r.get("api") != "stock" and not r.get("outer") and \
-        r.get("local_residual", True) is True
+        r.get("local_residual", True) is True and not r.get("density_warmup")
 
 
 def _fmt(metric: str, v: Optional[float], std: Optional[float] = None) -> str:

@@ -85,3 +85,17 @@ def test_the_screen_measures_its_own_baselines_and_every_setting_with_their_seed
         assert {"none", "local"} <= methods, part
         for key, seeds in seeds_of.items():
             assert 0 in seeds, (part, key)
+
+
+def test_density_warm_up_is_geometric_and_reaches_the_density_the_sync_uses():
+    """DGC's warm-up in the study's worker: 0.25 at step 0, geometric down to p at step n, p
+    after; the compressor's sync configuration takes each value."""
+    from benchmarks.bench_train import _set_density, _warm_density
+    import horovod_sbc.torch as sbc
+    ds = [_warm_density([0.25, 100], 0.01, s) for s in range(0, 130, 10)]
+    assert ds[0] == 0.25 and ds[10:] == [0.01] * 3
+    assert all(a > b for a, b in zip(ds[:10], ds[1:11]))
+    assert abs(ds[5] - (0.25 * 0.01) ** 0.5) < 1e-12  # halfway: the geometric mean
+    comp = sbc.SBC(0.01, delay=1)
+    _set_density(comp, 0.05)
+    assert comp.density == comp.state.config.density == 0.05 and comp.delay == 1
