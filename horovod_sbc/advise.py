@@ -4,12 +4,13 @@
         --compute-ms 150 --density 0.01 --json advise.json --plot advise.png
 
 It measures the torch codec here (encode of one rank's sync, decode of N ranks' messages, the
-message size, and the drop-in optimizer's sync work outside the codec) for a layout: ``resnet50``, ``gpt2-small``, a comma list of tensor sizes
-(``4194304,4096,10``) or the user's model as ``package.module:function`` (a callable returning a
-``torch.nn.Module`` or a list of ``(name, shape)``). Then it predicts the step time of dense ring
-allreduce, SBC over allgather, SBC's server topology and a hierarchical exchange (dense inside a
-node of G ranks, SBC across nodes) for N = 2 ... 1024, and the bandwidth below which SBC's
-allgather beats dense allreduce. Every assumption is stated in docs/advise.md.
+message size, and the drop-in optimizer's sync work outside the codec) for a layout:
+``resnet50``, ``gpt2-small``, a comma list of tensor sizes (``4194304,4096,10``) or the user's
+model as ``package.module:function`` (a callable returning a ``torch.nn.Module`` or a list of
+``(name, shape)``). Then it predicts the step time of dense ring allreduce, SBC over
+allgather, SBC's server topology and a hierarchical exchange (dense inside a node of G ranks,
+SBC across nodes) for N = 2 ... 1024, and the bandwidth below which SBC's allgather beats dense
+allreduce. Every assumption is stated in docs/advise.md.
 
 Each communication pattern costs ``bits / bandwidth + seconds`` (:class:`Cost`): linear in
 1 / bandwidth, so two patterns cross at one bandwidth (:func:`crossover_bps`).
