@@ -369,19 +369,15 @@ def test_large_multirank_decode_matches_numpy_across_chunks():
             assert t.numpy().tobytes() == r.tobytes() == o.numpy().tobytes()
 
 
-_MANY_TENSORS = textwrap.dedent("""
-    import numpy as np, torch
-    from horovod_sbc import kernels, wire
+_MANY_TENSORS = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    import torch
     from horovod_sbc.torch import backend as tb
-    from horovod_sbc.torch.backend import Targets, frame
-    layout = [(f"t{i}", (1000,)) for i in range(300)]
-    fp = wire.layout_fingerprint(layout)
-    steps = []
-    for r in range(3):
-        g = torch.Generator().manual_seed(r)
-        steps.append(frame.frame([tb.compress_(torch.randn(1000, generator=g), 0.05, "sbc", n)[0]
-                                  for n, _ in layout], fp, torch.device("cpu")))
-    buf = torch.cat(steps)
+    from horovod_sbc.torch.backend import Targets
+    from test_kernels import _big_step
+    layout = [(f"t{{i}}", (1000,)) for i in range(300)]
+    buf = _big_step(0, 3, layout, 0.05)
 
     def run(backend):
         g = torch.Generator().manual_seed(9)

@@ -298,17 +298,12 @@ def run_many():
         sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
         opt.step()
 
-    def weights():
-        h = hashlib.sha256()
-        for p in params:
-            h.update(p.detach().numpy().tobytes())
-        return h.hexdigest()
-    own = weights()
+    own = digest(params)
     if KW["api"] == "stock":
         return {"tensors": len(named), "shared": own, "own": own,
                 "backend": backend_for("cpu").name}
     with opt.shared_weights():
-        shared = weights()
+        shared = digest(params)
     return {"tensors": len(named), "shared": shared, "own": own,
             "backend": backend_for("cpu").name}
 
