@@ -949,9 +949,7 @@ def _set_density(comp, density: float) -> None:
     """The compressor's density from its next sync on (residuals are unsent update mass, valid
     at any density; the same knob a checkpoint resumed at another density changes)."""
     import dataclasses
-    cfg = dataclasses.replace(comp.config, density=density)
-    comp.config = cfg
-    comp.state.config = cfg
+    comp.config = dataclasses.replace(comp.config, density=density)
 
 
 def spec_label(s: dict) -> str:

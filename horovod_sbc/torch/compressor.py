@@ -88,20 +88,22 @@ class SBC(StockHook):
             mode = "sbc" if binarize else "values"
         elif not binarize and mode == "sbc":
             raise ValueError("binarize=False contradicts mode='sbc'; give one of them")
-        self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
-                                nonfinite=nonfinite, topology=topology,
-                                downlink_density=downlink_density,
-                                downlink_binarize=downlink_binarize, seed=seed,
-                                fixed_size=fixed_size)
+        config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
+                           nonfinite=nonfinite, topology=topology,
+                           downlink_density=downlink_density,
+                           downlink_binarize=downlink_binarize, seed=seed, fixed_size=fixed_size)
         self.hierarchy = hierarchy_.parse(hierarchy)
         if self.hierarchy is not None and topology != "allgather":
             raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
                              f"topology={topology!r}: the cross-node exchange is an allgather")
-        self.state = SyncState(self.config, HorovodTransport())
+        self.state = SyncState(config, HorovodTransport())
         StockHook.__init__(self, named_parameters, momentum_masking)
 
     # -- the state the sync driver and the stock hook share --------------------------------
     manager = property(lambda self: self.state.manager)
+    #: the knobs (:class:`horovod_sbc.config.SBCConfig`), held once, by the shared state
+    config = property(lambda self: self.state.config,
+                      lambda self, c: setattr(self.state, "config", c))
     transport = property(lambda self: self.state.transport,
                          lambda self, t: setattr(self.state, "transport", t))
 
