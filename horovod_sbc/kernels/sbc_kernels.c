@@ -392,9 +392,11 @@ typedef struct {
 #if defined(__GNUC__)
 #define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 #define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1, 3)
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
 #else
 #define PREFETCH(p) ((void)0)
 #define PREFETCH_W(p) ((void)0)
+#define ALWAYS_INLINE inline
 #endif
 /* positions ahead whose cache lines the scatters prefetch for writing (the momentum mask of
  * 6.3M elements, 2 ranks at p = 0.01: 4.0 -> 2.9 ms; 8 to 64 ahead alike) */
@@ -1435,6 +1437,22 @@ int sbc_scatter_add_groups_from(const uint32_t *pos, i64 npos, i64 ng, const i64
                           zero ? ZERO_FIRST : ADD_TO);
 }
 
+/* Adds v at message positions pj[c..) below hi to o (and to o2; prefetching buf, which is masked
+ * afterwards); returns where it stopped. Inlined with buf and o2 constant at each call. */
+static ALWAYS_INLINE i64
+add_run(float *o, float *buf, float *o2, const u32 *pj, i64 c, i64 cnt, i64 hi, float v) {
+    for (; c < cnt && pj[c] < hi; c++) {
+        if (c + SCATTER_AHEAD < cnt) {
+            PREFETCH_W(o + pj[c + SCATTER_AHEAD]);
+            if (buf) PREFETCH_W(buf + pj[c + SCATTER_AHEAD]);
+            if (o2) PREFETCH_W(o2 + pj[c + SCATTER_AHEAD]);
+        }
+        o[pj[c]] += v;
+        if (o2) o2[pj[c]] += v;
+    }
+    return c;
+}
+
 /* zero: ADD_TO, ZERO_FIRST or ALREADY_ZERO (see there); also (may be NULL): per group a second
  * output (or 0) added to alike, never zeroed */
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
@@ -1463,16 +1481,10 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
                 i64 c = cur[j], cnt = count[a + j];
                 float v = value[a + j];
                 cur[nm + j] = c;
-                for (; c < cnt && pj[c] < hi; c++) {
-                    if (c + SCATTER_AHEAD < cnt) {
-                        PREFETCH_W(o + pj[c + SCATTER_AHEAD]);
-                        if (buf) PREFETCH_W(buf + pj[c + SCATTER_AHEAD]);
-                        if (o2) PREFETCH_W(o2 + pj[c + SCATTER_AHEAD]);
-                    }
-                    o[pj[c]] += v;
-                    if (o2) o2[pj[c]] += v;
-                }
-                cur[j] = c;
+                /* each combination its own loop: no test of buf or o2 per position */
+                if (o2) cur[j] = add_run(o, NULL, o2, pj, c, cnt, hi, v);
+                else if (buf) cur[j] = add_run(o, buf, NULL, pj, c, cnt, hi, v);
+                else cur[j] = add_run(o, NULL, NULL, pj, c, cnt, hi, v);
             }
             if (buf) /* the chunk's sums are final: mask where they are non-zero */
                 for (i64 j = 0; j < nm; j++) {
