@@ -34,7 +34,7 @@ def _model():
 
 _OUTERS = {"plain": lambda: None, "nesterov": lambda: Nesterov(lr=0.7, momentum=0.9),
            "nesterov_0.5_0.8": lambda: Nesterov(lr=0.5, momentum=0.8),
-           "decay": lambda: ErrorDecay(decay=0.5)}
+           "decay": lambda: ErrorDecay(decay=0.5), "plain_2": lambda: Plain(lr=2.0)}
 _COMPS = {"dense": lambda: sbc.SBC(density=1.0, mode="values", delay=2),
           "sbc": lambda: sbc.SBC(density=0.3, delay=2)}
 
@@ -103,7 +103,23 @@ def test_nesterov_arithmetic_by_hand():
     assert n.buffers()["w"].tolist() == [2.5, -1.0, -2.0]
 
 
+def test_plain_outer_lr_scales_the_average():
+    """Plain(lr): D = lr U, in place; lr = 1 changes nothing and keeps the straight decode
+    into W_ref (no dense buffer of U)."""
+    u = [torch.tensor([1.0, -2.5]), torch.tensor([3.0])]
+    Plain(lr=2.0).delta_(["a", "b"], u)
+    assert u[0].tolist() == [2.0, -5.0] and u[1].tolist() == [6.0]
+    Plain().delta_(["a", "b"], u)
+    assert u[0].tolist() == [2.0, -5.0]
+    assert not Plain().needs_buffer and Plain(lr=2.0).needs_buffer
+    assert repr(Plain()) == "Plain()" and repr(Plain(lr=2.0)) == "Plain(lr=2.0)"
+
+
 def test_outer_step_knobs_are_checked():
+    with pytest.raises(ValueError, match=r"Plain: lr must be in \(0.0, 16.0\]"):
+        Plain(lr=0.0)
+    with pytest.raises(ValueError, match=r"Plain: lr must be in \(0.0, 16.0\]"):
+        Plain(lr=17.0)
     with pytest.raises(ValueError, match="Nesterov: momentum must be below 1"):
         Nesterov(momentum=1.0)
     with pytest.raises(ValueError, match=r"Nesterov: lr must be in \(0.0, 2.0\]"):
@@ -148,7 +164,7 @@ def runs():
     names = [("dense", "nesterov", 6, True), ("dense", "plain", 6, True),
              ("sbc", "plain", 2, True), ("sbc", "nesterov", 2, True),
              ("sbc", "plain", 2, False), ("sbc", "decay", 2, False),
-             ("dense", "nesterov_0.5_0.8", 2, True)]
+             ("dense", "nesterov_0.5_0.8", 2, True), ("dense", "plain_2", 6, True)]
     return dict(zip(names, _run_two_ranks(*names)))
 
 
@@ -175,7 +191,20 @@ def test_plain_outer_step_is_the_plain_average(runs):
     for name in expect:
         assert torch.allclose(plain["ref"][name].double(), expect[name], rtol=0, atol=2e-6)
     assert max((plain["ref"][n] - nest["ref"][n]).abs().max().item() for n in expect) > 1e-3
-    assert plain["buffers"] == {} and plain["outer_state"] == {"kind": "plain"}
+    assert plain["buffers"] == {} and plain["outer_state"] == {"kind": "plain", "lr": 1.0}
+
+
+def test_plain_outer_lr_on_two_ranks_matches_the_hand_computation(runs):
+    """Plain(lr=2) (the sqrt(N) of two ranks): W_ref += 2 U at every sync, as the float64 hand
+    computation, bit-identical on both ranks; it ends elsewhere than lr = 1."""
+    a, b = runs[("dense", "plain_2", 6, True)]
+    plain, _ = runs[("dense", "plain", 6, True)]
+    expect = _simulate_dense(2.0, 0.0, syncs=3)
+    for name in expect:
+        assert torch.equal(a["ref"][name], b["ref"][name]), name
+        assert torch.allclose(a["ref"][name].double(), expect[name], rtol=0, atol=4e-6), name
+    assert max((a["ref"][n] - plain["ref"][n]).abs().max().item() for n in expect) > 1e-3
+    assert a["outer_state"] == {"kind": "plain", "lr": 2.0}
 
 
 def test_sparse_residual_in_the_weights_is_left_to_the_rank(runs):

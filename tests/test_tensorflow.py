@@ -192,11 +192,12 @@ def _flat(d):
 
 def test_outer_step_arithmetic_on_two_ranks():
     """Each sync's average U (here exact: dense values of every rank's window update) moves
-    W_ref by U (Plain), by lr * (U + m * v) with v <- m * v + U (Nesterov(1.0, 0.5)) or by
-    lr * U (ErrorDecay(0.5, 0.8)); W_ref and the buffers are identical on both ranks, and
-    the outer steps change training (negative control: their runs end elsewhere)."""
+    W_ref by U (Plain), by 2 U (Plain(2.0)), by lr * (U + m * v) with v <- m * v + U
+    (Nesterov(1.0, 0.5)) or by lr * U (ErrorDecay(0.5, 0.8)); W_ref and the buffers are
+    identical on both ranks, and the outer steps change training (negative control: their
+    runs end elsewhere)."""
     out = TWO["outer"]
-    for kind in ("plain", "nesterov", "decay"):
+    for kind in ("plain", "plain2", "nesterov", "decay"):
         runs = [out[r][kind] for r in range(2)]
         assert len(runs[0]["syncs"]) == 3 and runs[0]["stats"]["syncs"] == 3
         v = None
@@ -210,6 +211,8 @@ def test_outer_step_arithmetic_on_two_ranks():
                 u = (ws[0][name] - before[name] + ws[1][name] - before[name]) / 2
                 if kind == "plain":
                     want = before[name] + u
+                elif kind == "plain2":
+                    want = before[name] + 2.0 * u
                 elif kind == "decay":
                     want = before[name] + 0.8 * u
                 else:
@@ -222,9 +225,10 @@ def test_outer_step_arithmetic_on_two_ranks():
                 np.testing.assert_allclose(after[name], want, rtol=1e-5, atol=1e-7,
                                            err_msg=f"{kind} {name} sync {i}")
                 assert not np.any(_flat(recs[0]["res"])[name])  # all sent: no residual
-    ends = {kind: out[0][kind]["syncs"][-1]["ref_after"] for kind in ("plain", "nesterov",
-                                                                        "decay")}
+    ends = {kind: out[0][kind]["syncs"][-1]["ref_after"] for kind in ("plain", "plain2",
+                                                                        "nesterov", "decay")}
     assert ends["plain"] != ends["nesterov"] and ends["plain"] != ends["decay"]
+    assert ends["plain"] != ends["plain2"]
     for r in range(2):
         assert "acts on the shared weights of weight mode" in out[r]["stock_refused"]
 

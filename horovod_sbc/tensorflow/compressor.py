@@ -124,7 +124,8 @@ class SBC(tf.Module):
             :meth:`exchange_gradients`) exchange gradients and are not affected.
         outer: weight mode only: the outer step that turns each sync's averaged update into
             the change of the shared weights (:mod:`horovod_sbc.tensorflow.outer`: ``Plain()``,
-            the default, ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
+            the default, ``Plain(lr=sqrt(N))`` with Adam-family optimizers,
+            ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
             drop-in's ``outer=``; its state is saved with this module.
         name: the ``tf.Module`` name.
     """
@@ -194,7 +195,7 @@ class SBC(tf.Module):
 
     # -- state --------------------------------------------------------------------------------
     def _use(self, mode: str) -> None:
-        if mode != "weights" and self.outer.kind != "plain":
+        if mode != "weights" and not self.outer.decodes_into_reference:
             raise ValueError(f"SBC(outer={self.outer!r}) acts on the shared weights of weight "
                              f"mode; it cannot be used through {_MODES[mode]} (use "
                              "horovod_sbc.tensorflow.DistributedGradientTape and sbc.step(), or "
@@ -432,7 +433,7 @@ class SBC(tf.Module):
             r = self._residual(name, shape, v.dtype)
             upds.append(self._window_update(v, ref, r))
             names.append(name), shapes.append(shape), res.append(r), refs.append(ref)
-        plain = self.outer.kind == "plain"
+        plain = self.outer.decodes_into_reference
         if not plain:
             with tf.init_scope():
                 self.outer.build(names, [r.read_value() for r in res],

@@ -9,7 +9,8 @@ drop-in tape and :class:`horovod_sbc.tensorflow.SBCCallback`)::
 At a sync every rank decodes the same average ``U``; the outer step turns it into the change
 ``D`` of the shared weights ``W_ref``:
 
-* :class:`Plain` -- ``D = U`` (the default; the average is decoded straight into ``W_ref``).
+* :class:`Plain` -- ``D = lr * U`` (``Plain()``, lr 1, is the default: the average is decoded
+  straight into ``W_ref``; ``lr = sqrt(N)`` for adaptive inner optimizers).
 * :class:`Nesterov` -- DiLoCo's outer SGD with Nesterov momentum on the pseudo-gradient ``-U``:
   ``v <- momentum * v + U``, ``D = lr * (U + momentum * v)``.
 * :class:`ErrorDecay` -- SparseLoCo's decayed error feedback: ``D = lr * U`` and every rank's
@@ -31,16 +32,28 @@ from ..config import check_number
 
 
 class Plain(tf.Module):
-    """``W_ref += U``: the SBC paper's step (with ``mode="values", density=1`` federated
-    averaging). No state."""
+    """``W_ref += lr * U``: the SBC paper's step (with ``mode="values", density=1`` federated
+    averaging). No state.
+
+    Args:
+        lr: the outer learning rate, in (0, 16]; ``sqrt(N)`` for N ranks with an adaptive
+            inner optimizer (Adam, AdamW, RMSprop), 1 with momentum SGD; see
+            :class:`horovod_sbc.torch.outer.Plain`.
+    """
 
     kind = "plain"
 
-    def __init__(self):
+    def __init__(self, lr: float = 1.0):
         super().__init__(name="outer")
+        self.lr = check_number("Plain: lr", lr, 0.0, 16.0, low_open=True)
 
     def __repr__(self) -> str:
-        return "Plain()"
+        return "Plain()" if self.lr == 1.0 else f"Plain(lr={self.lr})"
+
+    @property
+    def decodes_into_reference(self) -> bool:
+        """The average is decoded straight into ``W_ref`` (no state, ``lr = 1``)."""
+        return self.kind == "plain" and self.lr == 1.0
 
     def build(self, names: Sequence[str], likes: List[tf.Tensor], make) -> None:
         """Create the state of every tensor not holding one yet; ``make(initial, name)``
@@ -50,7 +63,7 @@ class Plain(tf.Module):
               committed: tf.Tensor) -> List[tf.Tensor]:
         """The change of the shared weights for the averaged ``updates``; the state moves only
         where ``committed`` (a scalar bool tensor) is true."""
-        return list(updates)
+        return [self.lr * u for u in updates] if self.lr != 1.0 else list(updates)
 
     def after_commit(self, residuals: List[tf.Variable], committed: tf.Tensor) -> List:
         """Ops acting on this rank's residuals once the sync's error feedback is committed."""
@@ -118,9 +131,6 @@ class ErrorDecay(Plain):
 
     def __repr__(self) -> str:
         return f"ErrorDecay(decay={self.decay}, lr={self.lr})"
-
-    def delta(self, names, updates, committed):
-        return [self.lr * u for u in updates] if self.lr != 1.0 else list(updates)
 
     def after_commit(self, residuals, committed):
         if self.decay == 1.0:

@@ -6,7 +6,8 @@ into the change ``D`` applied to the shared weights ``W_ref`` (and, when the res
 the weights, to every rank's live weights by the same ``D``, so each rank's unsent residual
 ``W - W_ref`` is unchanged by it):
 
-* :class:`Plain` -- ``D = U`` (the SBC paper, FedAvg / local SGD). The default; no state.
+* :class:`Plain` -- ``D = lr * U`` (the SBC paper, FedAvg / local SGD at ``lr = 1``, the
+  default); no state. ``lr = sqrt(N)`` for adaptive inner optimizers (see there).
 * :class:`Nesterov` -- DiLoCo's outer optimizer (Douillard et al., "DiLoCo: Distributed
   Low-Communication Training of Language Models", arXiv 2311.08105): ``-U`` is a
   *pseudo-gradient* fed to SGD with Nesterov momentum.
@@ -30,18 +31,32 @@ from ..config import check_number as _check_number
 
 
 class Plain:
-    """``W_ref += U``: the shared weights take the averaged update as it is (the SBC paper's
-    step; with ``FedAvg`` federated averaging). The drop-in's default; it keeps the one-walk
-    decode straight into ``W_ref`` (and the weights), with no dense buffer of ``U``."""
+    """``W_ref += lr * U``: the shared weights take the averaged update (the SBC paper's step;
+    with ``FedAvg`` federated averaging). ``Plain()`` is the drop-in's default; it keeps the
+    one-walk decode straight into ``W_ref`` (and the weights), with no dense buffer of ``U``.
+
+    Args:
+        lr: the outer learning rate, in (0, 16]. With an adaptive inner optimizer (Adam,
+            AdamW, RMSprop, Adagrad) use ``lr = sqrt(N)`` for N ranks: each rank's update is
+            normalized by its own second moment, so where gradient noise dominates the N
+            updates point partly different ways, and their average is up to ``sqrt(N)`` times
+            shorter than the step the same optimizer takes on the averaged gradient. Momentum
+            SGD's updates are linear in the gradients: keep ``lr = 1`` there.
+    """
 
     kind = "plain"
-    needs_buffer = False  # the drop-in decodes straight into W_ref
+
+    def __init__(self, lr: float = 1.0):
+        self.lr = _check_number("Plain: lr", lr, 0.0, 16.0, low_open=True)
+        self.needs_buffer = self.lr != 1.0  # at lr = 1 the drop-in decodes straight into W_ref
 
     def __repr__(self) -> str:
-        return "Plain()"
+        return "Plain()" if self.lr == 1.0 else f"Plain(lr={self.lr})"
 
     def delta_(self, names: Sequence[str], updates: List[torch.Tensor]) -> None:
         """Turn the averaged updates into the change of the shared weights, in place."""
+        if updates and self.lr != 1.0:
+            torch._foreach_mul_(updates, self.lr)
 
     def after_commit(self, residuals: List[torch.Tensor], refs: List[torch.Tensor],
                      in_weights: List[bool]) -> None:
@@ -51,7 +66,7 @@ class Plain:
         """Create the state of every tensor not holding one yet (shaped like ``likes``)."""
 
     def state_dict(self) -> Dict:
-        return {"kind": self.kind}
+        return {"kind": self.kind, "lr": self.lr}
 
     def load_state_dict(self, state: Dict) -> None:
         check_kind(self, state)
@@ -170,10 +185,6 @@ class ErrorDecay(Plain):
 
     def __repr__(self) -> str:
         return f"ErrorDecay(decay={self.decay}, lr={self.lr})"
-
-    def delta_(self, names: Sequence[str], updates: List[torch.Tensor]) -> None:
-        if updates and self.lr != 1.0:
-            torch._foreach_mul_(updates, self.lr)
 
     def after_commit(self, residuals: List[torch.Tensor], refs: List[torch.Tensor],
                      in_weights: List[bool]) -> None:

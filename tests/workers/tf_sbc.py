@@ -434,7 +434,7 @@ def run_save_load():
 
 
 OUTERS = {"plain": lambda: None, "nesterov": lambda: hsbc.Nesterov(1.0, 0.5),
-          "decay": lambda: hsbc.ErrorDecay(decay=0.5, lr=0.8)}
+          "decay": lambda: hsbc.ErrorDecay(decay=0.5, lr=0.8), "plain2": lambda: hsbc.Plain(2.0)}
 
 
 def run_outer():
