@@ -196,7 +196,23 @@ SHARED_ROWS = [(b, S0) for b in BASELINES] + [
     (_s("sbc", 0.01, 1, local_residual=False, density_warmup=[0.25, 300]), S0),
 ]
 SHARED: Dict[str, List[tuple]] = {"iid": SHARED_ROWS, "skewed": SHARED_ROWS}
-STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED}
+# Averaging N ranks' AdamW updates: each rank's update is normalized by its own second moment,
+# so where gradient noise dominates the N updates partly cancel and their average is up to
+# sqrt(N) shorter than the dense AdamW step on the averaged gradient. An outer learning rate of
+# sqrt(N) (2 on 4 workers; Nesterov(2, 0) is W_ref += 2 U) restores it (``--study adaptive``).
+SQRT_N = ["nesterov", 2.0, 0.0]
+ADAPTIVE: Dict[str, List[tuple]] = {
+    "lm_docs": [(_s("none"), S0),
+                (_s("sbc", 0.01, 1, outer=SQRT_N), S3),
+                (_s("sbc", 0.01, 4, outer=SQRT_N), S3),
+                (_s("fedavg", 1.0, 1), S0),
+                (_s("fedavg", 1.0, 1, outer=SQRT_N), S0)],
+    "lm_iid": [(_s("none"), S0),
+               (_s("sbc", 0.01, 4, outer=SQRT_N), S3),
+               (_s("fedavg", 1.0, 1), S0),
+               (_s("fedavg", 1.0, 1, outer=SQRT_N), S0)],
+}
+STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE}
 
 
 def study_jobs(parts: Sequence[str], quick: bool = False,
