@@ -247,6 +247,8 @@ def describe(r: dict) -> str:
          "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r["label"])
     if r.get("outer"):
         kind, *a = r["outer"]
+        if kind == "nesterov" and a[1] == 0:  # W_ref += lr U: Plain(lr)'s arithmetic, bit for bit
+            kind, a = "plain", a[:1]
         s += ", outer " + {"nesterov": "Nesterov", "error_decay": "ErrorDecay",
                            "plain": "Plain"}[kind] + f"({', '.join(f'{x:g}' for x in a)})"
     if r.get("local_residual") is False:
