@@ -206,7 +206,10 @@ ADAPTIVE: Dict[str, List[tuple]] = {
                 (_s("sbc", 0.01, 1, outer=SQRT_N), S3),
                 (_s("sbc", 0.01, 4, outer=SQRT_N), S3),
                 (_s("fedavg", 1.0, 1), S0),
-                (_s("fedavg", 1.0, 1, outer=SQRT_N), S0)],
+                (_s("fedavg", 1.0, 1, outer=SQRT_N), S0),
+                # one seed each: is the delay or the sparsity what costs at a higher ratio?
+                (_s("fedavg", 1.0, 4, outer=SQRT_N), S0),
+                (_s("sbc", 0.05, 8, outer=SQRT_N), S0)],
     "lm_iid": [(_s("none"), S0),
                (_s("sbc", 0.01, 4, outer=SQRT_N), S3),
                (_s("fedavg", 1.0, 1), S0),
