@@ -124,7 +124,7 @@ class SBC(tf.Module):
             :meth:`exchange_gradients`) exchange gradients and are not affected.
         outer: weight mode only: the outer step that turns each sync's averaged update into
             the change of the shared weights (:mod:`horovod_sbc.tensorflow.outer`: ``Plain()``,
-            the default, ``Plain(lr=sqrt(N))`` with Adam-family optimizers,
+            the default, ``Plain(lr=sqrt(N))`` with Adam-family optimizers at delay 1,
             ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
             drop-in's ``outer=``; its state is saved with this module.
         name: the ``tf.Module`` name.

@@ -10,7 +10,7 @@ At a sync every rank decodes the same average ``U``; the outer step turns it int
 ``D`` of the shared weights ``W_ref``:
 
 * :class:`Plain` -- ``D = lr * U`` (``Plain()``, lr 1, is the default: the average is decoded
-  straight into ``W_ref``; ``lr = sqrt(N)`` for adaptive inner optimizers).
+  straight into ``W_ref``; ``lr = sqrt(N)`` for adaptive inner optimizers at delay 1).
 * :class:`Nesterov` -- DiLoCo's outer SGD with Nesterov momentum on the pseudo-gradient ``-U``:
   ``v <- momentum * v + U``, ``D = lr * (U + momentum * v)``.
 * :class:`ErrorDecay` -- SparseLoCo's decayed error feedback: ``D = lr * U`` and every rank's
@@ -37,7 +37,7 @@ class Plain(tf.Module):
 
     Args:
         lr: the outer learning rate, in (0, 16]; ``sqrt(N)`` for N ranks with an adaptive
-            inner optimizer (Adam, AdamW, RMSprop), 1 with momentum SGD; see
+            inner optimizer (Adam, AdamW, RMSprop) at ``delay=1``, 1 with momentum SGD; see
             :class:`horovod_sbc.torch.outer.Plain`.
     """
 

@@ -447,13 +447,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         outer: the outer step that turns each sync's averaged update ``U`` into the change of
             the shared weights (:mod:`horovod_sbc.torch.outer`): ``None`` or ``Plain()``
             (default): ``W_ref += U``, as in the SBC paper; ``Plain(lr=sqrt(N))`` for N ranks
-            with an adaptive optimizer (Adam, AdamW: the average of N normalized updates is
-            up to sqrt(N) shorter than one step on the averaged gradient);
+            with an adaptive optimizer at ``delay=1`` (Adam, AdamW: the average of N
+            normalized updates is up to sqrt(N) shorter than one step on the averaged
+            gradient);
             ``Nesterov(lr=0.7, momentum=0.9)``: DiLoCo's outer Nesterov momentum on the
             pseudo-gradient ``-U`` (arXiv 2311.08105); ``ErrorDecay(decay, lr)``: SparseLoCo's
-            decayed error feedback (arXiv 2508.15706). The live weights of a rank whose residual lives in them move by the
-            same change, so its unsent residual stays. Its state (momentum buffers) is
-            identical on every rank and saved in ``state_dict()``.
+            decayed error feedback (arXiv 2508.15706). The live weights of a rank whose
+            residual lives in them move by the same change, so its unsent residual stays. Its
+            state (momentum buffers) is identical on every rank and saved in
+            ``state_dict()``.
 
     Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not

@@ -7,7 +7,8 @@ the weights, to every rank's live weights by the same ``D``, so each rank's unse
 ``W - W_ref`` is unchanged by it):
 
 * :class:`Plain` -- ``D = lr * U`` (the SBC paper, FedAvg / local SGD at ``lr = 1``, the
-  default); no state. ``lr = sqrt(N)`` for adaptive inner optimizers (see there).
+  default); no state. ``lr = sqrt(N)`` for adaptive inner optimizers at ``delay=1`` (see
+  there).
 * :class:`Nesterov` -- DiLoCo's outer optimizer (Douillard et al., "DiLoCo: Distributed
   Low-Communication Training of Language Models", arXiv 2311.08105): ``-U`` is a
   *pseudo-gradient* fed to SGD with Nesterov momentum.
@@ -37,11 +38,13 @@ class Plain:
 
     Args:
         lr: the outer learning rate, in (0, 16]. With an adaptive inner optimizer (Adam,
-            AdamW, RMSprop, Adagrad) use ``lr = sqrt(N)`` for N ranks: each rank's update is
-            normalized by its own second moment, so where gradient noise dominates the N
-            updates point partly different ways, and their average is up to ``sqrt(N)`` times
-            shorter than the step the same optimizer takes on the averaged gradient. Momentum
-            SGD's updates are linear in the gradients: keep ``lr = 1`` there.
+            AdamW, RMSprop, Adagrad) and ``delay=1`` use ``lr = sqrt(N)`` for N ranks: each
+            rank's update is normalized by its own second moment, so where gradient noise
+            dominates the N updates point partly different ways, and their average is up to
+            ``sqrt(N)`` times shorter than the step the same optimizer takes on the averaged
+            gradient. Over several local steps (``delay > 1``) the ranks' updates agree more and
+            ``sqrt(N)`` can overshoot. Momentum SGD's updates are linear in the gradients: keep
+            ``lr = 1`` there.
     """
 
     kind = "plain"
