@@ -59,6 +59,8 @@ PARTS = {
                 "title": "transformer LM, AdamW (warm-up + cosine), documents by worker"},
     "lm_iid": {"task": "transformer", "partition": "iid",
                "title": "transformer LM, AdamW (warm-up + cosine), IID windows"},
+    "lm_iid8": {"task": "transformer", "partition": "iid", "workers": 8,
+                "title": "transformer LM, AdamW (warm-up + cosine), IID windows, 8 workers"},
 }
 
 BASELINES = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock")]
@@ -214,6 +216,11 @@ ADAPTIVE: Dict[str, List[tuple]] = {
                (_s("sbc", 0.01, 4, outer=SQRT_N), S3),
                (_s("fedavg", 1.0, 1), S0),
                (_s("fedavg", 1.0, 1, outer=SQRT_N), S0)],
+    # does the factor follow sqrt(N)? 8 workers: lr 1, 2 and sqrt(8)
+    "lm_iid8": [(_s("none"), S0),
+                (_s("fedavg", 1.0, 1), S0),
+                (_s("fedavg", 1.0, 1, outer=["plain", 2.0]), S0),
+                (_s("fedavg", 1.0, 1, outer=["plain", 2.828]), S0)],
 }
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE}
 
@@ -229,7 +236,8 @@ def study_jobs(parts: Sequence[str], quick: bool = False,
                                    "seeds": S0, "runs": [dict(spec, steps=40)]}))
             continue
         for spec, seeds in study.get(part, []):
-            out.append((part, {"workers": 4, "partition": PARTS[part]["partition"],
+            out.append((part, {"workers": PARTS[part].get("workers", 4),
+                               "partition": PARTS[part]["partition"],
                                "seeds": list(seeds), "runs": [spec]}))
     return out
 
