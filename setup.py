@@ -20,7 +20,7 @@ setup(
     extras_require={
         "torch": ["torch>=2.0"],
         "tensorflow": ["tensorflow-cpu>=2.15; platform_machine=='x86_64'"],
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6", "scikit-learn>=1.2"],
+        "test": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6", "scikit-learn>=1.2"],
         "bench": ["matplotlib>=3.6", "tqdm>=4", "mnist1d>=0.0.2"],
     },
     license="Apache-2.0",

@@ -44,3 +44,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("multirank") or item.path.name in _JOB_FILES:
             item.add_marker(pytest.mark.xdist_group("jobs"))
+
+
+def pytest_configure(config):
+    """Refuse, with the reason, a pytest that breaks ``--dist loadgroup``: from pytest 9.2 on,
+    pytest-xdist (3.8.0 and before) no longer suffixes the grouped node ids
+    (pytest-dev/pytest-xdist#1386), so the job tests would be spread over both workers and two
+    multi-rank jobs would run at once on 2 cores (twice the time, timeouts)."""
+    if config.getvalue("dist") != "loadgroup":
+        return
+    from importlib.metadata import version
+    from packaging.version import Version
+    if Version(pytest.__version__) >= Version("9.2") and \
+            Version(version("pytest-xdist")) <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')}: "
+            "--dist loadgroup does not group tests (pytest-dev/pytest-xdist#1386); `make "
+            "install` installs the pinned pytest<9.2")
