@@ -25,6 +25,9 @@ bench: install
 	$(PY) -m benchmarks.bench soak --json benchmarks/results/soak.json
 	$(PY) -m benchmarks.bench tf-train --json benchmarks/results/tf_vs_torch.json
 	$(PY) -m benchmarks.quality --resume --json benchmarks/results/quality.json
+	$(PY) -m benchmarks.quality --study screen --parts iid,skewed,lm_docs --resume --json benchmarks/results/quality_screen.json
+	$(PY) -m benchmarks.quality --study shared --parts iid,skewed --resume --json benchmarks/results/quality_shared.json
+	$(PY) -m benchmarks.quality --study adaptive --parts lm_docs,lm_iid,lm_iid8 --resume --json benchmarks/results/quality_adaptive.json
 
 fuzz: install
 	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} DIFF_TF_EVERY=10 \
