@@ -51,7 +51,7 @@ def pytest_configure(config):
     pytest-xdist (3.8.0 and before) no longer suffixes the grouped node ids
     (pytest-dev/pytest-xdist#1386), so the job tests would be spread over both workers and two
     multi-rank jobs would run at once on 2 cores (twice the time, timeouts)."""
-    if config.getvalue("dist") != "loadgroup":
+    if config.getoption("dist", None) != "loadgroup":
         return
     from importlib.metadata import version
     from packaging.version import Version
