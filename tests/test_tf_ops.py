@@ -379,6 +379,47 @@ def test_the_tensor_op_path_has_no_int64_segment_reduction(mode):
     assert not {t for t in found if t[1] == tf.int64}, sorted(found)
 
 
+def test_the_device_stream_verdict_is_the_protocols():
+    """``host.stream_faults`` (the verdict in TF ops, on the device) flags a message exactly
+    when ``protocol.check_stream`` raises for it: every kind of message, and statistics at the
+    edges of each check, ``(max_q << b) + max_r`` far beyond int64 included."""
+    from horovod_sbc import protocol, wire
+    from horovod_sbc.tensorflow.backend import host as tfhost
+    from horovod_sbc.tensorflow.backend.table import (C_B, C_COUNT, C_KIND, C_NUMEL, K_ALL_SIGNS,
+                                                      K_ALL_VALUES, K_SIGNS, K_VALUES, N_COLS)
+    rng = np.random.default_rng(5)
+    rows, stats, want = [], [], []
+    for case in range(4000):
+        kind = int(rng.integers(0, 5))
+        numel = int(rng.choice([1, 2, 7, 1000, 2 ** 40, 2 ** 62 - 1]) if case % 3 else
+                    rng.integers(1, 5000))
+        count = 0 if case % 11 == 0 else int(rng.integers(1, min(numel, 10 ** 6) + 1))
+        every = kind in (K_ALL_SIGNS, K_ALL_VALUES)
+        b = 0 if every else int(rng.choice([0, 1, 5, 31, 61, 62]))
+        edge = lambda x: int(rng.choice([0, 1, max(x - 1, 0), x, x + 1, 2 ** 62]))  # noqa: E731
+        max_r = edge(numel) if case % 4 == 0 else int(rng.integers(0, 2 ** min(b, 62) + 1))
+        room = max(numel - 1 - max_r, 0) >> b
+        st = protocol.StreamStats(
+            ones=count if case % 7 else count + int(rng.choice([-1, 1])),
+            unary_last_zero=case % 13 == 0, max_q=edge(room), max_r=max_r,
+            rem_pad_nonzero=case % 17 == 0, pos_max=edge(numel) - 1,
+            sign_pad_nonzero=case % 5 == 0, nonfinite=int(case % 9 == 0))
+        msg = wire.TensorMessage(numel, count, b, 0.0, False, kind in (K_VALUES, K_ALL_VALUES),
+                                 (0, 0), (0, 0), (0, 0), kind in (K_SIGNS, K_ALL_SIGNS), every)
+        try:
+            protocol.check_stream(msg, st, "t")
+            want.append(False)
+        except ValueError:
+            want.append(True)
+        row = [0] * N_COLS
+        row[C_COUNT], row[C_B], row[C_KIND], row[C_NUMEL] = count, b, kind, numel
+        rows.append(row)
+        stats.append([int(v) for v in st])
+    got = tfhost.stream_faults(tf.constant(rows, tf.int64), tf.constant(stats, tf.int64))
+    assert got.numpy().tolist() == want
+    assert 0.2 < np.mean(want) < 0.9  # both verdicts are exercised
+
+
 def test_int64_segment_max_through_int32_is_exact():
     """The int32 replacement of int64 ``segment_max`` (position and gap statistics the verdict
     reads) gives TensorFlow's own results, extremes and empty segments included."""
@@ -461,20 +502,33 @@ _HOST_STEPS = textwrap.dedent("""
         if k not in seen:
             seen.add(k)
             todo += nodes.get(k, ("", []))[1]
-    print(json.dumps({"pyfunc": sum(t in ("PyFunc", "EagerPyFunc") for t, _ in nodes.values()),
+    lib = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    branches = {n.attr[a].func.name for f in [graph.as_graph_def()] + list(lib.values())
+                for n in (f.node if hasattr(f, "node") else f.node_def)
+                if n.op in ("If", "StatelessIf") for a in ("then_branch", "else_branch")}
+    host = [("main", op.name.split("/")[-1]) for op in graph.get_operations()
+            if op.type in ("PyFunc", "EagerPyFunc")]
+    host += [("branch" if fn in branches else "function", n.name.split("/")[-1])
+             for fn, f in lib.items() for n in f.node_def if n.op in ("PyFunc", "EagerPyFunc")]
+    print(json.dumps({"host": sorted({(w, n.rstrip("_0123456789")) for w, n in host}),
+                      "pyfunc": len(host),
                       "before": sorted(nodes[k][0] for k in seen if "PyFunc" in nodes[k][0]),
                       "gathers": len(gather)}))
 """)
 
 
 @pytest.mark.parametrize("capacity", [None, 4000], ids=["variable", "fixed-size"])
-def test_an_exchange_has_two_host_steps_and_none_before_the_allgather(capacity):
+def test_an_exchange_has_one_host_step_and_none_before_the_allgather(capacity):
     """On the ops backend (the path GPU tensors take) the step message is framed in TF ops on
-    the device: nothing the allgather waits for runs on the host; the decode's parse and stream
-    verdict are the exchange's only host steps."""
+    the device: nothing the allgather waits for runs on the host; the decode's parse is the
+    exchange's one host step, and the stream verdict's host step lies only in the branch a
+    failed verdict takes (to word its error)."""
     out = subprocess.run([sys.executable, "-c", _HOST_STEPS.replace("CAPACITY", repr(capacity))],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, HOROVOD_SBC_KERNELS="0"))  # the GPU's path
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"pyfunc": 2, "before": [], "gathers": 1}, got
+    # the parse on every step; the stream verdict's host step only in the branch a failed
+    # verdict takes (its exact error message), the verdict itself in TF ops
+    assert got == {"host": [["branch", "sbc_verdict"], ["main", "sbc_parse"]], "pyfunc": 2,
+                   "before": [], "gathers": 1}, got

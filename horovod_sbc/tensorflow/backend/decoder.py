@@ -6,12 +6,12 @@ The four pieces of every decode (:mod:`.host`), here:
 2. **streams (TF ops)** — :func:`.streams.decode`: every message of every kind at once,
    positions as keys into the concatenated layout and the protocol's statistics; one graph
    function for every step and layout.
-3. **verdict (host)** — ``check(stats)``; the accumulation depends on it (control dependency),
+3. **verdict (device)** — ``check(stats)``; the accumulation depends on it (control dependency),
    so nothing is added before it passed.
 4. **accumulate (TF ops)** — :mod:`.accumulate`: by rank masks for a step of binary messages
    into fresh float32 zeros, the fold otherwise; the same bits either way.
 
-The host steps are O(messages); the streams a few ops per decoded position; the accumulation
+The parse is O(messages) on the host; the streams a few ops per decoded position; the accumulation
 O(positions) plus the outputs. ``benchmarks/bench_tf_codec.py`` measures the decoder against a
 ``tf.add`` of the same size.
 """
@@ -32,7 +32,7 @@ def decode(gathered: tf.Tensor, table: tf.Tensor, check, numels: Sequence[int], 
     ``float32(float64(value) * scale)`` of every rank at its positions, rank after rank.
 
     ``gathered`` is the flat uint8 step buffer, ``table`` the host parse's int64
-    ``[n_ranks * len(numels), N_COLS]`` and ``check(stats)`` the host verdict (:func:`.host.parse`).
+    ``[n_ranks * len(numels), N_COLS]`` and ``check(stats)`` the verdict (:func:`.host.parse`).
     """
     if not numels:
         return []

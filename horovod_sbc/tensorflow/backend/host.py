@@ -1,7 +1,7 @@
-"""The host half of every TensorFlow decode: the parse of a gathered step and the verdict on its
-streams, in exact Python integers (:mod:`horovod_sbc.protocol`), run by ``tf.numpy_function``;
-and the CPU kernel backend's step framing (:func:`frame`; the ops backend frames on the device,
-:mod:`.frame`).
+"""The host half of every TensorFlow decode: the parse of a gathered step, in exact Python
+integers (:mod:`horovod_sbc.protocol`), run by ``tf.numpy_function``; the verdict on its streams
+(in TF ops, with a host step only to name what failed); and the CPU kernel backend's step
+framing (:func:`frame`; the ops backend frames on the device, :mod:`.frame`).
 
 Both backends decode in four pieces, the same eagerly and inside ``tf.function``:
 
@@ -12,8 +12,11 @@ Both backends decode in four pieces, the same eagerly and inside ``tf.function``
    (:mod:`.table`: stream offsets, count, Rice b, kind, value bits).
 2. **streams (the backend)** — positions and the per-message statistics the protocol judges
    (:class:`horovod_sbc.protocol.StreamStats`).
-3. **verdict (host, here)** — :func:`horovod_sbc.protocol.check_stream` on those O(1)-per-message
-   statistics. Nothing is added to any output before it passed (a control dependency).
+3. **verdict (device, here)** — :func:`stream_faults`, :func:`horovod_sbc.protocol.check_stream`
+   on those O(1)-per-message statistics in TF ops. Only when a message fails does a host step
+   (:func:`check_stats_host`, inside the ``tf.cond`` branch a failure takes) run
+   ``check_stream`` itself for the exact error. Nothing is added to any output before the
+   verdict passed (a control dependency).
 4. **accumulate (the backend)** — ``scale`` x every rank's decoded tensor, rank after rank at
    every element, into the outputs.
 
@@ -31,7 +34,8 @@ import tensorflow as tf
 
 from ... import protocol, wire
 from .codec import Encoded, header_bytes_host
-from .table import K_ALL_SIGNS, K_ALL_VALUES, K_BINARY, K_SIGNS, K_VALUES, N_COLS
+from .table import (C_B, C_COUNT, C_KIND, C_NUMEL, K_ALL_SIGNS, K_ALL_VALUES, K_BINARY, K_SIGNS,
+                    K_VALUES, N_COLS)
 
 
 class SyncCode(enum.IntEnum):
@@ -117,8 +121,10 @@ def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_r
 def check_stats_host(buf: np.ndarray, code, stats: np.ndarray,
                      layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
                      single: bool) -> np.int32:
-    """Step 3: :func:`horovod_sbc.protocol.check_stream` on the backend's statistics (check f).
-    The headers are parsed again (stateless; O(number of tensors) on the compressed bytes)."""
+    """Step 3 on the host, run only once :func:`stream_faults` found a problem: raise the
+    ``ValueError`` of :func:`horovod_sbc.protocol.check_stream` for the first message that
+    fails (check f). The headers are parsed again (stateless; O(number of tensors) on the
+    compressed bytes)."""
     if int(code) != COMMIT:
         return np.int32(0)
     flat = _parse(np.asarray(buf, np.uint8).tobytes(), layout, n_ranks, single)
@@ -128,13 +134,36 @@ def check_stats_host(buf: np.ndarray, code, stats: np.ndarray,
             protocol.check_stream(msg, st, name)
     except ValueError as e:
         raise _remember(e)
-    return np.int32(0)
+    raise _remember(AssertionError(  # the device verdict and the protocol must agree
+        "horovod_sbc: the TensorFlow stream verdict found a problem that "
+        "protocol.check_stream does not; please report this"))
+
+
+def stream_faults(table: tf.Tensor, stats: tf.Tensor) -> tf.Tensor:
+    """Step 3 in TF ops, on the tensors' device: bool per message, True where
+    :func:`horovod_sbc.protocol.check_stream` raises for that row of ``table`` (int64
+    ``[M, N_COLS]``) and of ``stats`` (int64 ``[M, 8]``, the fields of
+    :class:`horovod_sbc.protocol.StreamStats` in order). ``(max_q << b) + max_r >= numel`` is
+    tested without overflowing int64 as ``max_r >= numel or max_q > (numel - 1 - max_r) >> b``
+    (``b <= 62``)."""
+    count, b, kind, numel = (table[:, c] for c in (C_COUNT, C_B, C_KIND, C_NUMEL))
+    ones, last_zero, max_q, max_r, rem_pad, pos_max, sign_pad, nonfinite = tf.unstack(
+        stats, 8, axis=1)
+    every = (kind == K_ALL_SIGNS) | (kind == K_ALL_VALUES)
+    signs = (kind == K_SIGNS) | (kind == K_ALL_SIGNS)
+    values = (kind == K_VALUES) | (kind == K_ALL_VALUES)
+    room = tf.bitwise.right_shift(tf.maximum(numel - 1 - max_r, 0), b)
+    out_of_range = (max_r >= numel) | (max_q > room) | (pos_max >= numel)
+    positions = (count > 0) & ~every & ((last_zero != 0) | (ones != count) | (rem_pad != 0)
+                                        | out_of_range)
+    return positions | (signs & (sign_pad != 0)) | (values & (nonfinite != 0))
 
 
 def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool = False,
           strict: bool = True) -> Tuple[tf.Tensor, tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
     """Steps 1 and 3 as graph ops: ``(code, table, check)``; ``check(stats)`` (int64 ``[M, 8]``
-    statistics rows) returns the verdict op that must run, and pass, before anything is added.
+    statistics rows) returns the verdict op that must run, and pass, before anything is added:
+    TF ops, and a host step only on the branch taken when a message failed.
     ``gathered`` is flat uint8; see :func:`parse_host` for the arguments."""
     def parse_fn(g, f):
         return parse_host(g, layout, n_ranks, bool(f), single, strict)
@@ -145,9 +174,14 @@ def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool 
     table.set_shape([n_ranks * len(layout), N_COLS])
 
     def check(stats):
-        return tf.numpy_function(
-            lambda g, c, st: check_stats_host(g, c, st, layout, n_ranks, single),
-            [gathered, code, stats], tf.int32, stateful=True, name="sbc_verdict")
+        fault = tf.equal(code, int(COMMIT)) & tf.reduce_any(stream_faults(table, stats))
+
+        def explain():  # the host only when a message failed: its exact error
+            return tf.numpy_function(
+                lambda g, c, st: check_stats_host(g, c, st, layout, n_ranks, single),
+                [gathered, code, stats], tf.int32, stateful=True, name="sbc_verdict")
+
+        return tf.cond(fault, explain, lambda: tf.constant(0, tf.int32))
 
     return code, table, check
 

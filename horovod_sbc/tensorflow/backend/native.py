@@ -69,7 +69,7 @@ def encode(mod, update: Optional[tf.Tensor], residual: tf.Tensor, k: int, select
 
 def decode(mod, gathered: tf.Tensor, table: tf.Tensor, check, numels: Sequence[int],
            outs, scale: float) -> List[tf.Tensor]:
-    """Flat float32 results: decode the streams, let ``check(stats)`` (the host verdict) pass,
+    """Flat float32 results: decode the streams, let ``check(stats)`` (the verdict) pass,
     then add every rank's values, in rank order, to ``outs`` (or zeros)."""
     stats, pos = mod.sbc_decode(gathered, table, columns=list(DECODE_COLUMNS))
     ok = check(stats)

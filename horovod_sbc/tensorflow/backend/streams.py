@@ -4,7 +4,7 @@ Input: the gathered buffer and the host parse's table (:mod:`.table`: one row pe
 canonical (rank, tensor) order). Output: per decoded element (one per position a message
 declares, message-major, so each message's elements are one contiguous slice) its *key* (the
 tensor's offset in the concatenated layout + the position) and its message; per message the
-:class:`horovod_sbc.protocol.StreamStats` row that the host verdict judges. Values are read by
+:class:`horovod_sbc.protocol.StreamStats` row that the verdict judges. Values are read by
 :func:`element_bits`, only where an accumulation needs them per element.
 
 Per element, about twenty int64 ops, three gathers and one running sum, with no branch per
