@@ -599,8 +599,8 @@ class SBC(tf.Module):
             self._alone = None
             warnings.warn(
                 "horovod_sbc: stock hvd.DistributedGradientTape hands SBC one gradient at a "
-                "time, so each gradient is an exchange of its own (an allgather and 2 host "
-                "round trips each); pass num_groups=1 (or groups=1) to "
+                "time, so each gradient is an exchange of its own (an allgather and a host "
+                "round trip each); pass num_groups=1 (or groups=1) to "
                 "hvd.DistributedGradientTape to exchange all gradients of a step at once.",
                 stacklevel=4)
             return
