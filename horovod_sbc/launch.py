@@ -27,7 +27,7 @@ BIN = Path(sys.executable).parent
 LAUNCHERS = ("mpirun", "horovodrun-mpi", "horovodrun-gloo", "torchrun")
 #: the variables mpirun must forward to its ranks (``-x``)
 ENV_NAMES = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL",
-             "HOROVOD_LOG_LEVEL")
+             "HOROVOD_LOG_LEVEL", "PYTHONFAULTHANDLER")
 
 
 class JobTimeout(RuntimeError):
@@ -54,6 +54,7 @@ def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                "PYTHONFAULTHANDLER": env.get("PYTHONFAULTHANDLER", "1"),
                 "HOROVOD_LOG_LEVEL": env.get("HOROVOD_LOG_LEVEL", "warning"),
                 "OMPI_MCA_mpi_yield_when_idle": env.get("OMPI_MCA_mpi_yield_when_idle", "1")})
     env.update(extra or {})
@@ -107,13 +108,56 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        alive = _dump_stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         t.join(5)
-        raise JobTimeout(cmd, timeout, "".join(lines)) from None
+        raise JobTimeout(cmd, timeout, "".join(lines) + alive) from None
     t.join(10)
     _log_job(cmd, time.monotonic() - t0, _children_cpu() - cpu0)
     return proc.returncode, "".join(lines)
+
+
+def _descendants(root: int) -> List[Tuple[int, str, str]]:
+    """(pid, state, command line) of ``root`` and its live descendants (Open MPI starts its
+    ranks in process groups of their own), parents first."""
+    procs = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        procs[int(d)] = (int(fields[1]), fields[0], args[:160])
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        if pid in procs:
+            out.append((pid, procs[pid][1], procs[pid][2]))
+            todo += sorted(p for p, (ppid, _, _) in procs.items() if ppid == pid)
+    return out
+
+
+def _dump_stacks(root: int) -> str:
+    """A hung job's account before it is killed: every process the launcher ``root`` started
+    gets SIGABRT, on which a Python process started with ``PYTHONFAULTHANDLER=1`` (as
+    :func:`job_env` sets) prints the stack of each of its threads to the job's output; returns
+    the list of the job's processes that were alive."""
+    members = _descendants(root)
+    for pid, _, _ in reversed(members[1:]):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+    if len(members) > 1:
+        time.sleep(3)  # time to write the stacks through the launcher's output
+    return "\n--- processes alive at the timeout (pid, state, command) ---\n" + "".join(
+        f"{pid} {state} {args}\n" for pid, state, args in members)
 
 
 def _children_cpu() -> float:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from harness import BIN, RankJobError, run_ranks
+from harness import BIN, WORKERS, RankJobError, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -42,7 +42,14 @@ def test_variable_length_uint8_allgather(fw, np_, controller):
 
 
 def test_hung_worker_fails_within_timeout():
+    """A hung job fails within its timeout, and its error shows where it hung: the stack of
+    each rank (rank 1 asleep in hang.py, rank 0 waiting in Horovod's allreduce) and the
+    processes that were alive."""
     t0 = time.monotonic()
-    with pytest.raises(RankJobError, match="did not finish within 20 s"):
+    with pytest.raises(RankJobError, match="did not finish within 20 s") as e:
         run_ranks("hang.py", 2, timeout=20)
     assert time.monotonic() - t0 < 40
+    out = e.value.output
+    assert "processes alive at the timeout" in out and "hang.py" in out.split("alive")[-1], out
+    assert 'File "' + str(WORKERS / "hang.py") + '", line 10' in out, out  # time.sleep
+    assert "synchronize" in out, out  # rank 0 inside hvd.allreduce
