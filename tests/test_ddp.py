@@ -1,10 +1,11 @@
 """SBC for torch.distributed (DDP comm hook, model averager) on real torchrun jobs, gloo."""
 import tempfile
 import time
+import warnings
 
 import pytest
 
-from harness import ROOT, SharedJob, run_ranks
+from harness import ROOT, RankJobError, SharedJob, run_ranks
 
 pytestmark = pytest.mark.multirank
 CKPT = tempfile.mkdtemp(prefix="sbc-ddp-ckpt-")
@@ -109,9 +110,21 @@ def test_checkpoint_resumes_hook_and_averager_bit_identically():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["hook", "averager"])
 def test_example_trains_digits_with_identical_ranks(method):
-    _, out = run_ranks(str(ROOT / "examples" / "pytorch_ddp_sbc.py"), 2,
-                       ["--method", method, "--epochs", "8"], timeout=300,
-                       controller="torchrun", raw=True)
+    """The DDP example under torchrun. Once in a clean-clone run the job printed its result and
+    then did not exit within 300 s (torch's process-group teardown or torchrun's exit; the
+    timeout now dumps the stacks of the processes alive): such a job is run once more, with a
+    warning, and its result is judged either way."""
+    args = ["--method", method, "--epochs", "8"]
+    try:
+        _, out = run_ranks(str(ROOT / "examples" / "pytorch_ddp_sbc.py"), 2, args, timeout=150,
+                           controller="torchrun", raw=True)
+    except RankJobError as e:
+        if "did not finish" not in str(e) or f"{method} on 2 ranks" not in e.output:
+            raise
+        warnings.warn(f"the DDP example hung after printing its result; once more. Its output "
+                      f"and stacks:\n{e.output[-6000:]}")
+        _, out = run_ranks(str(ROOT / "examples" / "pytorch_ddp_sbc.py"), 2, args, timeout=150,
+                           controller="torchrun", raw=True)
     line = next(ln for ln in out.splitlines() if ln.startswith(f"{method} on 2 ranks"))
     assert "ranks identical: True" in line, line
     acc = float(line.split("accuracy ")[1].split("%")[0])
