@@ -64,7 +64,8 @@ GRID_DELAYS = (1, 4, 16)
 # launching jobs (shared with bench_net)
 # ------------------------------------------------------------------------------------------------
 # the launcher, the job environment and the interpreter are shared with the tests
-from horovod_sbc.launch import ENV_NAMES, job_env, launcher_prefix, python_exe  # noqa: E402,F401
+from horovod_sbc.launch import (ENV_NAMES, job_env, kill_session, launcher_prefix,  # noqa: E402,F401
+                                python_exe)
 
 
 def run_stats(comp, method: str, numel: int, steps: int) -> Dict[str, int]:
@@ -139,23 +140,6 @@ def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: float,
     return results
 
 
-def _session_pids(sid: int) -> List[int]:
-    """Processes of session ``sid`` (the job we started with start_new_session: mpirun puts its
-    ranks in process groups of their own, but they stay in this session)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                st = f.read()
-            if int(st[st.rindex(")") + 2:].split()[3]) == sid:  # field 6: session id
-                pids.append(int(d))
-        except (OSError, ValueError, IndexError):
-            pass
-    return pids
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     """End the job we started: SIGTERM to mpirun (it forwards it to the ranks), then SIGKILL to
     whatever of its session is left; then reap it."""
@@ -164,11 +148,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         pass
-    for pid in _session_pids(proc.pid) if os.path.isdir("/proc") else []:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    kill_session(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -109,7 +109,7 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         alive = _dump_stacks(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
         proc.wait()
         t.join(5)
         raise JobTimeout(cmd, timeout, "".join(lines) + alive) from None
@@ -118,11 +118,12 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
     return proc.returncode, "".join(lines)
 
 
-def _descendants(root: int) -> List[Tuple[int, str, str]]:
-    """(pid, state, command line) of ``root`` and its live descendants (Open MPI starts its
-    ranks in process groups of their own), parents first."""
-    procs = {}
-    for d in os.listdir("/proc"):
+def session_processes(sid: int) -> List[Tuple[int, str, str]]:
+    """(pid, state, command line) of the live processes of session ``sid``: a job started with
+    ``start_new_session`` (as :func:`run` does), whose launcher's pid is ``sid``; mpirun puts its
+    ranks in process groups of their own, but they stay in its session."""
+    out = []
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not d.isdigit():
             continue
         try:
@@ -130,30 +131,35 @@ def _descendants(root: int) -> List[Tuple[int, str, str]]:
                 stat = f.read()
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 args = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if int(fields[3]) == sid:  # state, ppid, pgrp, session
+                out.append((int(d), fields[0], args[:160]))
+        except (OSError, ValueError, IndexError):
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        procs[int(d)] = (int(fields[1]), fields[0], args[:160])
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        if pid in procs:
-            out.append((pid, procs[pid][1], procs[pid][2]))
-            todo += sorted(p for p, (ppid, _, _) in procs.items() if ppid == pid)
-    return out
+    return sorted(out)
 
 
-def _dump_stacks(root: int) -> str:
-    """A hung job's account before it is killed: every process the launcher ``root`` started
-    gets SIGABRT, on which a Python process started with ``PYTHONFAULTHANDLER=1`` (as
-    :func:`job_env` sets) prints the stack of each of its threads to the job's output; returns
-    the list of the job's processes that were alive."""
-    members = _descendants(root)
-    for pid, _, _ in reversed(members[1:]):
+def kill_session(sid: int) -> None:
+    """SIGKILL every live process of session ``sid``."""
+    for pid, _, _ in session_processes(sid):
         try:
-            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def _dump_stacks(sid: int) -> str:
+    """A hung job's account before it is killed: every process of its session but the
+    launcher gets SIGABRT, on which a Python process started with ``PYTHONFAULTHANDLER=1`` (as
+    :func:`job_env` sets) prints the stack of each of its threads to the job's output; returns
+    the list of the job's processes that were alive."""
+    members = session_processes(sid)
+    for pid, _, _ in members:
+        if pid != sid:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except OSError:
+                pass
     if len(members) > 1:
         time.sleep(3)  # time to write the stacks through the launcher's output
     return "\n--- processes alive at the timeout (pid, state, command) ---\n" + "".join(
