@@ -96,7 +96,7 @@ def worker(cfg_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from horovod_sbc.torch import SBC
-    from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook
+    from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook, shutdown
 
     cfg = json.load(open(cfg_path))
     torch.set_num_threads(1)
@@ -196,8 +196,7 @@ def worker(cfg_path: str) -> None:
                 print(f"seed {seed} {m['label']:<28} acc {100 * res['accuracy']:.2f}%  "
                       f"bits {res['upstream_bits']:.3g}  {1000 * res['step_time_s']:.2f} ms/step",
                       flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from horovod_sbc.torch import SBC
-from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook
+from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook, shutdown
 
 
 def load_data(name: str):
@@ -128,8 +128,7 @@ def main():
             print(f"measured density {st['positions_sent'] / max(1, st['elements_synced']):.4f}, "
                   f"syncs {st['syncs']}, bits on the wire incl. padding "
                   f"{st['transport_upstream_bits']}")
-    dist.barrier()  # every rank is done with the group before it is torn down
-    dist.destroy_process_group()
+    shutdown()  # barrier, then the group torn down (see horovod_sbc.torch.ddp.shutdown)
 
 
 if __name__ == "__main__":

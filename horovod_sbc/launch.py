@@ -119,10 +119,11 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
 
 
 def session_processes(sid: int) -> List[Tuple[int, str, str]]:
-    """(pid, state, command line) of the live processes of session ``sid``: a job started with
-    ``start_new_session`` (as :func:`run` does), whose launcher's pid is ``sid``; mpirun puts its
-    ranks in process groups of their own, but they stay in its session."""
-    out = []
+    """(pid, state, command line) of the live processes of the job whose launcher, started with
+    ``start_new_session`` (as :func:`run` does), has pid ``sid``: the members of its session
+    (mpirun puts its ranks in process groups of their own, but they stay in its session) and
+    every descendant of the launcher (torchrun starts its workers in sessions of their own)."""
+    procs = {}
     for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not d.isdigit():
             continue
@@ -131,12 +132,19 @@ def session_processes(sid: int) -> List[Tuple[int, str, str]]:
                 stat = f.read()
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 args = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-            if int(fields[3]) == sid:  # state, ppid, pgrp, session
-                out.append((int(d), fields[0], args[:160]))
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+            procs[int(d)] = (fields[0], int(fields[1]), int(fields[3]), args[:160])
         except (OSError, ValueError, IndexError):
             continue
-    return sorted(out)
+    members = {pid for pid, (_, _, session, _) in procs.items() if session == sid}
+    todo = list(members | ({sid} if sid in procs else set()))
+    while todo:
+        parent = todo.pop()
+        for pid, (_, ppid, _, _) in procs.items():
+            if ppid == parent and pid not in members:
+                members.add(pid)
+                todo.append(pid)
+    return sorted((pid, procs[pid][0], procs[pid][3]) for pid in members)
 
 
 def kill_session(sid: int) -> None:
@@ -148,20 +156,41 @@ def kill_session(sid: int) -> None:
             pass
 
 
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and has not exited (a zombie waits for its paused parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
 def _dump_stacks(sid: int) -> str:
-    """A hung job's account before it is killed: every process of its session but the
-    launcher gets SIGABRT, on which a Python process started with ``PYTHONFAULTHANDLER=1`` (as
-    :func:`job_env` sets) prints the stack of each of its threads to the job's output; returns
-    the list of the job's processes that were alive."""
+    """A hung job's account before it is killed: the launcher ``sid`` is paused (so that it
+    cannot end the other processes first), then every other process of the job gets SIGABRT,
+    one at a time, on which a Python process started with ``PYTHONFAULTHANDLER=1`` (as
+    :func:`job_env` sets) prints the stack of each of its threads; the launcher then resumes to
+    pass on what its ranks wrote. Returns the list of the job's processes that were alive."""
     members = session_processes(sid)
+    paused = _signal(sid, signal.SIGSTOP)
     for pid, _, _ in members:
-        if pid != sid:
-            try:
-                os.kill(pid, signal.SIGABRT)
-            except OSError:
-                pass
+        if pid != sid and _signal(pid, signal.SIGABRT):
+            end = time.monotonic() + 2
+            while _running(pid) and time.monotonic() < end:
+                time.sleep(0.05)
+    if paused:
+        _signal(sid, signal.SIGCONT)
     if len(members) > 1:
-        time.sleep(3)  # time to write the stacks through the launcher's output
+        time.sleep(1)  # time to pass the stacks through the launcher's output
     return "\n--- processes alive at the timeout (pid, state, command) ---\n" + "".join(
         f"{pid} {state} {args}\n" for pid, state, args in members)
 

@@ -53,3 +53,17 @@ def test_hung_worker_fails_within_timeout():
     assert "processes alive at the timeout" in out and "hang.py" in out.split("alive")[-1], out
     assert 'File "' + str(WORKERS / "hang.py") + '", line 10' in out, out  # time.sleep
     assert "synchronize" in out, out  # rank 0 inside hvd.allreduce
+
+
+def test_hung_torchrun_job_shows_its_stacks_and_leaves_no_process():
+    """torchrun starts its workers in sessions of their own: a hung job's workers are still
+    found, print their stacks, and none outlives the job (one once did, for 44 minutes)."""
+    worker = str(WORKERS / "hang_ddp.py")
+    with pytest.raises(RankJobError, match="did not finish within 15 s") as e:
+        run_ranks(worker, 2, timeout=15, controller="torchrun", raw=True)
+    out = e.value.output
+    assert f'File "{worker}", line 8' in out, out  # rank 1 in time.sleep
+    assert f'File "{worker}", line 9' in out, out  # rank 0 in the barrier
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", worker], capture_output=True, text=True).stdout
+    assert not left.strip(), left

@@ -33,6 +33,7 @@ Granularity of the hook (``granularity=``):
   worse (see ``docs/ddp.md``); kept for comparison.
 """
 import enum
+import time
 import zlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -45,7 +46,7 @@ from .compressor import SBC
 from .sync import Update, named_parameters
 from .sync.transport import ProcessGroupTransport
 
-__all__ = ["Granularity", "SBCState", "sbc_hook", "SBCModelAverager"]
+__all__ = ["Granularity", "SBCState", "sbc_hook", "SBCModelAverager", "shutdown"]
 
 STATE_FORMAT = 1
 
@@ -364,3 +365,22 @@ class SBCModelAverager(ModelAverager):
         for name, p in self._named:
             if name in ref:
                 ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
+
+
+def shutdown(settle_s: float = 0.5) -> None:
+    """End a job of the default process group: a barrier, a pause of ``settle_s`` seconds, then
+    ``torch.distributed.destroy_process_group()``. Call it on every rank at the end instead of
+    ``destroy_process_group()`` alone.
+
+    Why the pause: torch's gloo backend frees each finished collective (and the tensors it
+    holds, which takes the GIL) on its own worker thread, a moment after the collective
+    completed; the process group's destructor joins those threads while holding the GIL. If the
+    last reference to the group (a DDP model's reducer holds one) goes away inside that moment,
+    the process deadlocks at exit. This was seen once with torch 2.13: the main thread in
+    ``~ProcessGroupGloo`` joining ``pt_gloo_runloop``, that thread in ``~AsyncAllgatherWork``
+    waiting for the GIL. During the pause the main thread holds no GIL, so the worker threads
+    finish first."""
+    dist.barrier()
+    time.sleep(settle_s)
+    dist.destroy_process_group()
+

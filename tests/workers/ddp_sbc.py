@@ -30,7 +30,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from horovod_sbc.torch import SBC  # noqa: E402
-from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook  # noqa: E402
+from horovod_sbc.torch.ddp import SBCModelAverager, SBCState, sbc_hook, shutdown  # noqa: E402
 
 MODE, KW = None, {}  # of the scenario running
 dist.init_process_group("gloo")
@@ -243,5 +243,4 @@ write_result(RANK, scenarios(sys.argv, run_scenario))
 # is alive, not in arbitrary order at interpreter exit: a reducer left from a hook that raised
 # aborted one rank there once ("terminate called without an active exception")
 gc.collect()
-dist.barrier()
-dist.destroy_process_group()
+shutdown()
