@@ -111,9 +111,9 @@ def test_checkpoint_resumes_hook_and_averager_bit_identically():
 @pytest.mark.parametrize("method", ["hook", "averager"])
 def test_example_trains_digits_with_identical_ranks(method):
     """The DDP example under torchrun. Once in a clean-clone run the job printed its result and
-    then did not exit within 300 s (torch's process-group teardown or torchrun's exit; the
-    timeout now dumps the stacks of the processes alive): such a job is run once more, with a
-    warning, and its result is judged either way."""
+    then did not exit within 300 s: gloo's teardown deadlocked on the GIL, which the example's
+    ``shutdown()`` now avoids. Should a job hang after printing its result again, it is run
+    once more, with a warning carrying its stacks, and its result is judged either way."""
     args = ["--method", method, "--epochs", "8"]
     try:
         _, out = run_ranks(str(ROOT / "examples" / "pytorch_ddp_sbc.py"), 2, args, timeout=150,
