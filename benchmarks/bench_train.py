@@ -64,7 +64,7 @@ GRID_DELAYS = (1, 4, 16)
 # launching jobs (shared with bench_net)
 # ------------------------------------------------------------------------------------------------
 # the launcher, the job environment and the interpreter are shared with the tests
-from horovod_sbc.launch import (ENV_NAMES, job_env, kill_session, launcher_prefix,  # noqa: E402,F401
+from horovod_sbc.launch import (ENV_NAMES, job_env, kill_job, launcher_prefix,  # noqa: E402,F401
                                 python_exe)
 
 
@@ -142,13 +142,13 @@ def run_job(cmd: Sequence[str], env: Dict[str, str], timeout: float,
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """End the job we started: SIGTERM to mpirun (it forwards it to the ranks), then SIGKILL to
-    whatever of its session is left; then reap it."""
+    whatever of the job is left (launch.kill_job); then reap it."""
     try:
         proc.terminate()
         proc.wait(timeout=5)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         pass
-    kill_session(proc.pid)
+    kill_job(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -109,7 +109,7 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         alive = _dump_stacks(proc.pid)
-        kill_session(proc.pid)
+        kill_job(proc.pid)
         proc.wait()
         t.join(5)
         raise JobTimeout(cmd, timeout, "".join(lines) + alive) from None
@@ -118,7 +118,7 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
     return proc.returncode, "".join(lines)
 
 
-def session_processes(sid: int) -> List[Tuple[int, str, str]]:
+def job_processes(sid: int) -> List[Tuple[int, str, str]]:
     """(pid, state, command line) of the live processes of the job whose launcher, started with
     ``start_new_session`` (as :func:`run` does), has pid ``sid``: the members of its session
     (mpirun puts its ranks in process groups of their own, but they stay in its session) and
@@ -147,13 +147,10 @@ def session_processes(sid: int) -> List[Tuple[int, str, str]]:
     return sorted((pid, procs[pid][0], procs[pid][3]) for pid in members)
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every live process of session ``sid``."""
-    for pid, _, _ in session_processes(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+def kill_job(sid: int) -> None:
+    """SIGKILL every live process of the job :func:`job_processes` lists."""
+    for pid, _, _ in job_processes(sid):
+        _signal(pid, signal.SIGKILL)
 
 
 def _signal(pid: int, sig: int) -> bool:
@@ -180,7 +177,7 @@ def _dump_stacks(sid: int) -> str:
     one at a time, on which a Python process started with ``PYTHONFAULTHANDLER=1`` (as
     :func:`job_env` sets) prints the stack of each of its threads; the launcher then resumes to
     pass on what its ranks wrote. Returns the list of the job's processes that were alive."""
-    members = session_processes(sid)
+    members = job_processes(sid)
     paused = _signal(sid, signal.SIGSTOP)
     for pid, _, _ in members:
         if pid != sid and _signal(pid, signal.SIGABRT):
