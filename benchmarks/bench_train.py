@@ -39,7 +39,6 @@ import json
 import os
 import queue
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -148,11 +147,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         pass
-    kill_job(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_job(proc.pid)  # the launcher, its session and its descendants
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -125,14 +125,12 @@ def job_processes(sid: int) -> List[Tuple[int, str, str]]:
     every descendant of the launcher (torchrun starts its workers in sessions of their own)."""
     procs = {}
     for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not d.isdigit():
+        fields = _stat_fields(int(d)) if d.isdigit() else None
+        if fields is None:
             continue
         try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 args = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
             procs[int(d)] = (fields[0], int(fields[1]), int(fields[3]), args[:160])
         except (OSError, ValueError, IndexError):
             continue
@@ -161,14 +159,21 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
-def _running(pid: int) -> bool:
-    """``pid`` exists and has not exited (a zombie waits for its paused parent)."""
+def _stat_fields(pid: int) -> Optional[List[str]]:
+    """The fields of ``/proc/<pid>/stat`` after ``pid (comm)``: state, ppid, pgrp, session, ...;
+    None once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and has not exited (a zombie waits for its paused parent)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _dump_stacks(sid: int) -> str:
