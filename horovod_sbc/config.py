@@ -122,7 +122,7 @@ class SBCConfig:
         variable messages would be padded to the longest rank's after an extra exchange of the
         lengths and a host read of them), variable over Horovod's allgather.
 
-    Each adapter adds its own knobs (torch: ``named_parameters``, ``momentum_masking``; TF:
+    Each adapter adds its own knobs (torch: ``named_parameters``, ``momentum``; TF:
     ``local_residual``, ``name``) and says which of these it supports.
     """
     density: float = 0.01

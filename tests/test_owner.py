@@ -103,22 +103,26 @@ def test_tf_owner_reads_horovods_locals_only():
         outside["allreduce_grads"]([g], [v], htf.Average)
 
 
-@pytest.mark.parametrize("make, expect", [
-    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "AdamW: Adam-style optimizers normalise"),
-    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "Adam: Adam-style optimizers normalise"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "SGD: the optimizer's momentum"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), None),
+@pytest.mark.parametrize("make, momentum, expect", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "fold", "AdamW: Adam-style optimizers normalise"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "fold", "Adam: Adam-style optimizers normalise"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9), "fold",
+     "RMSprop: the optimizer's momentum"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "fold", None),  # folded
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "mask",
+     "SBC(momentum='mask') through stock hvd.DistributedOptimizer with SGD momentum"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "fold", None),
 ])
-def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, expect):
-    """The one-line change names the drop-in setting when the optimizer it finds is one the
-    stock path trains worse with (momentum, Adam family), once per compressor; plain SGD is
-    quiet."""
+def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, momentum, expect):
+    """The one-line change names a better setting when the optimizer it finds is one the stock
+    path trains worse with (Adam family, a momentum it does not fold, SGD's momentum left to
+    masking), once per compressor; plain SGD and SGD with its momentum folded are quiet."""
     import warnings
 
     from horovod_sbc.torch import SBC
     from horovod_sbc.torch.hook import warn_momentum
     p = torch.nn.Parameter(torch.zeros(3))
-    hook = SBC(0.01)
+    hook = SBC(0.01, momentum=momentum)
     owner = towner.Owner("w", make([p]), p)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -129,6 +133,9 @@ def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, expect)
         assert msgs == []
         return
     assert len(msgs) == 1 and expect in msgs[0], msgs
+    if momentum == "mask":
+        assert "SBC(momentum='fold') (the default)" in msgs[0], msgs[0]
+        return
     delay, outer = (1, "Plain(lr=hvd.size() ** 0.5)") if "Adam" in expect else \
         (16, "Nesterov(lr=1.0, momentum=0.5)")
     assert "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, " \

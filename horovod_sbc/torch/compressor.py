@@ -53,18 +53,20 @@ class SBC(StockHook):
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; these names are looked up first, then the name Horovod's optimizer
             that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).
-        momentum_masking: stock ``hvd.DistributedOptimizer`` only (the drop-in keeps the
-            residual in the local weights instead, see :mod:`horovod_sbc.torch.optimizer`).
-            There the optimizer's momentum acts on the averaged sparse update ("global"
-            momentum): a coordinate arrives only every ~1/p steps, in one burst holding all its
-            delayed gradient, and the momentum buffer then replays that burst for ~1/(1-m) more
-            steps on top of the stale velocity it already had. True (default for SBC; False for
-            :func:`TopK`, whose exact values need their momentum): DGC's momentum factor masking
-            (Lin et al., ICLR 2018) on the global buffer — where the averaged update is
-            non-zero, the owner optimizer's SGD ``momentum_buffer`` is zeroed just before its
-            step (:func:`horovod_sbc.torch.hook.momentum_buffer`). It helps, but the stock path
-            with momentum stays behind the drop-in optimizer (docs/benchmarks.md §0), so the
-            hook warns once when the optimizer has momentum.
+        momentum: stock ``hvd.DistributedOptimizer`` only: what happens to the optimizer's
+            momentum, which there acts on the averaged sparse gradient. A coordinate arrives
+            only every ~1/p steps, in one burst holding all its delayed gradient, and a velocity
+            would replay that burst for ~1/(1-m) more steps. ``"fold"`` (default for SBC):
+            ``torch.optim.SGD``'s momentum is folded into its learning rate — the hook empties
+            the velocity and scales the average so that SGD steps at ``lr / (1 - m)`` (with
+            dampening and Nesterov accounted for, weight decay folded too), which is
+            error-feedback SGD at momentum SGD's effective learning rate
+            (:mod:`horovod_sbc.torch.momentum`); other optimizers are left alone. ``"mask"``:
+            DGC's momentum factor masking (Lin et al., ICLR 2018) — the velocity is zeroed where
+            the average is non-zero (:func:`horovod_sbc.torch.hook.momentum_buffer`).
+            ``"keep"`` (default for :func:`TopK`, whose exact values were measured with their
+            momentum): the optimizer's own momentum, untouched. The README's recommendation
+            table compares them.
         hierarchy: ``None`` (flat: every rank compresses and allgathers to every rank),
             ``"node"`` (Horovod's nodes) or explicit groups of global ranks such as
             ``[[0, 1], [2, 3]]``: a dense reduce inside each node, SBC with error feedback
@@ -82,7 +84,7 @@ class SBC(StockHook):
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
                  downlink_density: Optional[float] = None, downlink_binarize: bool = False,
                  selection: str = "paper", mode: Optional[str] = None, seed: int = 0,
-                 momentum_masking: bool = True, hierarchy=None,
+                 momentum: str = "fold", hierarchy=None,
                  fixed_size: Optional[bool] = None):
         if mode is None:
             mode = "sbc" if binarize else "values"
@@ -97,7 +99,7 @@ class SBC(StockHook):
             raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
                              f"topology={topology!r}: the cross-node exchange is an allgather")
         self.state = SyncState(config, HorovodTransport())
-        StockHook.__init__(self, named_parameters, momentum_masking)
+        StockHook.__init__(self, named_parameters, momentum)
 
     # -- the state the sync driver and the stock hook share --------------------------------
     manager = property(lambda self: self.state.manager)
@@ -162,9 +164,9 @@ def TopK(density: float = 0.01, delay: int = 1, nonfinite: str = "raise",
     float32 values are sent, positions Golomb-Rice coded like SBC's (``SBC(mode="values")``).
     Takes ``topology="server"`` and ``downlink_density`` like :class:`SBC` (the setting of
     "Downlink Compression Improves TopK Sparsification", Zou, De Sterck, Liu; arXiv
-    2209.15203). ``momentum_masking`` is off by default here: top-k sends exact values, and
-    masking the global buffer would only remove the momentum they should get."""
-    kw.setdefault("momentum_masking", False)
+    2209.15203). ``momentum`` is ``"keep"`` by default here: top-k sends exact values, and
+    the stock hook's measurements of it were made with the optimizer's own momentum."""
+    kw.setdefault("momentum", "keep")
     return SBC(density=density, delay=delay, mode="values", nonfinite=nonfinite,
                named_parameters=named_parameters, **kw)
 

@@ -29,6 +29,7 @@ import torch
 
 from .. import wire
 from .backend import Accumulate, Targets, frame
+from .momentum import StockFold, check_choice, stock_fold
 from .owner import Owner, identify
 from .sync import encode_uplink
 from .sync.state import SyncState
@@ -53,13 +54,12 @@ class StockHook:
 
     state: SyncState
 
-    def __init__(self, named_parameters=None, momentum_masking: bool = True):
-        if not isinstance(momentum_masking, bool):
-            raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+    def __init__(self, named_parameters=None, momentum: str = "fold"):
         self._named = list(named_parameters) if named_parameters is not None else None
         self._calls: Dict[str, int] = {}  # compress() calls per tensor: a new step starts when
         self._max_calls = 0               # some tensor is compressed once more than before
-        self.momentum_masking = momentum_masking
+        self.momentum = check_choice(momentum)
+        self._fold = StockFold()
         self._warned_momentum = False
         self._pending: List[StockContext] = []  # compressed, not yet exchanged
 
@@ -155,8 +155,10 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
     for c in ctxs:
         c.out = c.grad if c.grad.is_contiguous() else \
             torch.empty_like(c.grad, memory_format=torch.contiguous_format)  # channels_last
-    masks = [momentum_buffer(c.owner, c.grad.numel()) if hook.momentum_masking else None
+    masks = [momentum_buffer(c.owner, c.grad.numel()) if hook.momentum == "mask" else None
              for c in ctxs]
+    fold = hook._fold.plan([c.owner for c in ctxs], state.manager.counters["steps"] - 1) \
+        if hook.momentum == "fold" else None  # compress() has counted this step
     zeroed = all(src.consume for src in srcs) and not uplink.failed
     targets = Targets.replace([c.out.view(-1) for c in ctxs], zeroed=zeroed, masks=masks)
     scales = {1.0 if c.owner.op_sum else 1.0 / c.size for c in ctxs}
@@ -178,6 +180,9 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
             enc.commit()
         state.manager.add(positions_sent=uplink.positions_sent(),
                           elements_synced=sum(c.grad.numel() for c in ctxs))
+    if fold is not None:  # a skipped step's zero gradient takes no stale velocity either
+        stock_fold(fold, [c.out for c in ctxs] if verdict is None else None,
+                   [c.owner.parameter for c in ctxs])
     for c in ctxs:
         c.verdict = verdict
 
@@ -186,7 +191,7 @@ def momentum_buffer(owner: Owner, numel: int) -> Optional[torch.Tensor]:
     """For DGC's momentum factor masking (Lin et al., ICLR 2018) on the *global* buffer: the
     flat ``optimizer.state[p]["momentum_buffer"]`` of the gradient's parameter, which the
     decoder zeroes wherever the averaged update is non-zero, before the optimizer's step (see
-    ``SBC(momentum_masking=...)``); None for optimizers without that state (Adam, ...) and
+    ``SBC(momentum="mask")``); None for optimizers without that state (Adam, ...) and
     before the first step. The buffer is the same on every rank, so ranks stay identical.
     On-device, no host transfer."""
     state = getattr(owner.optimizer, "state", None)
@@ -216,9 +221,21 @@ def warn_momentum(hook, owner: Owner) -> None:
         # the outer learning rate sqrt(N) makes up for
         delay, outer = 1, "Plain(lr=hvd.size() ** 0.5)"
     elif any(g.get("momentum", 0) for g in groups):
+        if isinstance(owner.optimizer, torch.optim.SGD):
+            if hook.momentum == "fold" or hook.state.config.mode != "sbc":
+                return  # folded into the learning rate (horovod_sbc.torch.momentum); TopK's
+                # exact values were measured with their momentum
+            warnings.warn(
+                f"horovod_sbc: SBC(momentum={hook.momentum!r}) through stock "
+                "hvd.DistributedOptimizer with SGD momentum: the momentum then acts on the "
+                "averaged sparse update, in which each coordinate arrives late and in one "
+                "burst, and trains below dense; SBC(momentum='fold') (the default) runs SGD "
+                "without its velocity at the learning rate the velocity converges to, "
+                "lr / (1 - momentum).", stacklevel=4)
+            return
         why = ("the optimizer's momentum then acts on the averaged sparse update, in which "
-               "each coordinate arrives late and in bursts, so it trains below dense on IID "
-               "data (on label-skewed shards the stock hook is the better choice)")
+               "each coordinate arrives late and in bursts, so it trains below dense (only "
+               "torch.optim.SGD's momentum is folded into the learning rate)")
         delay, outer = 16, "Nesterov(lr=1.0, momentum=0.5)"
     else:
         return
