@@ -26,7 +26,9 @@ gathered from N ranks (its own work is not counted; the collective calls are, as
 ``collectives``):
 
 * ``dropin``: :func:`horovod_sbc.torch.DistributedOptimizer`'s ``synchronize()`` (weights moved
-  by a simulated local step; the residual in the weights, the default);
+  by a simulated local step; the residual in the weights, ``local_residual=True``: the default
+  at delay > 1 and with Adam); ``dropin-shared``: the same with the residual beside the shared
+  weights (the default for SGD at delay 1);
 * ``stock``: stock ``hvd.DistributedOptimizer(compression=SBC(...))`` as Horovod drives it:
   ``SBC.compress`` per gradient in the backward pass, then ``decompress`` per gradient in
   ``synchronize()``; Horovod's allgather replaced by the fake;
@@ -66,7 +68,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Shape = Tuple[int, ...]
 LAYOUTS = ("resnet50", "gpt2")
-PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-variable")
+PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-variable",
+         "dropin-shared")
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 RANKS = (2, 8)
 
@@ -361,15 +364,18 @@ def _params(shapes):
     return [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in shapes]
 
 
-def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed=None):
-    """The drop-in optimizer (residual in the weights); a local step moves every weight.
-    ``fixed``: ``SBC(fixed_size=True)``."""
+def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed=None,
+                 local_residual: bool = True):
+    """The drop-in optimizer (residual in the weights, or beside the shared weights with
+    ``local_residual=False``); a local step moves every weight. ``fixed``:
+    ``SBC(fixed_size=True)``."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
     named = _params(shapes)
     comp = SBC(density=density, fixed_size=fixed)
     comp.transport = FakeHorovodTransport(size, _active)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
-                               named_parameters=named, compression=comp)
+                               named_parameters=named, compression=comp,
+                               local_residual=local_residual)
     opt._capture_reference()
 
     def perturb(step: int) -> None:
@@ -473,7 +479,8 @@ def setup_ddp(shapes, density: float, size: int, noise: Noise, fixed=None):
 SETUPS = {"dropin": setup_dropin, "stock": setup_stock, "ddp": setup_ddp,
           "dropin-fixed": functools.partial(setup_dropin, fixed=True),
           "stock-fixed": functools.partial(setup_stock, fixed=True),
-          "ddp-variable": functools.partial(setup_ddp, fixed=False)}
+          "ddp-variable": functools.partial(setup_ddp, fixed=False),
+          "dropin-shared": functools.partial(setup_dropin, local_residual=False)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -208,7 +208,7 @@ class _Replay:
         return torch.cat([step] + others)
 
 
-def _dropin_run(shapes, density, ranks, steps, device_path: bool):
+def _dropin_run(shapes, density, ranks, steps, device_path: bool, local_residual=None):
     from horovod_sbc.torch import SBC, DistributedOptimizer
     g = torch.Generator().manual_seed(5)
     named = [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=g)))
@@ -216,7 +216,8 @@ def _dropin_run(shapes, density, ranks, steps, device_path: bool):
     comp = SBC(density=density)
     comp.transport = _Replay(ranks)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
-                               named_parameters=named, compression=comp)
+                               named_parameters=named, compression=comp,
+                               local_residual=local_residual)
     trace = []
     with kernels.disabled() if device_path else contextlib.nullcontext():
         for s in range(steps):
@@ -236,9 +237,11 @@ def test_dropin_sync_on_the_device_path_matches_the_kernels():
     orig = OpsBackend.encode_many
     OpsBackend.encode_many = lambda *a: calls.append(1) or orig(*a)
     try:
-        for density, ranks in ((0.05, 3), (0.3, 2), (1.0, 2)):
-            dev, comp_d = _dropin_run(shapes, density, ranks, 4, True)
-            ref, comp_r = _dropin_run(shapes, density, ranks, 4, False)
+        for density, ranks, local in ((0.05, 3, None), (0.3, 2, None), (1.0, 2, None),
+                                      (0.05, 3, True), (0.3, 2, True)):
+            # SGD at delay 1 keeps the residual beside the weights by default; True: in them
+            dev, comp_d = _dropin_run(shapes, density, ranks, 4, True, local)
+            ref, comp_r = _dropin_run(shapes, density, ranks, 4, False, local)
             steps_d = comp_d.transport.history
             assert [s.numpy().tobytes() for s in steps_d] == \
                 [s.numpy().tobytes() for s in comp_r.transport.history]
@@ -248,7 +251,7 @@ def test_dropin_sync_on_the_device_path_matches_the_kernels():
             assert comp_d.stats() == comp_r.stats()
     finally:
         OpsBackend.encode_many = orig
-    assert len(calls) == 12  # every sync of the device runs took the fused path
+    assert len(calls) == 20  # every sync of the device runs took the fused path
 
 
 def test_dropin_device_path_nonfinite_names_the_parameter():

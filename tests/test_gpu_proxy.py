@@ -79,7 +79,7 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_tensors():
     # issue 25's target: at most 4 device synchronisations per sync step, whatever the number
     # of tensors; the DDP hook with fixed_size=False adds one, the read of the gathered lengths
     for path, syncs in (("dropin", 4), ("dropin-fixed", 4), ("stock-fixed", 4), ("ddp", 4),
-                        ("ddp-variable", 5)):
+                        ("ddp-variable", 5), ("dropin-shared", 4)):
         few, many = _counts(path, 10), _counts(path, 100)
         assert few["syncs"] == many["syncs"] <= syncs, (path, few["reads_by_kind"],
                                                         many["reads_by_kind"], many["uploads"])

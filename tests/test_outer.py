@@ -36,6 +36,7 @@ _OUTERS = {"plain": lambda: None, "nesterov": lambda: Nesterov(lr=0.7, momentum=
            "nesterov_0.5_0.8": lambda: Nesterov(lr=0.5, momentum=0.8),
            "decay": lambda: ErrorDecay(decay=0.5), "plain_2": lambda: Plain(lr=2.0)}
 _COMPS = {"dense": lambda: sbc.SBC(density=1.0, mode="values", delay=2),
+          "dense1": lambda: sbc.SBC(density=1.0, mode="values", delay=1),
           "sbc": lambda: sbc.SBC(density=0.3, delay=2)}
 
 
@@ -61,7 +62,9 @@ def _rank_main(rank, conn, runs, results):
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
         st = opt.state_dict()["horovod_sbc"]["outer"]
-        out.append({"weights": _numpy(dict(model.named_parameters())),
+        out.append({"local_residual": opt.local_residual,
+                    "momentum_buffers": sum(1 for v in opt.state.values()
+                                            if v.get("momentum_buffer") is not None),"weights": _numpy(dict(model.named_parameters())),
                     "ref": _numpy(opt.compression.manager.reference),
                     "residuals": _numpy(opt.residuals()), "buffers": _numpy(opt.outer.buffers()),
                     "outer_state": {k: v for k, v in st.items() if k != "buffers"}})
@@ -86,8 +89,8 @@ def _run_two_ranks(*runs):
 
 
 def _tensors(report):
-    return {k: d if k == "outer_state" else {n: torch.from_numpy(v) for n, v in d.items()}
-            for k, d in report.items()}
+    return {k: d if not isinstance(d, dict) or k == "outer_state"
+            else {n: torch.from_numpy(v) for n, v in d.items()} for k, d in report.items()}
 
 
 def test_nesterov_arithmetic_by_hand():
@@ -164,7 +167,8 @@ def runs():
     names = [("dense", "nesterov", 6, True), ("dense", "plain", 6, True),
              ("sbc", "plain", 2, True), ("sbc", "nesterov", 2, True),
              ("sbc", "plain", 2, False), ("sbc", "decay", 2, False),
-             ("dense", "nesterov_0.5_0.8", 2, True), ("dense", "plain_2", 6, True)]
+             ("dense", "nesterov_0.5_0.8", 2, True), ("dense", "plain_2", 6, True),
+             ("dense1", "plain", 4, None), ("dense1", "plain", 4, True)]
     return dict(zip(names, _run_two_ranks(*names)))
 
 
@@ -249,3 +253,59 @@ def test_outer_state_in_the_checkpoint(runs):
     with pytest.raises(ValueError, match=r"outer step is 'nesterov' but this optimizer uses "
                                          r"Plain\(\)"):
         Plain().load_state_dict(full)
+
+
+def _simulate_folded(steps, lr=0.1, m=0.9):
+    """Float64 hand computation of two ranks exchanging exactly at every step with SGD's
+    momentum folded: both ranks take their gradients at the shared weights, which move by
+    ``lr (1 - m^(t+1)) / (1 - m)`` times the average gradient at step t."""
+    model = _model().double()
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
+    w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for t in range(steps):
+        grads = []
+        for g in gens:
+            x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                w[n] -= lr * (1 - m ** (t + 1)) / (1 - m) * (grads[0][n] + grads[1][n]) / 2
+                p.copy_(w[n])
+    return {n: t.view(-1) for n, t in w.items()}
+
+
+def test_sgd_at_delay_1_defaults_to_the_folded_shared_step(runs):
+    """The drop-in's default for torch SGD at delay 1: the residual beside the shared weights
+    and the momentum folded into the learning rate (horovod_sbc.torch.momentum). With an exact
+    exchange the shared weights follow the float64 hand computation, both ranks hold exactly
+    them, and SGD keeps no velocity. Negative control: ``local_residual=True`` runs SGD's own
+    momentum and ends elsewhere."""
+    a, b = runs[("dense1", "plain", 4, None)]
+    own, _ = runs[("dense1", "plain", 4, True)]
+    assert a["local_residual"] is False and own["local_residual"] is True
+    assert a["momentum_buffers"] == 0 and own["momentum_buffers"] > 0
+    expect = _simulate_folded(4)
+    for name in expect:
+        assert torch.equal(a["ref"][name], b["ref"][name]), name
+        for r in (a, b):
+            assert torch.equal(r["weights"][name], a["ref"][name]), name
+        assert torch.allclose(a["ref"][name].double(), expect[name], rtol=0, atol=2e-6), name
+    assert max((own["ref"][n] - a["ref"][n]).abs().max().item() for n in expect) > 1e-3
+
+
+def test_the_default_residual_placement_follows_the_optimizer_and_the_delay():
+    model = _model()
+    for base, comp, local in ((torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               sbc.SBC(0.01), False),
+                              (torch.optim.SGD(model.parameters(), lr=0.1), sbc.SBC(0.01), False),
+                              (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               sbc.SBC(0.01, delay=4), True),
+                              (torch.optim.AdamW(model.parameters(), lr=1e-3), sbc.SBC(0.01),
+                               True)):
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
+        assert opt.local_residual is local, (type(base).__name__, comp.delay)
+    with pytest.raises(ValueError, match="local_residual must be None, True or False"):
+        sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 model.named_parameters(), local_residual="yes")

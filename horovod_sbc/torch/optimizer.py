@@ -13,29 +13,38 @@ How a step works (``delay = n``):
    ranks' messages ``U`` and sets ``W_ref += U`` (bit-identical on every rank). The residual is
    ``R = A - sent``. ``outer=`` replaces ``W_ref += U`` by another outer step, e.g. DiLoCo's
    Nesterov momentum on the pseudo-gradient ``-U`` (:mod:`horovod_sbc.torch.outer`).
-3. With ``local_residual=True`` (default) every rank continues from ``W_local = W_ref + R``: its
-   own unsent update stays **in its weights** (error feedback in weight space, as in CSER's
-   "error reset", Xie et al., NeurIPS 2020), so the next gradients are taken where this rank's
+3. With ``local_residual=True`` every rank continues from ``W_local = W_ref + R``: its own
+   unsent update stays **in its weights** (error feedback in weight space, as in CSER's "error
+   reset", Xie et al., NeurIPS 2020), so the next gradients are taken where this rank's
    optimizer actually is. With ``local_residual=False`` every rank continues from ``W_ref`` and
    the unsent part waits in the residual (the paper's formulation; ranks are bit-identical after
    every sync).
 
-Why ``local_residual=True`` is the default — momentum. Optimizer state (momentum buffers, Adam
-moments) is local to each rank: it is computed from the rank's own gradients (as in local SGD /
-FedAvg and the SBC paper's experiments, which used momentum SGD), and since ``A`` includes the
-momentum term, momentum is carried through the residual as in DGC's *momentum correction* (Lin et
-al., "Deep Gradient Compression", ICLR 2018). With ``local_residual=False`` and a small delay this
-is an open loop: a coordinate is sent only every ~1/p syncs, meanwhile the rank keeps evaluating
-its gradient at ``W_ref``, where nothing has moved, so the velocity keeps pushing the same way and
-the residual grows until it is sent in one large, stale burst (momentum acts twice: once in the
-velocity, once in the accumulated residual). DGC's remedy is *momentum factor masking* (zero the
-velocity where an update was sent); on momentum SGD it recovers only part of the loss
-(docs/benchmarks.md §0 compares the variants). Keeping the residual in the local weights closes
-the loop: the velocity sees the effect of its own steps at once, exactly as in dense training,
-and only the *exchange* is sparse.
+Which one by default (``local_residual=None``) — it depends on the optimizer and the delay:
 
-Where the residual lives: with ``local_residual=True`` and float32/float64 weights, nowhere but
-in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
+* **torch SGD at delay 1: beside the weights** (``False``), with the momentum folded into the
+  learning rate (:mod:`horovod_sbc.torch.momentum`). SGD's step is linear in the gradient, so
+  the average of the ranks' steps taken at ``W_ref`` is the step on the average gradient:
+  error-feedback SGD, whose fixed point is the one of dense training whatever each rank's data
+  is — it holds on IID and on label-skewed shards alike (README's recommendation table). The
+  velocity is what must not be kept: a coordinate is sent only every ~1/p syncs, meanwhile the
+  rank's gradient at ``W_ref``, where nothing has moved, keeps pushing the velocity the same way
+  and the coordinate arrives in one large, stale burst (DGC's *momentum factor masking*, Lin et
+  al., ICLR 2018, recovers only part of that; docs/benchmarks.md §0). Folded, SGD steps at
+  ``lr / (1 - momentum)`` without a velocity and error feedback delays only the gradient.
+* **Everything else — Adam-family optimizers, and any optimizer with local steps
+  (delay > 1): in the weights** (``True``). Optimizer state (momentum, Adam moments) is local to
+  each rank and computed from its own gradients (as in local SGD / FedAvg); keeping the residual
+  in the weights closes the loop: the optimizer sees the effect of its own steps at once, as in
+  dense training, and only the *exchange* is sparse. Adam normalises each rank's step by that
+  rank's own statistics, so the folded, linear argument does not apply, and over several local
+  steps the momentum needs the closed loop (measured: SGD with the residual beside the weights
+  lost 2–7 points at delay 4–16 on IID shards, AdamW on the transformer +45 % perplexity).
+  The price is label-skewed data: every rank's weights then drift towards its own classes
+  (README's "What does not train well").
+
+Where the residual is stored: with ``local_residual=True`` and float32/float64 weights, nowhere
+but in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
 kernels select on their difference in the same pass, without storing it), adds the decoded
 average to both and takes what this rank sent out of its weights (a position whose whole update
 was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor and no write-back, so
@@ -43,17 +52,10 @@ a sync costs one pass over ``W`` and ``W_ref``. ``optimizer.residuals()`` and th
 float32 residual beside them (small updates would vanish in 16 bits) and are set to
 ``W_ref + R`` after each sync.
 
-The price: between syncs (and after one) ranks' live weights differ by their residuals; the
-shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of training to give
+With ``local_residual=True``, between syncs (and after one) ranks' live weights differ by their
+residuals; the shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of training to give
 every rank the same weights (``W_ref`` + the average of all ranks' residuals, one dense
 allreduce), or evaluate :meth:`shared_weights`.
-
-**Label-skewed (non-IID) data.** When each rank sees only its own classes, the residual kept
-in the weights can let every rank drift towards its own classes, and the shared weights then
-average models that disagree; ``local_residual=False`` and the stock Horovod hook (identical
-weights on every rank) hold up better there, and an outer Nesterov step (``outer=``) counteracts
-the drift. The README's recommendation table gives the measured settings for each case; the
-default serves Horovod's usual setting, every rank drawing from the same shuffled data.
 
 Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
 so such a parameter simply contributes ``dW = 0``. Parameters with ``requires_grad=False`` and
@@ -69,6 +71,7 @@ import torch
 from ..config import resolve_compression
 from .compressor import SBC
 from .hierarchy import Hierarchy
+from .momentum import folded
 from .outer import check_kind, resolve_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
@@ -85,11 +88,14 @@ class _SBCOptimizer:
     # delay windows of all ranks stay aligned (a skipped step() call would hang the next sync)
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, named_parameters, compression: SBC, local_residual: bool = True,
-                 outer=None):
+    def __init__(self, params, named_parameters, compression: SBC,
+                 local_residual: Optional[bool] = None, outer=None):
         super(self.__class__, self).__init__(params)
+        if local_residual is None:  # see "Where the residual lives" in the module docstring
+            local_residual = not (isinstance(self, torch.optim.SGD) and compression.delay == 1)
         if not isinstance(local_residual, bool):
-            raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
+            raise ValueError(f"local_residual must be None, True or False, got "
+                             f"{local_residual!r}")
         self._sbc_local_residual = local_residual
         self._sbc_outer = resolve_outer(outer)
         self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
@@ -158,7 +164,15 @@ class _SBCOptimizer:
                 ref[name] = p.detach().clone()
 
     def _local_step(self, closure):
-        """The user's optimizer step on this rank's gradients (AMP-aware, see above)."""
+        """The user's optimizer step on this rank's gradients (AMP-aware, see above); at delay
+        1 with the residual beside the weights, SGD's momentum folded into its learning rate
+        (:mod:`horovod_sbc.torch.momentum`)."""
+        if self._sbc_local_residual or self._sbc.delay != 1:
+            return self._user_step(closure)
+        with folded(self, self._sbc.manager.counters["steps"]):  # counted after this step
+            return self._user_step(closure)
+
+    def _user_step(self, closure):
         if "found_inf" not in self.__dict__:
             return super(self.__class__, self).step(closure)
         # GradScaler's attributes are for us; the wrapped optimizer must not see them
@@ -226,6 +240,7 @@ class _SBCOptimizer:
             self._outer_exchange(items, kept)
         else:
             self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
+        shared = []  # the weights that continue from W_ref: one foreach copy for all
         for name, p in self._sbc_params:
             if name in kept:
                 continue
@@ -238,7 +253,9 @@ class _SBCOptimizer:
                 else:
                     p.copy_(ref[name] + r.to(p.dtype))
             else:
-                p.copy_(ref[name])
+                shared.append((p, ref[name]))
+        if shared:
+            torch._foreach_copy_([p for p, _ in shared], [r.view_as(p) for p, r in shared])
         self._sbc_local_steps = 0
 
     def _outer_buffer(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -304,15 +321,21 @@ class _SBCOptimizer:
         return out
 
     @torch.no_grad()
-    def finish(self, average_residuals: bool = True) -> None:
+    def finish(self, average_residuals: Optional[bool] = None) -> None:
         """End of training: give every rank the same weights.
 
-        Syncs a pending partial delay window first. With ``local_residual=True`` ranks' weights
-        differ by their unsent residuals; ``average_residuals=True`` sets every rank's weights to
-        ``W_ref`` + the average of all ranks' residuals (one dense allreduce, then a broadcast
-        from rank 0 so that the result is bit-identical); ``False`` drops the residuals
-        (weights = ``W_ref``, no traffic). Residuals are cleared either way."""
+        Syncs a pending partial delay window first. ``average_residuals=True`` sets every
+        rank's weights to ``W_ref`` + the average of all ranks' residuals (one dense allreduce,
+        then a broadcast from rank 0 so that the result is bit-identical); ``False`` drops the
+        residuals (weights = ``W_ref``, no traffic). ``None`` (default): ``True`` with
+        ``local_residual=True`` (ranks' weights differ by their residuals, which are part of
+        what each trained), ``False`` with the residual beside the shared weights (every rank
+        already holds ``W_ref``; the residuals there are a backlog of delayed steps, and adding
+        their average at once trained worse, README's recommendation table). Residuals are
+        cleared either way."""
         import horovod.torch as hvd
+        if average_residuals is None:
+            average_residuals = self._sbc_local_residual
         self._capture_reference()
         if self._sbc_local_steps:
             self.synchronize()
@@ -425,7 +448,8 @@ def _shared_part(st, rank: int):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: Optional[SBC] = None, delay: Optional[int] = None,
-                         density: Optional[float] = None, local_residual: bool = True,
+                         density: Optional[float] = None,
+                         local_residual: Optional[bool] = None,
                          outer=None):
     """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
 
@@ -439,11 +463,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             rank, it checks the grouping and adds Horovod's process sets here).
         delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
             ``compression`` is not given.
-        local_residual: True (default): after a sync every rank continues from the shared
-            weights plus its own unsent residual (with ``SBC(hierarchy=...)``: its node's) (stable with momentum and Adam at any delay;
-            ranks' weights differ by their residuals until :meth:`finish`). False: every rank
-            continues from the shared weights (bit-identical after every sync; with momentum
-            and a small delay this trains much worse, see the module docstring).
+        local_residual: ``None`` (default): ``False`` for ``torch.optim.SGD`` (plain or with
+            momentum) at ``delay=1``, ``True`` otherwise (the module docstring says why).
+            ``True``: after a sync every rank continues from the shared weights plus its own
+            unsent residual (with ``SBC(hierarchy=...)``: its node's); ranks' weights differ by
+            their residuals until :meth:`finish`. ``False``: every rank continues from the
+            shared weights (bit-identical after every sync); at ``delay=1`` SGD's momentum is
+            then folded into its learning rate (:mod:`horovod_sbc.torch.momentum`).
         outer: the outer step that turns each sync's averaged update ``U`` into the change of
             the shared weights (:mod:`horovod_sbc.torch.outer`): ``None`` or ``Plain()``
             (default): ``W_ref += U``, as in the SBC paper; ``Plain(lr=sqrt(N))`` for N ranks

@@ -232,6 +232,9 @@ class Backend(abc.ABC):
     docstring for what every implementation guarantees)."""
 
     name = "backend"
+    #: does :meth:`encode_many` encode a whole sync at once (so that sources worth forming for
+    #: it, such as the drop-in's ``dW = W - W_ref`` of every tensor, are formed)?
+    encodes_at_once = False
 
     @abc.abstractmethod
     def encode_tensor(self, source: Source, density: float, mode="sbc", name: str = "tensor",

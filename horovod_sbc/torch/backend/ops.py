@@ -87,6 +87,7 @@ class OpsBackend(Backend):
     """The codec in tensor ops (see the module docstring)."""
 
     name = "tensor ops"
+    encodes_at_once = True
 
     # -- encode -------------------------------------------------------------------------------
     def encode_tensor(self, source: Source, density: float, mode="sbc", name: str = "tensor",

@@ -223,14 +223,16 @@ def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int
         reason = f"the update of {bad.name!r} contains NaN or Inf"
         return Uplink(_error_frame(state, reason, fp, skip, dev, rank, cap), [], True)
     return encode_uplink(state, updates, [u.name for u in updates],
-                         _whole_sync_sources(state, updates),
+                         _whole_sync_sources(state, updates, dev),
                          lambda i: _source(state, updates[i]), fp, dev, rank, cap)
 
 
-def _whole_sync_sources(state: SyncState, updates: Sequence[Update]):
+def _whole_sync_sources(state: SyncState, updates: Sequence[Update], dev):
     """The sources of a sync a backend may encode at once — every update kept in the weights
-    (``W - W_ref``), or every one a plain ``dW`` added to its residual — else None (the
-    per-update path forms each ``dW`` in a shared scratch buffer)."""
+    (``W - W_ref``), every one a plain ``dW`` added to its residual, or (a backend that
+    encodes at once only) every one ``W - W_ref`` added to a residual of its dtype, the
+    differences formed in one foreach kernel — else None (the per-update path forms each
+    ``dW`` in a shared scratch buffer)."""
     if not updates or any(u.base_offset is not None for u in updates):
         return None
     if all(u.in_weights for u in updates):
@@ -238,7 +240,16 @@ def _whole_sync_sources(state: SyncState, updates: Sequence[Update]):
     if all(not u.in_weights and u.base is None for u in updates):
         return [Accumulate(state.residual(u.name, u.value), u.value.reshape(-1))
                 for u in updates]
-    return None
+    if not state.backend(dev).encodes_at_once or any(
+            u.in_weights or u.base is None or u.base.dtype != u.value.dtype for u in updates):
+        return None
+    res = [state.residual(u.name, u.value) for u in updates]
+    if any(r.dtype != u.value.dtype or r.numel() != u.value.numel()
+           for r, u in zip(res, updates)):
+        return None  # the per-update path names the tensor whose residual does not fit
+    diffs = torch._foreach_sub([u.value.reshape(-1) for u in updates],
+                               [u.base.reshape(-1) for u in updates])
+    return [Accumulate(r, d) for r, d in zip(res, diffs)]
 
 
 def _source(state: SyncState, u: Update):
