@@ -726,8 +726,11 @@ def _task_compressor(spec: dict, seed: int):
     """The compressor of a spec: drop-in and stock SBC/top-K with their extra knobs."""
     import horovod_sbc.torch as sbc
     m = spec["method"]
-    extra = {k: spec[k] for k in ("topology", "downlink_density", "momentum_masking")
-             if k in spec}
+    extra = {k: spec[k] for k in ("topology", "downlink_density") if k in spec}
+    if "stock_momentum" in spec:  # SBC(momentum=...); "momentum" is the optimizer's
+        extra["momentum"] = spec["stock_momentum"]
+    if "momentum_masking" in spec:  # the results of before SBC(momentum=...)
+        extra["momentum"] = "mask" if spec["momentum_masking"] else "keep"
     if m == "sbc":
         return sbc.SBC(density=spec["density"], delay=spec.get("delay", 1), **extra)
     if m == "topk":
@@ -809,10 +812,11 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         score_own = task.evaluate(model)
         with opt.shared_weights():
             score_shared = task.evaluate(model)
-        # finish(): W_ref + the average of the ranks' residuals, one dense allreduce of every
-        # parameter that the compressor's statistics do not count; counted here
+        # finish(): with the residuals in the weights, W_ref + the average of the ranks'
+        # residuals, one dense allreduce of every parameter that the compressor's statistics
+        # do not count (counted here); with them beside the shared weights, W_ref (no traffic)
         finish_bits = sum(8 * p.element_size() * p.numel() for p in model.parameters()
-                          if p.requires_grad)
+                          if p.requires_grad) if getattr(opt, "local_residual", True) else 0
         opt.finish()  # all ranks end on the same weights
     score = task.evaluate(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -941,12 +945,16 @@ def spec_label(s: dict) -> str:
         lab += " server" + (f" down={dd:g}" if dd is not None else " down=dense")
     if s.get("local_residual") is False:
         lab += " shared"
+    elif s.get("local_residual") is True:
+        lab += " local"
     if s.get("outer") is not None:
         lab += " outer=" + ",".join(str(a) for a in s["outer"])
     if s.get("density_warmup"):
         lab += " warmup={:g}/{}".format(*s["density_warmup"])
     if "momentum_masking" in s:
         lab += " masking" if s["momentum_masking"] else " no-masking"
+    if "stock_momentum" in s:
+        lab += f" momentum={s['stock_momentum']}"
     for k in ("optimizer", "nesterov", "weight_decay"):
         if k in s:
             lab += f" {k}={s[k]}"

@@ -222,7 +222,18 @@ ADAPTIVE: Dict[str, List[tuple]] = {
                 (_s("fedavg", 1.0, 1, outer=["plain", 2.0]), S0),
                 (_s("fedavg", 1.0, 1, outer=["plain", 2.828]), S0)],
 }
-STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE}
+# SGD's momentum folded into its learning rate at delay 1 (``horovod_sbc.torch.momentum``): the
+# stock hook's default (``SBC(momentum="fold")``) and the drop-in's default for SGD at delay 1
+# (the residual beside the shared weights), next to what they replace: the stock hook's DGC
+# masking and the drop-in's residual in the weights (``--study fold``).
+FOLD_ROWS = [(_s("none"), S0), (_s("local"), S0),
+             (_s("sbc", 0.01, 1, api="stock"), S3),
+             (_s("sbc", 0.01, 1, api="stock", stock_momentum="mask"), S0),
+             (_s("sbc", 0.01, 1), S3),
+             (_s("sbc", 0.01, 1, local_residual=True), S0)]
+FOLD: Dict[str, List[tuple]] = {"iid": FOLD_ROWS, "skewed": FOLD_ROWS}
+STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
+           "fold": FOLD}
 
 
 def study_jobs(parts: Sequence[str], quick: bool = False,
@@ -253,7 +264,8 @@ def describe(r: dict) -> str:
     if m == "local":
         return "no communication (each worker alone)"
     if r.get("api") == "stock":
-        return f"stock hook `SBC({r['density']:g})`"
+        m = f", momentum={r['stock_momentum']!r}" if "stock_momentum" in r else ""
+        return f"stock hook `SBC({r['density']:g}{m})`"
     s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']})`",
          "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r["label"])
     if r.get("outer"):
@@ -262,8 +274,8 @@ def describe(r: dict) -> str:
             kind, a = "plain", a[:1]
         s += ", outer " + {"nesterov": "Nesterov", "error_decay": "ErrorDecay",
                            "plain": "Plain"}[kind] + f"({', '.join(f'{x:g}' for x in a)})"
-    if r.get("local_residual") is False:
-        s += ", `local_residual=False`"
+    if r.get("local_residual") is not None:
+        s += f", `local_residual={r['local_residual']}`"
     if r.get("density_warmup"):
         start, n = r["density_warmup"]
         s += f", density warm-up from {start:g} over {n} steps"
@@ -273,7 +285,7 @@ def describe(r: dict) -> str:
 def _is_default(r: dict) -> bool:
     """The drop-in with its default outer step and residual placement (any density/delay)."""
     return r["method"] == "sbc" and r.get("api") != "stock" and not r.get("outer") and \
-        r.get("local_residual", True) is True and not r.get("density_warmup")
+        r.get("local_residual") is None and not r.get("density_warmup")
 
 
 def _fmt(metric: str, v: Optional[float], std: Optional[float] = None) -> str:

@@ -111,12 +111,14 @@ class SBC(tf.Module):
             ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
             here (Horovod's allgather takes any sizes).
         binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
-            and momentum masking are torch-only.
+            and the momentum fold or masking are torch-only.
         local_residual: weight mode only (:meth:`step`: the drop-in tape,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
-            own steps at once (the default, as in :func:`horovod_sbc.torch.DistributedOptimizer`;
-            see :mod:`horovod_sbc.torch.optimizer` for why); ranks' weights then differ by
+            own steps at once (the default; the torch drop-in's too, except for torch SGD at
+            delay 1, where it folds the momentum into the learning rate and keeps the residual
+            beside the shared weights, which this adapter does not do yet; see
+            :mod:`horovod_sbc.torch.optimizer`); ranks' weights then differ by
             their residuals until :meth:`finish`. False: every rank continues from the shared
             weights, bit-identical after every sync; with momentum and a small delay (e.g.
             ``SBCCallback`` with ``delay=1``) this trains worse on IID data, better on
