@@ -231,6 +231,11 @@ FOLD_ROWS = [(_s("none"), S0), (_s("local"), S0),
              (_s("sbc", 0.01, 1, api="stock", stock_momentum="mask"), S0),
              (_s("sbc", 0.01, 1), S3),
              (_s("sbc", 0.01, 1, local_residual=True), S0)]
+# and the recipe of ResNet-style training, Nesterov with weight decay 5e-4, one seed each
+NESTEROV_WD = dict(nesterov=True, weight_decay=5e-4)
+FOLD_ROWS += [(_s("none", **NESTEROV_WD), S0), (_s("local", **NESTEROV_WD), S0),
+              (_s("sbc", 0.01, 1, api="stock", **NESTEROV_WD), S0),
+              (_s("sbc", 0.01, 1, **NESTEROV_WD), S0)]
 FOLD: Dict[str, List[tuple]] = {"iid": FOLD_ROWS, "skewed": FOLD_ROWS}
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD}
@@ -256,8 +261,20 @@ def study_jobs(parts: Sequence[str], quick: bool = False,
 # ------------------------------------------------------------------------------------------------
 # describing and judging results
 # ------------------------------------------------------------------------------------------------
+def _recipe_change(r: dict) -> str:
+    """The run's change to its part's recipe (Nesterov, weight decay), in words; "" if none."""
+    out = ["Nesterov"] if r.get("nesterov") else []
+    if r.get("weight_decay"):
+        out.append(f"weight decay {r['weight_decay']:g}")
+    return f" [{', '.join(out)}]" if out else ""
+
+
 def describe(r: dict) -> str:
     """A user's words for a run's setting."""
+    return _describe(r) + _recipe_change(r)
+
+
+def _describe(r: dict) -> str:
     m = r["method"]
     if m == "none":
         return "dense allreduce"
@@ -328,10 +345,12 @@ def _points(r: dict) -> List[tuple]:
 
 
 def _order(r: dict) -> tuple:
-    """Dense, no communication, the stock hook, then the drop-in by delay, density (largest
+    """The part's own recipe first, then each change of it (:func:`_recipe_change`); within
+    one: dense, no communication, the stock hook, then the drop-in by delay, density (largest
     first), outer step and residual placement."""
     first = {"none": 0, "local": 1}.get(r["method"], 2 if r.get("api") == "stock" else 3)
-    return (first, r.get("delay", 1), -r.get("density", 1.0), r.get("outer") is not None,
+    return (_recipe_change(r), first, r.get("delay", 1), -r.get("density", 1.0),
+            r.get("outer") is not None,
             json.dumps(r.get("outer")),
             r.get("local_residual", True) is False)
 
@@ -358,9 +377,8 @@ def goals(res: dict) -> List[dict]:
 
     def base(part):
         runs = parts.get(part, [])
-        dense = _find(runs, "none")
-        local = _find(runs, "local")
-        return runs, dense, local
+        plain = {"nesterov": None, "weight_decay": None}  # the part's own recipe
+        return runs, _find(runs, "none", **plain), _find(runs, "local", **plain)
 
     def best(runs, metric, dense, tol, min_ratio=0.0, pick=lambda r: True):
         """The largest ratio within tol of dense (3-seed rows), and the best score at
@@ -434,7 +452,6 @@ def markdown(res: dict) -> str:
     out = []
     for part, runs in parts.items():
         info = PARTS.get(part, {"title": part})
-        dense, local = _find(runs, "none"), _find(runs, "local")
         metric = runs[0]["metric"]
         name = "test accuracy" if metric == "accuracy" else "test perplexity"
         lines = [f"**{info['title']}** ({runs[0]['workers']} workers, {runs[0]['steps']} steps; "
@@ -458,7 +475,9 @@ def markdown(res: dict) -> str:
             ratio = "—" if r["method"] == "local" else _ratio(r.get("compression_ratio"))
             good = [v for v, _, _, which in _points(r) if which != "after finish()"]
             top = max(good) if metric == "accuracy" else min(good)
-            vs_d = _gap(metric, top, dense["score"]) if dense and r is not dense else "—"
+            own = _find(runs, "none", nesterov=r.get("nesterov"),
+                        weight_decay=r.get("weight_decay"))  # dense of the same recipe
+            vs_d = _gap(metric, top, own["score"]) if own and r is not own else "—"
             lines.append(f"| {describe(r)} | {n} | {ratio} | " + " | ".join(cells)
                          + f" | {vs_d} |")
         out.append("\n".join(lines))

@@ -11,17 +11,17 @@ converges to, ``lr * (1 - dampening) / (1 - momentum)`` (the "effective learning
 momentum SGD; Smith, Kindermans, Ying, Le, "Don't Decay the Learning Rate, Increase the Batch
 Size", ICLR 2018, arXiv 1711.00489), reached as the velocity of a constant gradient reaches it:
 at step ``t`` (from 0) the factor is multiplied by ``1 - momentum ** (t + 1)``, so the first
-steps are as short as the heavy ball's. Error feedback then delays the gradient itself, as in EF-SGD
-(Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML
-2019, arXiv 1901.09847), and every coordinate's delayed step is applied once. Weight decay is
+steps are as short as the heavy ball's. Error feedback then delays the gradient itself, as in
+EF-SGD (Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
+Schemes", ICML 2019, arXiv 1901.09847), and every coordinate's delayed step is applied once. Weight decay is
 folded with the gradient (``lr_eff * (g + wd * w)``, the heavy ball's steady state). Only
 ``torch.optim.SGD`` (and subclasses) with ``momentum > 0`` is folded; other optimizers are left
 as they are.
 
 Two places fold:
 
-* the drop-in optimizer with the residual kept beside the weights (``local_residual=False``):
-  :func:`folded` runs the user's SGD step with ``momentum=0`` and the folded learning rate;
+* the drop-in optimizer at delay 1 with the residual kept beside the weights
+  (``local_residual=False``, its default for SGD at delay 1): :func:`folded` runs the user's SGD step with ``momentum=0`` and the folded learning rate;
 * the stock Horovod hook (``SBC(momentum="fold")``): Horovod's optimizer steps after the hook
   returns the averaged gradient, so :func:`stock_fold` scales that gradient and empties the
   velocity (``momentum_buffer``) instead, which gives the same step.

@@ -38,8 +38,7 @@ Which one by default (``local_residual=None``) — it depends on the optimizer a
   in the weights closes the loop: the optimizer sees the effect of its own steps at once, as in
   dense training, and only the *exchange* is sparse. Adam normalises each rank's step by that
   rank's own statistics, so the folded, linear argument does not apply, and over several local
-  steps the momentum needs the closed loop (measured: SGD with the residual beside the weights
-  lost 2–7 points at delay 4–16 on IID shards, AdamW on the transformer +45 % perplexity).
+  steps the momentum needs the closed loop (both measured in docs/benchmarks.md §0).
   The price is label-skewed data: every rank's weights then drift towards its own classes
   (README's "What does not train well").
 
@@ -53,8 +52,8 @@ float32 residual beside them (small updates would vanish in 16 bits) and are set
 ``W_ref + R`` after each sync.
 
 With ``local_residual=True``, between syncs (and after one) ranks' live weights differ by their
-residuals; the shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of training to give
-every rank the same weights (``W_ref`` + the average of all ranks' residuals, one dense
+residuals; the shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of
+training to give every rank the same weights (``W_ref`` + the average of all ranks' residuals, one dense
 allreduce), or evaluate :meth:`shared_weights`.
 
 Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
@@ -91,7 +90,7 @@ class _SBCOptimizer:
     def __init__(self, params, named_parameters, compression: SBC,
                  local_residual: Optional[bool] = None, outer=None):
         super(self.__class__, self).__init__(params)
-        if local_residual is None:  # see "Where the residual lives" in the module docstring
+        if local_residual is None:  # "Which one by default" in the module docstring
             local_residual = not (isinstance(self, torch.optim.SGD) and compression.delay == 1)
         if not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be None, True or False, got "
