@@ -6,7 +6,7 @@ with SBC, printing accuracy and measured compression.
     horovodrun -np 2 python examples/tensorflow2_tape_sbc.py --methods sbc --api stock
 
 ``--api dropin`` uses horovod_sbc.tensorflow.DistributedGradientTape (one allgather per sync,
-weight updates as the torch drop-in: ``sbc.step(variables)`` after each optimizer step, every
+weight updates as the torch drop-in: ``sbc.step(variables, opt)`` after each optimizer step, every
 --delay-th one exchanges the weight update; ``sbc.finish(variables)`` at the end);
 ``--api stock`` is the one-line change to stock Horovod:
 ``hvd.DistributedGradientTape(tape, compression=SBC(...), groups=1)`` (delay 1; ``groups=1``
@@ -60,7 +60,7 @@ def train(method: str, args, data, progress: bool):
             grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(loss, variables)
         opt.apply_gradients(zip(grads, variables))
         if method == "sbc" and args.api == "dropin":
-            sbc.step(variables)  # every delay-th call: exchange W - W_ref
+            sbc.step(variables, opt)  # every delay-th call: exchange W - W_ref
         return loss
 
     # each rank trains on its own shard of the training set, the same number of batches
@@ -80,7 +80,7 @@ def train(method: str, args, data, progress: bool):
             print(f"{method:>5} [{'#' * int(30 * done):<30}] {100 * done:3.0f}% "
                   f"epoch {epoch + 1}/{args.epochs} loss {loss:.4f}", flush=True)
     if sbc is not None and args.api == "dropin":
-        sbc.finish(variables)  # the last partial window, the residuals averaged: shared weights
+        sbc.finish(variables)  # the last partial window (+ the residuals averaged if in the weights)
     acc = float((model(xte, training=False).numpy().argmax(1) == yte).mean())
     numel = sum(int(np.prod(v.shape)) for v in variables)
     flat = np.concatenate([v.numpy().ravel() for v in variables])

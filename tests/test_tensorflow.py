@@ -64,7 +64,7 @@ TWO = SharedJob("tf_sbc.py", 2, {
     "train": ["train", f"steps={STEPS_2}", "runs=" + ",".join(RUNS_2), "equiv=1",
               "modes=" + ",".join(MODE_RUNS), "fixed=" + ",".join(FIXED_RUNS),
               "grouped=" + ",".join(GROUPED_RUNS)],
-    "errors": ["errors"], "outer": ["outer"],
+    "errors": ["errors"], "outer": ["outer"], "fold": ["fold"],
     "save_outer": ["save", f"ckpt={CKPT}", "outer=nesterov"]}, timeout=1200)
 LOAD = SharedJob("tf_sbc.py", 2, {"load": ["load", f"ckpt={CKPT}"],
                                   "load_outer": ["load", f"ckpt={CKPT}", "outer=nesterov"]},
@@ -231,6 +231,39 @@ def test_outer_step_arithmetic_on_two_ranks():
     assert ends["plain"] != ends["plain2"]
     for r in range(2):
         assert "acts on the shared weights of weight mode" in out[r]["stock_refused"]
+
+
+def test_sgd_momentum_at_delay_1_is_folded_by_default():
+    """With the optimizer passed to ``sbc.step`` and the default ``local_residual``, a Keras SGD
+    with momentum 0.9 at delay 1 is plain SGD on the average gradient at the folded rate:
+    ``W_ref`` moves by ``-lr * (1 - 0.9^(t+1)) / (1 - 0.9) * mean(g)`` at step t (heavy ball
+    eagerly, Nesterov in tf.function), every rank holds ``W_ref``, the velocities stay zero.
+    Negative control: ``local_residual=True`` keeps the velocity and moves elsewhere."""
+    out = TWO["fold"]
+    lr, mu = 0.05, 0.9
+    for kind in ("heavy", "nesterov", "kept"):
+        runs = [out[r][kind] for r in range(2)]
+        assert [r["local_residual"] for r in runs] == [kind == "kept"] * 2, kind
+        misses = 0
+        for t in range(4):
+            recs = [r["steps"][t] for r in runs]
+            assert recs[0]["ref_after"] == recs[1]["ref_after"], (kind, t)
+            before, after = _flat(recs[0]["ref_before"]), _flat(recs[0]["ref_after"])
+            folded = lr * (1 - mu ** (t + 1)) / (1 - mu)
+            for name in before:
+                want = before[name] - folded * (_flat(recs[0]["g"])[name]
+                                                + _flat(recs[1]["g"])[name]) / 2
+                if kind == "kept":
+                    misses += not np.allclose(after[name], want, rtol=1e-4, atol=1e-6)
+                    continue
+                np.testing.assert_allclose(after[name], want, rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{kind} {name} step {t}")
+                for rec in recs:
+                    assert rec["w"][name] == recs[0]["ref_after"][name], (kind, t)
+            if kind != "kept":
+                assert all(rec["velocity"] == 0.0 for rec in recs), (kind, t)
+        if kind == "kept":
+            assert misses > 0 and runs[0]["steps"][-1]["velocity"] > 0
 
 
 def test_errors_are_clear_and_raised_on_every_rank():

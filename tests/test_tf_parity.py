@@ -4,7 +4,7 @@ only one of them keeps."""
 import pytest
 
 tf = pytest.importorskip("tensorflow")
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 import horovod_sbc.tensorflow as hsbc_tf  # noqa: E402
 import horovod_sbc.torch as hsbc_torch  # noqa: E402
@@ -40,3 +40,47 @@ def test_checkpoint_holds_the_state_of_torch_under_its_names(tmp_path):
     # the rest: the delay window and the job's shape (torch: the optimizer state and "config")
     assert set(groups) - {"residuals", "reference", "counters"} <= {
         "local_steps", "pending", "world", "draws", "calls"}, sorted(groups)
+
+
+def test_the_default_residual_placement_is_torchs():
+    """``SBC(local_residual=None)`` in weight mode chooses as the torch drop-in for the same
+    recipe: beside the shared weights (False) for SGD at delay 1, with momentum folded; in the
+    weights (True) for Adam-family optimizers, any delay > 1, and without the optimizer. TF
+    keeps Keras' decoupled weight decay unfolded, so SGD with ``weight_decay`` stays True."""
+    import keras
+    net = torch.nn.Linear(2, 2)
+    recipes = [  # (torch optimizer, Keras optimizer, delay, residual in the weights, folded)
+        (lambda: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+         lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1, False, True),
+        (lambda: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+         lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), 1, False, True),
+        (lambda: torch.optim.SGD(net.parameters(), lr=0.1),
+         lambda: keras.optimizers.SGD(0.1), 1, False, False),
+        (lambda: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+         lambda: keras.optimizers.SGD(0.1, momentum=0.9), 4, True, False),
+        (lambda: torch.optim.AdamW(net.parameters(), lr=1e-3),
+         lambda: keras.optimizers.AdamW(1e-3), 1, True, False),
+    ]
+    for make_torch, make_keras, delay, local, fold in recipes:
+        opt = make_torch()
+        dist = hsbc_torch.DistributedOptimizer(
+            opt, named_parameters=net.named_parameters(),
+            compression=hsbc_torch.SBC(density=0.01, delay=delay))
+        kopt = make_keras()
+        sbc = hsbc_tf.SBC(density=0.01, delay=delay)
+        assert sbc.local_residual is None  # not chosen before the first step
+        sbc._settle(kopt)
+        what = f"{type(kopt).__name__} delay {delay}"
+        assert dist._sbc_local_residual is local and sbc.local_residual is local, what
+        assert (sbc._fold is not None) is fold, what
+    # without the optimizer, and with Keras' decoupled weight decay: in the weights, unfolded
+    for kopt in (None, keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)):
+        sbc = hsbc_tf.SBC(density=0.01)
+        sbc._settle(kopt)
+        assert sbc.local_residual is True and sbc._fold is None
+    # an explicit choice stands; False with a foldable SGD folds
+    sbc = hsbc_tf.SBC(density=0.01, local_residual=True)
+    sbc._settle(keras.optimizers.SGD(0.1, momentum=0.9))
+    assert sbc.local_residual is True and sbc._fold is None
+    with pytest.raises(ValueError, match="local_residual must be None, True or False"):
+        hsbc_tf.SBC(local_residual="yes")

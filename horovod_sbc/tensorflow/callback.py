@@ -9,7 +9,10 @@ your own, unmodified optimizer, and after every batch the callback runs :meth:`S
 model's trainable variables — the communication-delay algorithm of the SBC paper (local steps,
 then the weight update is SBC-compressed, allgathered, averaged into the shared weights; every
 rank continues from the shared weights plus its own unsent residual, or from the shared weights
-alone with ``SBC(local_residual=False)``). ``delay=1`` synchronizes after every batch.
+alone with ``SBC(local_residual=False)``). ``delay=1`` synchronizes after every batch; there,
+by default, a Keras SGD with momentum has its momentum folded into its learning rate and the
+residual waits beside the shared weights (:mod:`horovod_sbc.tensorflow.momentum`), as in the
+torch drop-in.
 
 Rules of the road:
 
@@ -42,8 +45,8 @@ class SBCCallback(keras.callbacks.Callback):
             broadcast ``model.variables`` from ``root_rank`` so all ranks start equal.
         root_rank: the rank whose initial weights everyone starts from.
         sync_on_end: at the end of ``fit``, exchange what is left of a partial delay window and
-            (``local_residual=True``, the default of :class:`SBC`) average the ranks' residuals
-            into the weights (:meth:`SBC.finish`), so that all ranks end with identical weights.
+            (with ``local_residual=True``) average the ranks' residuals into the weights
+            (:meth:`SBC.finish`), so that all ranks end with identical weights.
 
     ``callback.stats()`` gives the traffic figures (see :meth:`SBC.stats`).
     """
@@ -73,13 +76,19 @@ class SBCCallback(keras.callbacks.Callback):
                 broadcast_variables(self.model.variables, self.root_rank)
             self.sbc.build(variables)
 
+    def _optimizer(self):
+        """The model's optimizer when it steps once per batch end (the fold needs that)."""
+        if int(getattr(self.model, "steps_per_execution", 1) or 1) != 1:
+            return None
+        return self.model.optimizer
+
     def on_train_batch_end(self, batch, logs=None):
-        self.sbc.step(self._variables())
+        self.sbc.step(self._variables(), self._optimizer())
 
     def on_train_end(self, logs=None):
         if not self.sync_on_end:
             return
-        if getattr(self.sbc, "local_residual", False):
+        if self.sbc.local_residual:
             self.sbc.finish(self._variables())
         elif int(self.sbc.local_steps.numpy()) > 0:
             self.sbc.synchronize(self._variables())

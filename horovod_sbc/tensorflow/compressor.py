@@ -39,6 +39,7 @@ from ..residual import COUNTER_KEYS, ResidualManager
 from .backend import Backend, backend_for
 from .sync import exchange
 from .sync.exchange import COMMIT, residual_dtype, tf_name
+from .momentum import Fold, foldable, shares_weights
 from .outer import Plain, resolve_outer
 from .owner import identify, variable_name
 
@@ -111,18 +112,20 @@ class SBC(tf.Module):
             ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
             here (Horovod's allgather takes any sizes).
         binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
-            and the momentum fold or masking are torch-only.
+            and the stock hook's momentum fold or masking are torch-only (the drop-in's fold at
+            delay 1 is here: ``local_residual``).
         local_residual: weight mode only (:meth:`step`: the drop-in tape,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
-            own steps at once (the default; the torch drop-in's too, except for torch SGD at
-            delay 1, where it folds the momentum into the learning rate and keeps the residual
-            beside the shared weights, which this adapter does not do yet; see
-            :mod:`horovod_sbc.torch.optimizer`); ranks' weights then differ by
-            their residuals until :meth:`finish`. False: every rank continues from the shared
-            weights, bit-identical after every sync; with momentum and a small delay (e.g.
-            ``SBCCallback`` with ``delay=1``) this trains worse on IID data, better on
-            label-skewed shards (docs/benchmarks.md). Gradient modes (stock tape,
+            own steps at once; ranks' weights then differ by their residuals until
+            :meth:`finish`. False: every rank continues from the shared weights, bit-identical
+            after every sync. None (the default) chooses as the torch drop-in does
+            (:mod:`horovod_sbc.torch.optimizer`): False for ``keras.optimizers.SGD`` at
+            ``delay=1``, whose momentum is then folded into its learning rate
+            (:mod:`horovod_sbc.tensorflow.momentum`; with ``weight_decay``, which is not folded,
+            True), True otherwise. The choice needs the
+            optimizer: :class:`SBCCallback` passes the model's, the drop-in tape's loop passes
+            it to :meth:`step`; without it the default is True. Gradient modes (stock tape,
             :meth:`exchange_gradients`) exchange gradients and are not affected.
         outer: weight mode only: the outer step that turns each sync's averaged update into
             the change of the shared weights (:mod:`horovod_sbc.tensorflow.outer`: ``Plain()``,
@@ -134,13 +137,17 @@ class SBC(tf.Module):
 
     def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
                  nonfinite: str = "raise", selection: str = "paper",
-                 name: str = "sbc", local_residual: bool = True, mode: Optional[str] = None,
+                 name: str = "sbc", local_residual: Optional[bool] = None,
+                 mode: Optional[str] = None,
                  seed: int = 0, fixed_size: Optional[bool] = None,
                  outer: Optional[Plain] = None):
         super().__init__(name=name)
-        if not isinstance(local_residual, bool):
-            raise ValueError(f"local_residual must be True or False, got {local_residual!r}")
-        self.local_residual = local_residual
+        if local_residual is not None and not isinstance(local_residual, bool):
+            raise ValueError(f"local_residual must be None, True or False, got "
+                             f"{local_residual!r}")
+        self._local_residual = local_residual  # None: chosen at the first weight-mode call
+        self._fold: Optional[Fold] = None
+        self._settled = False
         if mode is None:
             mode = "sbc" if binarize else "values"
         elif not binarize and mode == "sbc":
@@ -177,6 +184,23 @@ class SBC(tf.Module):
     def __repr__(self) -> str:
         return (f"SBC(density={self.density}, delay={self.delay}, mode={self.mode!r}, "
                 f"nonfinite={self.nonfinite!r})")
+
+    @property
+    def local_residual(self) -> Optional[bool]:
+        """Where weight mode keeps the residual (see the class docstring); None while the
+        default is not chosen yet (before the first :meth:`step`)."""
+        return self._local_residual
+
+    def _settle(self, optimizer) -> None:
+        """Weight mode's first call fixes where the residual lives and whether ``optimizer``'s
+        momentum is folded (at delay 1 with the residual beside the shared weights only)."""
+        if self._settled:
+            return
+        self._settled = True
+        if self._local_residual is None:
+            self._local_residual = not shares_weights(optimizer, self.delay)
+        if self.delay == 1 and not self._local_residual and foldable(optimizer):
+            self._fold = Fold(optimizer)
 
     # -- statistics ---------------------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
@@ -397,17 +421,21 @@ class SBC(tf.Module):
 
     # -- weight mode (communication delay) ------------------------------------------------------
     @_no_autograph
-    def step(self, variables):
+    def step(self, variables, optimizer=None):
         """Count one optimizer step of ``variables``; every ``delay``-th call, synchronize.
 
         Call it right after ``optimizer.apply_gradients`` on every step, on every rank (the
-        drop-in tape needs it, :class:`SBCCallback` does it). Works eagerly
-        and inside ``tf.function``. At a sync, this window's update (+ residual) is
-        SBC-compressed for every variable, all messages go in one allgather, and every rank sets
-        ``W_ref += mean over ranks`` (bit-identical everywhere) and ``W = W_ref + R``
-        (``local_residual=True``) or ``W = W_ref`` (False).
+        drop-in tape needs it, :class:`SBCCallback` does it), with the ``optimizer`` that
+        stepped: it decides the default of ``local_residual`` at the first call, and a Keras
+        SGD with momentum at ``delay=1`` is then folded (:mod:`horovod_sbc.tensorflow.momentum`:
+        its velocity is set to zero after each step). Works eagerly and inside ``tf.function``.
+        At a sync, this window's update (+ residual) is SBC-compressed for every variable, all
+        messages go in one allgather, and every rank sets ``W_ref += mean over ranks``
+        (bit-identical everywhere) and ``W = W_ref + R`` (``local_residual=True``) or
+        ``W = W_ref`` (False).
         """
         self._use("weights")
+        self._settle(optimizer)
         entries = self._entries(variables)
         for name, v, _ in entries:
             self._reference(name, v, create=False)
@@ -424,6 +452,7 @@ class SBC(tf.Module):
     def synchronize(self, variables):
         """Exchange the accumulated weight update now (normally :meth:`step` does it)."""
         self._use("weights")
+        self._settle(None)
         return self._synchronize(self._entries(variables))
 
     def _synchronize(self, entries, tag: str = "sbc_sync"):
@@ -435,6 +464,9 @@ class SBC(tf.Module):
             r = self._residual(name, shape, v.dtype)
             upds.append(self._window_update(v, ref, r))
             names.append(name), shapes.append(shape), res.append(r), refs.append(ref)
+        if self._fold is not None:  # counted steps are 1, 2, ...: the fold's step is one less
+            k = self._fold.scale(self.counters["steps"].read_value() - 1)
+            upds = [u * tf.cast(k, u.dtype) for u in upds]
         plain = self.outer.decodes_into_reference
         if not plain:
             with tf.init_scope():
@@ -448,6 +480,8 @@ class SBC(tf.Module):
         ops = [self._commit(res, upds, code, new_res, sent),
                self.counters["syncs"].assign_add(tf.cast(committed, tf.int64)),
                self.local_steps.assign(0)]
+        if self._fold is not None:
+            ops += self._fold.reset()
         if plain:
             new_refs = decoded
         else:
@@ -481,13 +515,17 @@ class SBC(tf.Module):
         return tf.cast(tf.cast(ref.read_value(), r.dtype) + r.read_value(), v.dtype)
 
     @_no_autograph
-    def finish(self, variables, average_residuals: bool = True):
+    def finish(self, variables, average_residuals: Optional[bool] = None):
         """End of training in weight mode: sync a partial delay window, then give every rank the
         same weights: ``W_ref`` + the average of all ranks' residuals (one dense allreduce, then
-        a broadcast from rank 0), or ``W_ref`` alone with ``average_residuals=False``.
-        Residuals are cleared. Eager only."""
+        a broadcast from rank 0), or ``W_ref`` alone with ``average_residuals=False``. None
+        (the default) averages residuals that live in the weights (``local_residual=True``)
+        only, as the torch drop-in's ``finish``. Residuals are cleared. Eager only."""
         import horovod.tensorflow as hvd
         self._use("weights")
+        self._settle(None)
+        if average_residuals is None:
+            average_residuals = self._local_residual
         entries = self._entries(variables)
         if int(self.local_steps.numpy()) > 0:
             self._synchronize(entries)

@@ -8,18 +8,21 @@ TensorFlow's, followed by the exchange. Unlike Horovod's it accepts Keras 3 vari
 
 Like the torch drop-in optimizer it exchanges *weight updates*, at every ``delay``: ``gradient()``
 returns this rank's own gradients (no communication); apply them with your optimizer, then call
-``sbc.step(variables)``, which every ``delay``-th time (every time at ``delay=1``) compresses the
+``sbc.step(variables, optimizer)``, which every ``delay``-th time (every time at ``delay=1``) compresses the
 weight update since the last sync (plus its residual) for every variable, sends all of them in
 one step message through one ``horovod.tensorflow.allgather`` and moves the shared weights by
 the average of all ranks' decoded updates, identical on every rank (see :meth:`SBC.step`)::
 
     grads = tape.gradient(loss, model.trainable_variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))
-    sbc.step(model.trainable_variables)
+    sbc.step(model.trainable_variables, opt)
 
 Why weight updates, also at ``delay=1``: the optimizer's own state (momentum, Adam's moments)
 then sees this rank's full gradient at every step, and the residual of what was not sent stays
-in this rank's weights (``local_residual``), as in the torch drop-in and :class:`SBCCallback`.
+in this rank's weights (``local_residual``), as in the torch drop-in and :class:`SBCCallback`;
+for a Keras SGD with momentum at ``delay=1`` (the optimizer passed to ``step``) the momentum is
+folded into the learning rate instead and the residual waits beside the shared weights
+(:mod:`horovod_sbc.tensorflow.momentum`).
 Exchanging sparse gradients instead feeds the optimizer the sparse average, which momentum
 amplifies: that is what stock ``hvd.DistributedGradientTape(tape, compression=SBC(...))`` does.
 

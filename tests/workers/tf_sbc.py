@@ -483,8 +483,52 @@ def run_outer():
     return out
 
 
+def run_fold():
+    """The drop-in at delay 1 with Keras SGD momentum 0.9 passed to ``step`` and the default
+    ``local_residual``, on dense values (``mode="values"``, density 1: the exchange is exact):
+    per step this rank's gradients, ``W_ref`` before and after, its weights and the largest
+    velocity after. Heavy ball eagerly, Nesterov inside ``tf.function``; the negative control
+    keeps the residual in the weights (``local_residual=True``: no fold)."""
+    out = {}
+    for kind, nesterov, fn, local in (("heavy", False, False, None),
+                                      ("nesterov", True, True, None),
+                                      ("kept", False, False, True)):
+        model = make_model(aux=False)
+        opt = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov)
+        sbc = hsbc.SBC(density=1.0, delay=1, mode="values", local_residual=local)
+        hsbc.broadcast_variables(model.variables, root_rank=0)
+        sbc.build(model.trainable_variables)
+        entries = sbc._entries(model.trainable_variables)
+        snap = lambda d: {n: np.asarray(d[n].numpy(), np.float64).ravel().tolist()  # noqa: E731
+                          for n, _, _ in entries}
+        variables = {n: v for n, v, _ in entries}
+
+        def train(x, y):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x))
+            grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
+                loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            sbc.step(model.trainable_variables, opt)
+            return grads
+
+        train = tf.function(train) if fn else train
+        steps = []
+        for s in range(4):
+            x, y = batch(s)
+            rec = {"ref_before": snap(sbc.reference)}
+            grads = train(x, y)
+            rec.update(g={n: np.asarray(grads[i], np.float64).ravel().tolist()
+                          for n, _, i in entries},
+                       ref_after=snap(sbc.reference), w=snap(variables),
+                       velocity=max(float(np.max(np.abs(m.numpy()))) for m in opt.momentums))
+            steps.append(rec)
+        out[kind] = {"steps": steps, "local_residual": sbc.local_residual}
+    return out
+
+
 MODES = {"train": run_train, "errors": run_errors, "save": run_save_load,
-         "load": run_save_load, "outer": run_outer}
+         "load": run_save_load, "outer": run_outer, "fold": run_fold}
 
 
 def run_scenario(mode, kw):

@@ -1,0 +1,71 @@
+"""Keras SGD's momentum folded into its learning rate, for the drop-in at delay 1.
+
+The reason and the arithmetic are those of :mod:`horovod_sbc.torch.momentum`: under error
+feedback a velocity replays each coordinate's late, burst-like arrival for ~1/(1 - momentum)
+steps, so the drop-in at delay 1 with the residual beside the shared weights runs SGD without
+its velocity at the learning rate the velocity converges to, ``lr / (1 - momentum)``, reached as
+a constant gradient's velocity reaches it (× ``1 - momentum ** (t + 1)`` at step ``t``).
+
+Keras 3 bakes ``momentum`` into its traced update function as a Python float, so it cannot be
+switched off for one step as torch's param groups can. Folding acts after the optimizer's step
+instead: the velocity is set to zero after every step (so each step starts from a zero
+velocity: Keras then moves the weight by ``-lr * a * g``, ``a = 1``, or ``1 + momentum`` with
+Nesterov), and the window update ``W - W_ref`` is scaled by ``F_t / a`` before it is
+compressed. Every rank continues from the shared weights after the sync, so the local step's
+length never reaches the weights.
+
+Folded: ``keras.optimizers.SGD`` (and subclasses) with ``momentum > 0``, without
+``weight_decay`` (Keras decays decoupled from the gradient, by ``lr * weight_decay * W``, which
+a scale of the window update would lengthen too; an L2 term in the loss folds with the
+gradient) and without ``gradient_accumulation_steps``.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import tensorflow as tf
+
+
+def foldable(optimizer) -> bool:
+    """Whether :class:`Fold` applies to ``optimizer`` (see the module docstring)."""
+    import keras
+    return (isinstance(optimizer, keras.optimizers.SGD) and float(optimizer.momentum) > 0
+            and not optimizer.weight_decay
+            and not getattr(optimizer, "gradient_accumulation_steps", None))
+
+
+def shares_weights(optimizer, delay: int) -> bool:
+    """The default of ``SBC(local_residual=None)``: the residual waits beside the shared weights
+    (False) for a Keras SGD at delay 1 without a velocity or with one that folds, as the torch
+    drop-in's default for torch SGD; otherwise it lives in the weights (True)."""
+    import keras
+    if delay != 1 or not isinstance(optimizer, keras.optimizers.SGD):
+        return False
+    return float(optimizer.momentum) == 0 or foldable(optimizer)
+
+
+class Fold:
+    """The fold of one Keras SGD optimizer: the scale of step ``t``'s window update and the
+    reset of its velocity."""
+
+    def __init__(self, optimizer):
+        if not foldable(optimizer):
+            raise ValueError(f"cannot fold {type(optimizer).__name__}: only keras.optimizers.SGD "
+                             "with momentum > 0, no weight_decay and no gradient accumulation")
+        self.optimizer = optimizer
+        self.momentum = float(optimizer.momentum)
+        a = 1.0 + self.momentum if optimizer.nesterov else 1.0
+        self._steady = 1.0 / ((1.0 - self.momentum) * a)
+
+    def scale(self, step) -> tf.Tensor:
+        """``F_t / a`` at ``step`` (from 0; an int64 tensor), in float64."""
+        t = tf.cast(step, tf.float64)
+        return self._steady * (1.0 - tf.pow(tf.constant(self.momentum, tf.float64), t + 1.0))
+
+    def reset(self) -> List:
+        """Ops that set the optimizer's velocities to zero (none before its first step)."""
+        out = []
+        for m in getattr(self.optimizer, "momentums", None) or []:
+            v = m if isinstance(m, tf.Variable) else m.value  # a Keras 3 Variable wraps one
+            out.append(v.assign(tf.zeros(v.shape, v.dtype)))
+        return out
