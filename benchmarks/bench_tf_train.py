@@ -5,7 +5,7 @@ defaults, within 1 point of torch on mnist1d").
         --json benchmarks/results/tf_vs_torch.json
     (also: python -m benchmarks.bench tf-train ...)
 
-Five methods, each a real ``mpirun -np W`` job per seed and framework, on the ``mnist1d`` task of
+Up to eight methods, each a real ``mpirun -np W`` job per seed and framework, on the ``mnist1d`` task of
 :mod:`benchmarks.tasks` (``make_dataset``, generated locally; IID shards; the task's recipe: SGD
 lr 0.05 momentum 0.9, batch 64 per rank, 500 steps unless ``--steps``):
 
@@ -17,7 +17,13 @@ lr 0.05 momentum 0.9, batch 64 per rank, 500 steps unless ``--steps``):
                  compression=SBC(density, delay))``, ``sbc.step(variables)`` after every optimizer
                  step, ``sbc.finish(variables)`` at the end;
 ``keras_sbc``    ``model.fit(..., callbacks=[SBCCallback(SBC(density, delay))])`` (the callback
-                 broadcasts at the start and calls ``finish()`` at the end itself).
+                 broadcasts at the start and calls ``finish()`` at the end itself);
+``torch_alone``  no communication: each rank trains on its shard alone (the floor a compressed
+                 run must beat);
+``torch_stock_sbc`` / ``tf_stock_sbc``  the one-line changes to stock Horovod, delay 1 only:
+                 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=SBC(density))``
+                 and ``hvd.DistributedGradientTape(tape, compression=SBC(density, optimizer=opt),
+                 groups=1)`` (both fold SGD's momentum).
 
 The torch side is :func:`benchmarks.bench_train.run_task_jobs` (the ``task-worker`` of the
 ``tasks`` sweep, unchanged). The TF side (:func:`tf_worker_main`) builds the *same* model: the
@@ -66,17 +72,23 @@ from .bench_train import (ENV_NAMES, PROGRESS_TAG, RESULT_TAG, JobError, Progres
 
 TASK = "mnist1d"
 DENSITY, DELAY = 0.01, 4                 # bench_train.HEADLINE; the mnist1d sweep's p=0.01 n=4
-TORCH_METHODS = ("torch_dense", "torch_sbc")
-TF_METHODS = ("tf_dense", "tf_tape_sbc", "keras_sbc")
+TORCH_METHODS = ("torch_dense", "torch_alone", "torch_sbc", "torch_stock_sbc")
+TF_METHODS = ("tf_dense", "tf_tape_sbc", "keras_sbc", "tf_stock_sbc")
 METHODS = TORCH_METHODS + TF_METHODS
+#: the one-line changes to stock Horovod: gradients, so delay 1 only
+STOCK_METHODS = ("torch_stock_sbc", "tf_stock_sbc")
 #: the torch counterpart each TF method is compared with
-COUNTERPART = {"tf_dense": "torch_dense", "tf_tape_sbc": "torch_sbc", "keras_sbc": "torch_sbc"}
+COUNTERPART = {"tf_dense": "torch_dense", "tf_tape_sbc": "torch_sbc", "keras_sbc": "torch_sbc",
+               "tf_stock_sbc": "torch_stock_sbc"}
 DESCRIPTION = {
     "torch_dense": "torch, stock hvd.DistributedOptimizer (dense allreduce)",
+    "torch_alone": "torch, no communication (each rank alone)",
     "torch_sbc": "torch drop-in DistributedOptimizer + SBC",
+    "torch_stock_sbc": "torch stock hvd.DistributedOptimizer(compression=SBC)",
     "tf_dense": "TF, hvd.DistributedGradientTape (dense allreduce)",
     "tf_tape_sbc": "TF drop-in DistributedGradientTape + SBC",
     "keras_sbc": "Keras model.fit + SBCCallback",
+    "tf_stock_sbc": "TF stock hvd.DistributedGradientTape(compression=SBC(optimizer=opt))",
 }
 WITHIN_PT = 1.0
 RECIPE_STEPS = 500   # benchmarks.tasks: the mnist1d recipe's steps (tests check they agree)
@@ -191,6 +203,9 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         if method == "tf_tape_sbc":
             sbc = hsbc.SBC(density=cfg["density"], delay=cfg["delay"])
+        elif method == "tf_stock_sbc":
+            sbc = hsbc.SBC(density=cfg["density"], optimizer=opt)
+            opt.build(variables)  # its momentum exists before the traced step folds it
         hsbc.broadcast_variables(model.variables, root_rank=0)
 
         @tf.function
@@ -200,11 +215,14 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
             if sbc is None:
                 grads = hvd.DistributedGradientTape(tape).gradient(
                     loss, [v.value for v in variables])
+            elif method == "tf_stock_sbc":  # Keras 3 variables: upstream #4290's workaround
+                grads = hvd.DistributedGradientTape(tape, compression=sbc, groups=1).gradient(
+                    loss, [v.value for v in variables])
             else:
                 grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
                     loss, variables)
             opt.apply_gradients(zip(grads, variables))
-            if sbc is not None:
+            if method == "tf_tape_sbc":
                 sbc.step(variables, opt)
             return loss
 
@@ -321,7 +339,8 @@ def torch_rows(task_runs: List[dict]) -> List[dict]:
     """Rows (one per seed) from :func:`benchmarks.bench_train.run_task_jobs` results."""
     rows = []
     for r in task_runs:
-        method = "torch_dense" if r["method"] == "none" else "torch_sbc"
+        method = {"none": "torch_dense", "local": "torch_alone"}.get(
+            r["method"], "torch_stock_sbc" if r.get("api") == "stock" else "torch_sbc")
         for i, seed in enumerate(r["seeds"]):
             row = {"method": method, "framework": "torch", "seed": seed,
                    "accuracy": r["score_seeds"][i],
@@ -455,17 +474,22 @@ def parse_args(argv=None):
     ap.add_argument("--density", type=float, default=DENSITY)
     ap.add_argument("--delay", type=int, default=DELAY)
     ap.add_argument("--methods", type=lambda v: [m for m in v.split(",") if m],
-                    default=list(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+                    help="comma-separated subset of " + ",".join(METHODS) + " (default: all; "
+                    "the stock ones at --delay 1 only)")
     ap.add_argument("--json", help="write the results here (and FILE.md, FILE.partial)")
     ap.add_argument("--resume", action="store_true", help="reuse the jobs saved in JSON.partial")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.methods is None:
+        args.methods = [m for m in METHODS if args.delay == 1 or m not in STOCK_METHODS]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"unknown method(s) {','.join(bad)}; choose from {','.join(METHODS)}")
     if not args.seeds:
         ap.error("--seeds needs at least one seed")
+    if args.delay != 1 and set(args.methods) & set(STOCK_METHODS):
+        ap.error("the stock methods exchange gradients: they run at --delay 1 only")
     if args.workers < 1 or args.delay < 1 or not 0 < args.density <= 1:
         ap.error("--workers and --delay must be >= 1, --density in (0, 1]")
     return args
@@ -491,8 +515,10 @@ def jobs(args) -> List[dict]:
 def run_job_rows(job: dict, args, prog: Progress) -> List[dict]:
     steps = _steps(args)
     if job["framework"] == "torch":
-        specs = [_s("none", steps=steps) if m == "torch_dense"
-                 else _s("sbc", args.density, args.delay, steps=steps) for m in job["methods"]]
+        specs = [{"torch_dense": _s("none", steps=steps), "torch_alone": _s("local", steps=steps),
+                  "torch_stock_sbc": _s("sbc", args.density, 1, api="stock", steps=steps)}.get(
+                      m, _s("sbc", args.density, args.delay, steps=steps))
+                 for m in job["methods"]]
         res = run_task_jobs(TASK, [{"workers": args.workers, "partition": "iid",
                                     "seeds": [job["seed"]], "runs": specs}], [job["seed"]],
                             timeout=args.timeout, progress=False)

@@ -20,7 +20,9 @@ def _rows():
     for seed, (td, ts, fd, ft, fk) in enumerate([(0.86, 0.84, 0.86, 0.85, 0.82),
                                                  (0.88, 0.85, 0.87, 0.86, 0.83),
                                                  (0.84, 0.83, 0.85, 0.84, 0.81)]):
-        rows += [_row("torch_dense", seed, td), _row("torch_sbc", seed, ts, 591.0),
+        rows += [_row("torch_alone", seed, td - 0.1, identical=False),
+                 _row("torch_stock_sbc", seed, ts, 129.0), _row("tf_stock_sbc", seed, ft, 129.0),
+                 _row("torch_dense", seed, td), _row("torch_sbc", seed, ts, 591.0),
                  _row("tf_dense", seed, fd), _row("tf_tape_sbc", seed, ft, 589.0),
                  _row("keras_sbc", seed, fk, 589.0)]
     return rows
@@ -50,7 +52,8 @@ def test_summary_flags_a_run_whose_ranks_differ_and_sorts_seeds():
 
 def test_gap_in_points_paired_and_within():
     g = bt.gaps(bt.summarize(_rows()))
-    assert set(g) == {"tf_dense", "tf_tape_sbc", "keras_sbc"}
+    assert set(g) == {"tf_dense", "tf_tape_sbc", "keras_sbc", "tf_stock_sbc"}
+    assert g["tf_stock_sbc"]["versus"] == "torch_stock_sbc"
     # tape: 0.85 mean vs torch 0.84: +1.0 point, paired differences +1, +1, +1
     assert g["tf_tape_sbc"]["versus"] == "torch_sbc"
     assert g["tf_tape_sbc"]["gap_pt"] == pytest.approx(1.0)
@@ -133,9 +136,12 @@ def test_torch_rows_split_seeds():
            "dense_bits": 59100.0, "syncs": 125.0, "finish_bits": 256320.0,
            "ranks_identical": True, "params": 8010, "steps": 500, "workers": 4,
            "step_time_s": 0.04, "wall_s": 30.0, "task_info": {"sha256": "d"}}
-    rows = bt.torch_rows([run, dict(run, method="none", seeds=[0], score_seeds=[0.85])])
+    rows = bt.torch_rows([run, dict(run, method="none", seeds=[0], score_seeds=[0.85]),
+                          dict(run, method="local", seeds=[0], score_seeds=[0.7]),
+                          dict(run, api="stock", seeds=[0], score_seeds=[0.83])])
     assert [(r["method"], r["seed"], r["accuracy"]) for r in rows] == [
-        ("torch_sbc", 0, 0.8), ("torch_sbc", 1, 0.82), ("torch_dense", 0, 0.85)]
+        ("torch_sbc", 0, 0.8), ("torch_sbc", 1, 0.82), ("torch_dense", 0, 0.85),
+        ("torch_alone", 0, 0.7), ("torch_stock_sbc", 0, 0.83)]
     assert rows[1]["score_shared"] == 0.81
     assert rows[0]["compression_ratio"] == pytest.approx(591.0)
 
@@ -143,7 +149,12 @@ def test_torch_rows_split_seeds():
 def test_parse_args_and_jobs():
     a = bt.parse_args(["--workers", "4", "--seeds", "0,1,2", "--json", "x.json"])
     assert (a.workers, a.seeds, a.density, a.delay, a.json) == (4, [0, 1, 2], 0.01, 4, "x.json")
-    assert a.methods == list(bt.METHODS) and bt._steps(a) == 500
+    # at delay 4 every method but the stock ones (gradients: delay 1 only)
+    assert a.methods == [m for m in bt.METHODS if m not in bt.STOCK_METHODS]
+    assert "torch_alone" in a.methods and bt._steps(a) == 500
+    assert bt.parse_args(["--delay", "1"]).methods == list(bt.METHODS)
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--delay", "4", "--methods", "tf_stock_sbc"])
     js = bt.jobs(a)
     assert [(j["framework"], j["seed"]) for j in js] == [
         ("torch", 0), ("tf", 0), ("torch", 1), ("tf", 1), ("torch", 2), ("tf", 2)]

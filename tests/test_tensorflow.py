@@ -266,6 +266,42 @@ def test_sgd_momentum_at_delay_1_is_folded_by_default():
             assert misses > 0 and runs[0]["steps"][-1]["velocity"] > 0
 
 
+def test_the_stock_tape_folds_sgd_momentum_given_the_optimizer():
+    """Stock ``hvd.DistributedGradientTape(tape, compression=SBC(..., optimizer=opt))`` with a
+    Keras SGD momentum 0.9 moves every rank's weights by
+    ``-lr * (1 - 0.9^(t+1)) / (1 - 0.9) * mean(g)`` at step t (Keras' decoupled weight decay,
+    ``-lr * wd * W``, as Keras applies it): heavy ball eagerly with one exchange per gradient,
+    Nesterov with weight decay in tf.function with ``groups=1``; no momentum warning. Negative
+    control: without the optimizer the velocity is kept (and the tape warns)."""
+    out = TWO["fold"]
+    lr, mu = 0.05, 0.9
+    for kind in ("stock_heavy", "stock_nesterov", "stock_kept"):
+        runs = [out[r][kind] for r in range(2)]
+        wd = runs[0]["weight_decay"]
+        misses = 0
+        for t in range(4):
+            recs = [r["steps"][t] for r in runs]
+            assert recs[0]["w_after"] == recs[1]["w_after"], (kind, t)
+            before, after = _flat(recs[0]["w_before"]), _flat(recs[0]["w_after"])
+            for name in before:
+                g = (_flat(recs[0]["g"])[name] + _flat(recs[1]["g"])[name]) / 2
+                want = before[name] * (1 - lr * wd) - lr * (1 - mu ** (t + 1)) / (1 - mu) * g
+                if kind == "stock_kept":
+                    misses += not np.allclose(after[name], want, rtol=1e-4, atol=1e-6)
+                    continue
+                np.testing.assert_allclose(after[name], want, rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{kind} {name} step {t}")
+        if kind == "stock_kept":
+            assert misses > 0
+            assert all(len(out[r][kind]["momentum_warnings"]) == 1 for r in range(2))
+            assert "optimizer=opt" in out[0][kind]["momentum_warnings"][0]
+        else:
+            assert all(out[r][kind]["momentum_warnings"] == [] for r in range(2)), kind
+    for r in range(2):
+        assert "call optimizer.build(model.trainable_variables) before the first step" in \
+            out[r]["unbuilt"], out[r]["unbuilt"]
+
+
 def test_errors_are_clear_and_raised_on_every_rank():
     results = TWO["errors"]
     nan = "SBC: rank 1 could not encode this sync: the update of 'fc"

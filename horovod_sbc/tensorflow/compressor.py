@@ -132,6 +132,13 @@ class SBC(tf.Module):
             the default, ``Plain(lr=sqrt(N))`` with Adam-family optimizers at delay 1,
             ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
             drop-in's ``outer=``; its state is saved with this module.
+        optimizer: the Keras optimizer that applies this rank's steps. The stock tape folds a
+            Keras SGD's momentum with it (the averaged gradient scaled, the velocity set to zero
+            before each step, as torch's stock hook: :mod:`horovod_sbc.tensorflow.momentum`;
+            build the optimizer before the first step); without it the stock tape hands the
+            average to the optimizer's momentum and warns.
+            Weight mode uses it when :meth:`step` is not given one. Not saved with this module
+            (save the optimizer in your checkpoint, as usual).
         name: the ``tf.Module`` name.
     """
 
@@ -140,7 +147,7 @@ class SBC(tf.Module):
                  name: str = "sbc", local_residual: Optional[bool] = None,
                  mode: Optional[str] = None,
                  seed: int = 0, fixed_size: Optional[bool] = None,
-                 outer: Optional[Plain] = None):
+                 outer: Optional[Plain] = None, optimizer=None):
         super().__init__(name=name)
         if local_residual is not None and not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be None, True or False, got "
@@ -160,6 +167,11 @@ class SBC(tf.Module):
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
         self.outer = resolve_outer(outer)
+        self._optimizer = _Held(optimizer)
+        # the stock tape's fold: the gradient alone is scaled, Keras' decoupled decay is apart
+        self._stock_fold = Fold(optimizer, decay_apart=True) \
+            if foldable(optimizer, decay_apart=True) else None
+        self._stock_first: Optional[str] = None  # the first gradient of a step (the fold's reset)
         self._mode: Optional[str] = None
         self._backend: Optional[Backend] = None
         self._stock_batch: Optional[_StockBatch] = None
@@ -435,7 +447,7 @@ class SBC(tf.Module):
         ``W = W_ref`` (False).
         """
         self._use("weights")
-        self._settle(optimizer)
+        self._settle(self._optimizer.optimizer if optimizer is None else optimizer)
         entries = self._entries(variables)
         for name, v, _ in entries:
             self._reference(name, v, create=False)
@@ -452,7 +464,7 @@ class SBC(tf.Module):
     def synchronize(self, variables):
         """Exchange the accumulated weight update now (normally :meth:`step` does it)."""
         self._use("weights")
-        self._settle(None)
+        self._settle(self._optimizer.optimizer)
         return self._synchronize(self._entries(variables))
 
     def _synchronize(self, entries, tag: str = "sbc_sync"):
@@ -523,7 +535,7 @@ class SBC(tf.Module):
         only, as the torch drop-in's ``finish``. Residuals are cleared. Eager only."""
         import horovod.tensorflow as hvd
         self._use("weights")
-        self._settle(None)
+        self._settle(self._optimizer.optimizer)
         if average_residuals is None:
             average_residuals = self._local_residual
         entries = self._entries(variables)
@@ -581,6 +593,16 @@ class SBC(tf.Module):
         name, op_sum = identify(tensor)
         self._use("stock")
         self._warn_stock()
+        if self._stock_first is None:
+            self._stock_first = name
+        fold = self._stock_fold
+        if fold is not None and not fold.optimizer.built:
+            # Horovod traces the exchange into a tf.function (eagerly too) once, before the
+            # optimizer's first step would create the velocities the fold sets to zero
+            raise ValueError(
+                f"SBC(optimizer={type(fold.optimizer).__name__}) folds its momentum, which does "
+                "not exist before its first step: call optimizer.build(model.trainable_variables)"
+                " before the first step")
         if isinstance(tensor, tf.IndexedSlices):
             raise ValueError(f"SBC: gradient of {name!r} is sparse (tf.IndexedSlices); pass "
                              "sparse_as_dense=True to hvd.DistributedGradientTape")
@@ -615,19 +637,25 @@ class SBC(tf.Module):
 
     def _warn_stock(self) -> None:
         """Once per object: the stock tape exchanges sparse gradients, which an optimizer with
-        momentum or of the Adam family reshapes badly (Horovod's tape does not say which
-        optimizer runs, so the warning names both cases); the drop-in does not."""
+        momentum or of the Adam family reshapes badly; silent when ``SBC(optimizer=...)`` is a
+        Keras SGD, whose momentum is folded (or which has none)."""
         if self._warned_stock:
             return
         self._warned_stock = True
+        opt = self._optimizer.optimizer
+        if self._stock_fold is not None or shares_weights(opt, 1):
+            return
+        which = ("an optimizer that has momentum or is of the Adam family (pass it as "
+                 "SBC(..., optimizer=opt): a Keras SGD's momentum is then folded)"
+                 if opt is None else f"{type(opt).__name__}")
         warnings.warn(
             "horovod_sbc: SBC through stock hvd.DistributedGradientTape exchanges sparse "
-            "gradients; with an optimizer that has momentum or is of the Adam family, which then "
-            "acts on the averaged sparse update (each coordinate arriving late and in bursts), "
-            "it can train worse than each rank alone. The drop-in horovod_sbc.tensorflow."
-            "DistributedGradientTape(tape, compression=SBC(0.01, delay=4)) with "
-            "sbc.step(variables) after each optimizer step (or SBCCallback for Keras) runs the "
-            "optimizer on each rank's own gradients and compresses the weight change.",
+            f"gradients; with {which}, which then acts on the averaged sparse update (each "
+            "coordinate arriving late and in bursts), it can train worse than each rank alone. "
+            "The drop-in horovod_sbc.tensorflow.DistributedGradientTape(tape, compression="
+            "SBC(0.01, delay=4)) with sbc.step(variables, opt) after each optimizer step (or "
+            "SBCCallback for Keras) runs the optimizer on each rank's own gradients and "
+            "compresses the weight change.",
             stacklevel=3)
 
     def _warn_ungrouped(self, batch: "_StockBatch") -> None:
@@ -655,9 +683,24 @@ class SBC(tf.Module):
         code, avg, new_res, sent = self._exchange(
             batch.names, batch.shapes, batch.updates, batch.residuals,
             1.0 if batch.op_sum else 1.0 / size, tag, extra_up_bits=8 * dummies)
+        fold = self._stock_fold
+        if fold is not None:  # compress() counted this step: the fold's step is one less
+            k = fold.scale(self.calls[batch.names[0]].read_value() - 1)
+            avg = [a * tf.cast(k, a.dtype) for a in avg]
+            if self._stock_first in batch.names:  # once per step: a zero velocity
+                with tf.control_dependencies(fold.reset()):
+                    avg = [tf.identity(a) for a in avg]
         batch.avg = avg
         batch.committed = self._commit(batch.residuals, batch.updates, code, new_res, sent)
         batch.done = True
+
+
+class _Held:
+    """The user's optimizer, held out of this module's checkpoint (``tf.Module`` would track
+    it, and the user saves it already)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
 
 
 class _StockBatch:

@@ -1,4 +1,4 @@
-"""Keras SGD's momentum folded into its learning rate, for the drop-in at delay 1.
+"""Keras SGD's momentum folded into its learning rate: the drop-in at delay 1 and the stock tape.
 
 The reason and the arithmetic are those of :mod:`horovod_sbc.torch.momentum`: under error
 feedback a velocity replays each coordinate's late, burst-like arrival for ~1/(1 - momentum)
@@ -14,10 +14,16 @@ Nesterov), and the window update ``W - W_ref`` is scaled by ``F_t / a`` before i
 compressed. Every rank continues from the shared weights after the sync, so the local step's
 length never reaches the weights.
 
-Folded: ``keras.optimizers.SGD`` (and subclasses) with ``momentum > 0``, without
-``weight_decay`` (Keras decays decoupled from the gradient, by ``lr * weight_decay * W``, which
-a scale of the window update would lengthen too; an L2 term in the loss folds with the
-gradient) and without ``gradient_accumulation_steps``.
+The stock tape (``hvd.DistributedGradientTape(tape, compression=SBC(..., optimizer=opt))``)
+folds as torch's stock hook does: the averaged gradient it returns is scaled by ``F_t / a`` and
+the velocities are set to zero before the optimizer applies it (once per step, by the exchange
+that holds the first gradient of a step).
+
+Folded: ``keras.optimizers.SGD`` (and subclasses) with ``momentum > 0`` and without
+``gradient_accumulation_steps``. In weight mode also without ``weight_decay``: Keras decays
+decoupled from the gradient, by ``lr * weight_decay * W``, which a scale of the window update
+would lengthen too (an L2 term in the loss folds with the gradient); the stock tape scales the
+gradient alone, so there the decay stays as Keras applies it.
 """
 from __future__ import annotations
 
@@ -26,11 +32,13 @@ from typing import List
 import tensorflow as tf
 
 
-def foldable(optimizer) -> bool:
-    """Whether :class:`Fold` applies to ``optimizer`` (see the module docstring)."""
+def foldable(optimizer, decay_apart: bool = False) -> bool:
+    """Whether :class:`Fold` applies to ``optimizer`` (see the module docstring);
+    ``decay_apart``: the fold scales the gradient alone (the stock tape), so Keras'
+    ``weight_decay`` is no obstacle."""
     import keras
     return (isinstance(optimizer, keras.optimizers.SGD) and float(optimizer.momentum) > 0
-            and not optimizer.weight_decay
+            and (decay_apart or not optimizer.weight_decay)
             and not getattr(optimizer, "gradient_accumulation_steps", None))
 
 
@@ -48,8 +56,8 @@ class Fold:
     """The fold of one Keras SGD optimizer: the scale of step ``t``'s window update and the
     reset of its velocity."""
 
-    def __init__(self, optimizer):
-        if not foldable(optimizer):
+    def __init__(self, optimizer, decay_apart: bool = False):
+        if not foldable(optimizer, decay_apart):
             raise ValueError(f"cannot fold {type(optimizer).__name__}: only keras.optimizers.SGD "
                              "with momentum > 0, no weight_decay and no gradient accumulation")
         self.optimizer = optimizer

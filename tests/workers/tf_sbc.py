@@ -524,6 +524,64 @@ def run_fold():
                        velocity=max(float(np.max(np.abs(m.numpy()))) for m in opt.momentums))
             steps.append(rec)
         out[kind] = {"steps": steps, "local_residual": sbc.local_residual}
+    out.update(run_stock_fold())
+    return out
+
+
+def run_stock_fold():
+    """The stock tape with ``SBC(optimizer=Keras SGD momentum 0.9)`` on dense values: per step
+    the weights before and after and this rank's own gradients (a second tape on the same
+    batch). Heavy ball eagerly, one gradient per exchange (no groups); Nesterov with weight
+    decay inside ``tf.function``, ``groups=1``; the negative control without the optimizer.
+    Also: the warnings, and the error when the optimizer is not built before the first step."""
+    out = {}
+    for kind, nesterov, fn, give, groups in (("stock_heavy", False, False, True, None),
+                                             ("stock_nesterov", True, True, True, 1),
+                                             ("stock_kept", False, False, False, None)):
+        model = make_model(aux=False)
+        wd = 0.01 if kind == "stock_nesterov" else None
+        opt = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov, weight_decay=wd)
+        sbc = hsbc.SBC(density=1.0, mode="values", optimizer=opt if give else None)
+        hsbc.broadcast_variables(model.variables, root_rank=0)
+        variables = [v.value for v in model.trainable_variables]  # upstream #4290 workaround
+        if give:
+            opt.build(model.trainable_variables)  # the fold needs its velocities from the start
+
+        def train(x, y):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x))
+            grads = hvd.DistributedGradientTape(tape, compression=sbc, groups=groups).gradient(
+                loss, variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        train = tf.function(train) if fn else train
+        steps = []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for s in range(4):
+                x, y = batch(s)
+                with tf.GradientTape() as tape:
+                    own = tape.gradient(LOSS(y, model(x)), variables)
+                rec = {"w_before": {v.name: v.numpy().ravel().tolist() for v in variables},
+                       "g": {v.name: g.numpy().ravel().tolist() for v, g in zip(variables, own)}}
+                train(x, y)
+                rec["w_after"] = {v.name: v.numpy().ravel().tolist() for v in variables}
+                steps.append(rec)
+        out[kind] = {"steps": steps, "weight_decay": wd or 0.0,
+                     "momentum_warnings": [str(w.message) for w in seen
+                                           if "exchanges sparse" in str(w.message)]}
+    model = make_model(aux=False)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    sbc = hsbc.SBC(density=0.5, optimizer=opt)
+    variables = [v.value for v in model.trainable_variables]
+
+    def unbuilt(x, y):  # eagerly: Horovod traces the exchange all the same
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x))
+        grads = hvd.DistributedGradientTape(tape, compression=sbc).gradient(loss, variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    out["unbuilt"] = catch(lambda: unbuilt(*batch(0)))
     return out
 
 
