@@ -15,7 +15,10 @@ same initial weights per seed:
                 longer than this whole run, and at 2 (the least PowerSGD allows with error
                 feedback: what it compresses without a dense warm-up);
 * ``sbc-hook``  :func:`horovod_sbc.torch.ddp.sbc_hook`, per parameter at p = 0.01 and 0.05, and
-                per bucket at p = 0.01 (the granularity comparison);
+                per bucket at p = 0.01 (the granularity comparison), all without the optimizer
+                (its momentum acts on the average); ``sbc-hook p=0.01 folded`` gives
+                ``SBCState`` the optimizer, whose momentum is then folded into its learning
+                rate (:mod:`horovod_sbc.torch.momentum`);
 * ``sbc-avg``   :class:`horovod_sbc.torch.ddp.SBCModelAverager` with ``PostLocalSGDOptimizer``
                 (no gradient exchange between averages), a few (p, n).
 
@@ -74,6 +77,9 @@ def methods(quick: bool, steps: int) -> List[Dict]:
     for p, g in hooks:
         out.append({"family": "sbc-hook", "label": f"sbc-hook p={p}" + (" bucket" if
                     g == "bucket" else ""), "density": p, "granularity": g})
+    if not quick:
+        out.append({"family": "sbc-hook", "label": "sbc-hook p=0.01 folded", "density": 0.01,
+                    "granularity": "parameter", "fold": True})
     for p, n in ([(0.01, 4)] if quick else [(0.01, 4), (0.05, 4), (0.01, 16)]):
         out.append({"family": "sbc-avg", "label": f"sbc-avg p={p} n={n}", "density": p,
                     "period": n})
@@ -140,7 +146,8 @@ def worker(cfg_path: str) -> None:
             model.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=m["rank"],
                                                    **kw), powerSGD_hook)
         elif fam == "sbc-hook":
-            state = SBCState(model, SBC(density=m["density"]), granularity=m["granularity"])
+            state = SBCState(model, SBC(density=m["density"]), granularity=m["granularity"],
+                             optimizer=opt if m.get("fold") else None)
             model.register_comm_hook(state, sbc_hook)
             stats = state.stats
         elif fam == "sbc-avg":
@@ -300,15 +307,23 @@ def plot(res: Dict, path: str) -> None:
 
 def run_bench(np_: int = 2, quick: bool = False, seeds: Optional[int] = None,
               epochs: Optional[int] = None, batch: int = 64, lr: float = 0.1,
-              timeout: float = 3000) -> Dict:
+              timeout: float = 3000, only: Optional[List[str]] = None) -> Dict:
     seeds = seeds if seeds is not None else (1 if quick else 3)
     epochs = epochs if epochs is not None else (6 if quick else 30)
     tmp = tempfile.mkdtemp(prefix="sbc-bench-ddp-")
     data = os.path.join(tmp, "mnist1d.npz")
     make_mnist1d(data)
     steps = epochs * ((4000 // np_) // batch)
+    todo = methods(quick, steps)
+    if only:
+        unknown = sorted(set(only) - {m["label"] for m in todo})
+        if unknown:
+            raise ValueError(f"bench_ddp: no method labelled {', '.join(unknown)}")
+        todo = [m for m in todo if m["label"] in only]
+    if not any(m["family"] == "none" for m in todo):
+        raise ValueError("bench_ddp: 'none' is the reference of every ratio: keep it")
     cfg = {"data": data, "out": os.path.join(tmp, "runs.jsonl"), "seeds": seeds,
-           "epochs": epochs, "batch": batch, "lr": lr, "methods": methods(quick, steps)}
+           "epochs": epochs, "batch": batch, "lr": lr, "methods": todo}
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
@@ -347,12 +362,15 @@ def main(argv=None) -> int:
     ap.add_argument("--np", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--seeds", type=int)
     ap.add_argument("--epochs", type=int)
+    ap.add_argument("--only", type=lambda v: [m for m in v.split(",") if m],
+                    help="comma-separated method labels to run (with 'none'), e.g. "
+                         "'none,sbc-hook p=0.01,sbc-hook p=0.01 folded'")
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ddp.json"))
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
-    res = run_bench(args.np, args.quick, args.seeds, args.epochs)
+    res = run_bench(args.np, args.quick, args.seeds, args.epochs, only=args.only)
     from benchmarks.bench import _write_json
     _write_json(args.json, res)
     md = os.path.splitext(args.json)[0] + ".md"

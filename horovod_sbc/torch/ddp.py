@@ -35,6 +35,7 @@ Granularity of the hook (``granularity=``):
 import enum
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -43,6 +44,8 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from ..config import resolve_compression
 from .compressor import SBC
+from .momentum import StockFold, stock_fold
+from .owner import Owner
 from .sync import Update, named_parameters
 from .sync.transport import ProcessGroupTransport
 
@@ -74,6 +77,19 @@ def _make_compression(compression, density, what: str) -> SBC:
     return comp
 
 
+@dataclass
+class _Bucket:
+    """One bucket of the step being recorded: its updates, where their average goes (``outs``,
+    views of ``avg``), DDP's flat buffer, the future DDP waits for, and per parameter its name,
+    the parameter and its part of ``avg``."""
+    items: list
+    outs: List[torch.Tensor]
+    avg: torch.Tensor
+    buf: torch.Tensor
+    fut: torch.futures.Future
+    parts: List[Tuple[str, torch.Tensor, torch.Tensor]]
+
+
 class SBCState:
     """State of :func:`sbc_hook` (like PyTorch's ``PowerSGDState``): the SBC configuration, this
     rank's residuals (error feedback) and traffic counters.
@@ -90,6 +106,14 @@ class SBCState:
         density: shorthand for ``compression=SBC(density=density)``.
         granularity: ``"parameter"`` (default) or ``"bucket"`` (see the module docstring).
         process_group: the group to exchange in (``None``: the default group).
+        optimizer: the optimizer that steps on the averaged gradients. With it, a
+            ``torch.optim.SGD``'s momentum is folded into its learning rate as the Horovod
+            hook folds it (``SBC(momentum="fold")``, the default; :mod:`horovod_sbc.torch.momentum`):
+            the hook scales the average and empties the velocity, so the optimizer's step is
+            SGD without a velocity at ``lr * (1 - dampening) / (1 - momentum)``, reached as a
+            constant gradient's velocity reaches it. Without it (or with
+            ``SBC(momentum="keep")``) the optimizer's momentum acts on the averaged sparse
+            gradient, which trains worse (README, "the stock hook and momentum").
 
     Step messages are padded to their layout's capacity unless ``SBC(fixed_size=False)``:
     ``torch.distributed``'s all-gather takes one size from every rank, and a capacity known from
@@ -103,8 +127,15 @@ class SBCState:
     """
 
     def __init__(self, model, compression: Optional[SBC] = None, density: Optional[float] = None,
-                 granularity="parameter", process_group=None):
+                 granularity="parameter", process_group=None, optimizer=None):
         self.compression = _make_compression(compression, density, "SBCState")
+        if optimizer is not None and self.compression.momentum == "mask":
+            raise ValueError("SBCState: SBC(momentum='mask') (DGC's masking) is the Horovod "
+                             "hook's; the DDP hook folds the momentum ('fold', the default) or "
+                             "keeps it ('keep')")
+        self.optimizer = optimizer
+        self._fold = StockFold() if optimizer is not None and \
+            self.compression.momentum == "fold" else None
         if self.compression.delay != 1:
             raise ValueError(
                 f"SBCState: SBC(delay={self.compression.delay}) needs local steps between "
@@ -186,21 +217,22 @@ def sbc_hook(state: SBCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     avg = torch.zeros(buf.numel(), dtype=sum_dtype, device=buf.device)
     params = bucket.parameters()
     names = [state._name(p) for p in params]
+    views, off = [], 0  # each parameter's part of the average
+    for g in bucket.gradients():
+        views.append(avg[off:off + g.numel()])
+        off += g.numel()
+    if off != buf.numel():
+        raise RuntimeError(f"SBC hook: bucket {bucket.index()} holds {buf.numel()} elements "
+                           f"but its gradients {off}")
     if state.granularity is Granularity.PARAMETER:
-        items, outs, off = [], [], 0
-        for name, p, g in zip(names, params, bucket.gradients()):
-            n = g.numel()
-            items.append(Update(name, g.detach().reshape(-1), tuple(p.shape)))
-            outs.append(avg[off:off + n])
-            off += n
-        if off != buf.numel():
-            raise RuntimeError(f"SBC hook: bucket {bucket.index()} holds {buf.numel()} elements "
-                               f"but its gradients {off}")
+        items = [Update(name, g.detach().reshape(-1), tuple(p.shape))
+                 for name, p, g in zip(names, params, bucket.gradients())]
+        outs = views
     else:
         key = state._bucket_key(bucket.index(), names)
         items, outs = [Update(key, buf.detach(), (buf.numel(),))], [avg]
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state._pending.append((items, outs, avg, buf, fut))
+    state._pending.append(_Bucket(items, outs, avg, buf, fut, list(zip(names, params, views))))
     if bucket.is_last():  # DDP's last bucket of this backward pass: the step is complete
         _exchange_step(state)
     return fut
@@ -211,22 +243,27 @@ def _exchange_step(state: SBCState) -> None:
     skipped step: every rank got the same verdict)."""
     pending, state._pending = state._pending, []
     comp = state.compression
-    items = [u for p in pending for u in p[0]]
-    outs = [o for p in pending for o in p[1]]
+    items = [u for b in pending for u in b.items]
+    outs = [o for b in pending for o in b.outs]
     try:
         result = comp.exchange(items, out=outs, tag="sbc.ddp", count_sync=False)
     except BaseException as e:
-        for *_, fut in pending:
-            fut.set_exception(e)
+        for b in pending:
+            b.fut.set_exception(e)
         raise
-    comp.manager.add(dense_bits=32 * sum(p[3].numel() for p in pending))
+    comp.manager.add(dense_bits=32 * sum(b.buf.numel() for b in pending))
+    if state._fold is not None:  # before the optimizer steps on these gradients
+        parts = [part for b in pending for part in b.parts]
+        plan = state._fold.plan([Owner(n, state.optimizer, p) for n, p, _ in parts], state.iter)
+        stock_fold(plan, None if result is None else [v.view(p.shape) for _, p, v in parts],
+                   [p for _, p, _ in parts])
     state.iter += 1
     state.last_step_skipped = result is None
     if state.last_step_skipped:
         state.skipped_steps += 1
     comp.manager.add(steps=1, syncs=int(not state.last_step_skipped))
-    for _, _, avg, buf, fut in pending:
-        fut.set_result(avg if avg.dtype == buf.dtype else avg.to(buf.dtype))
+    for b in pending:
+        b.fut.set_result(b.avg if b.avg.dtype == b.buf.dtype else b.avg.to(b.buf.dtype))
 
 
 class SBCModelAverager(ModelAverager):
