@@ -112,8 +112,8 @@ class SBC(tf.Module):
             ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
             here (Horovod's allgather takes any sizes).
         binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
-            and the stock hook's momentum fold or masking are torch-only (the drop-in's fold at
-            delay 1 is here: ``local_residual``).
+            and DGC's momentum masking are torch-only (the momentum fold is here: ``optimizer``
+            for the stock tape, ``local_residual`` for weight mode).
         local_residual: weight mode only (:meth:`step`: the drop-in tape,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
