@@ -39,7 +39,7 @@ from ..residual import COUNTER_KEYS, ResidualManager
 from .backend import Backend, backend_for
 from .sync import exchange
 from .sync.exchange import COMMIT, residual_dtype, tf_name
-from .momentum import Fold, foldable, shares_weights
+from .momentum import Fold, foldable, momentum_free, shares_weights
 from .outer import Plain, resolve_outer
 from .owner import identify, variable_name
 
@@ -643,7 +643,7 @@ class SBC(tf.Module):
             return
         self._warned_stock = True
         opt = self._optimizer.optimizer
-        if self._stock_fold is not None or shares_weights(opt, 1):
+        if self._stock_fold is not None or momentum_free(opt):
             return
         which = ("an optimizer that has momentum or is of the Adam family (pass it as "
                  "SBC(..., optimizer=opt): a Keras SGD's momentum is then folded)"

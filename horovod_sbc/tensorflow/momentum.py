@@ -42,14 +42,18 @@ def foldable(optimizer, decay_apart: bool = False) -> bool:
             and not getattr(optimizer, "gradient_accumulation_steps", None))
 
 
-def shares_weights(optimizer, delay: int) -> bool:
-    """The default of ``SBC(local_residual=None)``: the residual waits beside the shared weights
-    (False) for a Keras SGD at delay 1 without a velocity or with one that folds, as the torch
-    drop-in's default for torch SGD; otherwise it lives in the weights (True)."""
+def momentum_free(optimizer) -> bool:
+    """Whether ``optimizer`` is a Keras SGD without momentum (nothing to fold)."""
     import keras
-    if delay != 1 or not isinstance(optimizer, keras.optimizers.SGD):
-        return False
-    return float(optimizer.momentum) == 0 or foldable(optimizer)
+    return isinstance(optimizer, keras.optimizers.SGD) and float(optimizer.momentum) == 0
+
+
+def shares_weights(optimizer, delay: int) -> bool:
+    """Whether the residual waits beside the shared weights by default
+    (``SBC(local_residual=None)`` → False): for a Keras SGD at delay 1 without a velocity or
+    with one that folds, as the torch drop-in's default for torch SGD; otherwise it lives in
+    the weights."""
+    return delay == 1 and (momentum_free(optimizer) or foldable(optimizer))
 
 
 class Fold:
