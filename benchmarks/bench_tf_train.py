@@ -5,9 +5,10 @@ defaults, within 1 point of torch on mnist1d").
         --json benchmarks/results/tf_vs_torch.json
     (also: python -m benchmarks.bench tf-train ...)
 
-Up to eight methods, each a real ``mpirun -np W`` job per seed and framework, on the ``mnist1d`` task of
-:mod:`benchmarks.tasks` (``make_dataset``, generated locally; IID shards; the task's recipe: SGD
-lr 0.05 momentum 0.9, batch 64 per rank, 500 steps unless ``--steps``):
+Up to eight methods, each a real ``mpirun -np W`` job per seed and framework, on the ``mnist1d``
+task of :mod:`benchmarks.tasks` (``make_dataset``, generated locally; IID shards, or with
+``--partition by_class`` each rank its own classes; the task's recipe: SGD lr 0.05 momentum 0.9,
+batch 64 per rank, 500 steps unless ``--steps``):
 
 ``torch_dense``  stock ``hvd.DistributedOptimizer`` (dense allreduce of gradients);
 ``torch_sbc``    the torch drop-in ``horovod_sbc.torch.DistributedOptimizer(opt, named_parameters=
@@ -174,7 +175,7 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
     variables = model.trainable_variables
     numel = int(sum(int(np.prod(v.shape)) for v in variables))
     # the torch worker's shard and batch sequence
-    xs_t, ys_t = task.shard(rank, size, "iid")
+    xs_t, ys_t = task.shard(rank, size, cfg.get("partition", "iid"))
     xs, ys = xs_t.numpy(), ys_t.numpy()
     batches = task.batches(len(xs), bs, seed * 1000 + rank)
     idx = [next(batches).numpy() for _ in range(steps)]
@@ -473,6 +474,8 @@ def parse_args(argv=None):
                                               "recipe's 500)")
     ap.add_argument("--density", type=float, default=DENSITY)
     ap.add_argument("--delay", type=int, default=DELAY)
+    ap.add_argument("--partition", choices=("iid", "by_class"), default="iid",
+                    help="the shards: IID (default) or label-skewed, each rank its own classes")
     ap.add_argument("--methods", type=lambda v: [m for m in v.split(",") if m],
                     help="comma-separated subset of " + ",".join(METHODS) + " (default: all; "
                     "the stock ones at --delay 1 only)")
@@ -507,7 +510,8 @@ def jobs(args) -> List[dict]:
         for fw, ms in (("torch", TORCH_METHODS), ("tf", TF_METHODS)):
             mine = [m for m in ms if m in args.methods]
             if mine:
-                key = json.dumps([fw, seed, mine, steps, args.density, args.delay, args.workers])
+                key = json.dumps([fw, seed, mine, steps, args.density, args.delay, args.workers]
+                                 + ([args.partition] if args.partition != "iid" else []))
                 out.append({"framework": fw, "seed": seed, "methods": mine, "key": key})
     return out
 
@@ -519,14 +523,15 @@ def run_job_rows(job: dict, args, prog: Progress) -> List[dict]:
                   "torch_stock_sbc": _s("sbc", args.density, 1, api="stock", steps=steps)}.get(
                       m, _s("sbc", args.density, args.delay, steps=steps))
                  for m in job["methods"]]
-        res = run_task_jobs(TASK, [{"workers": args.workers, "partition": "iid",
+        res = run_task_jobs(TASK, [{"workers": args.workers, "partition": args.partition,
                                     "seeds": [job["seed"]], "runs": specs}], [job["seed"]],
                             timeout=args.timeout, progress=False)
         if res["skipped"]:
             raise JobError(res["skipped"][0]["reason"])
         return torch_rows(res["runs"])
     cfg = {"seeds": [job["seed"]], "methods": job["methods"], "steps": steps,
-           "density": args.density, "delay": args.delay, "data_seed": 0}
+           "density": args.density, "delay": args.delay, "data_seed": 0,
+           "partition": args.partition}
     cmd = launcher_prefix(args.workers, "mpirun", ENV_NAMES) + [
         python_exe(), "-m", "benchmarks.bench_tf_train", "tf-worker", json.dumps(cfg)]
     rows = run_job(cmd, job_env(), args.timeout, prog.update)
@@ -542,7 +547,7 @@ def report(rows: List[dict], args, wall_s: float, command: str) -> dict:
     return {
         "command": command, "machine": {"python": platform.python_version(),
                                         "cores": os.cpu_count()},
-        "config": {"task": TASK, "partition": "iid", "workers": args.workers,
+        "config": {"task": TASK, "partition": args.partition, "workers": args.workers,
                    "seeds": args.seeds, "steps": _steps(args), "density": args.density,
                    "delay": args.delay, "lr": 0.05, "momentum": 0.9, "batch_size": 64,
                    "sbc_other_knobs": "each framework's defaults (selection 'paper', "

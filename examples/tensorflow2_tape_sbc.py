@@ -44,7 +44,10 @@ def train(method: str, args, data, progress: bool):
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
     delay = args.delay if (method == "sbc" and args.api == "dropin") else 1
-    sbc = hsbc.SBC(density=args.density, delay=delay) if method == "sbc" else None
+    sbc = (hsbc.SBC(density=args.density, delay=delay, optimizer=opt) if method == "sbc"
+           else None)
+    if method == "sbc" and args.api == "stock":
+        opt.build(variables)  # the stock tape folds SGD's momentum: its velocity must exist
     hsbc.broadcast_variables(model.variables, root_rank=0)
 
     @tf.function
@@ -80,7 +83,7 @@ def train(method: str, args, data, progress: bool):
             print(f"{method:>5} [{'#' * int(30 * done):<30}] {100 * done:3.0f}% "
                   f"epoch {epoch + 1}/{args.epochs} loss {loss:.4f}", flush=True)
     if sbc is not None and args.api == "dropin":
-        sbc.finish(variables)  # the last partial window (+ the residuals averaged if in the weights)
+        sbc.finish(variables)  # the last window; residuals averaged if in the weights
     acc = float((model(xte, training=False).numpy().argmax(1) == yte).mean())
     numel = sum(int(np.prod(v.shape)) for v in variables)
     flat = np.concatenate([v.numpy().ravel() for v in variables])

@@ -108,10 +108,11 @@ class SBCState:
         process_group: the group to exchange in (``None``: the default group).
         optimizer: the optimizer that steps on the averaged gradients. With it, a
             ``torch.optim.SGD``'s momentum is folded into its learning rate as the Horovod
-            hook folds it (``SBC(momentum="fold")``, the default; :mod:`horovod_sbc.torch.momentum`):
-            the hook scales the average and empties the velocity, so the optimizer's step is
-            SGD without a velocity at ``lr * (1 - dampening) / (1 - momentum)``, reached as a
-            constant gradient's velocity reaches it. Without it (or with
+            hook folds it (``SBC(momentum="fold")``, the default;
+            :mod:`horovod_sbc.torch.momentum`): the hook scales the average and empties the
+            velocity, so the optimizer's step is SGD without a velocity at
+            ``lr * (1 - dampening) / (1 - momentum)``, reached as a constant gradient's
+            velocity reaches it. Without it (or with
             ``SBC(momentum="keep")``) the optimizer's momentum acts on the averaged sparse
             gradient, which trains worse (README, "the stock hook and momentum").
 
