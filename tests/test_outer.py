@@ -71,20 +71,26 @@ def _rank_main(rank, conn, runs, results):
     results.put((rank, out))
 
 
-def _run_two_ranks(*runs):
-    """Run ``runs`` on two local processes; returns, per run, (rank 0's, rank 1's) report with
-    torch tensors."""
+def spawn_two_ranks(target, *args):
+    """``target(rank, conn, *args, queue)`` on two local processes joined by a pipe; each puts
+    ``(rank, report)`` on the queue. Returns ``{rank: report}``."""
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, c, list(runs), q)) for r, c in
-             enumerate((a, b))]
+    procs = [ctx.Process(target=target, args=(r, c, *args, q)) for r, c in enumerate((a, b))]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=180) for _ in procs)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    return got
+
+
+def _run_two_ranks(*runs):
+    """Run ``runs`` on two local processes; returns, per run, (rank 0's, rank 1's) report with
+    torch tensors."""
+    got = spawn_two_ranks(_rank_main, list(runs))
     return [(_tensors(got[0][i]), _tensors(got[1][i])) for i in range(len(runs))]
 
 

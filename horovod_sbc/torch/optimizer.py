@@ -42,6 +42,12 @@ Which one by default (``local_residual=None``) — it depends on the optimizer a
   The price is label-skewed data: every rank's weights then drift towards its own classes
   (README's "What does not train well").
 
+  With torch Adam or AdamW, ``freeze_variance_after=K`` makes the steps linear too: after K
+  steps every rank's second moment is frozen (:mod:`horovod_sbc.torch.adam`, 1-bit Adam's
+  variance freeze), so the average of the ranks' steps is the step on the averaged gradient
+  instead of the up to sqrt(N) shorter average of N normalized steps. The residual stays in
+  the weights.
+
 Where the residual is stored: with ``local_residual=True`` and float32/float64 weights, nowhere
 but in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
 kernels select on their difference in the same pass, without storing it), adds the decoded
@@ -68,6 +74,7 @@ from typing import Optional
 import torch
 
 from ..config import resolve_compression
+from .adam import check_freeze, frozen_step
 from .compressor import SBC
 from .hierarchy import Hierarchy
 from .momentum import folded
@@ -88,8 +95,10 @@ class _SBCOptimizer:
     _step_supports_amp_scaling = True
 
     def __init__(self, params, named_parameters, compression: SBC,
-                 local_residual: Optional[bool] = None, outer=None):
+                 local_residual: Optional[bool] = None, outer=None,
+                 freeze_variance_after: Optional[int] = None):
         super(self.__class__, self).__init__(params)
+        self._sbc_freeze = check_freeze(freeze_variance_after, self)
         if local_residual is None:  # "Which one by default" in the module docstring
             local_residual = not (isinstance(self, torch.optim.SGD) and compression.delay == 1)
         if not isinstance(local_residual, bool):
@@ -173,7 +182,7 @@ class _SBCOptimizer:
 
     def _user_step(self, closure):
         if "found_inf" not in self.__dict__:
-            return super(self.__class__, self).step(closure)
+            return self._inner_step(closure)
         # GradScaler's attributes are for us; the wrapped optimizer must not see them
         found_inf, scale = self.__dict__.pop("found_inf"), self.__dict__.pop("grad_scale", None)
         try:
@@ -185,9 +194,21 @@ class _SBCOptimizer:
                     for p in g["params"]:
                         if p.grad is not None:
                             p.grad.mul_(inv.to(p.grad.device))
-            return super(self.__class__, self).step(closure)
+            return self._inner_step(closure)
         finally:
             self.found_inf, self.grad_scale = found_inf, scale
+
+    def _inner_step(self, closure):
+        """The user's step; Adam's with its second moment frozen once ``freeze_variance_after``
+        steps are done (:mod:`horovod_sbc.torch.adam`)."""
+        if self._sbc_freeze is None or self._sbc.manager.counters["steps"] < self._sbc_freeze:
+            return super(self.__class__, self).step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        frozen_step(self)
+        return loss
 
     def step(self, closure=None):
         if self._sbc_bypass or called_by_horovod_broadcast():
@@ -449,7 +470,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          compression: Optional[SBC] = None, delay: Optional[int] = None,
                          density: Optional[float] = None,
                          local_residual: Optional[bool] = None,
-                         outer=None):
+                         outer=None, freeze_variance_after: Optional[int] = None):
     """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
 
     Args:
@@ -481,6 +502,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             residual lives in them move by the same change, so its unsent residual stays. Its
             state (momentum buffers) is identical on every rank and saved in
             ``state_dict()``.
+        freeze_variance_after: ``None`` (default) or a number of steps K, for torch Adam and
+            AdamW: after K steps every rank's second moment is frozen (bias-corrected, in
+            place) and its steps go on with the first moment only, so that they are linear
+            in the gradients and their average is the step on the averaged gradient
+            (1-bit Adam's variance freeze; :mod:`horovod_sbc.torch.adam`). Take K after the
+            learning-rate warm-up, around a sixth of training (1-bit Adam: 15-25 %). The frozen
+            state lives in ``state_dict()``; ``K`` is counted in the drop-in's steps (saved
+            too), so a resumed run freezes where the first one would have.
 
     Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
@@ -501,7 +530,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression, local_residual, outer)
+    return cls(optimizer.param_groups, named_parameters, compression, local_residual, outer,
+               freeze_variance_after)
 
 
 def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:

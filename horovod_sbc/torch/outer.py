@@ -43,7 +43,8 @@ class Plain:
             dominates the N updates point partly different ways, and their average is up to
             ``sqrt(N)`` times shorter than the step the same optimizer takes on the averaged
             gradient. Over several local steps (``delay > 1``) the ranks' updates agree more and
-            ``sqrt(N)`` can overshoot. Momentum SGD's updates are linear in the gradients: keep
+            ``sqrt(N)`` can overshoot. Momentum SGD's updates are linear in the gradients, and
+            so are Adam's with ``freeze_variance_after`` (:mod:`horovod_sbc.torch.adam`): keep
             ``lr = 1`` there.
     """
 

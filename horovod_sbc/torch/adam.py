@@ -1,0 +1,107 @@
+"""Adam's second moment frozen after a warm-up: local Adam steps that are linear in the gradient.
+
+The drop-in optimizer averages the ranks' *weight changes*. Adam divides each rank's first
+moment by the square root of that rank's own second moment, so where gradient noise dominates a
+coordinate the N ranks' normalized steps point partly different ways and their average is up to
+sqrt(N) shorter than Adam's step on the averaged gradient; under error feedback the second moment
+also sees each rank's own, noisier gradients. With the second moment held fixed, Adam is
+momentum SGD with a fixed diagonal preconditioner: its step is linear in the gradients, the
+average of the ranks' steps is the step on the averaged gradient, and error feedback delays it
+as it delays SGD's.
+
+This is the idea of 1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale
+Training with Adam's Convergence Speed", ICML 2021, arXiv 2102.02888) and 0/1 Adam (Lu et al.,
+arXiv 2202.06009): the variance settles early in training and is then frozen. Here every rank
+keeps training with its own Adam during the first ``freeze_after`` steps (compressed, as
+before), and from then on :func:`frozen_step` replaces the user's ``step()``:
+
+* the first moment ``exp_avg`` and the step count go on as in Adam (bias correction of the first
+  moment included), weight decay as the optimizer does it (decoupled for AdamW, added to the
+  gradient for Adam), ``maximize`` honoured;
+* the second moment is the bias-corrected ``exp_avg_sq`` of the freeze (``max_exp_avg_sq`` with
+  ``amsgrad``), stored in place once: ``exp_avg_sq / (1 - beta2 ** step)``. A later plain Adam
+  step reads it almost unchanged (its own bias correction is then close to 1).
+
+A parameter whose first gradient arrives after the freeze takes that gradient's square as its
+second moment (what Adam's first step would use). The learning rate, betas, eps and weight
+decay are read from the parameter groups at every step, so LR schedulers act as before.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+def is_adam(optimizer) -> bool:
+    """``torch.optim.Adam`` and its subclasses (``AdamW`` is one)."""
+    return isinstance(optimizer, torch.optim.Adam)
+
+
+def check_freeze(freeze_after, optimizer) -> Optional[int]:
+    """``freeze_after`` as given to the drop-in: None or a step count >= 1, for Adam only."""
+    if freeze_after is None:
+        return None
+    if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
+        raise ValueError(f"freeze_variance_after must be None or an int >= 1, got "
+                         f"{freeze_after!r}")
+    if not is_adam(optimizer):
+        raise ValueError(f"freeze_variance_after applies to torch.optim.Adam and AdamW, not "
+                         f"{type(optimizer).__name__}")
+    for g in optimizer.param_groups:
+        if g.get("capturable") or g.get("fused") or g.get("differentiable"):
+            raise ValueError("freeze_variance_after does not support Adam's capturable, fused "
+                             "or differentiable modes")
+    return freeze_after
+
+
+def _second_moment(state: dict, amsgrad: bool) -> torch.Tensor:
+    return state["max_exp_avg_sq"] if amsgrad else state["exp_avg_sq"]
+
+
+def _freeze(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """Store the bias-corrected second moment of ``p`` in place (once per parameter)."""
+    beta2 = float(group["betas"][1])
+    amsgrad = group.get("amsgrad", False)
+    if "exp_avg_sq" not in state:  # first gradient after the freeze: Adam's first step's
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = grad.square()
+        if amsgrad:
+            state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
+    else:
+        # Adam's CPU step counter (capturable mode, refused above, would keep it on the device)
+        _second_moment(state, amsgrad).div_(1.0 - beta2 ** float(state["step"]))
+    state["sbc_variance_frozen"] = torch.tensor(1.0)
+
+
+@torch.no_grad()
+def frozen_step(optimizer) -> None:
+    """One step of ``optimizer`` (torch Adam/AdamW) with the second moment held fixed."""
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        beta1 = float(group["betas"][0])
+        lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        amsgrad = group.get("amsgrad", False)
+        grads: List[torch.Tensor] = [p.grad for p in params]
+        if group.get("maximize", False):
+            grads = torch._foreach_neg(grads)
+        states = [optimizer.state[p] for p in params]
+        for p, g, st in zip(params, grads, states):
+            if "sbc_variance_frozen" not in st:
+                _freeze(p, g, st, group)
+        if wd:
+            if group.get("decoupled_weight_decay", False):
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=wd)
+        steps = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1.0)
+        exp_avgs = [st["exp_avg"] for st in states]
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        denom = torch._foreach_sqrt([_second_moment(st, amsgrad) for st in states])
+        torch._foreach_add_(denom, eps)
+        scales = [-lr / (1.0 - beta1 ** float(s)) for s in steps]
+        torch._foreach_addcdiv_(params, exp_avgs, denom, scales)
