@@ -106,6 +106,7 @@ def test_tf_owner_reads_horovods_locals_only():
 @pytest.mark.parametrize("make, momentum, expect", [
     (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "fold", "AdamW: Adam-style optimizers normalise"),
     (lambda ps: torch.optim.Adam(ps, lr=1e-3), "fold", "Adam: Adam-style optimizers normalise"),
+    (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "fold", "NAdam: Adam-style optimizers normalise"),
     (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9), "fold",
      "RMSprop: the optimizer's momentum"),
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "fold", None),  # folded
@@ -136,7 +137,10 @@ def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, momentu
     if momentum == "mask":
         assert "SBC(momentum='fold') (the default)" in msgs[0], msgs[0]
         return
-    delay, outer = (1, "Plain(lr=hvd.size() ** 0.5)") if "Adam" in expect else \
-        (16, "Nesterov(lr=1.0, momentum=0.5)")
+    setting = "compression=SBC(0.01), freeze_variance_after=total_steps // 6" \
+        if expect.startswith(("Adam", "AdamW")) else \
+        "compression=SBC(0.01, delay=1), outer=Plain(lr=hvd.size() ** 0.5)" \
+        if "Adam" in expect else \
+        "compression=SBC(0.01, delay=16), outer=Nesterov(lr=1.0, momentum=0.5)"
     assert "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, " \
-           f"compression=SBC(0.01, delay={delay}), outer={outer})" in msgs[0], msgs[0]
+           f"{setting})" in msgs[0], msgs[0]

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import wire
+from .adam import is_adam
 from .backend import Accumulate, Targets, frame
 from .momentum import StockFold, check_choice, stock_fold
 from .owner import Owner, identify
@@ -216,10 +217,15 @@ def warn_momentum(hook, owner: Owner) -> None:
                "the weight by about one learning rate instead of the sum of the steps it "
                "stands for: training runs as if at a far smaller learning rate, and can end "
                "worse than each rank training alone")
-        # the best the README's table measured with AdamW: the drop-in runs AdamW on each
-        # rank's own gradients; their normalized updates partly cancel in the average, which
-        # the outer learning rate sqrt(N) makes up for
-        delay, outer = 1, "Plain(lr=hvd.size() ** 0.5)"
+        if is_adam(owner.optimizer):
+            # the best the README's table measured with AdamW: every rank's Adam with its second
+            # moment frozen after the warm-up steps linearly (horovod_sbc.torch.adam)
+            setting = "compression=SBC(0.01), freeze_variance_after=total_steps // 6"
+        else:
+            # the drop-in runs the optimizer on each rank's own gradients; their normalized
+            # updates partly cancel in the average, which the outer learning rate sqrt(N)
+            # makes up for
+            setting = "compression=SBC(0.01, delay=1), outer=Plain(lr=hvd.size() ** 0.5)"
     elif any(g.get("momentum", 0) for g in groups):
         if isinstance(owner.optimizer, torch.optim.SGD):
             if hook.momentum == "fold" or hook.state.config.mode != "sbc":
@@ -236,14 +242,13 @@ def warn_momentum(hook, owner: Owner) -> None:
         why = ("the optimizer's momentum then acts on the averaged sparse update, in which "
                "each coordinate arrives late and in bursts, so it trains below dense (only "
                "torch.optim.SGD's momentum is folded into the learning rate)")
-        delay, outer = 16, "Nesterov(lr=1.0, momentum=0.5)"
+        setting = "compression=SBC(0.01, delay=16), outer=Nesterov(lr=1.0, momentum=0.5)"
     else:
         return
     warnings.warn(
         f"horovod_sbc: SBC through stock hvd.DistributedOptimizer with "
         f"{type(owner.optimizer).__name__}: {why}. The drop-in "
-        "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, "
-        f"compression=SBC(0.01, delay={delay}), outer={outer}) runs the "
+        f"horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, {setting}) runs the "
         "optimizer on each rank's own gradients and compresses the weight change; the "
         "README's recommendation table compares both.",
         stacklevel=4)
