@@ -716,10 +716,33 @@ def _task_optimizer(task, params, spec: dict):
         return torch.optim.SGD(params, lr=lr, momentum=spec.get("momentum", r.momentum),
                                nesterov=spec.get("nesterov", False), weight_decay=wd)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=r.betas, weight_decay=wd)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=r.betas, weight_decay=wd or 0.01)
-    raise ValueError(f"unknown optimizer {name!r}")
+        opt = torch.optim.Adam(params, lr=lr, betas=r.betas, weight_decay=wd)
+    elif name == "adamw":
+        opt = torch.optim.AdamW(params, lr=lr, betas=r.betas, weight_decay=wd or 0.01)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}")
+    if spec.get("freeze_variance_after") and spec["method"] in ("none", "local"):
+        # the dense baselines of a drop-in run with freeze_variance_after: the same optimizer
+        opt.__class__ = _frozen_class(opt.__class__, spec["freeze_variance_after"])
+    return opt
+
+
+def _frozen_class(cls, after: int):
+    """``cls`` (torch Adam/AdamW) with the second moment frozen after ``after`` steps, as the
+    drop-in's ``freeze_variance_after`` does (:func:`horovod_sbc.torch.adam.frozen_step`)."""
+    from horovod_sbc.torch.adam import frozen_step
+
+    from horovod_sbc.torch.owner import called_by_horovod_broadcast
+
+    def step(self, closure=None):
+        if called_by_horovod_broadcast():  # its state-creating step is not a training step
+            return cls.step(self, closure)
+        self._bench_steps = getattr(self, "_bench_steps", 0) + 1
+        if self._bench_steps <= after:
+            return cls.step(self, closure)
+        frozen_step(self)
+
+    return type(cls.__name__, (cls,), {"step": step})
 
 
 def _task_compressor(spec: dict, seed: int):
@@ -777,7 +800,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         opt = stock_horovod_optimizer(base, model, comp)
     else:
         comp = _task_compressor(spec, seed)
-        kw = {k: spec[k] for k in ("local_residual",) if k in spec}
+        kw = {k: spec[k] for k in ("local_residual", "freeze_variance_after") if k in spec}
         opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp,
                                        outer=_task_outer(spec), **kw)
         sbc.broadcast_state(model, opt, root_rank=0)
@@ -951,6 +974,8 @@ def spec_label(s: dict) -> str:
         lab += " outer=" + ",".join(str(a) for a in s["outer"])
     if s.get("density_warmup"):
         lab += " warmup={:g}/{}".format(*s["density_warmup"])
+    if s.get("freeze_variance_after"):
+        lab += f" freeze={s['freeze_variance_after']}"
     if "momentum_masking" in s:
         lab += " masking" if s["momentum_masking"] else " no-masking"
     if "stock_momentum" in s:

@@ -237,8 +237,35 @@ FOLD_ROWS += [(_s("none", **NESTEROV_WD), S0), (_s("local", **NESTEROV_WD), S0),
               (_s("sbc", 0.01, 1, api="stock", **NESTEROV_WD), S0),
               (_s("sbc", 0.01, 1, **NESTEROV_WD), S0)]
 FOLD: Dict[str, List[tuple]] = {"iid": FOLD_ROWS, "skewed": FOLD_ROWS}
+# Adam's second moment frozen after 100 of the 600 steps (``freeze_variance_after``,
+# horovod_sbc.torch.adam): every rank's step is then linear in its gradients; the dense
+# baselines with the same frozen optimizer beside the user's AdamW (``--study freeze``).
+FREEZE_AT = 100
+FREEZE: Dict[str, List[tuple]] = {
+    "lm_docs": [(_s("none"), S3), (_s("none", freeze_variance_after=FREEZE_AT), S3),
+                (_s("sbc", 0.01, 1, freeze_variance_after=FREEZE_AT), S3),
+                (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT), S3),
+                (_s("sbc", 0.01, 16, freeze_variance_after=FREEZE_AT), S0),
+                # from a one-seed screen: the outer Nesterov(1.0, 0.5) at delay 4, and delay 2
+                (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=MILD), S3),
+                (_s("sbc", 0.01, 2, freeze_variance_after=FREEZE_AT), S3)] + [
+                # one seed each: when to freeze, and what else at about x1,000 and above
+                (_s("sbc", 0.01, 1, freeze_variance_after=k), S0) for k in (30, 60, 150)] + [
+                (_s("sbc", 0.01, 1, freeze_variance_after=FREEZE_AT, outer=["plain", 2.0]), S0),
+                (_s("sbc", 0.003, 1, freeze_variance_after=FREEZE_AT), S0),
+                (_s("sbc", 0.005, 2, freeze_variance_after=FREEZE_AT), S0),
+                (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=STRONG), S0),
+                (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=NESTEROV), S0),
+                (_s("sbc", 0.01, 8, freeze_variance_after=FREEZE_AT, outer=MILD), S0),
+                (_s("sbc", 0.02, 8, freeze_variance_after=FREEZE_AT, outer=MILD), S0),
+                (_s("sbc", 0.01, 16, freeze_variance_after=FREEZE_AT, outer=MILD), S0)],
+    "lm_iid": [(_s("none"), S3), (_s("none", freeze_variance_after=FREEZE_AT), S0),
+               (_s("sbc", 0.01, 1, freeze_variance_after=FREEZE_AT), S3),
+               (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT), S3),
+               (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=MILD), S3)],
+}
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
-           "fold": FOLD}
+           "fold": FOLD, "freeze": FREEZE}
 
 
 def study_jobs(parts: Sequence[str], quick: bool = False,
@@ -262,10 +289,13 @@ def study_jobs(parts: Sequence[str], quick: bool = False,
 # describing and judging results
 # ------------------------------------------------------------------------------------------------
 def _recipe_change(r: dict) -> str:
-    """The run's change to its part's recipe (Nesterov, weight decay), in words; "" if none."""
+    """The run's change to its part's recipe (Nesterov, weight decay, Adam's variance frozen),
+    in words; "" if none."""
     out = ["Nesterov"] if r.get("nesterov") else []
     if r.get("weight_decay"):
         out.append(f"weight decay {r['weight_decay']:g}")
+    if r.get("freeze_variance_after"):
+        out.append(f"Adam's variance frozen after {r['freeze_variance_after']} steps")
     return f" [{', '.join(out)}]" if out else ""
 
 
@@ -377,7 +407,8 @@ def goals(res: dict) -> List[dict]:
 
     def base(part):
         runs = parts.get(part, [])
-        plain = {"nesterov": None, "weight_decay": None}  # the part's own recipe
+        plain = {"nesterov": None, "weight_decay": None,  # the part's own recipe
+                 "freeze_variance_after": None}
         return runs, _find(runs, "none", **plain), _find(runs, "local", **plain)
 
     def best(runs, metric, dense, tol, min_ratio=0.0, pick=lambda r: True):
@@ -475,8 +506,9 @@ def markdown(res: dict) -> str:
             ratio = "—" if r["method"] == "local" else _ratio(r.get("compression_ratio"))
             good = [v for v, _, _, which in _points(r) if which != "after finish()"]
             top = max(good) if metric == "accuracy" else min(good)
-            own = _find(runs, "none", nesterov=r.get("nesterov"),
-                        weight_decay=r.get("weight_decay"))  # dense of the same recipe
+            own = _find(runs, "none", nesterov=r.get("nesterov"),  # dense of the same recipe
+                        weight_decay=r.get("weight_decay"),
+                        freeze_variance_after=r.get("freeze_variance_after"))
             vs_d = _gap(metric, top, own["score"]) if own and r is not own else "—"
             lines.append(f"| {describe(r)} | {n} | {ratio} | " + " | ".join(cells)
                          + f" | {vs_d} |")
@@ -545,7 +577,8 @@ def plot(res: dict, path: str) -> None:
         runs = parts[part]
         acc = runs[0]["metric"] == "accuracy"
         f = (lambda v: 100 * v) if acc else (lambda v: v)
-        dense, local = _find(runs, "none"), _find(runs, "local")
+        dense = _find(runs, "none", freeze_variance_after=None)  # the user's own recipe
+        local = _find(runs, "local")
         if dense:
             ax.axhline(f(dense["score"]), ls="--", c="gray", lw=1, label="dense")
             t = tol.get(part, 0.01)

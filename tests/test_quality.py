@@ -99,3 +99,20 @@ def test_density_warm_up_is_geometric_and_reaches_the_density_the_sync_uses():
     comp = sbc.SBC(0.01, delay=1)
     _set_density(comp, 0.05)
     assert comp.density == comp.state.config.density == 0.05 and comp.delay == 1
+
+
+def test_goals_judge_against_the_users_dense_and_rows_against_their_own_recipe():
+    """A dense run with Adam's variance frozen is not the goals' dense (the user's AdamW is);
+    a row with the freeze is compared with dense of the same frozen optimizer in its table."""
+    frozen = {"freeze_variance_after": 100}
+    runs = [_run("none", [0, 1, 2], [0.99] * 3, up=1e7, label="none freeze=100", **frozen),
+            _run("none", [0, 1, 2], [0.945] * 3, up=1e7),
+            _run("local", [0, 1, 2], [0.86] * 3),
+            _run("sbc", [0, 1, 2], [0.94] * 3, shared=[0.94] * 3, up=1000.0, density=0.01,
+                 delay=64, label="sbc p=0.01 n=64 freeze=100", **frozen)]
+    res = {"runs": runs}
+    iid = next(v for v in quality.goals(res) if v["goal"].startswith("mnist1d_long IID"))
+    assert iid["dense"] == 0.945 and iid["reached"]
+    md = quality.markdown(res)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| drop-in `SBC(0.01, delay=64)`"))
+    assert "[Adam's variance frozen after 100 steps]" in row and row.endswith("| -5.0 pt |")
