@@ -40,9 +40,12 @@ def pytest_collection_modifyitems(config, items):
     """``scripts/test.sh`` runs the suite on 2 pytest-xdist workers (``--dist loadgroup``): the
     tests that start multi-process jobs stay together on one worker, in file order (their
     shared jobs are started once per process, and two jobs at a time would fight for the
-    cores and the timeouts), while the single-process tests fill the other core."""
+    cores and the timeouts), while the single-process tests fill the other core. A job whose
+    ranks mostly sleep once started (``waits``: the hang and timeout tests) takes little CPU
+    and runs on the other worker, beside the jobs."""
     for item in items:
-        if item.get_closest_marker("multirank") or item.path.name in _JOB_FILES:
+        if (item.get_closest_marker("multirank") or item.path.name in _JOB_FILES) and \
+                not item.get_closest_marker("waits"):
             item.add_marker(pytest.mark.xdist_group("jobs"))
 
 

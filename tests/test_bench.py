@@ -117,6 +117,7 @@ def _live_pids_with(token):
 
 
 @pytest.mark.multirank
+@pytest.mark.waits
 def test_a_job_past_its_timeout_is_ended_with_all_its_ranks():
     token = f"sbc-timeout-test-{os.getpid()}-{time.time_ns()}"
     cmd = bt.launcher_prefix(2, "mpirun", bt.ENV_NAMES) + [

@@ -41,6 +41,7 @@ def test_variable_length_uint8_allgather(fw, np_, controller):
     assert len({res["sha"] for res in results}) == 1
 
 
+@pytest.mark.waits
 def test_hung_worker_fails_within_timeout():
     """A hung job fails within its timeout, and its error shows where it hung: the stack of
     each rank (rank 1 asleep in hang.py, rank 0 waiting in Horovod's allreduce) and the
@@ -55,6 +56,7 @@ def test_hung_worker_fails_within_timeout():
     assert "synchronize" in out, out  # rank 0 inside hvd.allreduce
 
 
+@pytest.mark.waits
 def test_hung_torchrun_job_shows_its_stacks_and_leaves_no_process():
     """torchrun starts its workers in sessions of their own: a hung job's workers are still
     found, print their stacks, and none outlives the job (one once did, for 44 minutes)."""
