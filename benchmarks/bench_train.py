@@ -731,7 +731,6 @@ def _frozen_class(cls, after: int):
     """``cls`` (torch Adam/AdamW) with the second moment frozen after ``after`` steps, as the
     drop-in's ``freeze_variance_after`` does (:func:`horovod_sbc.torch.adam.frozen_step`)."""
     from horovod_sbc.torch.adam import frozen_step
-
     from horovod_sbc.torch.owner import called_by_horovod_broadcast
 
     def step(self, closure=None):

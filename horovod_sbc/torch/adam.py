@@ -12,8 +12,8 @@ as it delays SGD's.
 This is the idea of 1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale
 Training with Adam's Convergence Speed", ICML 2021, arXiv 2102.02888) and 0/1 Adam (Lu et al.,
 arXiv 2202.06009): the variance settles early in training and is then frozen. Here every rank
-keeps training with its own Adam during the first ``freeze_after`` steps (compressed, as
-before), and from then on :func:`frozen_step` replaces the user's ``step()``:
+keeps training with its own Adam during the first ``freeze_variance_after`` steps (compressed,
+as before), and from then on :func:`frozen_step` replaces the user's ``step()``:
 
 * the first moment ``exp_avg`` and the step count go on as in Adam (bias correction of the first
   moment included), weight decay as the optimizer does it (decoupled for AdamW, added to the
