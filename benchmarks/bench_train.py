@@ -748,7 +748,7 @@ def _task_compressor(spec: dict, seed: int):
     """The compressor of a spec: drop-in and stock SBC/top-K with their extra knobs."""
     import horovod_sbc.torch as sbc
     m = spec["method"]
-    extra = {k: spec[k] for k in ("topology", "downlink_density") if k in spec}
+    extra = {k: spec[k] for k in ("topology", "downlink_density", "mode") if k in spec}
     if "stock_momentum" in spec:  # SBC(momentum=...); "momentum" is the optimizer's
         extra["momentum"] = spec["stock_momentum"]
     if "momentum_masking" in spec:  # the results of before SBC(momentum=...)
@@ -769,6 +769,16 @@ def _task_outer(spec: dict):
     kind, *args = spec["outer"]
     return {"plain": sbc.Plain, "nesterov": sbc.Nesterov, "error_decay": sbc.ErrorDecay}[kind](
         *args)
+
+
+def lr_schedule(recipe, spec: dict, steps: int) -> Callable[[int], float]:
+    """The factor of the base learning rate at step ``s``: the recipe's warm-up and decay,
+    times ``spec["lr_after_freeze"]`` from the step Adam's variance is frozen on (the
+    ``freeze_variance_after``-th step counted from 0, the first frozen one)."""
+    boost, start = spec.get("lr_after_freeze", 1.0), spec.get("freeze_variance_after")
+    if boost != 1.0 and not start:
+        raise ValueError("lr_after_freeze needs freeze_variance_after")
+    return lambda s: recipe.lr_factor(s, steps) * (boost if start and s >= start else 1.0)
 
 
 def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
@@ -808,8 +818,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
     batches = task.batches(len(xs), bs, seed * 1000 + rank)
     # the recipe's warm-up and decay, on the optimizer the user steps (the drop-in subclasses
     # the user's optimizer class, so a scheduler drives it as it would the plain one)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: task.recipe.lr_factor(s, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(task.recipe, spec, steps))
     times, losses = [], []
     warm = spec.get("density_warmup")  # [start density, steps]: DGC's exponential warm-up
     for step in range(steps):
@@ -960,6 +969,8 @@ def spec_label(s: dict) -> str:
         lab += f" p={s['density']:g}"
     if m in DROPIN and s.get("delay", 1) != 1 or m == "fedavg":
         lab += f" n={s.get('delay', 1)}"
+    if s.get("mode"):
+        lab += f" mode={s['mode']}"
     if s.get("api") == "stock":
         lab += " (stock)"
     if s.get("topology") == "server":
@@ -975,6 +986,8 @@ def spec_label(s: dict) -> str:
         lab += " warmup={:g}/{}".format(*s["density_warmup"])
     if s.get("freeze_variance_after"):
         lab += f" freeze={s['freeze_variance_after']}"
+    if s.get("lr_after_freeze", 1.0) != 1.0:
+        lab += f" lr_after_freeze=x{s['lr_after_freeze']:g}"
     if "momentum_masking" in s:
         lab += " masking" if s["momentum_masking"] else " no-masking"
     if "stock_momentum" in s:

@@ -258,11 +258,32 @@ FREEZE: Dict[str, List[tuple]] = {
                 (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=NESTEROV), S0),
                 (_s("sbc", 0.01, 8, freeze_variance_after=FREEZE_AT, outer=MILD), S0),
                 (_s("sbc", 0.02, 8, freeze_variance_after=FREEZE_AT, outer=MILD), S0),
-                (_s("sbc", 0.01, 16, freeze_variance_after=FREEZE_AT, outer=MILD), S0)],
+                (_s("sbc", 0.01, 16, freeze_variance_after=FREEZE_AT, outer=MILD), S0)] + [
+                # from a one-process screen: with a delay, twice the learning rate once frozen
+                (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=MILD,
+                    lr_after_freeze=2.0), S3),
+                (_s("sbc", 0.02, 6, freeze_variance_after=FREEZE_AT, outer=MILD,
+                    lr_after_freeze=2.0), S0),
+                (_s("sbc", 0.01, 1, freeze_variance_after=FREEZE_AT, lr_after_freeze=2.0), S0),
+                (_s("none", freeze_variance_after=FREEZE_AT, lr_after_freeze=2.0), S0)] + [
+                # and from the screen's second round (seeds 0 and 1 here): freezing later
+                (_s("sbc", 0.01, 4, freeze_variance_after=150, outer=MILD, lr_after_freeze=2.0),
+                 S3),
+                (_s("none", freeze_variance_after=150, lr_after_freeze=2.0), S0),
+                (_s("sbc", 0.01, 1, freeze_variance_after=150, lr_after_freeze=2.0), S0),
+                (_s("sbc", 0.01, 4, freeze_variance_after=150, outer=MILD, lr_after_freeze=2.5),
+                 S0)] + [
+                (_s("sbc", 0.01, n, freeze_variance_after=150, outer=MILD, lr_after_freeze=2.0),
+                 S0) for n in (8, 16)],
     "lm_iid": [(_s("none"), S3), (_s("none", freeze_variance_after=FREEZE_AT), S0),
                (_s("sbc", 0.01, 1, freeze_variance_after=FREEZE_AT), S3),
                (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT), S3),
-               (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=MILD), S3)],
+               (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=MILD), S3),
+               (_s("sbc", 0.01, 4, freeze_variance_after=FREEZE_AT, outer=MILD,
+                   lr_after_freeze=2.0), S3),
+               (_s("sbc", 0.01, 4, freeze_variance_after=150, outer=MILD, lr_after_freeze=2.0),
+                S3),
+               (_s("none", freeze_variance_after=150, lr_after_freeze=2.0), S0)],
 }
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE}
@@ -296,6 +317,8 @@ def _recipe_change(r: dict) -> str:
         out.append(f"weight decay {r['weight_decay']:g}")
     if r.get("freeze_variance_after"):
         out.append(f"Adam's variance frozen after {r['freeze_variance_after']} steps")
+    if r.get("lr_after_freeze", 1.0) != 1.0:
+        out.append(f"learning rate x{r['lr_after_freeze']:g} from then on")
     return f" [{', '.join(out)}]" if out else ""
 
 
@@ -408,7 +431,7 @@ def goals(res: dict) -> List[dict]:
     def base(part):
         runs = parts.get(part, [])
         plain = {"nesterov": None, "weight_decay": None,  # the part's own recipe
-                 "freeze_variance_after": None}
+                 "freeze_variance_after": None, "lr_after_freeze": None}
         return runs, _find(runs, "none", **plain), _find(runs, "local", **plain)
 
     def best(runs, metric, dense, tol, min_ratio=0.0, pick=lambda r: True):
@@ -508,7 +531,8 @@ def markdown(res: dict) -> str:
             top = max(good) if metric == "accuracy" else min(good)
             own = _find(runs, "none", nesterov=r.get("nesterov"),  # dense of the same recipe
                         weight_decay=r.get("weight_decay"),
-                        freeze_variance_after=r.get("freeze_variance_after"))
+                        freeze_variance_after=r.get("freeze_variance_after"),
+                        lr_after_freeze=r.get("lr_after_freeze"))
             vs_d = _gap(metric, top, own["score"]) if own and r is not own else "—"
             lines.append(f"| {describe(r)} | {n} | {ratio} | " + " | ".join(cells)
                          + f" | {vs_d} |")

@@ -116,3 +116,36 @@ def test_goals_judge_against_the_users_dense_and_rows_against_their_own_recipe()
     md = quality.markdown(res)
     row = next(ln for ln in md.splitlines() if ln.startswith("| drop-in `SBC(0.01, delay=64)`"))
     assert "[Adam's variance frozen after 100 steps]" in row and row.endswith("| -5.0 pt |")
+
+
+def test_a_row_with_the_learning_rate_raised_after_the_freeze_is_compared_with_its_own_dense():
+    """``lr_after_freeze`` is a change of the user's recipe: its row names it and is compared
+    with dense of the same recipe, not with the frozen dense at the recipe's learning rate."""
+    frozen, boosted = {"freeze_variance_after": 100}, {"freeze_variance_after": 100,
+                                                        "lr_after_freeze": 2.0}
+    runs = [_run("none", [0, 1, 2], [0.945] * 3, up=1e7),
+            _run("none", [0, 1, 2], [0.96] * 3, up=1e7, label="none freeze=100", **frozen),
+            _run("none", [0], [0.98], up=1e7, label="none freeze=100 lr x2", **boosted),
+            _run("local", [0, 1, 2], [0.86] * 3),
+            _run("sbc", [0, 1, 2], [0.95] * 3, shared=[0.95] * 3, density=0.01, delay=4,
+                 label="sbc p=0.01 n=4 freeze=100 lr x2", **boosted)]
+    md = quality.markdown({"runs": runs})
+    row = next(ln for ln in md.splitlines() if ln.startswith("| drop-in `SBC(0.01, delay=4)`"))
+    assert ("[Adam's variance frozen after 100 steps, learning rate x2 from then on]" in row
+            and row.endswith("| -3.0 pt |"))
+    iid = next(v for v in quality.goals({"runs": runs}) if v["goal"].startswith("mnist1d"))
+    assert iid["dense"] == 0.945
+
+
+def test_the_learning_rate_after_the_freeze_starts_with_the_first_frozen_step():
+    from benchmarks.bench_train import lr_schedule
+    from benchmarks.tasks import Recipe
+    recipe = Recipe(lr=3e-3, momentum=0.0, batch_size=16, steps=600, optimizer="adamw",
+                    warmup=30, schedule="cosine")
+    plain = lr_schedule(recipe, {"freeze_variance_after": 100}, 600)
+    raised = lr_schedule(recipe, {"freeze_variance_after": 100, "lr_after_freeze": 2.0}, 600)
+    assert [raised(s) / plain(s) for s in (0, 50, 99, 100, 101, 599)] == [1, 1, 1, 2, 2, 2]
+    assert plain(300) == recipe.lr_factor(300, 600)
+    import pytest
+    with pytest.raises(ValueError, match="lr_after_freeze needs freeze_variance_after"):
+        lr_schedule(recipe, {"lr_after_freeze": 2.0}, 600)
