@@ -507,7 +507,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             place) and its steps go on with the first moment only, so that they are linear
             in the gradients and their average is the step on the averaged gradient
             (1-bit Adam's variance freeze; :mod:`horovod_sbc.torch.adam`). Take K after the
-            learning-rate warm-up, around a sixth of training (1-bit Adam: 15-25 %). The frozen
+            learning-rate warm-up, around a sixth of training (1-bit Adam: 15-25 %), later
+            with a delay; the frozen optimizer may want a larger learning rate than Adam's
+            (README, "Which setting to use"). The frozen
             state lives in ``state_dict()``; ``K`` is counted in the drop-in's steps (saved
             too), so a resumed run freezes where the first one would have.
 
