@@ -8,6 +8,8 @@
   and ``tf.function``.
 * :class:`SBCCallback` — Keras 3 ``model.fit`` with SBC (imported lazily: needs ``keras``).
 * :func:`broadcast_variables` — start all ranks equal (accepts Keras 3 variables).
+* :func:`freeze_variance_after` — Keras Adam/AdamW with the second moment frozen after K steps,
+  for the drop-in (:mod:`horovod_sbc.tensorflow.adam`; the torch drop-in's knob of that name).
 * :func:`compress` / :func:`decompress` — the single-tensor codec (TF ops).
 * :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — weight mode's outer step
   (``SBC(..., delay=16, outer=Nesterov(lr=1.0, momentum=0.5))``, see
@@ -22,13 +24,14 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
                       "'horovod_sbc[tensorflow]' (and Horovod built with HOROVOD_WITH_TENSORFLOW=1; "
                       "see scripts/install.sh)") from e
 
+from .adam import freeze_variance_after
 from .backend import compress, decompress
 from .compressor import SBC
 from .outer import ErrorDecay, Nesterov, Plain
 from .tape import DistributedGradientTape, broadcast_variables
 
 __all__ = ["SBC", "DistributedGradientTape", "SBCCallback", "broadcast_variables", "compress",
-           "decompress", "Plain", "Nesterov", "ErrorDecay"]
+           "decompress", "Plain", "Nesterov", "ErrorDecay", "freeze_variance_after"]
 
 
 def __getattr__(name):

@@ -1,0 +1,91 @@
+"""Keras Adam's second moment frozen after a warm-up: the TensorFlow side of the torch drop-in's
+``freeze_variance_after`` (:mod:`horovod_sbc.torch.adam` explains why: with the variance held,
+each rank's step is linear in its gradients and the average of the ranks' steps is the step on
+the averaged gradient; 1-bit Adam, arXiv 2102.02888).
+
+:func:`freeze_variance_after` gives a Keras 3 ``Adam`` or ``AdamW`` (or a subclass) a step that,
+from its ``K``-th applied step on (``optimizer.iterations >= K``), keeps the second moment of
+the freeze:
+
+* at the first frozen step each velocity is bias-corrected once, in place:
+  ``v / (1 - beta_2 ** K)``;
+* then ``m += (g - m) (1 - beta_1)`` and ``w -= lr / (1 - beta_1 ** t) * m / (sqrt(v) + eps)``
+  with ``t = iterations + 1``, as torch's frozen step (Keras' own Adam scales ``eps`` by
+  ``sqrt(1 - beta_2 ** t)``; after the freeze ``eps`` is added to the corrected root as torch
+  does); weight decay stays Keras' (decoupled, applied before the step).
+
+Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
+a run restored from a checkpoint freezes where the first one did (call this function again on
+the restored optimizer before its first step). Build it before training: a ``tf.function``
+traces the step it finds. ``amsgrad`` is refused.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def is_keras_adam(optimizer) -> bool:
+    """``keras.optimizers.Adam`` and its subclasses (``AdamW`` is one)."""
+    import keras
+    return isinstance(optimizer, keras.optimizers.Adam)
+
+
+def _check(optimizer, steps) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"freeze_variance_after needs a number of steps >= 1, got {steps!r}")
+    if not is_keras_adam(optimizer):
+        raise ValueError(f"freeze_variance_after applies to keras.optimizers.Adam and AdamW, "
+                         f"not {type(optimizer).__name__}")
+    if optimizer.amsgrad:
+        raise ValueError("freeze_variance_after does not support Adam's amsgrad in TensorFlow")
+
+
+class _FrozenVariance:
+    """Mixed in before the user's Adam class by :func:`freeze_variance_after`."""
+
+    _sbc_freeze_after: int
+
+    def update_step(self, gradient, variable, learning_rate):
+        adam_step = super().update_step
+        k = self._sbc_freeze_after
+        done = self.iterations  # steps applied before this one
+        return tf.cond(done >= k,
+                       lambda: self._frozen_update(gradient, variable, learning_rate, done),
+                       lambda: _no_value(adam_step(gradient, variable, learning_rate)))
+
+    def _frozen_update(self, gradient, variable, learning_rate, done):
+        dtype = variable.dtype
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        beta_1 = tf.cast(self.beta_1, dtype)
+        at_freeze = tf.cast(tf.equal(done, self._sbc_freeze_after), dtype)
+        # once, at the first frozen step: the bias-corrected second moment of the freeze
+        correction = 1.0 - tf.cast(self.beta_2, dtype) ** tf.cast(self._sbc_freeze_after, dtype)
+        self.assign(v, v / (at_freeze * correction + (1.0 - at_freeze)))
+        g = tf.cast(tf.convert_to_tensor(gradient), dtype)
+        self.assign_add(m, (g - m) * (1.0 - beta_1))
+        t = tf.cast(done + 1, dtype)
+        scale = tf.cast(learning_rate, dtype) / (1.0 - beta_1 ** t)
+        self.assign_sub(variable, scale * m / (tf.sqrt(v) + tf.cast(self.epsilon, dtype)))
+        return tf.constant(0)
+
+
+def _no_value(_):
+    return tf.constant(0)
+
+
+def freeze_variance_after(optimizer, steps: int):
+    """Freeze the second moment of ``optimizer`` (Keras 3 ``Adam``/``AdamW``) after ``steps``
+    applied steps; returns the same optimizer. Call it once, before training (a ``tf.function``
+    keeps the step it traced), and again on an optimizer restored from a checkpoint. Use it with
+    the drop-in (``SBC.step`` after each ``apply_gradients``, or :class:`SBCCallback`): the
+    stock tape hands Adam sparse averages, whose variance is not worth freezing.
+
+    ``steps``: take it after the learning-rate warm-up, around a sixth of training (1-bit Adam:
+    15-25 %), later with a delay (README, "Which setting to use")."""
+    _check(optimizer, steps)
+    cls = type(optimizer)
+    if not issubclass(cls, _FrozenVariance):
+        optimizer.__class__ = type(cls.__name__, (_FrozenVariance, cls), {})
+    optimizer._sbc_freeze_after = steps
+    return optimizer

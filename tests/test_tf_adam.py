@@ -1,0 +1,148 @@
+"""Keras Adam's second moment frozen (horovod_sbc.tensorflow.adam): the frozen step against a
+float64 hand computation (eagerly and in ``tf.function``), Keras' own Adam until the freeze, the
+same steps as torch's frozen AdamW, linear in the gradient, and a checkpoint resume that freezes
+where the first run did."""
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from horovod_sbc.tensorflow import freeze_variance_after  # noqa: E402
+
+LR, B1, B2, EPS, WD, K = 0.01, 0.9, 0.95, 1e-8, 0.1, 2
+W0 = np.linspace(-1.0, 1.0, 7).astype(np.float32)
+
+
+def _grads(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(7).astype(np.float32) for _ in range(n)]
+
+
+def _opt(kind="adamw", freeze=True):
+    if kind == "adamw":
+        opt = keras.optimizers.AdamW(learning_rate=LR, beta_1=B1, beta_2=B2, epsilon=EPS,
+                                     weight_decay=WD)
+    else:
+        opt = keras.optimizers.Adam(learning_rate=LR, beta_1=B1, beta_2=B2, epsilon=EPS)
+    return freeze_variance_after(opt, K) if freeze else opt
+
+
+def _train(grads, kind="adamw", freeze=True, traced=False, opt=None, w=None):
+    w = keras.Variable(W0.copy()) if w is None else w
+    opt = _opt(kind, freeze) if opt is None else opt
+    opt.build([w])
+
+    def apply(g):
+        opt.apply_gradients([(g, w)])
+    run = tf.function(apply) if traced else apply
+    for g in grads:
+        run(tf.constant(g))
+    return w, opt
+
+
+def _by_hand(grads, wd):
+    """Keras' Adam for K steps, then the frozen step, in float64."""
+    w, m, v = W0.astype(np.float64), np.zeros(7), np.zeros(7)
+    for i, g in enumerate(grads):
+        t = i + 1
+        w = w - w * wd * LR
+        m += (g - m) * (1 - B1)
+        if i < K:
+            v += (g * g - v) * (1 - B2)
+            w = w - m * LR * np.sqrt(1 - B2 ** t) / (1 - B1 ** t) / (np.sqrt(v) + EPS)
+        else:
+            if i == K:
+                v = v / (1 - B2 ** K)
+            w = w - LR / (1 - B1 ** t) * m / (np.sqrt(v) + EPS)
+    return w
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_the_frozen_step_is_the_hand_computation(kind, traced):
+    grads = _grads(6)
+    w, opt = _train(grads, kind, traced=traced)
+    want = _by_hand(grads, WD if kind == "adamw" else 0.0)
+    np.testing.assert_allclose(w.numpy(), want, rtol=0, atol=2e-6)
+    plain, _ = _train(grads, kind, freeze=False, traced=traced)
+    assert np.abs(plain.numpy() - want).max() > 1e-3  # negative control: Keras' own Adam
+    assert type(opt).__name__ == type(_opt(kind, freeze=False)).__name__
+    assert isinstance(opt, keras.optimizers.Adam)
+
+
+def test_until_the_freeze_it_is_keras_adam_bit_for_bit():
+    grads = _grads(K + 1)
+    for n in range(1, K + 1):
+        a, _ = _train(grads[:n])
+        b, _ = _train(grads[:n], freeze=False)
+        assert np.array_equal(a.numpy(), b.numpy()), n
+    a, _ = _train(grads)
+    b, _ = _train(grads, freeze=False)
+    assert not np.array_equal(a.numpy(), b.numpy())
+
+
+def test_keras_and_torch_take_the_same_frozen_steps():
+    torch = pytest.importorskip("torch")
+    from horovod_sbc.torch.adam import frozen_step
+    grads = _grads(7, seed=3)
+    w, _ = _train(grads)
+    p = torch.nn.Parameter(torch.from_numpy(W0.copy()))
+    opt = torch.optim.AdamW([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    for i, g in enumerate(grads):
+        p.grad = torch.from_numpy(g)
+        opt.step() if i < K else frozen_step(opt)
+    np.testing.assert_allclose(w.numpy(), p.detach().numpy(), rtol=0, atol=2e-6)
+
+
+def test_frozen_steps_are_linear_in_the_gradient():
+    """The mean of two ranks' frozen steps from the same state is the step on the mean
+    gradient: what the drop-in's average of the ranks' weight changes needs."""
+    warm, g1, g2 = _grads(K), *_grads(2, seed=9)
+
+    def step(g, freeze=True):
+        w, opt = _train(warm, freeze=freeze)
+        before = w.numpy().astype(np.float64)
+        _train([g], opt=opt, w=w)
+        return w.numpy() - before
+    mean = (step(g1) + step(g2)) / 2
+    np.testing.assert_allclose(step((g1 + g2) / 2), mean, rtol=0, atol=1e-7)
+    adam = (step(g1, False) + step(g2, False)) / 2
+    assert np.abs(step((g1 + g2) / 2, False) - adam).max() > 1e-4  # Adam's own steps are not
+
+
+@pytest.mark.parametrize("cut", [K, K + 2])
+def test_a_restored_run_freezes_where_the_first_one_did(tmp_path, cut):
+    grads = _grads(6)
+    straight, _ = _train(grads)
+    w, opt = _train(grads[:cut])
+    path = tf.train.Checkpoint(w=w, opt=opt).write(str(tmp_path / "ckpt"))
+    w2, opt2 = keras.Variable(np.zeros(7, np.float32)), _opt(freeze=False)
+    opt2.build([w2])
+    tf.train.Checkpoint(w=w2, opt=opt2).read(path).assert_consumed()
+    freeze_variance_after(opt2, K)
+    _train(grads[cut:], opt=opt2, w=w2)
+    assert np.array_equal(w2.numpy(), straight.numpy())
+
+
+def test_freeze_variance_after_is_checked():
+    with pytest.raises(ValueError, match="applies to keras.optimizers.Adam and AdamW, not SGD"):
+        freeze_variance_after(keras.optimizers.SGD(0.1, momentum=0.9), 10)
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match="needs a number of steps >= 1, got"):
+            freeze_variance_after(_opt(freeze=False), bad)
+    with pytest.raises(ValueError, match="does not support Adam's amsgrad"):
+        freeze_variance_after(keras.optimizers.Adam(amsgrad=True), 10)
+
+
+def test_the_stock_tape_warning_names_the_freeze_for_keras_adam():
+    import warnings
+    from horovod_sbc.tensorflow import SBC
+    for opt, named in ((keras.optimizers.AdamW(1e-3), True),
+                       (keras.optimizers.RMSprop(1e-3), False)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            SBC(0.01, optimizer=opt)._warn_stock()
+        (w,) = [str(x.message) for x in seen]
+        assert "exchanges sparse gradients" in w and type(opt).__name__ in w
+        assert ("freeze_variance_after(opt, total_steps // 6)" in w) == named, w
