@@ -7,12 +7,13 @@ the averaged gradient; 1-bit Adam, arXiv 2102.02888).
 from its ``K``-th applied step on (``optimizer.iterations >= K``), keeps the second moment of
 the freeze:
 
-* at the first frozen step each velocity is bias-corrected once, in place:
-  ``v / (1 - beta_2 ** K)``;
-* then ``m += (g - m) (1 - beta_1)`` and ``w -= lr / (1 - beta_1 ** t) * m / (sqrt(v) + eps)``
-  with ``t = iterations + 1``, as torch's frozen step (Keras' own Adam scales ``eps`` by
-  ``sqrt(1 - beta_2 ** t)``; after the freeze ``eps`` is added to the corrected root as torch
-  does); weight decay stays Keras' (decoupled, applied before the step).
+* the velocity ``v`` is no longer updated: it stays Keras' moving average of the first K
+  steps, and the step divides by its bias-corrected root ``sqrt(v / (1 - beta_2 ** K))``;
+* ``m += (g - m) (1 - beta_1)`` and
+  ``w -= lr / (1 - beta_1 ** t) * m / (sqrt(v / (1 - beta_2 ** K)) + eps)`` with
+  ``t = iterations + 1``, torch's frozen step (torch stores the corrected ``v`` in place once;
+  Keras' own Adam scales ``eps`` by ``sqrt(1 - beta_2 ** t)``, the frozen step adds it to the
+  corrected root as torch does); weight decay stays Keras' (decoupled, before the step).
 
 Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
 a run restored from a checkpoint freezes where the first one did (call this function again on
@@ -58,15 +59,16 @@ class _FrozenVariance:
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
         beta_1 = tf.cast(self.beta_1, dtype)
-        at_freeze = tf.cast(tf.equal(done, self._sbc_freeze_after), dtype)
-        # once, at the first frozen step: the bias-corrected second moment of the freeze
-        correction = 1.0 - tf.cast(self.beta_2, dtype) ** tf.cast(self._sbc_freeze_after, dtype)
-        self.assign(v, v / (at_freeze * correction + (1.0 - at_freeze)))
+        # the bias correction of the second moment as it was after the K-th step (v is not
+        # updated from then on, nor rewritten)
+        root_correction = tf.math.rsqrt(
+            1.0 - tf.cast(self.beta_2, dtype) ** tf.cast(self._sbc_freeze_after, dtype))
         g = tf.cast(tf.convert_to_tensor(gradient), dtype)
         self.assign_add(m, (g - m) * (1.0 - beta_1))
         t = tf.cast(done + 1, dtype)
         scale = tf.cast(learning_rate, dtype) / (1.0 - beta_1 ** t)
-        self.assign_sub(variable, scale * m / (tf.sqrt(v) + tf.cast(self.epsilon, dtype)))
+        denom = tf.sqrt(v) * root_correction + tf.cast(self.epsilon, dtype)
+        self.assign_sub(variable, scale * m / denom)
         return tf.constant(0)
 
 
