@@ -146,3 +146,28 @@ def test_the_stock_tape_warning_names_the_freeze_for_keras_adam():
         (w,) = [str(x.message) for x in seen]
         assert "exchanges sparse gradients" in w and type(opt).__name__ in w
         assert ("freeze_variance_after(opt, total_steps // 6)" in w) == named, w
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_eagerly_the_freeze_is_decided_once_per_step_not_per_variable(monkeypatch, traced):
+    """Eagerly each ``tf.cond`` reads its predicate on the host (a device sync on a GPU): the
+    eager step reads ``iterations`` once and branches in Python; a traced step keeps one
+    ``tf.cond`` per variable, decided on the device. Same weights either way."""
+    calls = []
+    real_cond = tf.cond
+    monkeypatch.setattr(tf, "cond", lambda *a, **kw: calls.append(1) or real_cond(*a, **kw))
+    ws = [keras.Variable(W0.copy() * (i + 1)) for i in range(3)]
+    opt = _opt()
+    opt.build(ws)
+
+    def apply(gs):
+        opt.apply_gradients(zip(gs, ws))
+    run = tf.function(apply) if traced else apply
+    grads = _grads(5)
+    for g in grads:
+        run([tf.constant(g * (i + 1)) for i in range(3)])
+    assert len(calls) == (3 if traced else 0)  # traced once, three variables
+    for i, w in enumerate(ws):
+        w_ref, _ = _train([g * (i + 1) for g in grads], w=keras.Variable(W0.copy() * (i + 1)),
+                          traced=True)
+        np.testing.assert_array_equal(w.numpy(), w_ref.numpy())

@@ -18,7 +18,9 @@ the freeze:
 Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
 a run restored from a checkpoint freezes where the first one did (call this function again on
 the restored optimizer before its first step). Build it before training: a ``tf.function``
-traces the step it finds. ``amsgrad`` is refused.
+traces the step it finds. Traced (``tf.function``, ``fit``, XLA), each variable's step is a
+``tf.cond`` decided on the device; eagerly the step reads ``iterations`` once and branches in
+Python. ``amsgrad`` is refused.
 """
 from __future__ import annotations
 
@@ -45,12 +47,26 @@ class _FrozenVariance:
     """Mixed in before the user's Adam class by :func:`freeze_variance_after`."""
 
     _sbc_freeze_after: int
+    _sbc_frozen_now = None  # eagerly: this step's verdict, read once for all variables
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if not tf.executing_eagerly():  # traced: one tf.cond per variable, decided on the device
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        # eagerly every tf.cond reads its predicate on the host: read it once per step instead
+        self._sbc_frozen_now = bool(self.iterations.numpy() >= self._sbc_freeze_after)
+        try:
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        finally:
+            self._sbc_frozen_now = None
 
     def update_step(self, gradient, variable, learning_rate):
         adam_step = super().update_step
-        k = self._sbc_freeze_after
         done = self.iterations  # steps applied before this one
-        return tf.cond(done >= k,
+        if self._sbc_frozen_now is not None:
+            if self._sbc_frozen_now:
+                return self._frozen_update(gradient, variable, learning_rate, done)
+            return adam_step(gradient, variable, learning_rate)
+        return tf.cond(done >= self._sbc_freeze_after,
                        lambda: self._frozen_update(gradient, variable, learning_rate, done),
                        lambda: _no_value(adam_step(gradient, variable, learning_rate)))
 
