@@ -125,6 +125,42 @@ def test_a_parameter_first_seen_after_the_freeze_steps_as_adams_first_step():
     assert torch.equal(opt.state[ps[1]]["exp_avg_sq"], g[1].square())
 
 
+def _dead_warm_up(opt, ps, steps=3):
+    """Adam steps in which row 1 of the matrix and the whole bias get no gradient (a dead unit)."""
+    for t in range(steps):
+        gs = _grads(t, ps)
+        gs[0][1, :] = 0.0
+        gs[1].zero_()
+        for p, g in zip(ps, gs):
+            p.grad = g
+        opt.step()
+
+
+def test_a_coordinate_without_gradient_until_the_freeze_takes_its_tensors_mean():
+    """A zero second moment at the freeze would divide the first gradient by eps alone: it
+    takes the tensor's mean, or (all of the tensor zero) the square of the freeze's gradient."""
+    ps = _params()
+    opt = KINDS["adamw"](ps)
+    _dead_warm_up(opt, ps)
+    v = [opt.state[p]["exp_avg_sq"] / (1 - BETAS[1] ** 3) for p in ps]
+    assert int((v[0] == 0).sum()) == 3 and not bool(v[1].any())
+    gs = _grads(3, ps)
+    for p, g in zip(ps, gs):
+        p.grad = g
+    frozen_step(opt)
+    want = torch.where(v[0] == 0, v[0].mean(), v[0])
+    assert torch.equal(opt.state[ps[0]]["exp_avg_sq"], want)
+    assert torch.equal(opt.state[ps[1]]["exp_avg_sq"], gs[1].square())
+    # and the dead row, now given gradients 100x larger, moves as Adam would, not by g / eps
+    before = ps[0].detach().clone()
+    for t in range(4, 10):
+        gs = _grads(t, ps, scale=100.0)
+        for p, g in zip(ps, gs):
+            p.grad = g
+        frozen_step(opt)
+    assert (ps[0].detach() - before).abs().max().item() < 10.0
+
+
 def test_freeze_variance_after_is_checked():
     model = _model()
     with pytest.raises(ValueError, match="applies to torch.optim.Adam and AdamW, not SGD"):

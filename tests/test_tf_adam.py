@@ -95,6 +95,39 @@ def test_keras_and_torch_take_the_same_frozen_steps():
     np.testing.assert_allclose(w.numpy(), p.detach().numpy(), rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_coordinates_without_gradient_until_the_freeze_step_as_torchs(traced):
+    """Coordinates 1 and 4 get no gradient in the warm-up: at the freeze they take the mean
+    variance (torch's rule), and the steps stay torch's; a variable that saw no gradient at all
+    takes the square of the freeze's gradient."""
+    torch = pytest.importorskip("torch")
+    from horovod_sbc.torch.adam import frozen_step
+    grads = _grads(7, seed=5)
+    for g in grads[:K]:
+        g[[1, 4]] = 0.0
+    zero = [np.zeros(7, np.float32)] * K + _grads(7 - K, seed=6)
+    ws = [keras.Variable(W0.copy()), keras.Variable(W0.copy() + 1.0)]
+    opt = _opt()
+    opt.build(ws)
+
+    def apply(g, h):
+        opt.apply_gradients([(g, ws[0]), (h, ws[1])])
+    run = tf.function(apply) if traced else apply
+    for g, h in zip(grads, zero):
+        run(tf.constant(g), tf.constant(h))
+    ps = [torch.nn.Parameter(torch.from_numpy(W0.copy())),
+          torch.nn.Parameter(torch.from_numpy(W0.copy() + 1.0))]
+    topt = torch.optim.AdamW(ps, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    for i, (g, h) in enumerate(zip(grads, zero)):
+        ps[0].grad, ps[1].grad = torch.from_numpy(g), torch.from_numpy(h)
+        topt.step() if i < K else frozen_step(topt)
+    for w, p in zip(ws, ps):
+        np.testing.assert_allclose(w.numpy(), p.detach().numpy(), rtol=0, atol=2e-6)
+        v = opt._velocities[opt._get_variable_index(w)].numpy() / (1 - B2 ** K)
+        np.testing.assert_allclose(v, topt.state[p]["exp_avg_sq"].numpy(), rtol=1e-5)
+    assert np.all(opt._velocities[0].numpy() > 0)
+
+
 def test_frozen_steps_are_linear_in_the_gradient():
     """The mean of two ranks' frozen steps from the same state is the step on the mean
     gradient: what the drop-in's average of the ranks' weight changes needs."""
@@ -150,12 +183,14 @@ def test_the_stock_tape_warning_names_the_freeze_for_keras_adam():
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_eagerly_the_freeze_is_decided_once_per_step_not_per_variable(monkeypatch, traced):
-    """Eagerly each ``tf.cond`` reads its predicate on the host (a device sync on a GPU): the
-    eager step reads ``iterations`` once and branches in Python; a traced step keeps one
-    ``tf.cond`` per variable, decided on the device. Same weights either way."""
+    """Eagerly each ``tf.cond``/``tf.switch_case`` reads its index on the host (a device sync on a
+    GPU): the eager step reads ``iterations`` once and branches in Python; a traced step keeps
+    one ``tf.switch_case`` per variable, decided on the device. Same weights either way."""
     calls = []
-    real_cond = tf.cond
-    monkeypatch.setattr(tf, "cond", lambda *a, **kw: calls.append(1) or real_cond(*a, **kw))
+    for name in ("cond", "switch_case"):
+        real = getattr(tf, name)
+        monkeypatch.setattr(tf, name,
+                            lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     ws = [keras.Variable(W0.copy() * (i + 1)) for i in range(3)]
     opt = _opt()
     opt.build(ws)

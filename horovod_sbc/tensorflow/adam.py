@@ -13,14 +13,19 @@ the freeze:
   ``w -= lr / (1 - beta_1 ** t) * m / (sqrt(v / (1 - beta_2 ** K)) + eps)`` with
   ``t = iterations + 1``, torch's frozen step (torch stores the corrected ``v`` in place once;
   Keras' own Adam scales ``eps`` by ``sqrt(1 - beta_2 ** t)``, the frozen step adds it to the
-  corrected root as torch does); weight decay stays Keras' (decoupled, before the step).
+  corrected root as torch does); weight decay stays Keras' (decoupled, before the step);
+* at the first frozen step, a coordinate whose ``v`` is zero (its gradient was exactly zero
+  through the warm-up: a dead ReLU's weights, an unused embedding row) takes the variable's mean
+  ``v`` (where all of it is zero, the square of that step's gradient): left at zero, its first
+  gradient would be divided by ``eps`` alone (torch's rule, :mod:`horovod_sbc.torch.adam`).
 
 Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
 a run restored from a checkpoint freezes where the first one did (call this function again on
 the restored optimizer before its first step). Build it before training: a ``tf.function``
 traces the step it finds. Traced (``tf.function``, ``fit``, XLA), each variable's step is a
 ``tf.cond`` decided on the device; eagerly the step reads ``iterations`` once and branches in
-Python. ``amsgrad`` is refused.
+Python. Each variable's step is one of three (Keras' Adam, the first frozen step, a frozen step):
+a ``tf.switch_case`` when traced. ``amsgrad`` is refused.
 """
 from __future__ import annotations
 
@@ -47,39 +52,46 @@ class _FrozenVariance:
     """Mixed in before the user's Adam class by :func:`freeze_variance_after`."""
 
     _sbc_freeze_after: int
-    _sbc_frozen_now = None  # eagerly: this step's verdict, read once for all variables
+    _sbc_phase_now = None  # eagerly: this step's phase (ADAM, FIRST, FROZEN), read once
+
+    def _phase(self, done):
+        """0: Keras' Adam (``done < K``), 1: the first frozen step, 2: a later one."""
+        return tf.cast(tf.clip_by_value(done - (self._sbc_freeze_after - 1), 0, 2), tf.int32)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        if not tf.executing_eagerly():  # traced: one tf.cond per variable, decided on the device
+        if not tf.executing_eagerly():  # traced: one tf.switch_case per variable, on the device
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        # eagerly every tf.cond reads its predicate on the host: read it once per step instead
-        self._sbc_frozen_now = bool(self.iterations.numpy() >= self._sbc_freeze_after)
+        # eagerly every tf.switch_case would read its index on the host: read it once per step
+        self._sbc_phase_now = int(self._phase(self.iterations).numpy())
         try:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
         finally:
-            self._sbc_frozen_now = None
+            self._sbc_phase_now = None
 
     def update_step(self, gradient, variable, learning_rate):
         adam_step = super().update_step
         done = self.iterations  # steps applied before this one
-        if self._sbc_frozen_now is not None:
-            if self._sbc_frozen_now:
-                return self._frozen_update(gradient, variable, learning_rate, done)
-            return adam_step(gradient, variable, learning_rate)
-        return tf.cond(done >= self._sbc_freeze_after,
-                       lambda: self._frozen_update(gradient, variable, learning_rate, done),
-                       lambda: _no_value(adam_step(gradient, variable, learning_rate)))
+        branches = [lambda: _no_value(adam_step(gradient, variable, learning_rate)),
+                    lambda: self._frozen_update(gradient, variable, learning_rate, done, True),
+                    lambda: self._frozen_update(gradient, variable, learning_rate, done, False)]
+        if self._sbc_phase_now is not None:
+            return branches[self._sbc_phase_now]()
+        return tf.switch_case(self._phase(done), branches)
 
-    def _frozen_update(self, gradient, variable, learning_rate, done):
+    def _frozen_update(self, gradient, variable, learning_rate, done, first):
         dtype = variable.dtype
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
         beta_1 = tf.cast(self.beta_1, dtype)
         # the bias correction of the second moment as it was after the K-th step (v is not
-        # updated from then on, nor rewritten)
-        root_correction = tf.math.rsqrt(
-            1.0 - tf.cast(self.beta_2, dtype) ** tf.cast(self._sbc_freeze_after, dtype))
+        # updated from then on)
+        correction = 1.0 - tf.cast(self.beta_2, dtype) ** tf.cast(self._sbc_freeze_after, dtype)
+        root_correction = tf.math.rsqrt(correction)
         g = tf.cast(tf.convert_to_tensor(gradient), dtype)
+        if first:  # coordinates that never had a gradient: the mean, else this gradient's square
+            mean = tf.reduce_mean(v)
+            fill = tf.where(mean > 0, mean, tf.square(g) * correction)
+            self.assign(v, tf.where(tf.equal(v, 0.0), fill, v))
         self.assign_add(m, (g - m) * (1.0 - beta_1))
         t = tf.cast(done + 1, dtype)
         scale = tf.cast(learning_rate, dtype) / (1.0 - beta_1 ** t)

@@ -23,8 +23,13 @@ as before), and from then on :func:`frozen_step` replaces the user's ``step()``:
   step reads it almost unchanged (its own bias correction is then close to 1).
 
 A parameter whose first gradient arrives after the freeze takes that gradient's square as its
-second moment (what Adam's first step would use). The learning rate, betas, eps and weight
-decay are read from the parameter groups at every step, so LR schedulers act as before.
+second moment (what Adam's first step would use). A coordinate whose gradient was exactly zero
+through the warm-up (a dead ReLU's weights, an embedding row no batch has used yet) has no
+variance to freeze: left at zero, its first nonzero gradient would be divided by ``eps`` alone
+and the weights would blow up, so it takes its tensor's mean frozen variance (where the whole
+tensor saw no gradient, the square of its gradient at the freeze). The learning rate, betas,
+eps and weight decay are read from the parameter groups at every step, so LR schedulers act as
+before.
 """
 from __future__ import annotations
 
@@ -72,7 +77,15 @@ def _freeze(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> No
     else:
         # Adam's CPU step counter (capturable mode, refused above, would keep it on the device)
         _second_moment(state, amsgrad).div_(1.0 - beta2 ** float(state["step"]))
+    _fill_unseen(_second_moment(state, amsgrad), grad)
     state["sbc_variance_frozen"] = torch.tensor(1.0)
+
+
+def _fill_unseen(v: torch.Tensor, grad: torch.Tensor) -> None:
+    """Zeros of the frozen variance ``v`` (coordinates that never had a gradient) set to the
+    tensor's mean, or where that is zero to ``grad ** 2``; on the device, no host read."""
+    mean = v.mean()
+    v.copy_(torch.where(v == 0, torch.where(mean > 0, mean, grad.square()), v))
 
 
 @torch.no_grad()
