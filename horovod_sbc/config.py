@@ -15,6 +15,11 @@ from . import registry
 
 NONFINITE = ("raise", "skip")
 TOPOLOGIES = ("allgather", "server")
+#: ``freeze_variance_after`` (torch and TF): the frozen second moment is raised to this fraction
+#: of its tensor's mean, so a coordinate whose gradient was (almost) zero through the warm-up
+#: cannot divide a later gradient by ``eps`` alone; its steps stay within ``1 / sqrt(floor)``
+#: (about 32x) of a typical coordinate's at the same gradient
+ADAM_VARIANCE_FLOOR = 1e-3
 
 
 def validate_density(density) -> float:

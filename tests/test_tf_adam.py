@@ -97,8 +97,8 @@ def test_keras_and_torch_take_the_same_frozen_steps():
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_coordinates_without_gradient_until_the_freeze_step_as_torchs(traced):
-    """Coordinates 1 and 4 get no gradient in the warm-up: at the freeze they take the mean
-    variance (torch's rule), and the steps stay torch's; a variable that saw no gradient at all
+    """Coordinates 1 and 4 get no gradient in the warm-up: at the freeze they are raised to the
+    floor (torch's rule), and the steps stay torch's; a variable that saw no gradient at all
     takes the square of the freeze's gradient."""
     torch = pytest.importorskip("torch")
     from horovod_sbc.torch.adam import frozen_step

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from ..config import ADAM_VARIANCE_FLOOR
+
 
 def is_keras_adam(optimizer) -> bool:
     """``keras.optimizers.Adam`` and its subclasses (``AdamW`` is one)."""
@@ -88,10 +90,9 @@ class _FrozenVariance:
         correction = 1.0 - tf.cast(self.beta_2, dtype) ** tf.cast(self._sbc_freeze_after, dtype)
         root_correction = tf.math.rsqrt(correction)
         g = tf.cast(tf.convert_to_tensor(gradient), dtype)
-        if first:  # coordinates that never had a gradient: the mean, else this gradient's square
-            mean = tf.reduce_mean(v)
-            fill = tf.where(mean > 0, mean, tf.square(g) * correction)
-            self.assign(v, tf.where(tf.equal(v, 0.0), fill, v))
+        if first:  # torch's floor (a fraction of the mean; none at all: g ** 2)
+            floor = tf.reduce_mean(v) * tf.cast(ADAM_VARIANCE_FLOOR, dtype)
+            self.assign(v, tf.where(floor > 0, tf.maximum(v, floor), tf.square(g) * correction))
         self.assign_add(m, (g - m) * (1.0 - beta_1))
         t = tf.cast(done + 1, dtype)
         scale = tf.cast(learning_rate, dtype) / (1.0 - beta_1 ** t)

@@ -37,6 +37,8 @@ from typing import List, Optional
 
 import torch
 
+from ..config import ADAM_VARIANCE_FLOOR
+
 
 def is_adam(optimizer) -> bool:
     """``torch.optim.Adam`` and its subclasses (``AdamW`` is one)."""
@@ -82,10 +84,10 @@ def _freeze(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> No
 
 
 def _fill_unseen(v: torch.Tensor, grad: torch.Tensor) -> None:
-    """Zeros of the frozen variance ``v`` (coordinates that never had a gradient) set to the
-    tensor's mean, or where that is zero to ``grad ** 2``; on the device, no host read."""
-    mean = v.mean()
-    v.copy_(torch.where(v == 0, torch.where(mean > 0, mean, grad.square()), v))
+    """The frozen variance ``v`` raised to ``ADAM_VARIANCE_FLOOR`` times the tensor's mean, or
+    where the whole tensor is zero set to ``grad ** 2``; on the device, no host read."""
+    floor = v.mean() * ADAM_VARIANCE_FLOOR
+    v.copy_(torch.where(floor > 0, torch.maximum(v, floor), grad.square()))
 
 
 @torch.no_grad()
