@@ -14,10 +14,10 @@ the freeze:
   ``t = iterations + 1``, torch's frozen step (torch stores the corrected ``v`` in place once;
   Keras' own Adam scales ``eps`` by ``sqrt(1 - beta_2 ** t)``, the frozen step adds it to the
   corrected root as torch does); weight decay stays Keras' (decoupled, before the step);
-* at the first frozen step, a coordinate whose ``v`` is zero (its gradient was exactly zero
-  through the warm-up: a dead ReLU's weights, an unused embedding row) takes the variable's mean
-  ``v`` (where all of it is zero, the square of that step's gradient): left at zero, its first
-  gradient would be divided by ``eps`` alone (torch's rule, :mod:`horovod_sbc.torch.adam`).
+* at the first frozen step ``v`` is raised to ``config.ADAM_VARIANCE_FLOOR`` times its mean
+  (where all of it is zero, set to the square of that step's gradient): a coordinate whose
+  gradient was (nearly) zero through the warm-up, as a dead ReLU's weights, would otherwise
+  divide a later gradient by ``eps`` or little more (torch's rule, :mod:`horovod_sbc.torch.adam`).
 
 Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
 a run restored from a checkpoint freezes where the first one did (call this function again on

@@ -23,11 +23,12 @@ as before), and from then on :func:`frozen_step` replaces the user's ``step()``:
   step reads it almost unchanged (its own bias correction is then close to 1).
 
 A parameter whose first gradient arrives after the freeze takes that gradient's square as its
-second moment (what Adam's first step would use). A coordinate whose gradient was exactly zero
-through the warm-up (a dead ReLU's weights, an embedding row no batch has used yet) has no
-variance to freeze: left at zero, its first nonzero gradient would be divided by ``eps`` alone
-and the weights would blow up, so it takes its tensor's mean frozen variance (where the whole
-tensor saw no gradient, the square of its gradient at the freeze). The learning rate, betas,
+second moment (what Adam's first step would use). A coordinate whose gradient was zero or
+nearly so through the warm-up (a dead ReLU's weights, an embedding row no batch has used yet) has
+no variance worth freezing: left as it is, a later gradient would be divided by ``eps`` or little
+more and the weights would blow up (a small CNN frozen after 10 AdamW steps reached NaN), so the
+frozen variance is raised to ``config.ADAM_VARIANCE_FLOOR`` (1e-3) times its tensor's mean
+(where the whole tensor saw no gradient, set to the square of its gradient at the freeze). The learning rate, betas,
 eps and weight decay are read from the parameter groups at every step, so LR schedulers act as
 before.
 """
