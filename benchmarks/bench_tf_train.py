@@ -37,6 +37,14 @@ same shard with the same batch sequence as the torch worker (``task.batches`` wi
 Keras' SGD with momentum is the same update as torch's for a constant learning rate. So per seed
 the two frameworks start equal and see the same data; only the framework and its SBC differ.
 
+``--optimizer adamw`` trains every method with AdamW instead (lr ``--lr``, default 1e-3,
+betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.01: torch's ``AdamW`` and Keras'
+``AdamW(epsilon=1e-8)``; no stock methods, whose hooks warn for Adam), and ``--freeze K`` freezes
+Adam's second moment after K steps in every method of both frameworks: the torch drop-in's
+``freeze_variance_after=K``, ``horovod_sbc.tensorflow.freeze_variance_after(opt, K)`` for the TF
+tape and the Keras callback, and the same frozen optimizer for the dense and no-communication
+rows.
+
 SBC settings: density 0.01, delay 4 (``bench_train.HEADLINE`` and the ``sbc p=0.01 n=4`` row of
 the mnist1d task sweep; ``--delay 1`` for the other default), every other knob at each
 framework's default (both: selection "paper", ``local_residual=None``, which is the residual in
@@ -92,6 +100,7 @@ DESCRIPTION = {
     "tf_stock_sbc": "TF stock hvd.DistributedGradientTape(compression=SBC(optimizer=opt))",
 }
 WITHIN_PT = 1.0
+ADAMW_LR, ADAMW_WEIGHT_DECAY, ADAMW_EPS = 1e-3, 0.01, 1e-8
 RECIPE_STEPS = 500   # benchmarks.tasks: the mnist1d recipe's steps (tests check they agree)
 
 
@@ -179,7 +188,7 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
     xs, ys = xs_t.numpy(), ys_t.numpy()
     batches = task.batches(len(xs), bs, seed * 1000 + rank)
     idx = [next(batches).numpy() for _ in range(steps)]
-    opt = keras.optimizers.SGD(recipe.lr, momentum=recipe.momentum)
+    opt = _keras_optimizer(cfg.get("optimizer") or {}, recipe)
     sbc = None
     times: List[float] = []
     t_start = time.perf_counter()
@@ -264,6 +273,20 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
             # the weights
             out["stats"]["finish_bits"] = 32 * numel if sbc.local_residual else 0
     return out
+
+
+def _keras_optimizer(spec: dict, recipe):
+    """The Keras optimizer of :func:`optimizer_spec`'s ``spec`` (empty: the recipe's SGD)."""
+    import keras
+    import horovod_sbc.tensorflow as hsbc
+    if spec.get("optimizer", "sgd") == "sgd":
+        return keras.optimizers.SGD(recipe.lr, momentum=recipe.momentum)
+    b1, b2 = recipe.betas
+    opt = keras.optimizers.AdamW(learning_rate=spec["lr"], weight_decay=spec["weight_decay"],
+                                 beta_1=b1, beta_2=b2, epsilon=ADAMW_EPS)
+    if spec.get("freeze_variance_after"):
+        hsbc.freeze_variance_after(opt, spec["freeze_variance_after"])
+    return opt
 
 
 def tf_worker_main(argv: Sequence[str]) -> int:
@@ -479,13 +502,23 @@ def parse_args(argv=None):
     ap.add_argument("--methods", type=lambda v: [m for m in v.split(",") if m],
                     help="comma-separated subset of " + ",".join(METHODS) + " (default: all; "
                     "the stock ones at --delay 1 only)")
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                    help="sgd: the recipe's SGD momentum (default); adamw: AdamW in every method")
+    ap.add_argument("--lr", type=float, help=f"AdamW's learning rate (default {ADAMW_LR})")
+    ap.add_argument("--freeze", type=int, help="AdamW only: freeze Adam's second moment after "
+                                               "this many steps, in every method")
     ap.add_argument("--json", help="write the results here (and FILE.md, FILE.partial)")
     ap.add_argument("--resume", action="store_true", help="reuse the jobs saved in JSON.partial")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.optimizer == "sgd" and (args.lr is not None or args.freeze is not None):
+        ap.error("--lr and --freeze go with --optimizer adamw (SGD keeps the recipe's)")
+    if args.freeze is not None and args.freeze < 1:
+        ap.error("--freeze needs a number of steps >= 1")
+    stock_ok = args.delay == 1 and args.optimizer == "sgd"
     if args.methods is None:
-        args.methods = [m for m in METHODS if args.delay == 1 or m not in STOCK_METHODS]
+        args.methods = [m for m in METHODS if stock_ok or m not in STOCK_METHODS]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"unknown method(s) {','.join(bad)}; choose from {','.join(METHODS)}")
@@ -493,6 +526,8 @@ def parse_args(argv=None):
         ap.error("--seeds needs at least one seed")
     if args.delay != 1 and set(args.methods) & set(STOCK_METHODS):
         ap.error("the stock methods exchange gradients: they run at --delay 1 only")
+    if args.optimizer != "sgd" and set(args.methods) & set(STOCK_METHODS):
+        ap.error("the stock methods run with SGD only (their hooks warn for Adam)")
     if args.workers < 1 or args.delay < 1 or not 0 < args.density <= 1:
         ap.error("--workers and --delay must be >= 1, --density in (0, 1]")
     return args
@@ -500,6 +535,18 @@ def parse_args(argv=None):
 
 def _steps(args) -> int:
     return args.steps or RECIPE_STEPS
+
+
+def optimizer_spec(args) -> dict:
+    """The optimizer keys every method's spec gets (``benchmarks.bench_train`` spec keys; the
+    TF worker reads the same): empty for the recipe's SGD."""
+    if args.optimizer == "sgd":
+        return {}
+    spec = {"optimizer": "adamw", "lr": ADAMW_LR if args.lr is None else args.lr,
+            "weight_decay": ADAMW_WEIGHT_DECAY}
+    if args.freeze:
+        spec["freeze_variance_after"] = args.freeze
+    return spec
 
 
 def jobs(args) -> List[dict]:
@@ -511,18 +558,25 @@ def jobs(args) -> List[dict]:
             mine = [m for m in ms if m in args.methods]
             if mine:
                 key = json.dumps([fw, seed, mine, steps, args.density, args.delay, args.workers]
-                                 + ([args.partition] if args.partition != "iid" else []))
+                                 + ([args.partition] if args.partition != "iid" else [])
+                                 + ([optimizer_spec(args)] if optimizer_spec(args) else []))
                 out.append({"framework": fw, "seed": seed, "methods": mine, "key": key})
     return out
+
+
+def torch_specs(methods: Sequence[str], args) -> List[dict]:
+    """The ``benchmarks.bench_train`` spec of each torch method."""
+    steps, extra = _steps(args), optimizer_spec(args)
+    return [dict({"torch_dense": _s("none", steps=steps), "torch_alone": _s("local", steps=steps),
+                  "torch_stock_sbc": _s("sbc", args.density, 1, api="stock", steps=steps)}.get(
+                      m, _s("sbc", args.density, args.delay, steps=steps)), **extra)
+            for m in methods]
 
 
 def run_job_rows(job: dict, args, prog: Progress) -> List[dict]:
     steps = _steps(args)
     if job["framework"] == "torch":
-        specs = [{"torch_dense": _s("none", steps=steps), "torch_alone": _s("local", steps=steps),
-                  "torch_stock_sbc": _s("sbc", args.density, 1, api="stock", steps=steps)}.get(
-                      m, _s("sbc", args.density, args.delay, steps=steps))
-                 for m in job["methods"]]
+        specs = torch_specs(job["methods"], args)
         res = run_task_jobs(TASK, [{"workers": args.workers, "partition": args.partition,
                                     "seeds": [job["seed"]], "runs": specs}], [job["seed"]],
                             timeout=args.timeout, progress=False)
@@ -531,7 +585,7 @@ def run_job_rows(job: dict, args, prog: Progress) -> List[dict]:
         return torch_rows(res["runs"])
     cfg = {"seeds": [job["seed"]], "methods": job["methods"], "steps": steps,
            "density": args.density, "delay": args.delay, "data_seed": 0,
-           "partition": args.partition}
+           "partition": args.partition, "optimizer": optimizer_spec(args)}
     cmd = launcher_prefix(args.workers, "mpirun", ENV_NAMES) + [
         python_exe(), "-m", "benchmarks.bench_tf_train", "tf-worker", json.dumps(cfg)]
     rows = run_job(cmd, job_env(), args.timeout, prog.update)
@@ -549,7 +603,9 @@ def report(rows: List[dict], args, wall_s: float, command: str) -> dict:
                                         "cores": os.cpu_count()},
         "config": {"task": TASK, "partition": args.partition, "workers": args.workers,
                    "seeds": args.seeds, "steps": _steps(args), "density": args.density,
-                   "delay": args.delay, "lr": 0.05, "momentum": 0.9, "batch_size": 64,
+                   "delay": args.delay, "batch_size": 64,
+                   "optimizer": optimizer_spec(args) or {"optimizer": "sgd", "lr": 0.05,
+                                                          "momentum": 0.9},
                    "sbc_other_knobs": "each framework's defaults (selection 'paper', "
                                       "local_residual=None, plain outer step)"},
         "rows": rows, "summary": summ, "gaps": g, "verdict": verdict(g),

@@ -206,3 +206,38 @@ def test_table_marks_the_tapes_gradient_mode():
     tape = next(x for x in md.splitlines() if x.startswith("| tf_tape_sbc"))
     keras = next(x for x in md.splitlines() if x.startswith("| keras_sbc"))
     assert "(gradient mode)" in tape and "(gradient mode)" not in keras
+
+
+def test_adamw_with_the_freeze_reaches_every_method_of_both_frameworks():
+    a = bt.parse_args(["--optimizer", "adamw", "--freeze", "100", "--delay", "1"])
+    assert not set(a.methods) & set(bt.STOCK_METHODS)  # the stock hooks warn for Adam
+    spec = bt.optimizer_spec(a)
+    assert spec == {"optimizer": "adamw", "lr": bt.ADAMW_LR,
+                    "weight_decay": bt.ADAMW_WEIGHT_DECAY, "freeze_variance_after": 100}
+    specs = bt.torch_specs(["torch_dense", "torch_alone", "torch_sbc"], a)
+    assert [s["method"] for s in specs] == ["none", "local", "sbc"]
+    assert all({k: s[k] for k in spec} == spec for s in specs)
+    # an SGD run and an AdamW run of the same seed are different jobs for --resume
+    sgd = bt.parse_args(["--delay", "1", "--methods", ",".join(a.methods)])
+    assert not bt.optimizer_spec(sgd) and "optimizer" not in bt.torch_specs(["torch_sbc"], sgd)[0]
+    assert not {j["key"] for j in bt.jobs(a)} & {j["key"] for j in bt.jobs(sgd)}
+    assert bt.optimizer_spec(bt.parse_args(["--optimizer", "adamw", "--lr", "0.003"]))["lr"] \
+        == 0.003
+    for bad in (["--freeze", "100"], ["--lr", "0.1"], ["--optimizer", "adamw", "--freeze", "0"],
+                ["--optimizer", "adamw", "--delay", "1", "--methods", "tf_stock_sbc"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(bad)
+
+
+def test_the_keras_optimizer_of_a_spec():
+    keras = pytest.importorskip("keras")
+    from benchmarks.tasks import make_task
+    recipe = make_task("mnist1d").recipe
+    sgd = bt._keras_optimizer({}, recipe)
+    assert isinstance(sgd, keras.optimizers.SGD) and sgd.momentum == recipe.momentum
+    a = bt.parse_args(["--optimizer", "adamw", "--freeze", "100"])
+    opt = bt._keras_optimizer(bt.optimizer_spec(a), recipe)
+    assert isinstance(opt, keras.optimizers.AdamW) and opt._sbc_freeze_after == 100
+    assert (opt.weight_decay, opt.epsilon, opt.beta_2) == (0.01, 1e-8, recipe.betas[1])
+    assert not hasattr(bt._keras_optimizer(bt.optimizer_spec(
+        bt.parse_args(["--optimizer", "adamw"])), recipe), "_sbc_freeze_after")
