@@ -87,8 +87,8 @@ def _freeze(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> No
 def _fill_unseen(v: torch.Tensor, grad: torch.Tensor) -> None:
     """The frozen variance ``v`` raised to ``ADAM_VARIANCE_FLOOR`` times the tensor's mean, or
     where the whole tensor is zero set to ``grad ** 2``; on the device, no host read."""
-    floor = v.mean() * ADAM_VARIANCE_FLOOR
-    v.copy_(torch.where(floor > 0, torch.maximum(v, floor), grad.square()))
+    mean = v.mean()
+    v.copy_(torch.where(mean > 0, torch.maximum(v, mean * ADAM_VARIANCE_FLOOR), grad.square()))
 
 
 @torch.no_grad()
