@@ -551,7 +551,7 @@ def optimizer_spec(args) -> dict:
 
 def jobs(args) -> List[dict]:
     """One job per (framework, seed): ``{"framework", "seed", "methods", "key"}``."""
-    steps = _steps(args)
+    steps, extra = _steps(args), optimizer_spec(args)
     out = []
     for seed in args.seeds:
         for fw, ms in (("torch", TORCH_METHODS), ("tf", TF_METHODS)):
@@ -559,7 +559,7 @@ def jobs(args) -> List[dict]:
             if mine:
                 key = json.dumps([fw, seed, mine, steps, args.density, args.delay, args.workers]
                                  + ([args.partition] if args.partition != "iid" else [])
-                                 + ([optimizer_spec(args)] if optimizer_spec(args) else []))
+                                 + ([extra] if extra else []))
                 out.append({"framework": fw, "seed": seed, "methods": mine, "key": key})
     return out
 

@@ -22,10 +22,10 @@ the freeze:
 Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
 a run restored from a checkpoint freezes where the first one did (call this function again on
 the restored optimizer before its first step). Build it before training: a ``tf.function``
-traces the step it finds. Traced (``tf.function``, ``fit``, XLA), each variable's step is a
-``tf.cond`` decided on the device; eagerly the step reads ``iterations`` once and branches in
-Python. Each variable's step is one of three (Keras' Adam, the first frozen step, a frozen step):
-a ``tf.switch_case`` when traced. ``amsgrad`` is refused.
+traces the step it finds. Each variable's step is one of three (Keras' Adam, the first frozen
+step, a later one): traced (``tf.function``, ``fit``, XLA) a ``tf.switch_case`` decided on the
+device; eagerly the step reads ``iterations`` once and branches in Python. ``amsgrad`` is
+refused.
 """
 from __future__ import annotations
 

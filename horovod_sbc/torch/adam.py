@@ -28,9 +28,9 @@ nearly so through the warm-up (a dead ReLU's weights, an embedding row no batch 
 no variance worth freezing: left as it is, a later gradient would be divided by ``eps`` or little
 more and the weights would blow up (a small CNN frozen after 10 AdamW steps reached NaN), so the
 frozen variance is raised to ``config.ADAM_VARIANCE_FLOOR`` (1e-3) times its tensor's mean
-(where the whole tensor saw no gradient, set to the square of its gradient at the freeze). The learning rate, betas,
-eps and weight decay are read from the parameter groups at every step, so LR schedulers act as
-before.
+(where the whole tensor saw no gradient, set to the square of its gradient at the freeze).
+The learning rate, betas, eps and weight decay are read from the parameter groups at every
+step, so LR schedulers act as before.
 """
 from __future__ import annotations
 
@@ -80,11 +80,11 @@ def _freeze(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> No
     else:
         # Adam's CPU step counter (capturable mode, refused above, would keep it on the device)
         _second_moment(state, amsgrad).div_(1.0 - beta2 ** float(state["step"]))
-    _fill_unseen(_second_moment(state, amsgrad), grad)
+    _floor_variance(_second_moment(state, amsgrad), grad)
     state["sbc_variance_frozen"] = torch.tensor(1.0)
 
 
-def _fill_unseen(v: torch.Tensor, grad: torch.Tensor) -> None:
+def _floor_variance(v: torch.Tensor, grad: torch.Tensor) -> None:
     """The frozen variance ``v`` raised to ``ADAM_VARIANCE_FLOOR`` times the tensor's mean, or
     where the whole tensor is zero set to ``grad ** 2``; on the device, no host read."""
     mean = v.mean()
