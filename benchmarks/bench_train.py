@@ -839,7 +839,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         # traffic beyond the exchange's: the shared weights W_ref (the same on every rank) and
         # the rank's own live weights (W_ref + its residual with local_residual=True)
         if getattr(opt, "_sbc_local_steps", 0):
-            opt.synchronize()
+            opt._sbc_sync()  # the weight exchange (on a stock optimizer synchronize() is Horovod's)
         score_own = task.evaluate(model)
         with opt.shared_weights():
             score_shared = task.evaluate(model)

@@ -285,8 +285,17 @@ FREEZE: Dict[str, List[tuple]] = {
                 S3),
                (_s("none", freeze_variance_after=150, lr_after_freeze=2.0), S0)],
 }
+# The one-line change with no knob (``--study oneline``): stock hvd.DistributedOptimizer with
+# compression=SBC(...) and the user's AdamW recipe unchanged; the package picks the weight
+# exchange and freezes Adam's variance by itself (horovod_sbc.policy). Seed 0 of every row
+# first, then seeds 1 and 2.
+ONELINE_ROWS = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
+                _s("sbc", 0.01, 4, api="stock")]
+ONELINE: Dict[str, List[tuple]] = {
+    part: [(r, S0) for r in ONELINE_ROWS] + [(r, S12) for r in ONELINE_ROWS]
+    for part in ("lm_docs", "lm_iid")}
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
-           "fold": FOLD, "freeze": FREEZE}
+           "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE}
 
 
 def study_jobs(parts: Sequence[str], quick: bool = False,
@@ -303,7 +312,9 @@ def study_jobs(parts: Sequence[str], quick: bool = False,
             out.append((part, {"workers": PARTS[part].get("workers", 4),
                                "partition": PARTS[part]["partition"],
                                "seeds": list(seeds), "runs": [spec]}))
-    return out
+    # every part's seed-0 screen first, then the other seeds (a stopped study has screened all)
+    return sorted(out, key=lambda pj: 0 in pj[1]["seeds"] and len(pj[1]["seeds"]) == 1,
+                  reverse=True)
 
 
 # ------------------------------------------------------------------------------------------------

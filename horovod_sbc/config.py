@@ -20,6 +20,8 @@ TOPOLOGIES = ("allgather", "server")
 #: cannot divide a later gradient by ``eps`` alone; its steps stay within ``1 / sqrt(floor)``
 #: (about 32x) of a typical coordinate's at the same gradient
 ADAM_VARIANCE_FLOOR = 1e-3
+#: the key of the drop-in's state in ``optimizer.state_dict()`` (torch)
+OPTIMIZER_STATE_KEY = "horovod_sbc"
 
 
 def validate_density(density) -> float:

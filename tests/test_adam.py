@@ -170,7 +170,7 @@ def test_freeze_variance_after_is_checked():
         sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  model.named_parameters(), freeze_variance_after=10)
     for bad in (0, -3, 2.5, True, "10"):
-        with pytest.raises(ValueError, match="freeze_variance_after must be None or an int"):
+        with pytest.raises(ValueError, match="freeze_variance_after must be 'auto', None or an int"):
             sbc.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
                                      model.named_parameters(), freeze_variance_after=bad)
     with pytest.raises(ValueError, match="capturable, fused or differentiable"):

@@ -103,21 +103,84 @@ def test_tf_owner_reads_horovods_locals_only():
         outside["allreduce_grads"]([g], [v], htf.Average)
 
 
+CHOICES = [  # optimizer -> (family, what the stock hook exchanges at delay 1 and at delay 4)
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam", "weights", "weights"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "adam", "weights", "weights"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False, capturable=True), "adaptive",
+     "weights", "weights"),
+    (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "adaptive", "weights", "weights"),
+    (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "adaptive", "weights", "weights"),
+    (lambda ps: torch.optim.Adamax(ps, lr=1e-3), "adaptive", "weights", "weights"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), "adaptive", "weights", "weights"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9), "adaptive", "weights",
+     "weights"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd", "gradients", "weights"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "sgd", "gradients",
+     "weights"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "sgd", "gradients", "weights"),
+]
+
+
+@pytest.mark.parametrize("make, fam, at1, at4", CHOICES)
+def test_the_stock_hook_picks_the_exchange_from_the_optimizer(make, fam, at1, at4):
+    """horovod_sbc.policy: SGD at delay 1 exchanges gradients (its momentum folded); every
+    other optimizer, and SGD with a delay, exchanges weight changes with the residual in the
+    weights; Adam and AdamW freeze their variance automatically."""
+    from horovod_sbc import policy
+    from horovod_sbc.torch.adam import family
+    opt = make([torch.nn.Parameter(torch.zeros(3))])
+    assert family(opt) == fam
+    one, four = (policy.choose(fam, delay=d, api="stock") for d in (1, 4))
+    assert (one.exchange, four.exchange) == (at1, at4)
+    for c in (one, four):
+        assert c.auto_freeze == (fam == "adam")
+        assert c.fold_momentum == (c.exchange == "gradients")
+        assert c.local_residual == (c.exchange == "weights")
+    # the drop-in: SGD at delay 1 keeps the residual beside the shared weights, folded
+    dropin = policy.choose(fam, delay=1, api="dropin")
+    assert dropin.exchange == "weights" and dropin.local_residual == (fam != "sgd")
+
+
+def test_the_automatic_freeze_waits_for_the_warm_up_and_the_variance():
+    """policy.auto_freeze_step and torch's AutoFreeze: three time constants of the variance's
+    average after the last rising learning rate, at most 100 steps; never during a warm-up."""
+    from horovod_sbc import policy
+    from horovod_sbc.torch.adam import AutoFreeze
+    assert policy.auto_freeze_step(29, 0.95) == 29 + 60
+    assert policy.auto_freeze_step(0, 0.999) == 100
+    assert policy.auto_freeze_step(10, 0.0) == 13
+    with pytest.raises(ValueError, match="beta2 must be in"):
+        policy.auto_freeze_step(0, 1.0)
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=1.0, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / 30 if s < 30 else 1.0 - s / 1000)
+    auto, due = AutoFreeze(), []
+    for step in range(200):
+        due.append(auto.due(opt, step))
+        sched.step()
+    assert due.index(True) == 89 and all(due[89:]) and auto.frozen_at == 89
+    # a warm-up longer than the wait: frozen only once the learning rate stops rising
+    opt = torch.optim.AdamW([p], lr=1.0, betas=(0.9, 0.9))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    auto = AutoFreeze()
+    due = [auto.due(opt, s) or sched.step() for s in range(200)]
+    assert due.index(True) == 99 + 30
+    # its decision is saved and restored
+    again = AutoFreeze()
+    again.load_state_dict(auto.state_dict())
+    assert again.frozen_at == auto.frozen_at and again.due(opt, 300)
+
+
 @pytest.mark.parametrize("make, momentum, expect", [
-    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "fold", "AdamW: Adam-style optimizers normalise"),
-    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "fold", "Adam: Adam-style optimizers normalise"),
-    (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "fold", "NAdam: Adam-style optimizers normalise"),
-    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9), "fold",
-     "RMSprop: the optimizer's momentum"),
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "fold", None),  # folded
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "mask",
      "SBC(momentum='mask') through stock hvd.DistributedOptimizer with SGD momentum"),
     (lambda ps: torch.optim.SGD(ps, lr=0.1), "fold", None),
 ])
-def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, momentum, expect):
-    """The one-line change names a better setting when the optimizer it finds is one the stock
-    path trains worse with (Adam family, a momentum it does not fold, SGD's momentum left to
-    masking), once per compressor; plain SGD and SGD with its momentum folded are quiet."""
+def test_stock_hook_warns_once_for_sgd_momentum_it_does_not_fold(make, momentum, expect):
+    """SGD's momentum left to masking trains below dense: the hook says so once per
+    compressor; plain SGD and SGD with its momentum folded are quiet."""
     import warnings
 
     from horovod_sbc.torch import SBC
@@ -134,13 +197,4 @@ def test_stock_hook_warns_once_for_optimizers_it_trains_badly_with(make, momentu
         assert msgs == []
         return
     assert len(msgs) == 1 and expect in msgs[0], msgs
-    if momentum == "mask":
-        assert "SBC(momentum='fold') (the default)" in msgs[0], msgs[0]
-        return
-    setting = "compression=SBC(0.01), freeze_variance_after=total_steps // 6" \
-        if expect.startswith(("Adam", "AdamW")) else \
-        "compression=SBC(0.01, delay=1), outer=Plain(lr=hvd.size() ** 0.5)" \
-        if "Adam" in expect else \
-        "compression=SBC(0.01, delay=16), outer=Nesterov(lr=1.0, momentum=0.5)"
-    assert "horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, " \
-           f"{setting})" in msgs[0], msgs[0]
+    assert "SBC(momentum='fold') (the default)" in msgs[0], msgs[0]

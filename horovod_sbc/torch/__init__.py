@@ -24,7 +24,8 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.p
 
 from .compressor import SBC, FedAvg, SignSGD, TernGrad, TopK
 from .hierarchy import hierarchy_process_sets
-from .optimizer import DistributedOptimizer, broadcast_state
+from .dropin import DistributedOptimizer
+from .optimizer import broadcast_state
 from .outer import ErrorDecay, Nesterov, Plain
 
 __all__ = ["SBC", "TopK", "FedAvg", "SignSGD", "TernGrad", "DistributedOptimizer", "broadcast_state",

@@ -39,6 +39,7 @@ from typing import List, Optional
 import torch
 
 from ..config import ADAM_VARIANCE_FLOOR
+from ..policy import auto_freeze_step
 
 
 def is_adam(optimizer) -> bool:
@@ -46,21 +47,87 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam)
 
 
-def check_freeze(freeze_after, optimizer) -> Optional[int]:
-    """``freeze_after`` as given to the drop-in: None or a step count >= 1, for Adam only."""
+class FreezeAt:
+    """Freeze after a fixed number of steps ``K`` (``freeze_variance_after=K``)."""
+    auto = False
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def due(self, optimizer, done: int) -> bool:
+        """Is the step after ``done`` steps a frozen one?"""
+        return done >= self.steps
+
+    def state_dict(self) -> dict:
+        return {"kind": "at", "steps": self.steps}
+
+    def load_state_dict(self, st: dict) -> None:
+        pass  # the user's K stands
+
+
+class AutoFreeze:
+    """Freeze when :func:`horovod_sbc.policy.auto_freeze_step` says, from the run itself: the
+    learning rate of the parameter groups (host floats: no device read) tells where the
+    warm-up ended; ``beta2`` how long the variance takes to forget it. Every rank sees the same
+    schedule, so every rank freezes at the same step. Its state (the learning rate seen last,
+    the end of the warm-up, the step it froze at) is saved with the optimizer's."""
+    auto = True
+
+    def __init__(self):
+        self.last_lr: Optional[float] = None
+        self.warmup_end = 0
+        self.frozen_at: Optional[int] = None
+
+    def due(self, optimizer, done: int) -> bool:
+        if self.frozen_at is not None:
+            return done >= self.frozen_at
+        lr = max(float(g["lr"]) for g in optimizer.param_groups)
+        rising = self.last_lr is not None and lr > self.last_lr
+        self.last_lr = lr
+        if rising or done == 0:
+            self.warmup_end = done
+            return False
+        beta2 = max(float(g["betas"][1]) for g in optimizer.param_groups)
+        if done >= auto_freeze_step(self.warmup_end, beta2):
+            self.frozen_at = done
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"kind": "auto", "last_lr": self.last_lr, "warmup_end": self.warmup_end,
+                "frozen_at": self.frozen_at}
+
+    def load_state_dict(self, st: dict) -> None:
+        if st.get("kind") == "auto":
+            self.last_lr, self.warmup_end = st["last_lr"], int(st["warmup_end"])
+            self.frozen_at = None if st["frozen_at"] is None else int(st["frozen_at"])
+
+
+def check_freeze(freeze_after, optimizer):
+    """``freeze_variance_after`` as given to the drop-in: ``"auto"`` (the default: for torch
+    Adam/AdamW, :class:`AutoFreeze`; nothing for other optimizers), ``None`` (never), or a step
+    count >= 1 (:class:`FreezeAt`, Adam only)."""
     if freeze_after is None:
         return None
+    if freeze_after == "auto" and isinstance(freeze_after, str):
+        if not is_adam(optimizer) or _unsupported_mode(optimizer):
+            return None
+        return AutoFreeze()
     if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
-        raise ValueError(f"freeze_variance_after must be None or an int >= 1, got "
+        raise ValueError(f"freeze_variance_after must be 'auto', None or an int >= 1, got "
                          f"{freeze_after!r}")
     if not is_adam(optimizer):
         raise ValueError(f"freeze_variance_after applies to torch.optim.Adam and AdamW, not "
                          f"{type(optimizer).__name__}")
-    for g in optimizer.param_groups:
-        if g.get("capturable") or g.get("fused") or g.get("differentiable"):
-            raise ValueError("freeze_variance_after does not support Adam's capturable, fused "
-                             "or differentiable modes")
-    return freeze_after
+    if _unsupported_mode(optimizer):
+        raise ValueError("freeze_variance_after does not support Adam's capturable, fused "
+                         "or differentiable modes")
+    return FreezeAt(freeze_after)
+
+
+def _unsupported_mode(optimizer) -> bool:
+    return any(g.get("capturable") or g.get("fused") or g.get("differentiable")
+               for g in optimizer.param_groups)
 
 
 def _second_moment(state: dict, amsgrad: bool) -> torch.Tensor:
@@ -121,3 +188,14 @@ def frozen_step(optimizer) -> None:
         torch._foreach_add_(denom, eps)
         scales = [-lr / (1.0 - beta1 ** float(s)) for s in steps]
         torch._foreach_addcdiv_(params, exp_avgs, denom, scales)
+
+
+def family(optimizer) -> str:
+    """The optimizer's family for :func:`horovod_sbc.policy.choose`: ``"sgd"`` for
+    ``torch.optim.SGD`` (and subclasses), ``"adam"`` for Adam/AdamW whose variance
+    :func:`frozen_step` can freeze, ``"adaptive"`` for everything else."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    if is_adam(optimizer) and not _unsupported_mode(optimizer):
+        return "adam"
+    return "adaptive"

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..config import SBCConfig
+from ..config import OPTIMIZER_STATE_KEY, SBCConfig
 from . import hierarchy as hierarchy_, sync
 from .sync.transport import HorovodTransport
 from .hook import StockHook
@@ -141,8 +141,23 @@ class SBC(StockHook):
     def load_state_dict(self, state) -> None:
         """Restore residuals and counters. Residuals are per rank: loading a checkpoint written
         by another rank or by a job of another size raises ValueError (a changed ``density`` is
-        fine: the residual is still the update mass not sent yet)."""
+        fine: the residual is still the update mass not sent yet).
+
+        Stock ``hvd.DistributedOptimizer`` with an optimizer whose steps exchange weight
+        changes (Adam, ...: :func:`horovod_sbc.policy.choose`): pass the whole
+        ``optimizer.state_dict()`` that was saved, after ``optimizer.load_state_dict()`` of the
+        same; it is applied at the first ``step()`` (residuals, shared weights, counters, the
+        variance freeze), as the drop-in's ``load_state_dict`` would."""
+        if isinstance(state, dict) and OPTIMIZER_STATE_KEY in state:
+            self._optimizer_state = state[OPTIMIZER_STATE_KEY]
+            return
         self.state.load_state_dict(state)
+
+    def take_optimizer_state(self):
+        """The drop-in state :meth:`load_state_dict` was given for an optimizer not adopted
+        yet (None if none); given once."""
+        st, self._optimizer_state = getattr(self, "_optimizer_state", None), None
+        return st
 
     def residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The flat residual of ``name`` (created as zeros shaped like ``like``)."""

@@ -28,9 +28,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import wire
-from .adam import is_adam
+from .. import policy
+from .adam import family
 from .backend import Accumulate, Targets, frame
 from .momentum import StockFold, check_choice, stock_fold
+from .optimizer import adopt
 from .owner import Owner, identify
 from .sync import encode_uplink
 from .sync.state import SyncState
@@ -63,6 +65,34 @@ class StockHook:
         self._fold = StockFold()
         self._warned_momentum = False
         self._pending: List[StockContext] = []  # compressed, not yet exchanged
+        self._modes: Dict[int, str] = {}  # id(optimizer) -> what its steps exchange
+
+    def _exchange_of(self, owner: Owner) -> str:
+        """What the step of ``owner``'s optimizer exchanges (:func:`horovod_sbc.policy.choose`,
+        decided once per optimizer): ``"gradients"``, or ``"weights"``, for which Horovod's
+        optimizer is made the drop-in's on the spot (:func:`adopt`)."""
+        opt = owner.optimizer
+        if opt is None:  # found by named_parameters alone: nothing to step locally
+            return "gradients"
+        if id(opt) in self._modes:
+            return self._modes[id(opt)]
+        choice = policy.choose(family(opt), delay=self.state.config.delay, api="stock")
+        if choice.exchange == "weights":
+            if getattr(self, "hierarchy", None) is not None or \
+                    self.state.config.topology != "allgather":
+                raise ValueError(
+                    f"SBC through stock hvd.DistributedOptimizer with "
+                    f"{type(opt).__name__} exchanges weight changes; its hierarchy= and "
+                    "topology='server' need horovod_sbc.torch.DistributedOptimizer(optimizer, "
+                    "named_parameters, compression=SBC(...))")
+            if owner.op_sum:
+                raise ValueError(
+                    f"SBC through stock hvd.DistributedOptimizer with {type(opt).__name__} "
+                    "averages the ranks' weight changes; op=hvd.Sum has no meaning there: "
+                    "use op=hvd.Average (the default)")
+            adopt(opt, self, self._named)
+        self._modes[id(opt)] = choice.exchange
+        return choice.exchange
 
     def _check_stock(self) -> None:
         cfg = self.state.config
@@ -72,9 +102,11 @@ class StockHook:
                              "hvd.DistributedOptimizer sends one message per tensor")
         if cfg.delay != 1:
             raise ValueError(
-                f"SBC(delay={cfg.delay}) needs local steps between syncs, which stock "
-                "hvd.DistributedOptimizer cannot do: use horovod_sbc.torch.DistributedOptimizer("
-                "optimizer, named_parameters, compression=SBC(..., delay=n)).")
+                f"SBC(delay={cfg.delay}) needs local steps between syncs: through stock "
+                "hvd.DistributedOptimizer give SBC the optimizer's parameters by name "
+                "(named_parameters= of hvd.DistributedOptimizer) so that it can find the "
+                "optimizer, or use horovod_sbc.torch.DistributedOptimizer(optimizer, "
+                "named_parameters, compression=SBC(..., delay=n)).")
         if cfg.topology != "allgather":
             raise ValueError("SBC(topology='server') needs the fused exchange of "
                              "horovod_sbc.torch.DistributedOptimizer; stock "
@@ -91,13 +123,17 @@ class StockHook:
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, StockContext]:
         """Horovod hook: record this gradient for the step's exchange; returns a 1-element
         dummy for Horovod's allreduce (the real data travels by allgather) and the context."""
-        self._check_stock()
         owner = identify(tensor, self._named)
-        warn_momentum(self, owner)
         name = owner.name
         if tensor.is_sparse:
             raise ValueError(f"SBC: gradient of {name!r} is sparse; pass sparse_as_dense=True to "
                              "hvd.DistributedOptimizer")
+        if self._exchange_of(owner) == "weights":  # the optimizer's step() syncs
+            ctx = StockContext(name, tensor, 0, owner, out=tensor, done=True)
+            self.state.manager.add(upstream_bits=32)  # Horovod allreduces the 1-float dummy
+            return tensor.new_zeros(1), ctx
+        self._check_stock()
+        warn_momentum(self, owner)
         size, _ = self.state.world()
         calls = self._calls[name] = self._calls.get(name, 0) + 1
         if calls > self._max_calls:  # the first tensor of a new step (stock path: sync = step)
@@ -205,50 +241,19 @@ def momentum_buffer(owner: Owner, numel: int) -> Optional[torch.Tensor]:
 
 
 def warn_momentum(hook, owner: Owner) -> None:
-    """Once per compressor: the stock hook under an optimizer that reshapes the averaged sparse
-    update — SGD with momentum, or the Adam family — names the drop-in setting instead."""
+    """Once per compressor: SGD momentum exchanged as gradients without the fold
+    (``SBC(momentum="mask")`` or ``"keep"`` with binarized SBC) trains below dense; say so."""
     if hook._warned_momentum or owner.optimizer is None:
         return
     hook._warned_momentum = True
     groups = getattr(owner.optimizer, "param_groups", [])
-    if any("betas" in g for g in groups):
-        why = ("Adam-style optimizers normalise each coordinate by its own history, so a "
-               "coordinate's delayed update, arriving in one burst every ~1/density steps, moves "
-               "the weight by about one learning rate instead of the sum of the steps it "
-               "stands for: training runs as if at a far smaller learning rate, and can end "
-               "worse than each rank training alone")
-        if is_adam(owner.optimizer):
-            # the best the README's table measured with AdamW: every rank's Adam with its second
-            # moment frozen after the warm-up steps linearly (horovod_sbc.torch.adam)
-            setting = "compression=SBC(0.01), freeze_variance_after=total_steps // 6"
-        else:
-            # the drop-in runs the optimizer on each rank's own gradients; their normalized
-            # updates partly cancel in the average, which the outer learning rate sqrt(N)
-            # makes up for
-            setting = "compression=SBC(0.01, delay=1), outer=Plain(lr=hvd.size() ** 0.5)"
-    elif any(g.get("momentum", 0) for g in groups):
-        if isinstance(owner.optimizer, torch.optim.SGD):
-            if hook.momentum == "fold" or hook.state.config.mode != "sbc":
-                return  # folded into the learning rate (horovod_sbc.torch.momentum); TopK's
-                # exact values were measured with their momentum
-            warnings.warn(
-                f"horovod_sbc: SBC(momentum={hook.momentum!r}) through stock "
-                "hvd.DistributedOptimizer with SGD momentum: the momentum then acts on the "
-                "averaged sparse update, in which each coordinate arrives late and in one "
-                "burst, and trains below dense; SBC(momentum='fold') (the default) runs SGD "
-                "without its velocity at the learning rate the velocity converges to, "
-                "lr / (1 - momentum).", stacklevel=4)
-            return
-        why = ("the optimizer's momentum then acts on the averaged sparse update, in which "
-               "each coordinate arrives late and in bursts, so it trains below dense (only "
-               "torch.optim.SGD's momentum is folded into the learning rate)")
-        setting = "compression=SBC(0.01, delay=16), outer=Nesterov(lr=1.0, momentum=0.5)"
-    else:
-        return
+    if not any(g.get("momentum", 0) for g in groups) or hook.momentum == "fold" or \
+            hook.state.config.mode != "sbc":
+        return  # folded into the learning rate (horovod_sbc.torch.momentum); TopK's exact
+        # values were measured with their momentum
     warnings.warn(
-        f"horovod_sbc: SBC through stock hvd.DistributedOptimizer with "
-        f"{type(owner.optimizer).__name__}: {why}. The drop-in "
-        f"horovod_sbc.torch.DistributedOptimizer(optimizer, named_parameters, {setting}) runs the "
-        "optimizer on each rank's own gradients and compresses the weight change; the "
-        "README's recommendation table compares both.",
-        stacklevel=4)
+        f"horovod_sbc: SBC(momentum={hook.momentum!r}) through stock hvd.DistributedOptimizer "
+        "with SGD momentum: the momentum then acts on the averaged sparse update, in which each "
+        "coordinate arrives late and in one burst, and trains below dense; "
+        "SBC(momentum='fold') (the default) runs SGD without its velocity at the learning rate "
+        "the velocity converges to, lr / (1 - momentum).", stacklevel=4)

@@ -73,9 +73,9 @@ from typing import Optional
 
 import torch
 
-from ..config import resolve_compression
-from .adam import check_freeze, frozen_step
-from .compressor import SBC
+from .. import policy
+from ..config import OPTIMIZER_STATE_KEY
+from .adam import check_freeze, family, frozen_step
 from .hierarchy import Hierarchy
 from .momentum import folded
 from .outer import check_kind, resolve_outer
@@ -83,7 +83,6 @@ from .owner import called_by_horovod_broadcast
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
 
-_STATE_KEY = "horovod_sbc"
 
 
 class _SBCOptimizer:
@@ -94,16 +93,28 @@ class _SBCOptimizer:
     # delay windows of all ranks stay aligned (a skipped step() call would hang the next sync)
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, named_parameters, compression: SBC,
+    #: the user's optimizer class, whose step() this one runs locally (set per subclass by
+    #: :func:`dropin_class`; not ``super(self.__class__, ...)``, so that Horovod's optimizer
+    #: can be stacked on top, as the stock hook's weight exchange does)
+    _sbc_base = torch.optim.Optimizer
+
+    def __init__(self, params, named_parameters, compression,
                  local_residual: Optional[bool] = None, outer=None,
-                 freeze_variance_after: Optional[int] = None):
-        super(self.__class__, self).__init__(params)
+                 freeze_variance_after="auto"):
+        self._sbc_base.__init__(self, params)
+        self._sbc_setup(named_parameters, compression, local_residual, outer,
+                        freeze_variance_after, "dropin")
+
+    def _sbc_setup(self, named_parameters, compression, local_residual, outer,
+                   freeze_variance_after, api: str) -> None:
+        """Everything of the drop-in but the user's optimizer (which ``self`` already is)."""
         self._sbc_freeze = check_freeze(freeze_variance_after, self)
-        if local_residual is None:  # "Which one by default" in the module docstring
-            local_residual = not (isinstance(self, torch.optim.SGD) and compression.delay == 1)
-        if not isinstance(local_residual, bool):
+        self._sbc_pending_load = None
+        if local_residual is not None and not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be None, True or False, got "
                              f"{local_residual!r}")
+        local_residual = policy.choose(family(self), delay=compression.delay, api=api,
+                                       local_residual=local_residual).local_residual
         self._sbc_local_residual = local_residual
         self._sbc_outer = resolve_outer(outer)
         self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
@@ -132,7 +143,7 @@ class _SBCOptimizer:
 
     # -- public extras ----------------------------------------------------------------------------
     @property
-    def compression(self) -> SBC:
+    def compression(self):
         return self._sbc
 
     @property
@@ -201,8 +212,9 @@ class _SBCOptimizer:
     def _inner_step(self, closure):
         """The user's step; Adam's with its second moment frozen once ``freeze_variance_after``
         steps are done (:mod:`horovod_sbc.torch.adam`)."""
-        if self._sbc_freeze is None or self._sbc.manager.counters["steps"] < self._sbc_freeze:
-            return super(self.__class__, self).step(closure)
+        if self._sbc_freeze is None or \
+                not self._sbc_freeze.due(self, self._sbc.manager.counters["steps"]):
+            return self._sbc_base.step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -212,14 +224,17 @@ class _SBCOptimizer:
 
     def step(self, closure=None):
         if self._sbc_bypass or called_by_horovod_broadcast():
-            return super(self.__class__, self).step(closure)
+            return self._sbc_base.step(self, closure)
+        if self._sbc_pending_load is not None:  # adopted: see adopt()
+            st, self._sbc_pending_load = self._sbc_pending_load, None
+            self._sbc_load(st)
         self._capture_reference()
         loss = self._local_step(closure)
         self._sbc_local_steps += 1
         numel = sum(p.numel() for _, p in self._sbc_params)
         self._sbc.manager.add(steps=1, dense_bits=32 * numel)
         if self._sbc_local_steps % self._sbc.delay == 0:
-            self.synchronize()
+            self._sbc_sync()
         return loss
 
     @property
@@ -235,9 +250,14 @@ class _SBCOptimizer:
             p.is_contiguous() and ref is not None and ref.dtype == p.dtype and \
             ref.device == p.device and ref.is_contiguous()
 
-    @torch.no_grad()
     def synchronize(self) -> None:
-        """Exchange the accumulated update now (normally called by ``step()``)."""
+        """Exchange the accumulated update now (normally called by ``step()``). On a stock
+        ``hvd.DistributedOptimizer`` that exchanges weight changes, ``synchronize()`` is
+        Horovod's (the gradients' collectives) and this is ``_sbc_sync()``."""
+        self._sbc_sync()
+
+    @torch.no_grad()
+    def _sbc_sync(self) -> None:
         ref = self._sbc.manager.reference
         self._capture_reference()
         res = self._sbc.manager.residuals
@@ -358,7 +378,7 @@ class _SBCOptimizer:
             average_residuals = self._sbc_local_residual
         self._capture_reference()
         if self._sbc_local_steps:
-            self.synchronize()
+            self._sbc_sync()
         ref = self._sbc.manager.reference
         res = self._sbc.manager.residuals
         current = self.residuals()
@@ -402,12 +422,14 @@ class _SBCOptimizer:
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self):
-        sd = super(self.__class__, self).state_dict()
+        sd = self._sbc_base.state_dict(self)
         st = self._sbc.state_dict()
         st["residuals"] = dict(st["residuals"], **self.residuals())  # W - W_ref where kept
         st["local_steps"] = self._sbc_local_steps
         st["outer"] = self._sbc_outer.state_dict()
-        sd[_STATE_KEY] = st
+        if self._sbc_freeze is not None:
+            st["freeze"] = self._sbc_freeze.state_dict()
+        sd[OPTIMIZER_STATE_KEY] = st
         return sd
 
     def load_state_dict(self, state_dict):
@@ -419,10 +441,14 @@ class _SBCOptimizer:
         ``W_ref`` and its residual starts at zero (the saved rank's unsent update is not
         this rank's). Load the model's weights first, then this."""
         state_dict = dict(state_dict)
-        st = state_dict.pop(_STATE_KEY, None)
-        super(self.__class__, self).load_state_dict(state_dict)
-        if st is None:
-            return
+        st = state_dict.pop(OPTIMIZER_STATE_KEY, None)
+        self._sbc_base.load_state_dict(self, state_dict)
+        if st is not None:
+            self._sbc_load(st)
+
+    @torch.no_grad()
+    def _sbc_load(self, st) -> None:
+        """The drop-in's part of :meth:`load_state_dict`."""
         if "outer" in st:  # a mismatched outer step raises before any state changes
             check_kind(self._sbc_outer, st["outer"])
         rank = self._rank_if_saved_elsewhere(st)
@@ -431,19 +457,20 @@ class _SBCOptimizer:
         self._sbc.load_state_dict(st)
         if "outer" in st:
             self._sbc_outer.load_state_dict(st["outer"])
+        if "freeze" in st and self._sbc_freeze is not None:
+            self._sbc_freeze.load_state_dict(st["freeze"])
         self._sbc_local_steps = int(st.get("local_steps", 0))
         ref = self._sbc.manager.reference
         bufs = self._sbc_outer.buffers()
-        with torch.no_grad():
-            for name, p in self._sbc_params:
-                if name in ref:
-                    ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
-                    if rank is not None:  # start from the shared weights
-                        p.copy_(ref[name])
-                if self._in_weights(name, p):  # the residual is W - W_ref of the loaded weights
-                    self._sbc.manager.residuals.pop(name, None)
-                if name in bufs:
-                    bufs[name] = bufs[name].to(p.device)
+        for name, p in self._sbc_params:
+            if name in ref:
+                ref[name] = ref[name].to(device=p.device, dtype=p.dtype)
+                if rank is not None:  # start from the shared weights
+                    p.copy_(ref[name])
+            if self._in_weights(name, p):  # the residual is W - W_ref of the loaded weights
+                self._sbc.manager.residuals.pop(name, None)
+            if name in bufs:
+                bufs[name] = bufs[name].to(p.device)
 
     def _rank_if_saved_elsewhere(self, st) -> Optional[int]:
         """This rank, if ``st`` was saved by another rank of a job of this size; else None
@@ -466,74 +493,43 @@ def _shared_part(st, rank: int):
     return st
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
-                         compression: Optional[SBC] = None, delay: Optional[int] = None,
-                         density: Optional[float] = None,
-                         local_residual: Optional[bool] = None,
-                         outer=None, freeze_variance_after: Optional[int] = None):
-    """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
-
-    Args:
-        optimizer: your torch optimizer; the result is an instance of a subclass of its class.
-        named_parameters: ``model.named_parameters()``; names key the residuals and checkpoint
-            state and fix the message order (sorted by name on every rank).
-        compression: an :class:`SBC` (default ``SBC()``); its ``delay`` is the number of local
-            steps between syncs; ``SBC(hierarchy=...)`` exchanges densely inside each node
-            and compresses between nodes (:mod:`horovod_sbc.torch.hierarchy`; built on every
-            rank, it checks the grouping and adds Horovod's process sets here).
-        delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
-            ``compression`` is not given.
-        local_residual: ``None`` (default): ``False`` for ``torch.optim.SGD`` (plain or with
-            momentum) at ``delay=1``, ``True`` otherwise (the module docstring says why).
-            ``True``: after a sync every rank continues from the shared weights plus its own
-            unsent residual (with ``SBC(hierarchy=...)``: its node's); ranks' weights differ by
-            their residuals until :meth:`finish`. ``False``: every rank continues from the
-            shared weights (bit-identical after every sync); at ``delay=1`` SGD's momentum is
-            then folded into its learning rate (:mod:`horovod_sbc.torch.momentum`).
-        outer: the outer step that turns each sync's averaged update ``U`` into the change of
-            the shared weights (:mod:`horovod_sbc.torch.outer`): ``None`` or ``Plain()``
-            (default): ``W_ref += U``, as in the SBC paper; ``Plain(lr=sqrt(N))`` for N ranks
-            with an adaptive optimizer at ``delay=1`` (Adam, AdamW: the average of N
-            normalized updates is up to sqrt(N) shorter than one step on the averaged
-            gradient);
-            ``Nesterov(lr=0.7, momentum=0.9)``: DiLoCo's outer Nesterov momentum on the
-            pseudo-gradient ``-U`` (arXiv 2311.08105); ``ErrorDecay(decay, lr)``: SparseLoCo's
-            decayed error feedback (arXiv 2508.15706). The live weights of a rank whose
-            residual lives in them move by the same change, so its unsent residual stays. Its
-            state (momentum buffers) is identical on every rank and saved in
-            ``state_dict()``.
-        freeze_variance_after: ``None`` (default) or a number of steps K, for torch Adam and
-            AdamW: after K steps every rank's second moment is frozen (bias-corrected, in
-            place) and its steps go on with the first moment only, so that they are linear
-            in the gradients and their average is the step on the averaged gradient
-            (1-bit Adam's variance freeze; :mod:`horovod_sbc.torch.adam`). Take K after the
-            learning-rate warm-up, around a sixth of training (1-bit Adam: 15-25 %), later
-            with a delay; the frozen optimizer may want a larger learning rate than Adam's
-            (README, "Which setting to use"). The frozen
-            state lives in ``state_dict()``; ``K`` is counted in the drop-in's steps (saved
-            too), so a resumed run freezes where the first one would have.
-
-    Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
-    ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
-    counted as a training step), LR schedulers, and ``torch.amp.GradScaler`` (a rank whose
-    gradients overflow skips its local update but keeps the delay window). If you overwrite the
-    weights mid-training (a broadcast or a load of model weights only), call
-    :meth:`reset_reference` on every rank afterwards.
-
-    Checkpoints: ``optimizer.state_dict()`` includes this rank's residuals, the reference weights,
-    the outer step's state and the step counter within the delay window. Saved **on every rank**
-    (residuals differ per rank) and loaded by the same rank, training continues exactly. Saved
-    on rank 0 only and loaded by every rank (``model.load_state_dict`` first, then
-    ``optimizer.load_state_dict``), every other rank starts from the shared weights with a zero
-    residual (see :meth:`load_state_dict`): the ranks agree on ``W_ref`` and the outer state,
-    only the other ranks' unsent updates are lost.
-    """
-    compression = resolve_compression(SBC, compression, density, delay, "horovod_sbc.torch.SBC")
+def dropin_class(cls: type) -> type:
+    """A new drop-in subclass of the optimizer class ``cls`` (a new one per optimizer, as
+    Horovod makes its own: torch patches each class's ``step`` for its step hooks)."""
+    if issubclass(cls, _SBCOptimizer):
+        raise TypeError(f"{cls.__name__} is already a horovod_sbc drop-in optimizer")
     methods = {k: v for k, v in _SBCOptimizer.__dict__.items()
                if k not in ("__dict__", "__weakref__")}
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression, local_residual, outer,
-               freeze_variance_after)
+    methods["_sbc_base"] = cls
+    return type(cls.__name__, (cls,), methods)
+
+
+def adopt(horovod_optimizer, compression, named_parameters=None) -> None:
+    """The stock hook's weight exchange (:func:`horovod_sbc.policy.choose`): make the instance
+    of ``hvd.DistributedOptimizer`` that the hook found run the drop-in's step.
+
+    Horovod's optimizer is an instance of ``type(name, (UserClass,), Horovod's methods)``; its
+    class becomes ``type(name, (DropIn(UserClass),), Horovod's methods)``: its ``step()``
+    still runs Horovod's ``synchronize()`` first (the hook hands every gradient back as it
+    is), then the drop-in's step instead of the user's — the user's step on this rank's own
+    gradients, and every ``delay`` steps the exchange of the weight change. Its
+    ``param_groups`` and ``state`` are the ones it had; step hooks registered on it fire as
+    before. Idempotent."""
+    hv_cls = type(horovod_optimizer)
+    if issubclass(hv_cls, _SBCOptimizer):
+        return
+    body = {k: v for k, v in hv_cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    horovod_optimizer.__class__ = type(hv_cls.__name__, (dropin_class(hv_cls.__bases__[0]),),
+                                       body)
+    names = {id(p): n for n, p in (named_parameters or ())}
+    for p, n in getattr(horovod_optimizer, "_parameter_names", {}).items():
+        names.setdefault(id(p), n)
+    named = [(names[id(p)], p) for g in horovod_optimizer.param_groups for p in g["params"]
+             if id(p) in names]
+    horovod_optimizer._sbc_setup(named, compression, None, None, "auto", "stock")
+    # a checkpoint given to SBC.load_state_dict before (the weights are not touched inside
+    # backward, where the hook runs: the first step() applies it)
+    horovod_optimizer._sbc_pending_load = compression.take_optimizer_state()
 
 
 def broadcast_state(model_or_params, optimizer, root_rank: int = 0) -> None:

@@ -1,0 +1,80 @@
+"""Which algorithm an optimizer gets: one framework-free rule, read by torch and TensorFlow.
+
+SBC can exchange two things. The *gradients*: every rank's gradient is compressed, the average
+decoded, and your optimizer steps on it (stock Horovod's contract). Or the *weight change*: every
+rank runs your optimizer on its own gradients and the change of its weights since the shared
+weights ``W_ref`` is compressed (the SBC paper's communication delay; DiLoCo, arXiv 2311.08105).
+Only an optimizer whose step is linear in the gradient (SGD) gives the same step either way; an
+adaptive one (Adam, RMSprop, ...) normalises each coordinate by its own history, so a coordinate
+that arrives late in one burst moves the weight by one learning rate instead of the sum of the
+steps it stands for: through the gradient exchange it trains worse than no communication
+(docs/recipes.md). So:
+
+* SGD at delay 1: the gradients (stock hook), or in the drop-in the weight change with the
+  residual beside the shared weights; the momentum folded into the learning rate.
+* everything else, and any optimizer with a delay: the weight change, the residual kept in
+  each rank's weights; Adam and AdamW with their second moment frozen automatically
+  (:func:`auto_freeze_step`), which makes their steps linear as SGD's are.
+
+:func:`choose` is the whole rule; the torch hook, the torch drop-in, the DDP hook and the
+TensorFlow adapters ask it and print its warning.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+#: an optimizer's family, as the adapters describe it: ``"sgd"`` (step linear in the gradient,
+#: with or without momentum), ``"adam"`` (Adam/AdamW, whose variance the package can freeze),
+#: ``"adaptive"`` (any other optimizer with per-coordinate state: RMSprop, Adagrad, Adamax,
+#: NAdam, RAdam, LAMB-style, ...)
+FAMILIES = ("sgd", "adam", "adaptive")
+
+#: the automatic freeze waits this many variance time constants ``1 / (1 - beta2)`` after the
+#: warm-up: the moving average has then forgotten the warm-up's gradients (``beta2 ** 3`` of
+#: its weight left on them is 5 %)...
+FREEZE_TIME_CONSTANTS = 3
+#: ...but no more than this many steps (with beta2 = 0.999 three time constants are 3,000
+#: steps; 100 steps already average 100 gradients per coordinate)
+FREEZE_MAX_WAIT = 100
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided for one optimizer."""
+    exchange: str          # "gradients" or "weights"
+    local_residual: bool   # weights: the unsent update stays in each rank's weights
+    fold_momentum: bool    # SGD's momentum folded into its learning rate
+    auto_freeze: bool      # Adam's second moment frozen at auto_freeze_step()
+    warning: Optional[str] = None
+
+
+def choose(family: str, *, delay: int = 1, api: str = "stock",
+           local_residual: Optional[bool] = None) -> Choice:
+    """The algorithm for an optimizer of ``family`` at ``delay``, through ``api`` (``"stock"``:
+    Horovod's optimizer or tape with ``compression=SBC``; ``"dropin"``: the package's own).
+    ``local_residual`` is the user's override (None: chosen here)."""
+    if family not in FAMILIES:
+        raise ValueError(f"optimizer family must be one of {FAMILIES}, got {family!r}")
+    if api not in ("stock", "dropin"):
+        raise ValueError(f"api must be 'stock' or 'dropin', got {api!r}")
+    if family == "sgd" and delay == 1:
+        if api == "stock" and not local_residual:
+            return Choice("gradients", False, True, False)
+        lr = False if local_residual is None else local_residual
+        return Choice("weights", lr, not lr, False)
+    lr = True if local_residual is None else local_residual
+    return Choice("weights", lr, False, family == "adam")
+
+
+def auto_freeze_step(warmup_end: int, beta2: float) -> int:
+    """The step after which Adam's second moment is frozen: ``FREEZE_TIME_CONSTANTS`` time
+    constants of its moving average after the learning-rate warm-up ended (``warmup_end``: the
+    last step whose learning rate was above the one before; 0 without a warm-up), at most
+    ``FREEZE_MAX_WAIT`` steps after it. 1-bit Adam (arXiv 2102.02888) freezes by hand after
+    15-25 % of training; this asks no total step count."""
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Adam's beta2 must be in [0, 1) to freeze its variance, got {beta2!r}")
+    wait = min(FREEZE_MAX_WAIT, math.ceil(FREEZE_TIME_CONSTANTS / (1.0 - beta2) - 1e-6))
+    return int(warmup_end) + max(1, wait)
