@@ -706,6 +706,11 @@ def markdown_grid(grid: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 # task benchmarks (benchmarks/tasks.py): mnist1d, text; many methods per job
 # ------------------------------------------------------------------------------------------------
+#: the other torch optimizers a spec may name (``"optimizer"``), with torch's defaults
+TORCH_DEFAULTS = {"rmsprop": "RMSprop", "adagrad": "Adagrad", "adamax": "Adamax",
+                  "nadam": "NAdam", "radam": "RAdam"}
+
+
 def _task_optimizer(task, params, spec: dict):
     import torch
     r = task.recipe
@@ -719,6 +724,8 @@ def _task_optimizer(task, params, spec: dict):
         opt = torch.optim.Adam(params, lr=lr, betas=r.betas, weight_decay=wd)
     elif name == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, betas=r.betas, weight_decay=wd or 0.01)
+    elif name in TORCH_DEFAULTS:  # as a user would: torch's defaults but the learning rate
+        return getattr(torch.optim, TORCH_DEFAULTS[name])(params, lr=lr)
     else:
         raise ValueError(f"unknown optimizer {name!r}")
     if spec.get("freeze_variance_after") and spec["method"] in ("none", "local"):

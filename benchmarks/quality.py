@@ -59,6 +59,9 @@ PARTS = {
                 "title": "transformer LM, AdamW (warm-up + cosine), documents by worker"},
     "lm_iid": {"task": "transformer", "partition": "iid",
                "title": "transformer LM, AdamW (warm-up + cosine), IID windows"},
+    "opt_iid": {"task": "mnist1d", "partition": "iid",
+                "title": "mnist1d, IID shards, 1,000 steps, each torch optimizer at its default "
+                         "settings (Adam-family and RMSprop learning rates as torch's defaults)"},
     "lm_iid8": {"task": "transformer", "partition": "iid", "workers": 8,
                 "title": "transformer LM, AdamW (warm-up + cosine), IID windows, 8 workers"},
 }
@@ -294,8 +297,18 @@ ONELINE_ROWS = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
 ONELINE: Dict[str, List[tuple]] = {
     part: [(r, S0) for r in ONELINE_ROWS] + [(r, S12) for r in ONELINE_ROWS]
     for part in ("lm_docs", "lm_iid")}
+# Every torch.optim optimizer through the one-line change (``--study optimizers``): dense,
+# no communication and stock SBC(0.01), each optimizer with torch's default learning rate
+# (SGD: the task's 0.05 with momentum 0.9), 1,000 steps, seed 0.
+OPT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-2, "adagrad": 1e-2,
+          "adamax": 2e-3, "nadam": 2e-3, "radam": 1e-3}
+OPTIMIZERS: Dict[str, List[tuple]] = {"opt_iid": [
+    (_s(m, d, 1, optimizer=o, lr=lr, steps=1000, **({"api": "stock"} if m == "sbc" else {})),
+     S0)
+    for o, lr in OPT_LR.items() for m, d in (("none", 1.0), ("local", 1.0), ("sbc", 0.01))]}
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
-           "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE}
+           "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
+           "optimizers": OPTIMIZERS}
 
 
 def study_jobs(parts: Sequence[str], quick: bool = False,

@@ -39,8 +39,7 @@ from ..residual import COUNTER_KEYS, ResidualManager
 from .backend import Backend, backend_for
 from .sync import exchange
 from .sync.exchange import COMMIT, residual_dtype, tf_name
-from .adam import is_keras_adam
-from .momentum import Fold, foldable, momentum_free, shares_weights
+from .momentum import Fold, family, foldable, momentum_free, shares_weights
 from .outer import Plain, resolve_outer
 from .owner import identify, variable_name
 
@@ -649,17 +648,18 @@ class SBC(tf.Module):
         which = ("an optimizer that has momentum or is of the Adam family (pass it as "
                  "SBC(..., optimizer=opt): a Keras SGD's momentum is then folded)"
                  if opt is None else f"{type(opt).__name__}")
-        adam = (" With Adam or AdamW freeze its second moment for the drop-in: "
+        adam = (" With Adam or AdamW the drop-in freezes its second moment: "
                 "horovod_sbc.tensorflow.freeze_variance_after(opt, total_steps // 6)."
-                if opt is not None and is_keras_adam(opt) else "")
+                if opt is not None and family(opt) == "adam" else "")
         warnings.warn(
             "horovod_sbc: SBC through stock hvd.DistributedGradientTape exchanges sparse "
             f"gradients; with {which}, which then acts on the averaged sparse update (each "
-            "coordinate arriving late and in bursts), it can train worse than each rank alone. "
+            "coordinate arriving late and in bursts), it can train worse than each rank alone "
+            "(horovod_sbc.policy: such optimizers exchange weight changes). "
             "The drop-in horovod_sbc.tensorflow.DistributedGradientTape(tape, compression="
-            "SBC(0.01, delay=4)) with sbc.step(variables, opt) after each optimizer step (or "
+            "SBC(0.01)) with sbc.step(variables, opt) after each optimizer step (or "
             "SBCCallback for Keras) runs the optimizer on each rank's own gradients and "
-            "compresses the weight change." + adam,
+            "compresses the weight change, as torch's one-line change does." + adam,
             stacklevel=3)
 
     def _warn_ungrouped(self, batch: "_StockBatch") -> None:

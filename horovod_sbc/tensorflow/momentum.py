@@ -31,6 +31,9 @@ from typing import List
 
 import tensorflow as tf
 
+from .. import policy
+from .adam import is_keras_adam
+
 
 def foldable(optimizer, decay_apart: bool = False) -> bool:
     """Whether :class:`Fold` applies to ``optimizer`` (see the module docstring);
@@ -48,12 +51,22 @@ def momentum_free(optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.SGD) and float(optimizer.momentum) == 0
 
 
+def family(optimizer) -> str:
+    """The optimizer's family for :func:`horovod_sbc.policy.choose`: ``"sgd"`` for a Keras SGD
+    whose step the package keeps linear (no momentum, or a momentum it folds), ``"adam"`` for
+    Keras Adam/AdamW, ``"adaptive"`` for anything else (None: not known yet)."""
+    if optimizer is not None and (momentum_free(optimizer) or foldable(optimizer)):
+        return "sgd"
+    if optimizer is not None and is_keras_adam(optimizer) and not optimizer.amsgrad:
+        return "adam"
+    return "adaptive"
+
+
 def shares_weights(optimizer, delay: int) -> bool:
     """Whether the residual waits beside the shared weights by default
-    (``SBC(local_residual=None)`` → False): for a Keras SGD at delay 1 without a velocity or
-    with one that folds, as the torch drop-in's default for torch SGD; otherwise it lives in
-    the weights."""
-    return delay == 1 and (momentum_free(optimizer) or foldable(optimizer))
+    (``SBC(local_residual=None)`` → False): :func:`horovod_sbc.policy.choose` for the drop-in,
+    as in torch (a Keras SGD at delay 1 without a velocity or with one that folds)."""
+    return not policy.choose(family(optimizer), delay=delay, api="dropin").local_residual
 
 
 class Fold:

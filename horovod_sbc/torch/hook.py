@@ -1,23 +1,21 @@
 """The stock Horovod hook: ``compress()``/``decompress()`` for ``hvd.DistributedOptimizer``.
 
-Stock Horovod allreduces whatever ``compress(tensor)`` returns. SBC messages cannot be summed, so
-the hook hands Horovod a 1-float placeholder to allreduce and exchanges the real messages by
-allgather itself. Horovod passes no name: the parameter is found by
-:func:`horovod_sbc.torch.owner.identify` (``SBC(named_parameters=...)`` first, then the name
-Horovod's optimizer gives it). One optimizer step is one sync, so ``delay`` must be 1 here.
+Horovod passes no name: the parameter is found by :func:`horovod_sbc.torch.owner.identify`
+(``SBC(named_parameters=...)`` first, then the name Horovod's optimizer gives it), and so is the
+optimizer. :func:`horovod_sbc.policy.choose` then says what that optimizer's steps exchange:
 
-``compress()`` runs inside backward: it only records the gradient and returns (no encoding, no
-host read, no collective). Horovod calls ``decompress()`` from ``optimizer.synchronize()``, after
-every ``compress()`` of the step; its first call exchanges the whole step at once, as the
-drop-in's sync does (:func:`horovod_sbc.torch.sync.encode_uplink`): every gradient is added to
-its residual and used up (a contiguous gradient is zeroed; others are copied), all of them are
-encoded together (in a constant number of kernels and host reads on the tensor-op backend), one
-step message of every gradient, in name order, is allgathered, every rank's messages are
-decoded into the gradients' buffers (DGC's momentum masking applied once the step is accepted),
-which Horovod then sets as ``p.grad``, and the error feedback is committed. Each
-``decompress()`` then reports the step's verdict for its gradient. A NaN/Inf in any gradient fails (or, with
-``nonfinite="skip"``, skips) the whole step on every rank; skipped, every rank keeps every
-gradient in its residual.
+* **gradients** (torch SGD at delay 1): ``compress()`` only records the gradient; the first
+  ``decompress()`` of a step (from ``optimizer.synchronize()``) encodes every gradient of the
+  step at once with its residual, allgathers one step message, decodes every rank's into the
+  gradients' buffers and commits the error feedback; SGD's momentum is folded into its
+  learning rate (:mod:`horovod_sbc.torch.momentum`). A NaN/Inf in any gradient fails (or,
+  with ``nonfinite="skip"``, skips) the whole step on every rank.
+* **weight changes** (every other optimizer, and any ``delay``): Horovod's optimizer is made
+  to run the drop-in's step (:func:`horovod_sbc.torch.optimizer.adopt`); ``decompress()`` hands
+  each local gradient back as it is, the user's optimizer steps on it, and every ``delay``
+  steps the change of the weights is exchanged (Adam's variance frozen automatically).
+
+Horovod still allreduces a 1-float placeholder per gradient and step (counted in ``stats()``).
 """
 from __future__ import annotations
 
