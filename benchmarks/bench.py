@@ -17,6 +17,11 @@ downlink  allgather vs server topology (dense / top-k / SBC downlink) for 2, 4, 
 gpu-proxy  aten ops and host reads per sync step on the tensor-op path (C kernels off: what CUDA
         tensors run), ResNet-50 and GPT-2 small layouts, drop-in / stock hook / DDP hook, 2 and 8
         ranks, counted on the CPU (:mod:`benchmarks.bench_gpu_proxy`)
+gpu     the GPU check: the device codec (tensor ops, fused) against the numpy reference
+        (bytes, decoded values, 8 ranks, mutated messages, fp16/bf16, non-contiguous and
+        channels-last tensors), host syncs and kernels per sync step, encode/decode ms, memory
+        over many syncs; ``--device cuda|cpu``, ``--quick``; torch and numpy only, exits 1 on
+        any disagreement (:mod:`benchmarks.bench_gpu`; on a GPU machine: scripts/gpu_check.sh)
 fixed   fixed-size messages: padding per density on ResNet-50's shapes, and Horovod's
         negotiation time with varying vs constant allgather sizes under MPI and Gloo
         (:mod:`benchmarks.bench_fixed`)
@@ -450,7 +455,7 @@ def _exit_on_signal(signum, frame):
 def main(argv=None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
-    own = {"downlink": "bench_downlink", "gpu-proxy": "bench_gpu_proxy",
+    own = {"downlink": "bench_downlink", "gpu-proxy": "bench_gpu_proxy", "gpu": "bench_gpu",
            "fixed": "bench_fixed", "soak": "bench_soak", "tf-train": "bench_tf_train"}
     if _ARGV[:1] and _ARGV[0] in own:  # benchmarks with their own module and options
         import importlib
