@@ -96,7 +96,9 @@ def test_checkpoint_mid_delay_resumes_bit_identically(method, local_residual):
 def test_errors_are_clear_and_raised_on_every_rank(local_residual):
     results = JOBS[(2, "mpi")][("errors", local_residual)]
     for r in results:
-        assert "use horovod_sbc.torch.DistributedOptimizer" in r["delay_stock"]
+        assert r["delay_stock"] is None
+        assert "exchanges weight changes; its hierarchy= and topology='server' need " \
+               "horovod_sbc.torch.DistributedOptimizer" in r["server_stock"]
         assert "op=hvd.Adasum" in r["adasum"]
         assert r["groups"] is None  # grouped allreduce works: data still goes by allgather
         assert "density must be in (0, 1]" in r["density"]

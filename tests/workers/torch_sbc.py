@@ -227,7 +227,11 @@ def catch(fn):
 def run_errors():
     out = {}
     base = lambda: torch.optim.SGD(Net().parameters(), lr=0.1)  # noqa: E731
+    # SGD with a delay through the stock hook exchanges weight changes (horovod_sbc.policy);
+    # the server topology needs the drop-in there
     out["delay_stock"] = catch(lambda: _stock_step(sbc.SBC(density=0.1, delay=2)))
+    out["server_stock"] = catch(lambda: _stock_step(sbc.SBC(density=0.1, delay=2,
+                                                            topology="server")))
     out["adasum"] = catch(lambda: _stock_step(sbc.SBC(density=0.1), op=hvd.Adasum))
     out["groups"] = catch(lambda: _stock_step(sbc.SBC(density=0.1), groups=2))
     out["density"] = catch(lambda: sbc.SBC(density=0))
