@@ -8,7 +8,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from horovod_sbc.tensorflow import freeze_variance_after  # noqa: E402
+from horovod_sbc.tensorflow import SBC, freeze_variance_after  # noqa: E402
 
 LR, B1, B2, EPS, WD, K = 0.01, 0.9, 0.95, 1e-8, 0.1, 2
 W0 = np.linspace(-1.0, 1.0, 7).astype(np.float32)
@@ -206,3 +206,36 @@ def test_eagerly_the_freeze_is_decided_once_per_step_not_per_variable(monkeypatc
         w_ref, _ = _train([g * (i + 1) for g in grads], w=keras.Variable(W0.copy() * (i + 1)),
                           traced=True)
         np.testing.assert_array_equal(w.numpy(), w_ref.numpy())
+
+
+class _WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
+    def __init__(self, warm, total):
+        self.warm, self.total = warm, total
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        cos = 0.5 * (1.0 + tf.cos(np.pi * (step - self.warm) / self.total))
+        return tf.where(step < self.warm, (step + 1.0) / self.warm, cos)
+
+
+def test_the_automatic_freeze_step_is_torchs():
+    """freeze_variance_after(opt) ("auto"): the warm-up read off the Keras schedule, then
+    horovod_sbc.policy's rule: the step torch's AutoFreeze finds on the same schedule."""
+    import torch
+    from horovod_sbc.tensorflow.adam import auto_freeze_steps, is_frozen
+    from horovod_sbc.torch.adam import AutoFreeze
+    opt = keras.optimizers.AdamW(learning_rate=_WarmupCosine(30, 600), beta_2=0.95)
+    p = torch.nn.Parameter(torch.zeros(1))
+    topt = torch.optim.AdamW([p], lr=1.0, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        topt, lambda s: (s + 1) / 30 if s < 30 else 0.5 * (1 + np.cos(np.pi * (s - 30) / 600)))
+    auto = AutoFreeze()
+    torch_k = next(s for s in range(400) if auto.due(topt, s) or sched.step())
+    assert auto_freeze_steps(opt) == torch_k == 29 + 60
+    assert auto_freeze_steps(keras.optimizers.Adam(1e-3)) == 100  # constant lr, beta_2 0.999
+    # the drop-in (weight mode) freezes a Keras Adam it is handed eagerly, as torch's does
+    sbc = SBC(0.1)
+    sbc._settle(opt)
+    assert is_frozen(opt) and opt._sbc_freeze_after == 89 and sbc.local_residual
+    with pytest.raises(ValueError, match="applies to keras.optimizers.Adam"):
+        auto_freeze_steps(keras.optimizers.SGD(0.1))

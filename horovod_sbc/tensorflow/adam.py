@@ -32,6 +32,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from ..config import ADAM_VARIANCE_FLOOR
+from ..policy import auto_freeze_step
 
 
 def is_keras_adam(optimizer) -> bool:
@@ -106,18 +107,51 @@ def _no_value(_):
     return tf.constant(0)
 
 
-def freeze_variance_after(optimizer, steps: int):
+def freeze_variance_after(optimizer, steps="auto"):
     """Freeze the second moment of ``optimizer`` (Keras 3 ``Adam``/``AdamW``) after ``steps``
     applied steps; returns the same optimizer. Call it once, before training (a ``tf.function``
     keeps the step it traced), and again on an optimizer restored from a checkpoint. Use it with
-    the drop-in (``SBC.step`` after each ``apply_gradients``, or :class:`SBCCallback`): the
-    stock tape hands Adam sparse averages, whose variance is not worth freezing.
+    the drop-in (``SBC.step`` after each ``apply_gradients``, or :class:`SBCCallback`, which
+    calls it with ``"auto"`` for a Keras Adam by itself): the stock tape hands Adam sparse
+    averages, whose variance is not worth freezing.
 
-    ``steps``: take it after the learning-rate warm-up, around a sixth of training (1-bit Adam:
-    15-25 %), later with a delay (README, "Which setting to use")."""
+    ``steps``: ``"auto"`` (the default): :func:`horovod_sbc.policy.auto_freeze_step` of the
+    warm-up of the optimizer's learning-rate schedule (evaluated on the host, once; a constant
+    learning rate has none) and ``beta_2``, the torch drop-in's default; or a number K."""
+    if steps == "auto" and isinstance(steps, str):
+        steps = auto_freeze_steps(optimizer)
     _check(optimizer, steps)
     cls = type(optimizer)
     if not issubclass(cls, _FrozenVariance):
         optimizer.__class__ = type(cls.__name__, (_FrozenVariance, cls), {})
     optimizer._sbc_freeze_after = steps
     return optimizer
+
+
+def is_frozen(optimizer) -> bool:
+    """Has :func:`freeze_variance_after` been applied to ``optimizer``?"""
+    return isinstance(optimizer, _FrozenVariance)
+
+
+#: the longest warm-up :func:`auto_freeze_steps` looks for in a schedule
+MAX_WARMUP = 100_000
+
+
+def auto_freeze_steps(optimizer) -> int:
+    """The automatic freeze step of a Keras Adam: the last step at which its learning-rate
+    schedule still rises (0 for a constant learning rate), then
+    :func:`horovod_sbc.policy.auto_freeze_step`."""
+    import keras
+    if not is_keras_adam(optimizer):
+        raise ValueError(f"freeze_variance_after applies to keras.optimizers.Adam and AdamW, "
+                         f"not {type(optimizer).__name__}")
+    schedule = getattr(optimizer, "_learning_rate", None)
+    warmup_end = 0
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        last = float(schedule(0))
+        for step in range(1, MAX_WARMUP):
+            lr = float(schedule(step))
+            if lr <= last:
+                break
+            warmup_end, last = step, lr
+    return auto_freeze_step(warmup_end, float(optimizer.beta_2))

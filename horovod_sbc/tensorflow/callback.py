@@ -30,7 +30,9 @@ from typing import Optional
 import keras
 
 from ..config import resolve_compression
+from .adam import freeze_variance_after, is_frozen
 from .compressor import SBC
+from .momentum import family
 from .tape import broadcast_variables
 
 
@@ -69,6 +71,9 @@ class SBCCallback(keras.callbacks.Callback):
         return self.model.trainable_variables
 
     def on_train_begin(self, logs=None):
+        opt = self.model.optimizer
+        if family(opt) == "adam" and not is_frozen(opt):  # before fit traces its step
+            freeze_variance_after(opt, "auto")  # horovod_sbc.policy: as torch's drop-in
         variables = self._variables()
         names = {e[0] for e in self.sbc._entries(variables)}
         if not names.issubset(set(self.sbc.reference.keys())):

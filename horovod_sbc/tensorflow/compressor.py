@@ -39,6 +39,7 @@ from ..residual import COUNTER_KEYS, ResidualManager
 from .backend import Backend, backend_for
 from .sync import exchange
 from .sync.exchange import COMMIT, residual_dtype, tf_name
+from .adam import freeze_variance_after, is_frozen
 from .momentum import Fold, family, foldable, momentum_free, shares_weights
 from .outer import Plain, resolve_outer
 from .owner import identify, variable_name
@@ -211,6 +212,16 @@ class SBC(tf.Module):
         self._settled = True
         if self._local_residual is None:
             self._local_residual = not shares_weights(optimizer, self.delay)
+        if family(optimizer) == "adam" and not is_frozen(optimizer):
+            if tf.inside_function():  # its step is traced already: say how to freeze it
+                warnings.warn(
+                    f"horovod_sbc: {type(optimizer).__name__}'s second moment is frozen "
+                    "automatically only when SBC sees the optimizer before its step is "
+                    "traced: call horovod_sbc.tensorflow.freeze_variance_after(optimizer) "
+                    "before the first tf.function step (SBCCallback does it for fit)",
+                    stacklevel=4)
+            else:
+                freeze_variance_after(optimizer, "auto")  # horovod_sbc.policy, as torch
         if self.delay == 1 and not self._local_residual and foldable(optimizer):
             self._fold = Fold(optimizer)
 
