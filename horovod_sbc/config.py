@@ -89,10 +89,10 @@ class SBCConfig:
         With error feedback lower densities usually still converge; the paper goes down to
         0.001-0.0001 combined with ``delay``.
     delay: the paper's *n*, communication delay: every rank runs ``delay`` local optimizer steps,
-        then the accumulated weight update is compressed and exchanged. Only the drop-in
-        optimizers (torch ``DistributedOptimizer``, TF ``DistributedGradientTape`` with
-        ``SBC.step`` or ``SBCCallback``) can delay; through Horovod's stock optimizer or tape it
-        must be 1 (gradients are compressed every step).
+        then the accumulated weight update is compressed and exchanged (the weight exchange of
+        :func:`horovod_sbc.policy.choose`: the torch drop-in, stock ``hvd.DistributedOptimizer``
+        once it has found the optimizer, TF's ``DistributedGradientTape`` with ``SBC.step`` or
+        ``SBCCallback``). TF's stock tape exchanges gradients: there it must be 1.
     mode: the compressor, by its registered name (:mod:`horovod_sbc.registry`; one file each
         in ``horovod_sbc/compressors/``): ``"sbc"`` (positions and one mean),
         ``"values"`` (top-k: the kept entries' own float32 values, ~32 more bits per position),

@@ -41,9 +41,9 @@ class SBC(StockHook):
         density, delay, mode, selection, nonfinite, topology, downlink_density,
         downlink_binarize, seed, fixed_size: the knobs of
             :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
-            needs the drop-in :func:`horovod_sbc.torch.DistributedOptimizer`,
-            ``topology="server"`` needs it and
-            Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``). With ``nonfinite="skip"``
+            exchanges weight changes (:func:`horovod_sbc.policy.choose`; stock Horovod too),
+            ``topology="server"`` needs the drop-in :func:`horovod_sbc.torch.DistributedOptimizer`
+            and Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``). With ``nonfinite="skip"``
             an update used up before it is found non-finite keeps its finite rest: the drop-in
             with ``local_residual=True`` resets the non-finite weights to the shared weights,
             the stock hook (whose gradient the selection's pass zeroes) resets those residual
@@ -53,8 +53,10 @@ class SBC(StockHook):
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; these names are looked up first, then the name Horovod's optimizer
             that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).
-        momentum: stock ``hvd.DistributedOptimizer`` only: what happens to the optimizer's
-            momentum, which there acts on the averaged sparse gradient. A coordinate arrives
+        momentum: stock ``hvd.DistributedOptimizer`` with torch SGD at delay 1 only (the
+            gradient exchange; other optimizers exchange weight changes, where it does not
+            apply): what happens to SGD's momentum, which there acts on the averaged sparse
+            gradient. A coordinate arrives
             only every ~1/p steps, in one burst holding all its delayed gradient, and a velocity
             would replay that burst for ~1/(1-m) more steps. ``"fold"`` (default for SBC):
             ``torch.optim.SGD``'s momentum is folded into its learning rate — the hook empties
@@ -65,7 +67,7 @@ class SBC(StockHook):
             DGC's momentum factor masking (Lin et al., ICLR 2018) — the velocity is zeroed where
             the average is non-zero (:func:`horovod_sbc.torch.hook.momentum_buffer`).
             ``"keep"`` (default for :func:`TopK`, whose exact values were measured with their
-            momentum): the optimizer's own momentum, untouched. The README's recommendation
+            momentum): the optimizer's own momentum, untouched. docs/recipes.md's
             table compares them.
         hierarchy: ``None`` (flat: every rank compresses and allgathers to every rank),
             ``"node"`` (Horovod's nodes) or explicit groups of global ranks such as

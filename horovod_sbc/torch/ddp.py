@@ -114,7 +114,7 @@ class SBCState:
             ``lr * (1 - dampening) / (1 - momentum)``, reached as a constant gradient's
             velocity reaches it. Without it (or with
             ``SBC(momentum="keep")``) the optimizer's momentum acts on the averaged sparse
-            gradient, which trains worse (README, "the stock hook and momentum").
+            gradient, which trains worse (docs/design.md).
 
     Step messages are padded to their layout's capacity unless ``SBC(fixed_size=False)``:
     ``torch.distributed``'s all-gather takes one size from every rank, and a capacity known from

@@ -4,7 +4,7 @@ Error feedback delays an update until its coordinate is among the largest of the
 ~1/density steps at delay 1). A heavy-ball velocity computed meanwhile from gradients taken where
 nothing has moved yet keeps pushing the same way, and the coordinate then arrives in one stale
 burst that the velocity replays for another ~1/(1 - momentum) steps: momentum SGD through error
-feedback trains well below dense (docs/benchmarks.md §0), on IID and label-skewed shards alike.
+feedback trains well below dense (docs/recipes.md), on IID and label-skewed shards alike.
 
 *Folding* runs ``torch.optim.SGD`` without its velocity at the learning rate the velocity
 converges to, ``lr * (1 - dampening) / (1 - momentum)`` (the "effective learning rate" of

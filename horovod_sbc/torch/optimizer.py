@@ -1,70 +1,22 @@
 """The drop-in distributed optimizer: communication delay + SBC + one fused allgather per sync.
 
-Built like Horovod's ``horovod/torch/optimizer.py``: :func:`DistributedOptimizer` returns an
-instance of a subclass of *your* optimizer's class, so its ``step()`` math, hyper-parameters,
-``param_groups`` and LR schedulers behave exactly as before.
+Built like Horovod's ``horovod/torch/optimizer.py``: an instance of a subclass of *your*
+optimizer's class, so its ``step()``, hyper-parameters, ``param_groups`` and LR schedulers behave
+as before. Every ``delay`` local steps the update ``A = W_local - W_ref`` of each parameter
+(everything this rank's optimizer did since the shared weights and has not sent) is
+SBC-compressed, all tensors' messages go in one allgather, and every rank adds the decoded
+average to ``W_ref`` (bit-identical everywhere; ``outer=`` replaces that by another outer step,
+:mod:`horovod_sbc.torch.outer`). The residual ``R = A - sent`` stays in each rank's weights
+(``local_residual=True``: error feedback in weight space) or beside the shared weights
+(``False``); :func:`horovod_sbc.policy.choose` picks it per optimizer, and Adam/AdamW's second
+moment is frozen automatically (:mod:`horovod_sbc.torch.adam`). docs/design.md says why.
 
-How a step works (``delay = n``):
-
-1. ``step()`` runs your optimizer's own step on this rank's gradients (a *local* step).
-2. Every n-th step is a *sync*: for each parameter, the update ``A = W_local - W_ref`` (everything
-   this rank's optimizer did since the shared weights ``W_ref`` and has not sent yet) is
-   SBC-compressed; all tensors' messages go in one allgather; every rank decodes and averages all
-   ranks' messages ``U`` and sets ``W_ref += U`` (bit-identical on every rank). The residual is
-   ``R = A - sent``. ``outer=`` replaces ``W_ref += U`` by another outer step, e.g. DiLoCo's
-   Nesterov momentum on the pseudo-gradient ``-U`` (:mod:`horovod_sbc.torch.outer`).
-3. With ``local_residual=True`` every rank continues from ``W_local = W_ref + R``: its own
-   unsent update stays **in its weights** (error feedback in weight space, as in CSER's "error
-   reset", Xie et al., NeurIPS 2020), so the next gradients are taken where this rank's
-   optimizer actually is. With ``local_residual=False`` every rank continues from ``W_ref`` and
-   the unsent part waits in the residual (the paper's formulation; ranks are bit-identical after
-   every sync).
-
-Which one by default (``local_residual=None``) — it depends on the optimizer and the delay:
-
-* **torch SGD at delay 1: beside the weights** (``False``), with the momentum folded into the
-  learning rate (:mod:`horovod_sbc.torch.momentum`). SGD's step is linear in the gradient, so
-  the average of the ranks' steps taken at ``W_ref`` is the step on the average gradient:
-  error-feedback SGD, whose fixed point is the one of dense training whatever each rank's data
-  is — it holds on IID and on label-skewed shards alike (README's recommendation table). The
-  velocity is what must not be kept: a coordinate is sent only every ~1/p syncs, meanwhile the
-  rank's gradient at ``W_ref``, where nothing has moved, keeps pushing the velocity the same way
-  and the coordinate arrives in one large, stale burst (DGC's *momentum factor masking*, Lin et
-  al., ICLR 2018, recovers only part of that; docs/benchmarks.md §0). Folded, SGD steps at
-  ``lr / (1 - momentum)`` without a velocity and error feedback delays only the gradient.
-* **Everything else — Adam-family optimizers, and any optimizer with local steps
-  (delay > 1): in the weights** (``True``). Optimizer state (momentum, Adam moments) is local to
-  each rank and computed from its own gradients (as in local SGD / FedAvg); keeping the residual
-  in the weights closes the loop: the optimizer sees the effect of its own steps at once, as in
-  dense training, and only the *exchange* is sparse. Adam normalises each rank's step by that
-  rank's own statistics, so the folded, linear argument does not apply, and over several local
-  steps the momentum needs the closed loop (both measured in docs/benchmarks.md §0).
-  The price is label-skewed data: every rank's weights then drift towards its own classes
-  (README's "What does not train well").
-
-  With torch Adam or AdamW, ``freeze_variance_after=K`` makes the steps linear too: after K
-  steps every rank's second moment is frozen (:mod:`horovod_sbc.torch.adam`, 1-bit Adam's
-  variance freeze), so the average of the ranks' steps is the step on the averaged gradient
-  instead of the up to sqrt(N) shorter average of N normalized steps. The residual stays in
-  the weights.
-
-Where the residual is stored: with ``local_residual=True`` and float32/float64 weights, nowhere
-but in the weights: ``R = W_local - W_ref``. A sync then reads the weights and ``W_ref`` once (the C
-kernels select on their difference in the same pass, without storing it), adds the decoded
-average to both and takes what this rank sent out of its weights (a position whose whole update
-was sent, as in FedAvg, lands exactly on ``W_ref``) — no residual tensor and no write-back, so
-a sync costs one pass over ``W`` and ``W_ref``. ``optimizer.residuals()`` and the checkpoint give ``W_local - W_ref``. fp16/bf16 weights keep a
-float32 residual beside them (small updates would vanish in 16 bits) and are set to
-``W_ref + R`` after each sync.
-
-With ``local_residual=True``, between syncs (and after one) ranks' live weights differ by their
-residuals; the shared ``W_ref`` is bit-identical everywhere. Call :meth:`finish` at the end of
-training to give every rank the same weights (``W_ref`` + the average of all ranks' residuals, one dense
-allreduce), or evaluate :meth:`shared_weights`.
-
-Gradients may be None for some parameters on some ranks and steps: the exchange is on weights,
-so such a parameter simply contributes ``dW = 0``. Parameters with ``requires_grad=False`` and
-non-floating-point parameters are left alone.
+With the residual in float32/float64 weights nothing else stores it (``R = W - W_ref``): a sync
+reads the weights and ``W_ref`` once. fp16/bf16 weights keep a float32 residual beside them.
+Ranks' live weights differ by their residuals until :meth:`finish`; :meth:`shared_weights`
+evaluates ``W_ref``. :func:`adopt` makes stock ``hvd.DistributedOptimizer`` run this step (the
+stock hook's weight exchange). Parameters without gradient on some step contribute ``dW = 0``;
+``requires_grad=False`` and non-floating-point parameters are left alone.
 """
 from __future__ import annotations
 
@@ -371,7 +323,7 @@ class _SBCOptimizer:
         ``local_residual=True`` (ranks' weights differ by their residuals, which are part of
         what each trained), ``False`` with the residual beside the shared weights (every rank
         already holds ``W_ref``; the residuals there are a backlog of delayed steps, and adding
-        their average at once trained worse, README's recommendation table). Residuals are
+        their average at once trained worse, docs/recipes.md). Residuals are
         cleared either way."""
         import horovod.torch as hvd
         if average_residuals is None:
