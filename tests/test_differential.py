@@ -14,7 +14,8 @@ Mutation classes (each case draws one; the step framing and CRCs are recomputed 
 * ``field``    — one tensor-header field set to a hostile value (Rice b up to 62, counts, lengths,
                  flags, the float value's bits: NaN, Inf, negative zero, subnormal), framing recomputed;
 * ``step``     — step-header fields (flags ERROR/SKIP/both, origin, layout, n_tensors), CRC recomputed;
-* ``peers``    — ranks that send ERROR and/or SKIP besides ranks that send malformed messages;
+* ``peers``    — ranks that send ERROR and/or SKIP besides ranks that send malformed messages
+                 (their reasons sometimes hold NUL bytes or invalid UTF-8);
 * ``stream``   — (binary-only cases, for the TF rank-mask accumulation) stream bytes of one tensor
                  message flipped or overwritten, framing recomputed.
 
@@ -22,6 +23,7 @@ Mutation classes (each case draws one; the step framing and CRCs are recomputed 
 runs 10^6); TensorFlow, whose per-call overhead is larger, gets every ``DIFF_TF_EVERY``-th case
 (default 100; ``make fuzz``: 10), eager and ``tf.function`` both.
 """
+import contextlib
 import os
 import random
 import struct
@@ -158,6 +160,21 @@ def _mutate_stream(msg: bytes, r: random.Random) -> bytes:
     return bytes(out)
 
 
+# a peer's reason is any bytes in an unpadded ERROR/SKIP step (decoded as UTF-8, "replace"):
+# NUL bytes ended TensorFlow's error text inside tf.function, which lost the verdict (issue 47)
+ERROR_REASONS = [b"the update of 'w' contains NaN or Inf", b"NaN\0in 'w'", b"\0",
+                 b"\0\0tail\0", b"\xff\0caf\xc3\xa9 \xc3"]
+SKIP_REASONS = [b"asked to skip", b"skip\0me", b"\0"]
+
+
+def error_step(reason: bytes, skip: bool, origin: int, layout_crc: int = 0) -> bytes:
+    """An unpadded ERROR (``skip``: SKIP) step message with the raw ``reason`` bytes
+    (:func:`horovod_sbc.wire.error_step_message` takes text, and cuts it at 4096 bytes)."""
+    flags = wire.STEP_FLAG_SKIP if skip else wire.STEP_FLAG_ERROR
+    return wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, flags, origin, len(reason),
+                                 layout_crc, 0, zlib.crc32(reason) & 0xFFFFFFFF) + reason
+
+
 def make_case(seed: int, binary_only: bool = False):
     """(layout, n_ranks, gathered bytes, mutation class) for one case; deterministic in seed.
     ``binary_only``: every tensor message is binary SBC (the TF rank-mask accumulation) before the
@@ -190,10 +207,9 @@ def make_case(seed: int, binary_only: bool = False):
         if cls == "peers" and r.random() < 0.6:
             kind = r.randrange(3)
             if kind == 0:
-                step = wire.error_step_message(f"the update of 'w' contains NaN or Inf", 0,
-                                               skip=False, origin=rank)
+                step = error_step(r.choice(ERROR_REASONS), skip=False, origin=rank)
             elif kind == 1:
-                step = wire.error_step_message("asked to skip", 0, skip=True, origin=rank)
+                step = error_step(r.choice(SKIP_REASONS), skip=True, origin=rank)
             else:
                 j = r.randrange(len(parts))
                 parts[j] = bytes(_mutate_bytes(bytearray(parts[j]), r))
@@ -274,10 +290,16 @@ class TFDecoders:
 
 @pytest.fixture(scope="module")
 def tf_decoders():
-    pytest.importorskip("tensorflow")
+    """TensorFlow is always installed here: a TF backend that lacks what these tests need
+    fails them (it used to skip them)."""
+    import tensorflow  # noqa: F401
     from horovod_sbc.tensorflow import backend as tfb
-    if not hasattr(tfb, "decode_gathered"):
-        pytest.skip("TensorFlow decoder API decode_gathered not available")
+    from horovod_sbc.tensorflow.backend import host
+    from horovod_sbc.tensorflow.sync import exchange as tfx
+    for mod, names in [(tfb, ("decode_gathered", "backend_for", "OpsBackend", "KernelBackend")),
+                       (host, ("original_error", "parse_host")), (tfx, ("outcome_of_error",))]:
+        missing = [n for n in names if not hasattr(mod, n)]
+        assert not missing, f"the TensorFlow backend lacks {mod.__name__}: {missing}"
     return TFDecoders()
 
 
@@ -462,15 +484,115 @@ def test_subnormal_binary_value_decodes_exactly():
         assert v == ("ok", (want.tobytes(),))
 
 
-def test_empty_tensor_has_one_encoding_in_every_mode():
+def _tf_encoders(tf_dec):
+    """(name, encode) of every TF encoder: ``encode(a, mode)`` the tensor message of ``A = a``
+    (numpy) by the kernel backend and the TF-ops backend, eagerly and inside tf.function."""
+    tf, tfb = tf_dec.tf, tf_dec.tfb
+    out = []
+    for backend in (tfb.backend_for("CPU"), tfb.OpsBackend()):
+        for graph in (False, True):
+            def enc(a, mode, backend=backend, graph=graph):
+                def run(x):
+                    (e,) = backend.encode(["t"], [None], [x], density=0.5, mode=mode,
+                                          seeds=[tf.constant([5, 6], tf.int64)])
+                    return e.message
+                return (tf.function(run) if graph else run)(tf.constant(a)).numpy().tobytes()
+            out.append((f"{backend.name} {'tf.function' if graph else 'eager'}", enc))
+    return out
+
+
+def test_empty_tensor_has_one_encoding_in_every_mode(tf_decoders):
+    """numpy, torch (its kernels and its tensor ops) and TensorFlow (both backends, eager and
+    tf.function: they raised ZeroDivisionError, issue 47) encode an empty tensor alike."""
     want = protocol.empty_tensor_message()
     e = np.zeros(0, np.float32)
-    for kw in ({}, {"binarize": False}, {"mode": "sign"}, {"selection": "magnitude"}):
+    for kw in ({}, {"binarize": False}, {"mode": "sign"}, {"selection": "magnitude"},
+               {"mode": "terngrad", "uniform": e}):
         assert reference.compress_np(e, None, 0.5, **kw)[0] == want
     from horovod_sbc.torch import backend as tcodec
     for mode in ("sbc", "values", "sign", "terngrad"):
-        msg = tcodec.backend_for("cpu").encode_tensor(torch.zeros(0), 0.5, mode).message
-        assert msg.numpy().tobytes() == want
+        for ctx in (contextlib.nullcontext, kernels.disabled):
+            with ctx():
+                msg = tcodec.backend_for("cpu").encode_tensor(torch.zeros(0), 0.5, mode).message
+            assert msg.numpy().tobytes() == want
+        for name, enc in _tf_encoders(tf_decoders):
+            for a in (e, np.zeros((2, 0), np.float64)):
+                assert enc(a, mode) == want, (name, mode, a.shape)
+
+
+def _decoders_agree(layout, n_ranks, data, tf_dec, scale=1.0):
+    """Every decoder's verdict (numpy, torch's two paths, TF's two backends eager and inside
+    tf.function) on one gathered buffer: numpy's, which is returned."""
+    got = _all_verdicts(layout, n_ranks, data, scale)
+    for graph in (False, True):
+        for stock in (False, True):
+            name = f"tf {'tf.function' if graph else 'eager'}{' (stock ops)' if stock else ''}"
+            got[name] = tf_dec.run(layout, n_ranks, data, scale, graph, stock)
+    ref = got.pop("numpy")
+    for name, out in got.items():
+        assert out == ref, f"{name} disagrees with numpy:\n  numpy: {ref}\n  {name}: {out}"
+    return ref
+
+
+EMPTY_LAYOUT = [("e0", (0,)), ("w", (40, 30)), ("e1", (3, 0)), ("b", (7,)), ("e2", (0,))]
+
+
+def test_empty_tensors_from_every_encoder_reach_every_decoder(tf_decoders):
+    """Steps of empty tensors among others, their messages from numpy, torch and every TF
+    encoder in every mode, valid and mutated: every decoder reaches numpy's verdict."""
+    from horovod_sbc.torch import backend as tcodec
+    layout = EMPTY_LAYOUT
+    rng = np.random.default_rng(47)
+    xs = [rng.standard_normal(s).astype(np.float32) for _, s in layout]
+    encoders = [("numpy", lambda a, mode: reference.compress_np(
+                    a, None, 0.5, mode=mode, uniform=np.full(a.size, 0.5, np.float32))[0]),
+                ("torch", lambda a, mode: tcodec.backend_for("cpu").encode_tensor(
+                    torch.from_numpy(a.ravel().copy()), 0.5, mode).message.numpy().tobytes())]
+    encoders += _tf_encoders(tf_decoders)
+    r = random.Random(47)
+    seen = set()
+    for mode in ("sbc", "values", "sign", "terngrad"):
+        steps = []
+        for name, enc in encoders:
+            parts = [enc(a, mode) for a in xs]
+            for i in (0, 2, 4):
+                assert parts[i] == protocol.empty_tensor_message(), (name, mode)
+            steps.append(_step(layout, parts))
+        assert _decoders_agree(layout, len(steps), b"".join(steps), tf_decoders)[0] == "ok"
+        for _ in range(3):  # mutated: an empty tensor's message, or any byte of the buffer
+            parts = [reference.compress_np(a, None, 0.5, mode=mode,
+                                           uniform=np.zeros(a.size, np.float32))[0] for a in xs]
+            i = r.choice([0, 2, 4])
+            parts[i] = _mutate_field(parts[i], r) if r.random() < 0.5 else \
+                bytes(_mutate_bytes(bytearray(parts[i]), r))
+            data = _step(layout, parts) + steps[0]
+            if r.random() < 0.3:
+                data = bytes(_mutate_bytes(bytearray(data), r))
+            seen.add(_decoders_agree(layout, 2, data, tf_decoders)[0])
+    assert "invalid" in seen, seen
+
+
+def test_peer_reasons_with_nul_bytes_reach_every_decoder(tf_decoders):
+    """A rank's ERROR or SKIP whose reason holds NUL bytes (or invalid UTF-8): every decoder
+    reports that rank's PeerError with the same reason, also inside tf.function (where
+    TensorFlow's error text ended at the NUL: "invalid", issue 47), and ERROR still beats SKIP
+    and a malformed tensor message."""
+    layout = [("w", (40, 30)), ("b", (7,))]
+    fp = wire.layout_fingerprint(layout)
+    rng = np.random.default_rng(3)
+    parts = [reference.compress_np(rng.standard_normal(s).astype(np.float32), None, 0.1)[0]
+             for _, s in layout]
+    good = _step(layout, parts)
+    bad = _step(layout, [parts[0], parts[1][:-1]])
+    for reason in ERROR_REASONS + SKIP_REASONS:
+        text = reason.decode("utf-8", "replace")
+        for skip in (False, True):
+            peer = error_step(reason, skip, 1, fp)
+            assert _decoders_agree(layout, 3, good + peer + good, tf_decoders) == \
+                ("skip" if skip else "error", 1, text)
+        # the lowest rank's ERROR beats a SKIP before it and malformed tensors
+        data = bad + error_step(b"\0skip", True, 1) + error_step(reason, False, 2) + good
+        assert _decoders_agree(layout, 4, data, tf_decoders) == ("error", 2, text)
 
 
 def test_sign_mode_scale_is_order_independent_across_implementations():

@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 tf = pytest.importorskip("tensorflow")
 
-from horovod_sbc import reference, kernels, wire  # noqa: E402
+from horovod_sbc import protocol, reference, registry, kernels, wire  # noqa: E402
 from horovod_sbc.tensorflow import backend as tfb  # noqa: E402
 from horovod_sbc.tensorflow.backend import accumulate, codec, host  # noqa: E402
+from horovod_sbc.tensorflow.backend import frame as tfframe  # noqa: E402
 from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
 HERE = os.path.dirname(__file__)
@@ -332,3 +333,140 @@ def test_residual_update_ways_agree(dtype):
     assert codec.encode_update(tf.constant(a), 0.01).update is codec.ResidualUpdate.DENSE
     assert codec.encode_update(tf.constant(a), 1e-3).update is codec.ResidualUpdate.SCATTER
     assert codec.encode_update(tf.constant(a), 1.0, "sign").update is codec.ResidualUpdate.ALL
+
+
+# ---------------------------------------------------------------------------------------------
+# empty tensors and peers' reasons with NUL bytes (issue 47, item 6: found by fuzzing the
+# decoders and encoders against each other)
+# ---------------------------------------------------------------------------------------------
+_MODES = ["sbc", "values", "sign", "terngrad"]
+
+
+def _backends():
+    backends = [tfb.backend_for("CPU"), tfb.OpsBackend()]
+    assert isinstance(backends[0], tfb.KernelBackend)  # the kernel ops build here
+    return backends
+
+
+def _seeds(n: int):
+    return [tf.constant([47, i], tf.int64) for i in range(n)]
+
+
+def _reference_message(r: np.ndarray, density: float, mode: str, seed) -> bytes:
+    """numpy's message of ``A = r``; TernGrad with the TF encoder's draws for ``seed``."""
+    uniform = None
+    if mode == "terngrad":
+        uniform = tf.random.stateless_uniform([r.size], seed=seed, dtype=tf.float32).numpy()
+    return reference.compress_np(r, None, density, mode=mode, uniform=uniform)[0]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("mode", _MODES)
+def test_an_empty_tensor_has_the_references_one_encoding(mode, graph):
+    """A tensor of no elements: every TF encoder (the kernel backend, the TF-ops backend, the
+    single-tensor API, the compressor's own encode_tf) gives the reference's one message, in
+    every mode, eagerly and inside tf.function (it raised ZeroDivisionError: the Rice table of
+    0 elements)."""
+    want = protocol.empty_tensor_message()
+    for shape in [(0,), (3, 0)]:
+        for dt in (np.float32, np.float64):
+            assert _reference_message(np.zeros(shape, dt), 0.1, mode, _seeds(1)[0]) == want
+            for b in _backends():
+                def enc(r, b=b):
+                    (e,) = b.encode(["e"], [None], [r], density=0.1, mode=mode,
+                                    seeds=_seeds(1) if mode == "terngrad" else None)
+                    return e.message, e.new_residual, e.finite
+                msg, res, finite = (tf.function(enc) if graph else enc)(tf.zeros(shape, dt))
+                assert msg.numpy().tobytes() == want, (b, shape, dt)
+                assert res.numpy().size == 0 and bool(finite)
+
+            def single(u, r):
+                return tfb.compress(u, r, 0.1, mode)
+            msg, res = (tf.function(single) if graph else single)(tf.zeros(shape, dt),
+                                                                   tf.zeros(shape, dt))
+            assert msg.numpy().tobytes() == want and res.shape == shape
+            if mode in ("sign", "terngrad"):  # the compressor's own encoder, called directly
+
+                def own(a):
+                    return registry.get(mode).encode_tf(a, 0.1, "paper", "e",
+                                                        _seeds(1)[0]).message
+                assert (tf.function(own) if graph else own)(
+                    tf.zeros([0], dt)).numpy().tobytes() == want
+
+
+@pytest.mark.parametrize("capacity", [False, True], ids=["variable", "fixed-size"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_empty_tensors_among_others_give_the_references_step(graph, capacity):
+    """Empty tensors first, between and last among non-empty ones: each backend's step message
+    (encode, then frame: on the device for the TF-ops backend, on the host for the kernel
+    backend; PADDED to the layout's capacity or not) is numpy's, byte for byte, in every mode,
+    and every TF decoder reads it like numpy."""
+    layout = [("e0", (0,)), ("w", (40, 30)), ("e1", (3, 0)), ("b", (7,)), ("e2", (0,))]
+    names = [n for n, _ in layout]
+    numels = [wire.layout_numel(s) for _, s in layout]
+    fp = wire.layout_fingerprint(layout)
+    rng = np.random.default_rng(47)
+    rs = [rng.standard_normal(s).astype(np.float32) for _, s in layout]
+    seeds = _seeds(len(layout))
+    for mode in _MODES:
+        body = b"".join(_reference_message(r, 0.1, mode, s) for r, s in zip(rs, seeds))
+        cap = reference.step_capacity(numels, 0.1, mode) if capacity else None
+        want = (wire.padded_step_message(body, fp, len(layout), cap) if capacity
+                else wire.step_message_bytes(body, fp, len(layout)))
+        ref = [np.zeros(n, np.float32) for n in numels]
+        reference.accumulate_np(reference.decode_step_np(want + want, layout, 2), ref, 0.5)
+        for b in _backends():
+            def run(*xs, b=b):
+                enc = b.encode(names, [None] * len(xs), list(xs), density=0.1, mode=mode,
+                               seeds=seeds if mode == "terngrad" else None)
+                step, _ = b.frame(enc, names, numels, fp, 0, False, cap,
+                                  tfframe.step_bound(tuple(numels), 0.1, mode))
+                return step, b.decode(tf.concat([step, step], 0), layout, 2, scale=0.5)[1]
+            step, got = (tf.function(run) if graph else run)(*[tf.constant(r) for r in rs])
+            assert step.numpy().tobytes() == want, (mode, b)
+            assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], (mode, b)
+
+
+_NUL_REASONS = [("bad\0news \0x", False), ("\0", True), ("\0\0 caf\u00e9\0", False),
+                ("NaN in 'w'\0", True)]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_a_peer_reason_with_nul_bytes_keeps_its_verdict(graph):
+    """A rank's ERROR/SKIP step whose (unpadded, so any UTF-8) reason holds NUL bytes: both
+    TF decoders report the PeerError of numpy, same rank, same reason, eagerly and inside
+    tf.function (where TensorFlow's error text ended at the NUL, so the verdict was lost:
+    "invalid"); inside tf.function the error's text carries the whole reason, NUL as \\x00. Not
+    strict, an ERROR's ValueError comes back with its exact text."""
+    layout = [("w", (8,))]
+    fp = wire.layout_fingerprint(layout)
+    good = wire.step_message_bytes(
+        reference.compress_np(np.arange(8, dtype=np.float32), None, 0.25)[0], fp, 1)
+    for reason, skip in _NUL_REASONS:
+        data = good + wire.error_step_message(reason, fp, skip=skip, origin=1) + good
+        with pytest.raises(wire.PeerError) as np_err:
+            reference.decode_step_np(data, layout, 3)
+        want = ("skip" if skip else "error", 1, reason)
+        assert (np_err.value.rank, np_err.value.reason, np_err.value.skip) == (1, reason, skip)
+        g = tf.constant(np.frombuffer(data, np.uint8))
+        for b in _backends():
+            for strict in (True, False):
+                if skip and not strict:
+                    continue  # a SKIP is no error when not strict
+
+                def dec(x, b=b, strict=strict):
+                    return b.decode(x, layout, 3, strict=strict)[1]
+                with pytest.raises((ValueError, tf.errors.InvalidArgumentError)) as err:
+                    (tf.function(dec) if graph else dec)(g)
+                e = host.original_error(err.value)
+                if strict:
+                    assert type(e) is wire.PeerError, (b, reason, err.value)
+                    assert (e.rank, e.reason, e.skip) == (1, reason, skip)
+                    assert tfx.outcome_of_error(err.value) == want
+                else:
+                    assert type(e) is ValueError, (b, reason, err.value)
+                    assert str(e) == f"SBC: {np_err.value}"
+                if graph:  # the whole reason in TensorFlow's text, NUL as \x00
+                    assert isinstance(err.value, tf.errors.InvalidArgumentError)
+                    assert ("could not encode this sync: " + reason.replace("\0", "\\x00")
+                            in err.value.message)

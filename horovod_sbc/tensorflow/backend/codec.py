@@ -365,7 +365,10 @@ def select_sides(a: tf.Tensor, k: int, sides: Sequence[str], positive_only: bool
 # Golomb-Rice streams and headers
 # ----------------------------------------------------------------------------------------------
 def rice_b(gaps: tf.Tensor, count: tf.Tensor, numel: int) -> tf.Tensor:
-    """The encoder's b (int64 scalar): :func:`horovod_sbc.wire.choose_rice_b` in TF ops."""
+    """The encoder's b (int64 scalar): :func:`horovod_sbc.wire.choose_rice_b` in TF ops (0
+    for an empty tensor, which has no positions)."""
+    if numel <= 0:
+        return _c64(0)
     b1, ts = wire.rice_table(numel)
     count = _i64(count)
     b0 = _c64(b1) - tf.reduce_sum(tf.cast(tf.constant(ts, tf.int64) <= count, tf.int64))
@@ -475,6 +478,9 @@ def encode_parts(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
     ``value_bits`` (int32 scalar tensor) is the float32 value's bit pattern; ``negative`` a bool
     scalar tensor. ``values`` (float32, one per position) makes a top-k VALUES message, ``signs``
     (bool, True = negative) a ternary one; ``all_positions`` (static) sends every element.
+    A tensor of no elements (``numel == 0``) has one encoding whatever the mode
+    (:func:`horovod_sbc.protocol.empty_tensor_message`), so every compressor's encoder that
+    builds its message here gets it.
     """
     zero = _c64(0)
     value_bits = zero if value_bits is None else tf.cast(
@@ -484,6 +490,9 @@ def encode_parts(pos: tf.Tensor, numel: int, value_bits=None, negative=None,
     def head(flags, b, count, unary_nbytes, vbits):
         return tf.stack([_i64(flags), _i64(b), _i64(count), _i64(unary_nbytes), _i64(vbits)])
 
+    if numel == 0:  # the one encoding of an empty tensor, whatever the mode
+        # (protocol.empty_tensor_message: no flags, b 0, no positions, value 0, no streams)
+        return head(0, 0, 0, 0, zero), tf.zeros([0], tf.uint8)
     if all_positions:
         if values is not None:
             vb = tf.reshape(tf.bitcast(tf.cast(values, tf.float32), tf.uint8), [-1])

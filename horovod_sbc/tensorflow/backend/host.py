@@ -21,7 +21,8 @@ Both backends decode in four pieces, the same eagerly and inside ``tf.function``
    every element, into the outputs.
 
 Errors: ``ValueError`` raised by the host steps (``InvalidArgumentError`` with the same text
-inside ``tf.function``; :func:`original_error` gives the Python exception back).
+inside ``tf.function``, a NUL written ``\\x00``: :func:`tf_text`; :func:`original_error` gives
+the Python exception back, e.g. a peer's ``PeerError`` with its exact reason and rank).
 """
 from __future__ import annotations
 
@@ -51,17 +52,36 @@ COMMIT, SKIP_KEEP_UPDATE, SKIP_DROP_UPDATE = (SyncCode.COMMIT, SyncCode.SKIP_KEE
 _LAST_ERROR: List[BaseException] = []
 
 
-def _remember(e: BaseException) -> BaseException:
-    """Keep the last exception a host step raised: inside ``tf.function`` TensorFlow delivers it
-    as ``InvalidArgumentError`` text; :func:`original_error` gives the Python object back."""
+def tf_text(text: str) -> str:
+    """``text`` as a TensorFlow op error can carry it whole: TensorFlow passes an exception's
+    text through a C string, which ends at the first NUL (a peer's ERROR reason may hold NUL
+    bytes: an unpadded reason is any UTF-8), so NUL is written ``\\x00`` (and a lone surrogate,
+    which has no UTF-8, as its ``\\u`` escape)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\x00")
+
+
+def _remember(e: BaseException, graph: bool = False) -> BaseException:
+    """Keep the last exception a host step raised, and return what to raise: ``e`` itself,
+    or with ``graph`` (the host step runs inside ``tf.function``, where TensorFlow delivers it
+    as ``InvalidArgumentError`` text) a copy of ``e`` whose text is :func:`tf_text` (its
+    attributes, e.g. a ``PeerError``'s exact reason, stay ``e``'s). :func:`original_error` gives
+    ``e`` back, found by that text, whatever ``e``'s own text holds."""
     _LAST_ERROR[:] = [e]
-    return e
+    text = str(e)
+    if not graph or tf_text(text) == text:
+        return e
+    stand_in = BaseException.__new__(type(e))  # the same type, no __init__ (PeerError's takes 3)
+    stand_in.args = (tf_text(text),)
+    if hasattr(e, "__dict__"):
+        stand_in.__dict__.update(e.__dict__)
+    return stand_in
 
 
 def original_error(e: BaseException) -> BaseException:
     """The Python exception behind ``e`` (an ``InvalidArgumentError`` from a host step inside
     ``tf.function``), or ``e`` itself."""
-    if isinstance(e, tf.errors.OpError) and _LAST_ERROR and str(_LAST_ERROR[0]) in e.message:
+    if isinstance(e, tf.errors.OpError) and _LAST_ERROR and \
+            tf_text(str(_LAST_ERROR[0])) in e.message:
         return _LAST_ERROR[0]
     return e
 
@@ -90,7 +110,8 @@ def _parse(host: bytes, layout, n_ranks: int, single: bool):
 
 
 def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
-               failed: bool, single: bool, strict: bool) -> Tuple[np.int32, np.ndarray]:
+               failed: bool, single: bool, strict: bool,
+               graph: bool = False) -> Tuple[np.int32, np.ndarray]:
     """Step 1: ``(code, table int64 [n_ranks * len(layout), N_COLS])``
     (:func:`horovod_sbc.protocol.parse_gathered`, checks a-e).
 
@@ -98,7 +119,8 @@ def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_r
     ``strict``: a rank's ERROR or SKIP raises :class:`horovod_sbc.wire.PeerError`. Otherwise
     ERROR raises ``ValueError("SBC: rank R could not encode ...")`` and SKIP warns and returns a
     table without positions (outputs stay as they were) and the code ``SKIP_DROP_UPDATE`` if
-    this rank ``failed``, else ``SKIP_KEEP_UPDATE``.
+    this rank ``failed``, else ``SKIP_KEEP_UPDATE``. ``graph``: it runs inside
+    ``tf.function`` (errors are raised with :func:`tf_text`, see :func:`_remember`).
     """
     host = np.asarray(buf, np.uint8).tobytes()
     table = np.zeros((n_ranks * len(layout), N_COLS), np.int64)
@@ -106,13 +128,13 @@ def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_r
         flat = _parse(host, layout, n_ranks, single)
     except wire.PeerError as e:
         if strict:
-            raise _remember(e)
+            raise _remember(e, graph)
         if not e.skip:
-            raise _remember(ValueError(f"SBC: {e}")) from None
+            raise _remember(ValueError(f"SBC: {e}"), graph) from None
         warnings.warn(f"horovod_sbc: skipping this sync: {e}")
         return np.int32(SKIP_DROP_UPDATE if failed else SKIP_KEEP_UPDATE), table
     except ValueError as e:
-        raise _remember(e)
+        raise _remember(e, graph)
     for row, (r, t, msg, _) in enumerate(flat):
         table[row] = _row(host, msg, t, r)
     return np.int32(COMMIT), table
@@ -120,7 +142,7 @@ def parse_host(buf: np.ndarray, layout: Sequence[Tuple[str, Sequence[int]]], n_r
 
 def check_stats_host(buf: np.ndarray, code, stats: np.ndarray,
                      layout: Sequence[Tuple[str, Sequence[int]]], n_ranks: int,
-                     single: bool) -> np.int32:
+                     single: bool, graph: bool = False) -> np.int32:
     """Step 3 on the host, run only once :func:`stream_faults` found a problem: raise the
     ``ValueError`` of :func:`horovod_sbc.protocol.check_stream` for the first message that
     fails (check f). The headers are parsed again (stateless; O(number of tensors) on the
@@ -133,7 +155,7 @@ def check_stats_host(buf: np.ndarray, code, stats: np.ndarray,
         for (_, _, msg, name), st in zip(flat, rows):
             protocol.check_stream(msg, st, name)
     except ValueError as e:
-        raise _remember(e)
+        raise _remember(e, graph)
     raise _remember(AssertionError(  # the device verdict and the protocol must agree
         "horovod_sbc: the TensorFlow stream verdict found a problem that "
         "protocol.check_stream does not; please report this"))
@@ -165,8 +187,10 @@ def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool 
     statistics rows) returns the verdict op that must run, and pass, before anything is added:
     TF ops, and a host step only on the branch taken when a message failed.
     ``gathered`` is flat uint8; see :func:`parse_host` for the arguments."""
+    graph = not tf.executing_eagerly()  # errors as TF text (inside tf.function) or objects
+
     def parse_fn(g, f):
-        return parse_host(g, layout, n_ranks, bool(f), single, strict)
+        return parse_host(g, layout, n_ranks, bool(f), single, strict, graph)
 
     code, table = tf.numpy_function(parse_fn, [gathered, tf.cast(failed, tf.bool)],
                                     [tf.int32, tf.int64], stateful=True, name="sbc_parse")
@@ -178,7 +202,7 @@ def parse(gathered: tf.Tensor, layout, n_ranks: int, failed=False, single: bool 
 
         def explain():  # the host only when a message failed: its exact error
             return tf.numpy_function(
-                lambda g, c, st: check_stats_host(g, c, st, layout, n_ranks, single),
+                lambda g, c, st: check_stats_host(g, c, st, layout, n_ranks, single, graph),
                 [gathered, code, stats], tf.int32, stateful=True, name="sbc_verdict")
 
         return tf.cond(fault, explain, lambda: tf.constant(0, tf.int32))
