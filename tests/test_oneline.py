@@ -43,6 +43,7 @@ def test_shared_weights_identical_and_per_rank_resume_bit_exact():
         assert r["resumed"]["weights"] == r["full"]["weights"]
         assert r["resumed"]["shared"] == r["full"]["shared"][25:]
         assert r["resumed"]["frozen_at"] == r["full"]["frozen_at"]
+        assert r["resumed"]["stats"] == r["full"]["stats"]  # the resumed step counted too
     assert a["full"]["weights"] != b["full"]["weights"]  # each rank's residual is its own
 
 

@@ -179,7 +179,9 @@ class _SBCOptimizer:
             return self._sbc_base.step(self, closure)
         if self._sbc_pending_load is not None:  # adopted: see adopt()
             st, self._sbc_pending_load = self._sbc_pending_load, None
+            counted = dict(self._sbc.manager.counters)  # by this step's compress() calls
             self._sbc_load(st)
+            self._sbc.manager.add(**counted)
         self._capture_reference()
         loss = self._local_step(closure)
         self._sbc_local_steps += 1
