@@ -387,9 +387,8 @@ def setup_stock(layout: Layout, density: float, size: int, device: str, noise: D
             p.grad.copy_(x.view_as(p))
 
     def sync() -> None:
-        with gp.fake_horovod_async(size):
-            for dummy, ctx in [comp.compress(p.grad) for _, p in named]:
-                comp.decompress(dummy, ctx)
+        for dummy, ctx in [comp.compress(p.grad) for _, p in named]:
+            comp.decompress(dummy, ctx)
     return perturb, sync, comp.transport, named
 
 

@@ -323,20 +323,6 @@ def _active():
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-@contextlib.contextmanager
-def fake_horovod_async(size: int):
-    """Horovod's ``allgather_async``/``synchronize`` as the stock hook calls them
-    (:mod:`horovod_sbc.torch.sync.transport`), replaced by the fake gather for the block."""
-    from horovod_sbc.torch.sync import transport
-    saved = transport.allgather_async, transport.synchronize
-    transport.allgather_async = lambda step, name: fake_gather(_active(), step, size)
-    transport.synchronize = lambda handle: handle
-    try:
-        yield
-    finally:
-        transport.allgather_async, transport.synchronize = saved
-
-
 # ------------------------------------------------------------------------------------------------
 # the paths: each returns (perturb(step), sync_step())
 # ------------------------------------------------------------------------------------------------
@@ -401,13 +387,12 @@ def setup_stock(shapes, density: float, size: int, noise: Noise, fixed=None):
             p.grad.copy_(g.view_as(p))
 
     def sync_step() -> None:
-        with fake_horovod_async(size):
-            ctxs = [comp.compress(p.grad) for _, p in named]
-            for dummy, ctx in ctxs:
-                c = _active()
-                if c is not None:
-                    c.collectives += 1  # Horovod's allreduce of the placeholder
-                comp.decompress(dummy, ctx)
+        ctxs = [comp.compress(p.grad) for _, p in named]
+        for dummy, ctx in ctxs:
+            c = _active()
+            if c is not None:
+                c.collectives += 1  # Horovod's allreduce of the placeholder
+            comp.decompress(dummy, ctx)
     return perturb, sync_step
 
 

@@ -4,7 +4,7 @@ ranks, dense (Horovod allreduce) and with SBC, printing accuracy and measured co
     horovodrun -np 2 python examples/tensorflow2_keras_sbc.py
     horovodrun -np 2 python examples/tensorflow2_keras_sbc.py --methods sbc --density 0.01 --delay 4
 
-SBC: ``model.fit(..., callbacks=[horovod_sbc.tensorflow.SBCCallback(density=..., delay=...)])``
+SBC: ``model.fit(..., callbacks=[horovod_sbc.tensorflow.SBCCallback(SBC(density, delay=n))])``
 with your own, unmodified Keras optimizer (see docs/tensorflow.md for why a callback).
 Dense baseline: Horovod's own gradient allreduce in a ``train_step`` through
 ``hvd.DistributedGradientTape``, passing ``[v.value for v in model.trainable_variables]`` (the

@@ -184,14 +184,13 @@ class SBCConfig:
         return asdict(self)
 
 
-def resolve_compression(cls, compression, density=None, delay=None, what: str = "SBC"):
-    """The adapters' shared argument rule: ``compression`` (an instance of ``cls``), or
-    ``density``/``delay`` shorthands that build ``cls(...)``, but not both."""
+def resolve_compression(cls, compression, what: str = "SBC", density=None):
+    """The adapters' shared argument rule: ``compression`` (an instance of ``cls``; None:
+    ``cls()``), or for the DDP state a ``density`` that builds ``cls(density)``, not both."""
     if compression is None:
-        kw = {k: v for k, v in (("density", density), ("delay", delay)) if v is not None}
-        return cls(**kw)
-    if delay is not None or density is not None:
-        raise ValueError("give delay/density either in SBC(...) or as arguments, not both")
+        return cls() if density is None else cls(density=density)
+    if density is not None:
+        raise ValueError("give density either in SBC(...) or as an argument, not both")
     if not isinstance(compression, cls):
         raise TypeError(f"compression must be {what} (or a subclass), "
                         f"got {type(compression).__name__}")

@@ -169,18 +169,6 @@ def select_sides_np(a: np.ndarray, k: int, selection: str = "paper"
     return idx[a[idx] > 0], idx[a[idx] < 0]
 
 
-def binarize_np(values: np.ndarray) -> Tuple[np.ndarray, float, bool]:
-    """Magnitude rule on kept values (in position order): (mask of the side sent, mu, negative)."""
-    pos = values > 0
-    neg = values < 0
-    side, mu = choose_side(mean_f32(values[pos]), mean_f32(-values[neg]))
-    if side > 0:
-        return pos, mu, False
-    if side < 0:
-        return neg, mu, True
-    return np.zeros_like(pos), 0.0, False
-
-
 def compress_np(update: np.ndarray, residual: Optional[np.ndarray], density: float,
                 binarize: bool = True, mode: Optional[str] = None,
                 selection: str = "paper", uniform: Optional[np.ndarray] = None

@@ -203,11 +203,6 @@ def rice_table(numel: int) -> Tuple[int, Tuple[int, ...]]:
     return b1, tuple(ts)
 
 
-def rice_cost_bits(count: int, sum_q_for_b, b: int) -> int:
-    """Stream bits (unpadded) of a Rice code with parameter b: unary (sum q + count) + count*b."""
-    return int(sum_q_for_b) + count + count * b
-
-
 def choose_rice_b(count: int, numel: int, sum_q) -> int:
     """Pick b among b*-1, b*, b*+1 minimising the padded stream bytes.
 

@@ -125,7 +125,7 @@ def test_golden_vectors_numpy_torch_spec(case):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a = torch.from_numpy(r.copy()).to(dev) + torch.from_numpy(u).to(dev).to(
         torch.float64 if dt == np.float64 else torch.float32)
-    tmsg, _ = tcodec.compress_(a, case["density"], mode or binarize,
+    tmsg, _ = torch_codec.compress_(a, case["density"], mode or binarize,
                                selection=case["selection"])
     assert tmsg.cpu().numpy().tobytes() == want
     assert make_golden.digest(a.cpu().numpy()) == case["new_residual_sha256"]
@@ -260,7 +260,7 @@ def test_binarization_and_residual_match_the_rule(values, density, selection):
     np.testing.assert_allclose(res + sent, u, rtol=1e-6, atol=1e-6 * max(1.0, abs(want_val)))
     # torch agrees byte for byte, and its residual too
     a = torch.from_numpy(u.copy())
-    tmsg, _ = tcodec.compress_(a, density, selection=selection)
+    tmsg, _ = torch_codec.compress_(a, density, selection=selection)
     assert tmsg.numpy().tobytes() == msg
     assert np.array_equal(a.numpy(), res)
 
@@ -272,7 +272,7 @@ def test_dtypes_compute_in_fp32_and_return_input_dtype(dtype):
     rdt = _residual_dtype(dtype)
     assert rdt == (torch.float64 if dtype == torch.float64 else torch.float32)
     a = g.to(rdt).clone()
-    msg, count = tcodec.compress_(a, 0.05)
+    msg, count = torch_codec.compress_(a, 0.05)
     host = msg.numpy().tobytes()
     hdr, pos, vals, _ = reference.decode_tensor_np(host, 0, 1000)
     dense = np.zeros(1000, np.float32)
@@ -299,7 +299,7 @@ def test_nonfinite_update_raises_with_tensor_name():
     a = torch.ones(100)
     a[3] = float("nan")
     with pytest.raises(ValueError, match="'fc.weight' contains NaN or Inf"):
-        tcodec.compress_(a, 0.1, name="fc.weight")
+        torch_codec.compress_(a, 0.1, name="fc.weight")
     with pytest.raises(ValueError, match="NaN or Inf"):
         reference.compress_np(np.array([1.0, np.inf], np.float32), None, 0.5)
 

@@ -234,6 +234,17 @@ def _outcome_of(fn):
     return ("ok", tuple(np.asarray(o).tobytes() for o in outs))
 
 
+def tf_outcome_of_error(e: BaseException):
+    """A TensorFlow decoder's error as an outcome: ``("error"|"skip", rank, reason)`` or
+    ``("invalid", text)`` (inside ``tf.function`` TensorFlow wraps a host step's exception;
+    :func:`horovod_sbc.tensorflow.backend.host.original_error` gives it back)."""
+    from horovod_sbc.tensorflow.backend import host
+    e = host.original_error(e)
+    if isinstance(e, wire.PeerError):
+        return ("skip" if e.skip else "error", e.rank, e.reason)
+    return ("invalid", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+
+
 def decode_numpy(layout, n_ranks, data, scale):
     def run():
         per = reference.decode_step_np(data, layout, n_ranks)
@@ -259,8 +270,7 @@ class TFDecoders:
     def __init__(self):
         import tensorflow as tf
         from horovod_sbc.tensorflow import backend as tfb
-        from horovod_sbc.tensorflow.sync import exchange as tfx
-        self.tf, self.tfb, self.tfx = tf, tfb, tfx
+        self.tf, self.tfb = tf, tfb
         self.graphs = {}
 
     def _decode(self, layout, n_ranks, scale, gathered):
@@ -284,7 +294,7 @@ class TFDecoders:
         except wire.PeerError as e:
             return ("skip" if e.skip else "error", e.rank, e.reason)
         except (ValueError, tf.errors.InvalidArgumentError) as e:
-            return self.tfx.outcome_of_error(e)
+            return tf_outcome_of_error(e)
         return ("ok", tuple(np.asarray(o).tobytes() for o in outs))
 
 
@@ -295,9 +305,8 @@ def tf_decoders():
     import tensorflow  # noqa: F401
     from horovod_sbc.tensorflow import backend as tfb
     from horovod_sbc.tensorflow.backend import host
-    from horovod_sbc.tensorflow.sync import exchange as tfx
     for mod, names in [(tfb, ("decode_gathered", "backend_for", "OpsBackend", "KernelBackend")),
-                       (host, ("original_error", "parse_host")), (tfx, ("outcome_of_error",))]:
+                       (host, ("original_error", "parse_host"))]:
         missing = [n for n in names if not hasattr(mod, n)]
         assert not missing, f"the TensorFlow backend lacks {mod.__name__}: {missing}"
     return TFDecoders()
@@ -596,11 +605,11 @@ def test_peer_reasons_with_nul_bytes_reach_every_decoder(tf_decoders):
 
 
 def test_sign_mode_scale_is_order_independent_across_implementations():
-    from horovod_sbc.torch import backend as tcodec
+    import torch_codec
     u = np.array([1, 2.0 ** -24, 2.0 ** -53, 2.0 ** -53, 0, 0, 0, 0], np.float64)
     msg = reference.compress_np(u, None, 1.0, mode="sign")[0]
     t = torch.from_numpy(u.copy())
-    assert tcodec.compress_(t, 1.0, "sign")[0].numpy().tobytes() == msg
+    assert torch_codec.compress_(t, 1.0, "sign")[0].numpy().tobytes() == msg
 
 
 # ----------------------------------------------------------------------------------------------

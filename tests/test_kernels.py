@@ -347,7 +347,7 @@ def _big_step(seed, n_ranks, layout, density):
     steps = []
     for r in range(n_ranks):
         g = torch.Generator().manual_seed(seed + r)
-        msgs = [tb.compress_(torch.randn(int(np.prod(s)), generator=g), density, "sbc", n)[0]
+        msgs = [torch_codec.compress_(torch.randn(int(np.prod(s)), generator=g), density, "sbc", n)[0]
                 for n, s in layout]
         steps.append(frame.frame(msgs, fp, torch.device("cpu")))
     return torch.cat(steps)
@@ -434,7 +434,7 @@ def test_rejected_step_leaves_outputs_untouched():
     steps = []
     for r in range(2):
         g = torch.Generator().manual_seed(r)
-        msg = tb.compress_(torch.randn(50_000, generator=g), 0.01, "sbc", "a")[0]
+        msg = torch_codec.compress_(torch.randn(50_000, generator=g), 0.01, "sbc", "a")[0]
         if r == 1:
             raw = bytearray(msg.numpy().tobytes())
             hdr = wire.parse_tensor_header(bytes(raw), 0, 50_000)
@@ -539,7 +539,7 @@ def test_momentum_masking_at_decoded_positions_matches_masked_fill():
                 x = np.zeros(n, np.float32)
                 x[::50] = 1.0 if rank == 0 else -1.0
             mode = "values" if name == "b" else "sbc"
-            m, _ = tb.compress_(torch.from_numpy(x), 0.02, mode, name)
+            m, _ = torch_codec.compress_(torch.from_numpy(x), 0.02, mode, name)
             msgs.append(m)
         steps.append(frame.frame(msgs, fp, torch.device("cpu")))
     gathered = torch.cat(steps)
@@ -671,7 +671,7 @@ def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
             wire.layout_fingerprint(layout), torch.device("cpu"))
         ref = torch.randn(size, generator=g) * 3
         w = ref + torch.randn(size, generator=g)  # large moves: W - W_ref often not exact
-        comp = SBC(density=1.0, binarize=False)
+        comp = SBC(density=1.0, mode="values")
         comp.transport = _TwoRanks(other)
         assert synchronize(comp.state, [Update("w", w, (size,), base=ref, in_weights=True)],
                            out=[ref])
@@ -680,7 +680,7 @@ def test_residual_in_the_weights_fully_sent_lands_on_the_shared_weights():
     ref0 = torch.randn(n, generator=g) * 3
     w0, ref = ref0 + torch.randn(n, generator=g), ref0.clone()
     w = w0.clone()
-    comp = SBC(density=0.1, binarize=False)
+    comp = SBC(density=0.1, mode="values")
     comp.transport = _TwoRanks(frame.frame(
         [torch_codec.encode(torch.randn(n, generator=g), 0.1, "values")[0]],
         wire.layout_fingerprint(layout), torch.device("cpu")))

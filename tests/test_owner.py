@@ -198,3 +198,28 @@ def test_stock_hook_warns_once_for_sgd_momentum_it_does_not_fold(make, momentum,
         return
     assert len(msgs) == 1 and expect in msgs[0], msgs
     assert "SBC(momentum='fold') (the default)" in msgs[0], msgs[0]
+
+
+def test_knobs_that_do_not_apply_raise_where_they_are_passed():
+    """One way to say each thing: the drop-in refuses the stock hook's knobs instead of
+    ignoring them; top-k is TopK() or mode="values"; the drop-in takes an SBC, no shorthands."""
+    import horovod_sbc.torch as sbc
+    model = torch.nn.Linear(3, 2)
+
+    def dropin(comp, opt=None):
+        return sbc.DistributedOptimizer(opt or torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model.named_parameters(), compression=comp)
+    with pytest.raises(ValueError, match=r"SBC\(momentum='mask'\) applies to the gradient "
+                                         r"exchange .* here SGD's steps exchange weight"):
+        dropin(sbc.SBC(0.1, momentum="mask"))
+    with pytest.raises(ValueError, match="give named_parameters to horovod_sbc.torch"):
+        dropin(sbc.SBC(0.1, named_parameters=model.named_parameters()))
+    with pytest.raises(TypeError, match="delay"):
+        sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 model.named_parameters(), delay=4)
+    with pytest.raises(TypeError, match="binarize"):
+        sbc.SBC(0.1, binarize=False)
+    # TopK's own momentum default is not the user's choice: the drop-in takes it
+    assert sbc.TopK(0.1).momentum == "keep" and dropin(sbc.TopK(0.1)) is not None
+    assert sbc.TopK(0.1, momentum="fold").momentum == "fold"
+    assert dropin(sbc.SBC(0.1, mode="values")).compression.mode == "values"

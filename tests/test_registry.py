@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import stc_compressor
+import torch_codec
 from horovod_sbc import kernels, reference, registry, wire
 from horovod_sbc.config import SBCConfig
 from horovod_sbc.torch import backend as tcodec
-from test_differential import _mutate_bytes, _step, decode_numpy, decode_torch
+from test_differential import TFDecoders, _mutate_bytes, _step, decode_numpy, decode_torch
 
 BUILTIN = ("sbc", "values", "sign", "terngrad")
 
@@ -73,7 +74,7 @@ def test_stc_torch_writes_the_golden_bytes(kernels_on):
     for name, u, density, msg, res in _golden():
         a = torch.from_numpy(u.copy())
         with kernels.disabled() if not kernels_on else contextlib.nullcontext():
-            got, count = tcodec.compress_(a, density, "stc", name)
+            got, count = torch_codec.compress_(a, density, "stc", name)
         assert got.numpy().tobytes() == msg, name
         assert a.numpy().tobytes() == res.tobytes(), name
 
@@ -104,13 +105,9 @@ def test_stc_nonfinite_update_is_refused_by_every_encoder():
 
 def test_stc_steps_decode_the_same_in_every_decoder():
     """Valid and mutated step messages of STC tensors through numpy, torch (kernels on and
-    off) and TF (eager, tf.function): identical verdicts and bits."""
-    tf_dec = None
-    try:
-        from test_differential import TFDecoders
-        tf_dec = TFDecoders()
-    except ImportError:  # TensorFlow is optional for this check
-        pass
+    off) and TF (eager, tf.function): identical verdicts and bits. TensorFlow is installed
+    here: without it this test fails (ImportError), it does not pass on torch alone."""
+    tf_dec = TFDecoders()
     layout = [("w", (40, 30)), ("b", (7,))]
     seen = set()
     for seed in range(40):
@@ -134,9 +131,8 @@ def test_stc_steps_decode_the_same_in_every_decoder():
         got = {"torch": decode_torch(layout, n_ranks, data, scale)}
         with kernels.disabled():
             got["torch (tensor ops)"] = decode_torch(layout, n_ranks, data, scale)
-        if tf_dec is not None:
-            got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, False)
-            got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, True)
+        got["tf eager"] = tf_dec.run(layout, n_ranks, data, scale, False)
+        got["tf.function"] = tf_dec.run(layout, n_ranks, data, scale, True)
         for who, out in got.items():
             assert out == ref, (seed, who, str(out)[:200], str(ref)[:200])
     assert {"ok", "invalid"} <= seen, seen

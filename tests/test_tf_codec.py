@@ -19,11 +19,11 @@ from horovod_sbc import protocol, reference, registry, kernels, wire  # noqa: E4
 from horovod_sbc.tensorflow import backend as tfb  # noqa: E402
 from horovod_sbc.tensorflow.backend import accumulate, codec, host  # noqa: E402
 from horovod_sbc.tensorflow.backend import frame as tfframe  # noqa: E402
-from horovod_sbc.tensorflow.sync import exchange as tfx  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "golden"))
 import make_golden  # noqa: E402
+from test_differential import tf_outcome_of_error  # noqa: E402
 
 GOLDEN = json.load(open(os.path.join(HERE, "golden", "vectors.json")))
 NP_DT = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
@@ -231,7 +231,7 @@ def test_decoder_matches_numpy_and_rejects_like_it():
         reference.decode_step_np(bytes(bad), layout, 3)
     with pytest.raises(tf.errors.InvalidArgumentError) as tf_err:
         fn(tf.constant(np.frombuffer(bytes(bad), np.uint8)))
-    assert tfx.outcome_of_error(tf_err.value) == ("invalid", str(np_err.value))
+    assert tf_outcome_of_error(tf_err.value) == ("invalid", str(np_err.value))
     with pytest.raises(ValueError, match=str(np_err.value)[:30]):
         tfb.decode_gathered(tf.constant(np.frombuffer(bytes(bad), np.uint8)), layout, 3)
 
@@ -462,7 +462,7 @@ def test_a_peer_reason_with_nul_bytes_keeps_its_verdict(graph):
                 if strict:
                     assert type(e) is wire.PeerError, (b, reason, err.value)
                     assert (e.rank, e.reason, e.skip) == (1, reason, skip)
-                    assert tfx.outcome_of_error(err.value) == want
+                    assert tf_outcome_of_error(err.value) == want
                 else:
                     assert type(e) is ValueError, (b, reason, err.value)
                     assert str(e) == f"SBC: {np_err.value}"

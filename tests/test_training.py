@@ -33,7 +33,7 @@ CONFIGS = {  # every test's configurations, run in one 2-rank job (one start-up)
         # SGD's default keeps the residual beside the weights (momentum folded); the other way
         dict(SGD, api="dropin", density=0.01, delay=4, local_residual=True)],
     # (stock TopK(0.01) with this SGD recipe is not in the list: it spikes to ~1.6x the first
-    # loss around step 24 and then trains; see the README's stock-path notes)
+    # loss around step 24 and then trains)
     "stock": [dict(opt, api="stock", density=p, delay=1)
               for opt in (SGD, ADAM) for p in (0.01, 0.001)] + [
         dict(SGD, api="stock", density=0.01, delay=1, nesterov=True, weight_decay=5e-4)],

@@ -1,5 +1,6 @@
 """The torch backends as the tests call them (:mod:`horovod_sbc.torch.backend`): a gathered step
-decoded into new outputs, one flat tensor encoded, by the backend a device gets or a given one."""
+decoded into new outputs, one flat tensor encoded (or encoded and committed), by the backend a
+device gets or a given one."""
 from typing import Optional
 
 import torch
@@ -30,6 +31,15 @@ def encode(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
     b = backend if backend is not None else backend_for(src_dev)
     enc = b.encode_tensor(a, density, mode, name, selection, **kw)
     return enc.message, enc.positions, enc.sent
+
+
+def compress_(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
+              selection: str = "paper"):
+    """Encode the flat update ``a`` and commit at once (``a`` becomes the new residual):
+    (message, positions sent)."""
+    enc = backend_for(a.device).encode_tensor(a, density, mode, name, selection)
+    enc.commit()
+    return enc.message, enc.positions.numel()
 
 
 def decode_into(gathered, layout, n_ranks: int, targets: Targets, scale: float = 1.0,

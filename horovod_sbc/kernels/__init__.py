@@ -284,18 +284,3 @@ def disabled():
         yield
     finally:
         _disabled -= 1
-
-
-class Int64s:
-    """A small ctypes int64 array (counts, statistics) with a list view."""
-
-    def __init__(self, n: int):
-        self.buf = (ctypes.c_int64 * n)()
-
-    @property
-    def ptr(self):
-        return ctypes.addressof(self.buf)
-
-    def list(self):
-        return list(self.buf)
-

@@ -42,7 +42,6 @@ class SBCCallback(keras.callbacks.Callback):
     Args:
         compression: the :class:`SBC` holding knobs and state (default ``SBC()``); put it in your
             ``tf.train.Checkpoint`` next to the model and optimizer to resume exactly.
-        density, delay: shorthands for ``SBC(density=..., delay=...)``.
         broadcast: at the start of the first ``fit`` (while the SBC state is not built yet),
             broadcast ``model.variables`` from ``root_rank`` so all ranks start equal.
         root_rank: the rank whose initial weights everyone starts from.
@@ -53,12 +52,10 @@ class SBCCallback(keras.callbacks.Callback):
     ``callback.stats()`` gives the traffic figures (see :meth:`SBC.stats`).
     """
 
-    def __init__(self, compression: Optional[SBC] = None, *, density: Optional[float] = None,
-                 delay: Optional[int] = None, broadcast: bool = True, root_rank: int = 0,
-                 sync_on_end: bool = True):
+    def __init__(self, compression: Optional[SBC] = None, *, broadcast: bool = True,
+                 root_rank: int = 0, sync_on_end: bool = True):
         super().__init__()
-        compression = resolve_compression(SBC, compression, density, delay,
-                                          "horovod_sbc.tensorflow.SBC")
+        compression = resolve_compression(SBC, compression, "horovod_sbc.tensorflow.SBC")
         self.sbc = compression
         self.broadcast = broadcast
         self.root_rank = root_rank

@@ -112,7 +112,7 @@ class SBC(tf.Module):
             :class:`horovod_sbc.config.SBCConfig` (the allgather then has one shape every step;
             ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
             here (Horovod's allgather takes any sizes).
-        binarize: ``False`` is ``mode="values"`` (top-k). The server topology, the hierarchy
+        The server topology, the hierarchy
             and DGC's momentum masking are torch-only (the momentum fold is here: ``optimizer``
             for the stock tape, ``local_residual`` for weight mode).
         local_residual: weight mode only (:meth:`step`: the drop-in tape,
@@ -143,10 +143,10 @@ class SBC(tf.Module):
         name: the ``tf.Module`` name.
     """
 
-    def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
+    def __init__(self, density: float = 0.01, delay: int = 1,
                  nonfinite: str = "raise", selection: str = "paper",
                  name: str = "sbc", local_residual: Optional[bool] = None,
-                 mode: Optional[str] = None,
+                 mode: str = "sbc",
                  seed: int = 0, fixed_size: Optional[bool] = None,
                  outer: Optional[Plain] = None, optimizer=None):
         super().__init__(name=name)
@@ -156,10 +156,6 @@ class SBC(tf.Module):
         self._local_residual = local_residual  # None: chosen at the first weight-mode call
         self._fold: Optional[Fold] = None
         self._settled = False
-        if mode is None:
-            mode = "sbc" if binarize else "values"
-        elif not binarize and mode == "sbc":
-            raise ValueError("binarize=False contradicts mode='sbc'; give one of them")
         # the same validated knobs as the torch adapter's (horovod_sbc.config)
         self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                                 nonfinite=nonfinite, seed=seed, fixed_size=fixed_size)

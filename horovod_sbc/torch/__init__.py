@@ -18,7 +18,7 @@
 """
 try:
     import torch  # noqa: F401
-except ImportError as e:  # pragma: no cover - exercised by tests/test_imports.py in a subprocess
+except ImportError as e:  # pragma: no cover - exercised by tests/test_package.py in a subprocess
     raise ImportError("horovod_sbc.torch needs PyTorch: pip install 'horovod_sbc[torch]' "
                       "(and Horovod built with HOROVOD_WITH_PYTORCH=1; see scripts/install.sh)") from e
 

@@ -48,8 +48,8 @@ class SBC(StockHook):
             with ``local_residual=True`` resets the non-finite weights to the shared weights,
             the stock hook (whose gradient the selection's pass zeroes) resets those residual
             entries to 0.
-        binarize: ``False`` is ``mode="values"`` (top-k); the presets :func:`TopK`,
-            :func:`FedAvg`, :func:`SignSGD`, :func:`TernGrad` set ``mode`` for you.
+        mode: the compressor (``SBCConfig.mode``); the presets :func:`TopK`, :func:`FedAvg`,
+            :func:`SignSGD`, :func:`TernGrad` set it for you.
         named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
             ``compress()``; these names are looked up first, then the name Horovod's optimizer
             that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).
@@ -82,16 +82,12 @@ class SBC(StockHook):
     :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` (``torch.distributed``).
     """
 
-    def __init__(self, density: float = 0.01, delay: int = 1, binarize: bool = True,
+    def __init__(self, density: float = 0.01, delay: int = 1,
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
                  downlink_density: Optional[float] = None, downlink_binarize: bool = False,
-                 selection: str = "paper", mode: Optional[str] = None, seed: int = 0,
-                 momentum: str = "fold", hierarchy=None,
+                 selection: str = "paper", mode: str = "sbc", seed: int = 0,
+                 momentum: Optional[str] = None, hierarchy=None,
                  fixed_size: Optional[bool] = None):
-        if mode is None:
-            mode = "sbc" if binarize else "values"
-        elif not binarize and mode == "sbc":
-            raise ValueError("binarize=False contradicts mode='sbc'; give one of them")
         config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                            nonfinite=nonfinite, topology=topology,
                            downlink_density=downlink_density,
@@ -183,9 +179,11 @@ def TopK(density: float = 0.01, delay: int = 1, nonfinite: str = "raise",
     "Downlink Compression Improves TopK Sparsification", Zou, De Sterck, Liu; arXiv
     2209.15203). ``momentum`` is ``"keep"`` by default here: top-k sends exact values, and
     the stock hook's measurements of it were made with the optimizer's own momentum."""
-    kw.setdefault("momentum", "keep")
-    return SBC(density=density, delay=delay, mode="values", nonfinite=nonfinite,
+    comp = SBC(density=density, delay=delay, mode="values", nonfinite=nonfinite,
                named_parameters=named_parameters, **kw)
+    if kw.get("momentum") is None:
+        comp.momentum = "keep"  # its default, not the user's choice
+    return comp
 
 
 def FedAvg(delay: int = 4, nonfinite: str = "raise", named_parameters=None) -> SBC:

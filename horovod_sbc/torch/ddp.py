@@ -60,14 +60,8 @@ class Granularity(str, enum.Enum):
     BUCKET = "bucket"
 
 
-def _copy_into(dst, src):
-    if dst is not None and dst.shape == src.shape:
-        return dst.copy_(src)
-    return src.detach().clone()
-
-
 def _make_compression(compression, density, what: str) -> SBC:
-    comp = resolve_compression(SBC, compression, density, None, "horovod_sbc.torch.SBC")
+    comp = resolve_compression(SBC, compression, "horovod_sbc.torch.SBC", density)
     if comp.hierarchy is not None:
         raise ValueError(f"{what}: SBC(hierarchy={comp.hierarchy!r}) needs the drop-in "
                          "horovod_sbc.torch.DistributedOptimizer (Horovod process sets)")

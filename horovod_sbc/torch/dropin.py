@@ -12,8 +12,7 @@ from .optimizer import dropin_class
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
-                         compression: Optional[SBC] = None, delay: Optional[int] = None,
-                         density: Optional[float] = None,
+                         compression: Optional[SBC] = None,
                          local_residual: Optional[bool] = None,
                          outer=None, freeze_variance_after="auto"):
     """Wrap ``optimizer`` for SBC training with communication delay (the full feature set).
@@ -26,8 +25,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             steps between syncs; ``SBC(hierarchy=...)`` exchanges densely inside each node
             and compresses between nodes (:mod:`horovod_sbc.torch.hierarchy`; built on every
             rank, it checks the grouping and adds Horovod's process sets here).
-        delay, density: shorthands that build ``SBC(density=..., delay=...)`` when
-            ``compression`` is not given.
         local_residual: ``None`` (default): ``False`` for ``torch.optim.SGD`` (plain or with
             momentum) at ``delay=1``, ``True`` otherwise (the module docstring says why).
             ``True``: after a sync every rank continues from the shared weights plus its own
@@ -73,7 +70,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     residual (see :meth:`load_state_dict`): the ranks agree on ``W_ref`` and the outer state,
     only the other ranks' unsent updates are lost.
     """
-    compression = resolve_compression(SBC, compression, density, delay, "horovod_sbc.torch.SBC")
+    compression = resolve_compression(SBC, compression, "horovod_sbc.torch.SBC")
     cls = dropin_class(optimizer.__class__)
     return cls(optimizer.param_groups, named_parameters, compression, local_residual, outer,
                freeze_variance_after)

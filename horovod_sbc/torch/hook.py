@@ -55,8 +55,10 @@ class StockHook:
 
     state: SyncState
 
-    def __init__(self, named_parameters=None, momentum: str = "fold"):
+    def __init__(self, named_parameters=None, momentum: Optional[str] = None):
         self._named = list(named_parameters) if named_parameters is not None else None
+        self._momentum_given = momentum is not None  # a drop-in refuses it (does not apply)
+        momentum = "fold" if momentum is None else momentum
         self._calls: Dict[str, int] = {}  # compress() calls per tensor: a new step starts when
         self._max_calls = 0               # some tensor is compressed once more than before
         self.momentum = check_choice(momentum)

@@ -62,6 +62,7 @@ class _SBCOptimizer:
         """Everything of the drop-in but the user's optimizer (which ``self`` already is)."""
         self._sbc_freeze = check_freeze(freeze_variance_after, self)
         self._sbc_pending_load = None
+        _refuse_stock_knobs(compression, api, type(self).__name__)
         if local_residual is not None and not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be None, True or False, got "
                              f"{local_residual!r}")
@@ -445,6 +446,20 @@ def _shared_part(st, rank: int):
     st = dict(st, residuals={}, server_residuals={}, config=dict(st["config"], rank=rank))
     st.pop("generator", None)
     return st
+
+
+def _refuse_stock_knobs(compression, api: str, optimizer: str) -> None:
+    """Knobs of the stock gradient exchange that do not apply here raise instead of being
+    ignored."""
+    if getattr(compression, "_momentum_given", False):
+        raise ValueError(
+            f"SBC(momentum={compression.momentum!r}) applies to the gradient exchange (stock "
+            f"hvd.DistributedOptimizer with torch SGD at delay 1); here {optimizer}'s steps "
+            "exchange weight changes (horovod_sbc.policy), where SGD's momentum is folded by "
+            "local_residual=False: leave momentum= out")
+    if api == "dropin" and getattr(compression, "_named", None) is not None:
+        raise ValueError("SBC(named_parameters=...) is for stock hvd.DistributedOptimizer; "
+                         "give named_parameters to horovod_sbc.torch.DistributedOptimizer")
 
 
 def dropin_class(cls: type) -> type:

@@ -237,7 +237,7 @@ def run_fold():
                                     ("kept", False, "parameter")):
         model = DDP(net(), bucket_cap_mb=0.01)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-        state = SBCState(model, SBC(density=1.0, binarize=False), granularity=granularity,
+        state = SBCState(model, SBC(density=1.0, mode="values"), granularity=granularity,
                          optimizer=opt if give else None)
         model.register_comm_hook(state, sbc_hook)
         steps = []

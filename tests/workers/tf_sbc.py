@@ -152,15 +152,15 @@ def use_aux_at(api, s):
     return api == "dropin" and (s + RANK) % 3 == 0
 
 
-def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, binarize=True, lr=0.05,
-            aux=None, mode=None, fixed_size=False, groups=None):
+def run_one(api, fn, delay, steps, density=0.05, momentum=0.9, lr=0.05,
+            aux=None, mode="sbc", fixed_size=False, groups=None):
     t0 = time.perf_counter()
     rec_reset()
     parses0 = PARSES[0]
     aux = api == "dropin" if aux is None else aux
     model = make_model(aux=aux)
     opt = keras.optimizers.SGD(lr, momentum=momentum)
-    sbc = SBC(density=density, delay=delay, binarize=binarize, mode=mode,
+    sbc = SBC(density=density, delay=delay, mode=mode,
               fixed_size=fixed_size) if api != "dense" else None
     hsbc.broadcast_variables(model.variables, root_rank=0)
     step = make_step(model, opt, api, sbc, fn, delay, groups)
@@ -198,7 +198,7 @@ def run_train():
         _, out["fixed:" + spec] = run_one(api, mode == "fn", int(delay), steps, fixed_size=True)
     if "equiv" in KW:  # density 1, no binarization: the same as dense averaging
         m1, _ = run_one("dense", True, 1, 4, momentum=0.0, aux=False)
-        m2, r2 = run_one("dropin", True, 1, 4, density=1.0, binarize=False, momentum=0.0,
+        m2, r2 = run_one("dropin", True, 1, 4, density=1.0, mode="values", momentum=0.0,
                          aux=False)
         worst = max(float(np.max(np.abs(a.numpy() - b.numpy())))
                     for a, b in zip(m1.trainable_variables, m2.trainable_variables))
@@ -344,7 +344,7 @@ def run_errors():
     kmodel.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSS, jit_compile=False)
     x, y = nan_batch(0, RANK == last)
     out["nan_keras"] = catch(lambda: kmodel.fit(x, y, batch_size=16, epochs=1, verbose=0,
-                                                callbacks=[hsbc.SBCCallback(density=0.1)]))
+                                                callbacks=[hsbc.SBCCallback(hsbc.SBC(0.1))]))
 
     # nonfinite="skip": the sync is skipped everywhere, training continues, ranks stay identical
     model = make_model(aux=False)

@@ -23,7 +23,7 @@ hvd.init()
 torch.set_num_threads(1)
 RANK = hvd.rank()
 SENT = {"bytes": 0, "sizes": {}}
-_ag, _aga = transport.allgather, transport.allgather_async
+_ag = transport.allgather
 
 
 def _record(step, name):
@@ -36,12 +36,7 @@ def _rec_allgather(step, name):
     return _ag(step, name)
 
 
-def _rec_allgather_async(step, name):
-    _record(step, name)
-    return _aga(step, name)
-
-
-transport.allgather, transport.allgather_async = _rec_allgather, _rec_allgather_async
+transport.allgather = _rec_allgather
 
 
 def digest(model):

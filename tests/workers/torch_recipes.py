@@ -125,14 +125,14 @@ def run_stock_options():
     without binarization and one with Horovod's dense allreduce, to compare the updates."""
     out = {}
     for option in OPTIONS:
-        out[option] = run_stock_option(option, steps=30, density=0.1, binarize=True, dense=False)
+        out[option] = run_stock_option(option, steps=30, density=0.1, mode="sbc", dense=False)
     for option in ("op_sum", "groups", "predivide"):
-        out[option + "_exact"] = run_stock_option(option, 1, 1.0, False, False)
-        out[option + "_dense"] = run_stock_option(option, 1, 1.0, False, True)
+        out[option + "_exact"] = run_stock_option(option, 1, 1.0, "values", False)
+        out[option + "_dense"] = run_stock_option(option, 1, 1.0, "values", True)
     return out
 
 
-def run_stock_option(option, steps, density, binarize, dense):
+def run_stock_option(option, steps, density, mode, dense):
     torch.manual_seed(0)
     model = EmbNet() if option == "sparse_as_dense" else mlp()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -147,7 +147,7 @@ def run_stock_option(option, steps, density, binarize, dense):
         kw["op"] = hvd.Sum
     elif option == "groups":
         kw["groups"] = 2
-    comp = hvd.Compression.none if dense else sbc.SBC(density=density, binarize=binarize)
+    comp = hvd.Compression.none if dense else sbc.SBC(density=density, mode=mode)
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                    compression=comp, **kw)

@@ -4,7 +4,7 @@ job, see tests/workers/common.py); writes OUT/rank<R>.json.
 Modes:
   train        train a small model for `steps` steps through api=stock|dropin, record the sha256
                of all parameters after every step, stats and the bytes actually gathered.
-  dense_equiv  density 1.0, binarize=False through api=stock|dropin beside a stock dense run.
+  dense_equiv  density 1.0, mode="values" through api=stock|dropin beside a stock dense run.
   save / load  checkpoint mid-delay on every rank, then continue 20 steps (save: uninterrupted;
                load: in a new process from the checkpoint) and record digests.
   errors       bad configurations and a NaN on one rank; record each rank's error message.
@@ -29,8 +29,7 @@ RANK, SIZE = hvd.rank(), hvd.size()
 
 # Record every step message this rank sends and every gathered buffer it receives.
 GATHERED = {"sent": 0, "received": 0}
-_ag, _aga, _sync = transport.allgather, transport.allgather_async, transport.synchronize
-_sizes = {}
+_ag = transport.allgather
 
 
 def _rec_allgather(step, name):
@@ -40,21 +39,7 @@ def _rec_allgather(step, name):
     return out
 
 
-def _rec_allgather_async(step, name):
-    h = _aga(step, name)
-    _sizes[h] = step.numel()
-    return h
-
-
-def _rec_sync(h):
-    out = _sync(h)
-    GATHERED["sent"] += _sizes[h]
-    GATHERED["received"] += out.numel() - _sizes[h]
-    return out
-
-
-transport.allgather, transport.allgather_async, transport.synchronize = \
-    _rec_allgather, _rec_allgather_async, _rec_sync
+transport.allgather = _rec_allgather
 
 
 class Net(torch.nn.Module):
@@ -99,7 +84,7 @@ def digest(model):
 LOCAL_RESIDUAL = False
 
 
-def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
+def build(api, density, delay, momentum=0.9, mode="sbc", lr=0.05, comp=None):
     torch.manual_seed(0)
     model = Net()
     # ranks start from different weights: the broadcast must make them equal
@@ -109,7 +94,7 @@ def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
                            momentum=momentum)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if api == "stock":
-        comp = comp or sbc.SBC(density=density, binarize=binarize)
+        comp = comp or sbc.SBC(density=density, mode=mode)
         opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=comp)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -123,7 +108,7 @@ def build(api, density, delay, momentum=0.9, binarize=True, lr=0.05, comp=None):
         stats = None
     else:
         opt = sbc.DistributedOptimizer(base, named, compression=comp or sbc.SBC(
-            density=density, delay=delay, binarize=binarize), local_residual=LOCAL_RESIDUAL)
+            density=density, delay=delay, mode=mode), local_residual=LOCAL_RESIDUAL)
         sbc.broadcast_state(model, opt, root_rank=0)
         opt.zero_grad()
         stats = opt.stats
@@ -172,7 +157,7 @@ def run_dense_equiv():
     api = KW.get("api", "dropin")
     steps = 6
     ref, ref_opt, _ = build("dense", 1.0, 1, momentum=0.0)
-    m, opt, _ = build(api, 1.0, 1, momentum=0.0, binarize=False)
+    m, opt, _ = build(api, 1.0, 1, momentum=0.0, mode="values")
     worst = 0.0
     for s in range(steps):
         for mm, oo in ((ref, ref_opt), (m, opt)):

@@ -36,9 +36,10 @@ from typing import Optional, Sequence, Tuple
 import tensorflow as tf
 
 from ... import wire
-from ..backend import Backend, codec, frame, host
+from ..backend import Backend, codec, frame
 # what a decode tells the caller to do with the residuals
 from ..backend.host import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
+
 
 def tf_name(name: str) -> str:
     """A string usable as a TensorFlow op / Horovod tensor name."""
@@ -73,15 +74,6 @@ def allgather(step: tf.Tensor, tag: str) -> tf.Tensor:
 def residual_dtype(dtype: tf.DType) -> tf.DType:
     """fp16/bf16/fp32 updates accumulate in fp32 (small updates would vanish in 16 bits)."""
     return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-def outcome_of_error(e: BaseException):
-    """Normalise a decoder error to ``("error"|"skip", rank, reason)`` or ``("invalid", text)``
-    (TensorFlow wraps host-step exceptions inside ``tf.function``)."""
-    e = host.original_error(e)
-    if isinstance(e, wire.PeerError):
-        return ("skip" if e.skip else "error", e.rank, e.reason)
-    return ("invalid", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
 
 
 @tf.autograph.experimental.do_not_convert

@@ -26,7 +26,7 @@ from .ops import OpsBackend
 from .select import select_topk, tree_sum
 from .streams import empty_positions, encode_positions
 
-__all__ = ["Backend", "OpsBackend", "KernelBackend", "backend_for", "compress_",
+__all__ = ["Backend", "OpsBackend", "KernelBackend", "backend_for",
            "InPlace", "Accumulate", "Difference", "Encoded", "Targets", "DecodeJob",
            "NonFiniteError", "PositionBuffer", "reset_nonfinite_", "restore_", "scratch",
            "select_topk", "tree_sum", "empty_positions", "encode_positions"]
@@ -41,12 +41,3 @@ def backend_for(device) -> Backend:
     if torch.device(device).type == "cpu" and kernels.lib() is not None:
         return _KERNELS
     return _OPS
-
-
-def compress_(a: torch.Tensor, density: float, mode="sbc", name: str = "tensor",
-              selection: str = "paper"):
-    """Encode the flat update ``a`` and commit at once (single-process use): returns (message,
-    positions sent)."""
-    enc = backend_for(a.device).encode_tensor(a, density, mode, name, selection)
-    enc.commit()
-    return enc.message, enc.positions.numel()

@@ -15,17 +15,6 @@ from ... import wire
 from .select import gaps, rice_candidates
 from . import transfer
 
-_U8_SHIFTS = {}
-
-
-def _shifts(b: int, device) -> torch.Tensor:
-    """[b-1, ..., 1, 0] as uint8 (bit shifts, most significant bit first), cached per device."""
-    key = (b, str(device))
-    t = _U8_SHIFTS.get(key)
-    if t is None:
-        t = _U8_SHIFTS[key] = torch.arange(b - 1, -1, -1, dtype=torch.uint8, device=device)
-    return t
-
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """0/1 (bool or uint8) vector -> bytes, MSB first, zero-padded (numpy.packbits order);
@@ -40,11 +29,6 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     for j in range(1, 8):
         out |= m[:, j] << (7 - j)
     return out
-
-
-def _unpack_bits(data: torch.Tensor) -> torch.Tensor:
-    """bytes -> 0/1 uint8 bits, MSB first (numpy.unpackbits order)."""
-    return ((data[:, None] >> _shifts(8, data.device)) & 1).view(-1)
 
 
 def _scatter_bits(nbytes: int, bit_at: torch.Tensor, dev) -> torch.Tensor:

@@ -104,13 +104,3 @@ def allgather(step: torch.Tensor, name: str) -> torch.Tensor:
     """Blocking allgather of step messages (every rank's, concatenated in rank order)."""
     import horovod.torch as hvd
     return hvd.allgather(step, name=name)
-
-
-def allgather_async(step: torch.Tensor, name: str):
-    import horovod.torch as hvd
-    return hvd.allgather_async(step, name=name)
-
-
-def synchronize(handle) -> torch.Tensor:
-    import horovod.torch as hvd
-    return hvd.synchronize(handle)
