@@ -29,6 +29,7 @@ Two places fold:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -66,17 +67,149 @@ def steady_factor(group: dict, step: Optional[int] = None) -> float:
 _FOLDED_KEYS = ("lr", "momentum", "dampening", "nesterov")
 
 
+#: the fold's blow-up guard (:class:`FoldGuard`): a step whose gradient norm is more than
+#: ``GUARD_SPIKE`` times its running RMS is a blow-up ...
+GUARD_SPIKE = 4.0
+#: ... which multiplies the part of the fold above plain SGD (``F - 1``) by ``GUARD_BACKOFF``,
+GUARD_BACKOFF = 0.25
+#: ... and which grows back by ``1 / GUARD_RECOVER`` of itself per calm step (x2 in ~140 steps)
+GUARD_RECOVER = 200
+#: ... up to a ceiling that every blow-up multiplies by this: a run that blew up with the full
+#: fold does not get all of it back (it would blow up again, later)
+GUARD_CEILING = 0.5
+#: steps that only feed the running RMS (no verdict before)
+GUARD_WARMUP = 20
+#: the running RMS's weight of the newest squared norm
+GUARD_EMA = 0.05
+
+
+class FoldGuard:
+    """Detects a blow-up of a folded run and backs the fold off (one per optimizer).
+
+    Folding replaces the heavy ball's velocity, a low-pass filter of the gradient (gain
+    ``1 / (1 - m)`` for a steady gradient, ``1 / (1 + m)`` for one that flips sign every step),
+    by its steady gain at every frequency: a direction of curvature ``h`` oscillates, and
+    diverges, once ``lr / (1 - m) * h > 2``, where the heavy ball holds up to
+    ``lr * h < 2 * (1 + m)``: (1 + m) / (1 - m) = 19 times more curvature at m = 0.9.
+    Such an oscillation shows in the gradient norm: a step whose squared gradient norm is
+    above ``GUARD_SPIKE ** 2`` times its running mean multiplies :attr:`scale` (the part of
+    the folded factor above 1, i.e. above the heavy ball's first step ``lr * g``) by
+    ``GUARD_BACKOFF``; every calm step lets it grow back (``GUARD_RECOVER``), up to a ceiling
+    that every blow-up halves (``GUARD_CEILING``): the fold is kept where it proved stable.
+    The spike's own step already takes the reduced factor."""
+
+    def __init__(self):
+        self.mean_sq = 0.0   # running mean of the squared gradient norm (bias-corrected below)
+        self.weight = 0.0    # sum of the running mean's weights (bias correction)
+        self.seen = 0
+        self.scale = 1.0
+        self.ceiling = 1.0
+        self.backoffs = 0
+        self.pending = None  # on a device: last step's squared norm, on its way to the host
+
+    def observe(self, sq: float) -> bool:
+        """Feed this step's squared gradient norm; True if it is a blow-up (scale cut)."""
+        if sq != sq or sq == float("inf"):
+            spike = True
+        else:
+            ref = self.mean_sq / self.weight if self.weight else 0.0
+            spike = self.seen >= GUARD_WARMUP and sq > GUARD_SPIKE ** 2 * ref
+            if self.weight:  # a spike enters the running mean clipped
+                sq = min(sq, GUARD_SPIKE ** 2 * ref)
+            self.mean_sq = (1.0 - GUARD_EMA) * self.mean_sq + GUARD_EMA * sq
+            self.weight = (1.0 - GUARD_EMA) * self.weight + GUARD_EMA
+        self.seen += 1
+        if spike:
+            self.scale *= GUARD_BACKOFF
+            self.ceiling *= GUARD_CEILING
+            self.backoffs += 1
+        else:
+            self.scale = min(self.ceiling, self.scale * (1.0 + 1.0 / GUARD_RECOVER))
+        return spike
+
+    def factor(self, steady: float) -> float:
+        """The folded factor under the guard: ``1 + (steady - 1) * scale`` (never below the
+        heavy ball's first step, never above ``steady``)."""
+        return steady if steady <= 1.0 else 1.0 + (steady - 1.0) * self.scale
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "pending"}
+
+    def load_state_dict(self, st: dict) -> None:
+        for k in vars(self):
+            if k in st:
+                setattr(self, k, type(getattr(self, k))(st[k]))
+
+
+_GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def guard_of(optimizer) -> FoldGuard:
+    """The :class:`FoldGuard` of ``optimizer`` (created at its first folded step)."""
+    g = _GUARDS.get(optimizer)
+    if g is None:
+        g = _GUARDS[optimizer] = FoldGuard()
+    return g
+
+
+def _grad_sq_norm(groups, guard: "FoldGuard") -> Optional[float]:
+    """The squared norm of the folded gradients, for :meth:`FoldGuard.observe`. On the CPU this
+    step's; on a device the previous step's, copied to the host without waiting
+    (``non_blocking``) one step earlier, so the guard never stalls the device (None at the
+    first step)."""
+    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return 0.0
+    sq = torch.stack([n.double() for n in torch._foreach_norm(grads)]).square().sum()
+    if sq.device.type == "cpu":
+        return float(sq)
+    pending, guard.pending = guard.pending, sq.to("cpu", non_blocking=True)
+    return None if pending is None else float(pending)  # its copy is done by now
+
+
+def _drop_in_residuals(optimizer, groups):
+    """The stored residuals of the drop-in ``optimizer`` (weight space) of the parameters of
+    ``groups``: what the back-off rescales. Empty for any other optimizer."""
+    sbc = getattr(optimizer, "_sbc", None)
+    named = getattr(optimizer, "_sbc_params", None)
+    if sbc is None or named is None:
+        return []
+    res = sbc.manager.residuals
+    ids = {id(p) for g in groups for p in g["params"]}
+    return [res[n] for n, p in named if id(p) in ids and n in res]
+
+
 @contextlib.contextmanager
-def folded(optimizer, step: Optional[int] = None):
+def folded(optimizer, step: Optional[int] = None, guard: Optional[FoldGuard] = None,
+           residuals=None):
     """Within this context ``optimizer``'s SGD groups with momentum step as plain SGD at the
-    folded learning rate of ``step`` (:func:`steady_factor`); their settings (and any LR
-    scheduler's ``lr``) are restored after."""
+    folded learning rate of ``step`` (:func:`steady_factor`), backed off by the optimizer's
+    :class:`FoldGuard` (``guard``: another one; ``False``: none) when the gradient norm blows
+    up; their settings (and any LR scheduler's ``lr``) are restored after.
+
+    ``residuals``: the error-feedback residuals of these parameters that hold *folded steps*
+    (weight space: the drop-in's ``lr_eff * g`` not sent yet; None: found on the drop-in
+    optimizer itself). On a back-off they are rescaled by the new factor over the old one, so
+    the backlog is cut with the fold, as the stock hook's gradient-space residual is (its
+    factor applies when a coordinate is sent)."""
     groups = _sgd_groups(optimizer)
     saved = [{k: g.get(k) for k in _FOLDED_KEYS} for g in groups]
+    if guard is None and groups:
+        guard = guard_of(optimizer)
     try:
+        if guard and groups:  # one verdict per step, on all folded gradients (one host read)
+            steady = steady_factor(groups[0], step)
+            before = guard.factor(steady)
+            sq = _grad_sq_norm(groups, guard)
+            if sq is not None and guard.observe(sq):
+                cut = guard.factor(steady) / before
+                rs = _drop_in_residuals(optimizer, groups) if residuals is None \
+                    else list(residuals)
+                if rs and cut < 1.0:
+                    torch._foreach_mul_(rs, cut)
         for g in groups:
-            g.update(lr=g["lr"] * steady_factor(g, step), momentum=0.0, dampening=0.0,
-                     nesterov=False)
+            factor = guard.factor(steady_factor(g, step)) if guard else steady_factor(g, step)
+            g.update(lr=g["lr"] * factor, momentum=0.0, dampening=0.0, nesterov=False)
         yield
     finally:
         for g, s in zip(groups, saved):

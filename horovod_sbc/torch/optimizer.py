@@ -29,7 +29,7 @@ from .. import policy
 from ..config import OPTIMIZER_STATE_KEY
 from .adam import check_freeze, family, frozen_step
 from .hierarchy import Hierarchy
-from .momentum import folded
+from .momentum import folded, guard_of
 from .outer import check_kind, resolve_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
@@ -384,6 +384,7 @@ class _SBCOptimizer:
         st["outer"] = self._sbc_outer.state_dict()
         if self._sbc_freeze is not None:
             st["freeze"] = self._sbc_freeze.state_dict()
+        st["fold_guard"] = guard_of(self).state_dict()
         sd[OPTIMIZER_STATE_KEY] = st
         return sd
 
@@ -414,6 +415,8 @@ class _SBCOptimizer:
             self._sbc_outer.load_state_dict(st["outer"])
         if "freeze" in st and self._sbc_freeze is not None:
             self._sbc_freeze.load_state_dict(st["freeze"])
+        if "fold_guard" in st:
+            guard_of(self).load_state_dict(st["fold_guard"])
         self._sbc_local_steps = int(st.get("local_steps", 0))
         ref = self._sbc.manager.reference
         bufs = self._sbc_outer.buffers()
