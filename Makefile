@@ -30,6 +30,9 @@ bench: install
 	$(PY) -m benchmarks.quality --study adaptive --parts lm_docs,lm_iid,lm_iid8 --resume --json benchmarks/results/quality_adaptive.json
 	$(PY) -m benchmarks.quality --study fold --parts iid,skewed --resume --json benchmarks/results/quality_fold.json
 	$(PY) -m benchmarks.quality --study freeze --parts lm_docs,lm_iid --resume --json benchmarks/results/quality_freeze.json
+	$(PY) -m benchmarks.quality --study oneline --parts lm_docs,lm_iid --resume --json benchmarks/results/quality_oneline.json
+	$(PY) -m benchmarks.quality --study optimizers --parts opt_iid --resume --json benchmarks/results/quality_optimizers.json
+	$(PY) -m benchmarks.bench gpu --device cpu --json benchmarks/results/gpu_check_cpu.json
 
 fuzz: install
 	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} DIFF_TF_EVERY=10 \
