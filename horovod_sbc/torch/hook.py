@@ -194,8 +194,6 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
             torch.empty_like(c.grad, memory_format=torch.contiguous_format)  # channels_last
     masks = [momentum_buffer(c.owner, c.grad.numel()) if hook.momentum == "mask" else None
              for c in ctxs]
-    fold = hook._fold.plan([c.owner for c in ctxs], state.manager.counters["steps"] - 1) \
-        if hook.momentum == "fold" else None  # compress() has counted this step
     zeroed = all(src.consume for src in srcs) and not uplink.failed
     targets = Targets.replace([c.out.view(-1) for c in ctxs], zeroed=zeroed, masks=masks)
     scales = {1.0 if c.owner.op_sum else 1.0 / c.size for c in ctxs}
@@ -217,7 +215,12 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
             enc.commit()
         state.manager.add(positions_sent=uplink.positions_sent(),
                           elements_synced=sum(c.grad.numel() for c in ctxs))
-    if fold is not None:  # a skipped step's zero gradient takes no stale velocity either
+    if hook.momentum == "fold":
+        owners = [c.owner for c in ctxs]
+        if verdict is None:  # the fold's guard reads the decoded average, the same on every
+            hook._fold.observe(owners, [c.out for c in ctxs])  # rank (a skipped step: unread)
+        fold = hook._fold.plan(owners, state.manager.counters["steps"] - 1)  # compress() has
+        # counted this step; a skipped step's zero gradient takes no stale velocity either
         stock_fold(fold, [c.out for c in ctxs] if verdict is None else None,
                    [c.owner.parameter for c in ctxs])
     for c in ctxs:

@@ -25,6 +25,16 @@ Two places fold:
 * the stock Horovod hook (``SBC(momentum="fold")``): Horovod's optimizer steps after the hook
   returns the averaged gradient, so :func:`stock_fold` scales that gradient and empties the
   velocity (``momentum_buffer``) instead, which gives the same step.
+
+Both are backed off by the optimizer's :class:`FoldGuard` when the gradient norm blows up: the
+drop-in's watches this rank's gradients, the stock hook's the decoded averaged gradient
+(:meth:`StockFold.observe`; the same on every rank, so every rank takes the same decision and
+the ranks' weights stay identical). A step the stock hook skips (``nonfinite="skip"``) is not
+shown to its guard: an overflow now and then (mixed precision) would otherwise halve the
+fold's ceiling each time. The guard's state is saved with the drop-in's ``state_dict()``; the
+stock hook's ``SBC.state_dict()`` does not hold it: a resumed stock run starts its guards
+afresh (full fold, a new warm-up) on every rank alike, but a worker that elastic Horovod adds
+to a running job would start a fresh guard beside the survivors' backed-off ones.
 """
 from __future__ import annotations
 
@@ -157,10 +167,15 @@ def _grad_sq_norm(groups, guard: "FoldGuard") -> Optional[float]:
     step's; on a device the previous step's, copied to the host without waiting
     (``non_blocking``) one step earlier, so the guard never stalls the device (None at the
     first step)."""
-    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-    if not grads:
+    return _sq_norm([p.grad for g in groups for p in g["params"] if p.grad is not None], guard)
+
+
+def _sq_norm(tensors: Sequence[torch.Tensor], guard: "FoldGuard") -> Optional[float]:
+    """The squared norm of ``tensors`` for :meth:`FoldGuard.observe`, read as
+    :func:`_grad_sq_norm` says (on a device: the previous call's, without waiting)."""
+    if not tensors:
         return 0.0
-    sq = torch.stack([n.double() for n in torch._foreach_norm(grads)]).square().sum()
+    sq = torch.stack([n.double() for n in torch._foreach_norm(list(tensors))]).square().sum()
     if sq.device.type == "cpu":
         return float(sq)
     pending, guard.pending = guard.pending, sq.to("cpu", non_blocking=True)
@@ -235,7 +250,25 @@ class StockFold:
             cached = self._groups[id(optimizer)] = (optimizer, by_param)
         return cached[1].get(id(p))
 
-    def plan(self, owners: Sequence, step: Optional[int] = None
+    def observe(self, owners: Sequence, grads: Sequence[torch.Tensor]) -> None:
+        """Feed the :class:`FoldGuard` of each folding optimizer among ``owners`` the squared
+        norm of its folded parameters' decoded averaged gradients ``grads`` (one verdict per
+        optimizer and step; on a device the previous step's norm, read without waiting). The
+        average is the same on every rank, so is every rank's verdict: the ranks' weights stay
+        identical. Called after the decode, before :meth:`plan`, on steps that are applied
+        only (a skipped step is not observed)."""
+        by_opt: Dict[int, Tuple[object, List[torch.Tensor]]] = {}
+        for o, g in zip(owners, grads):
+            if o.optimizer is not None and o.parameter is not None and \
+                    self._group_of(o.optimizer, o.parameter) is not None:
+                by_opt.setdefault(id(o.optimizer), (o.optimizer, []))[1].append(g)
+        for opt, gs in by_opt.values():
+            guard = guard_of(opt)
+            sq = _sq_norm(gs, guard)
+            if sq is not None:
+                guard.observe(sq)
+
+    def plan(self, owners: Sequence, step: Optional[int] = None, guard: bool = True
              ) -> List[Optional[Tuple[float, float, torch.Tensor]]]:
         """Per owner at ``step``: ``(scale, weight-decay term, velocity)`` or None (not
         folded).
@@ -243,8 +276,10 @@ class StockFold:
         Horovod's SGD step after the hook, with its velocity set to zero, moves the weight by
         ``lr * a * (grad + wd * w)`` with ``a = 1 - dampening`` (heavy ball) or ``1 + momentum``
         (Nesterov). The folded step is ``lr * F * (avg + wd * w)`` with ``F`` the steady
-        factor at ``step``, so the hook returns ``grad = k * avg + (k - 1) * wd * w``,
-        ``k = F / a``."""
+        factor at ``step`` under the optimizer's :class:`FoldGuard` (``guard=False``: the
+        steady factor itself), so the hook returns ``grad = k * avg + (k - 1) * wd * w``,
+        ``k = F / a``. The hook's residual is in gradient space (a coordinate takes the
+        factor of the step that sends it), so a back-off needs no rescaling of it."""
         out = []
         for o in owners:
             p = o.parameter
@@ -255,7 +290,8 @@ class StockFold:
                 continue
             mu = float(g["momentum"])
             a = (1.0 + mu) if g.get("nesterov", False) else 1.0 - float(g.get("dampening", 0.0))
-            k = steady_factor(g, step) / a
+            steady = steady_factor(g, step)
+            k = (guard_of(o.optimizer).factor(steady) if guard else steady) / a
             state = o.optimizer.state[p]
             buf = state.get("momentum_buffer")
             if not isinstance(buf, torch.Tensor) or buf.shape != p.shape:
