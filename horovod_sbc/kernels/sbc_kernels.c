@@ -145,7 +145,35 @@ static u32 nth_key(u32 *v, i64 n, i64 t) {
     return v[lo];
 }
 
-#define SMALL_SELECT 4096 /* below this a quickselect beats the radix histograms' fixed cost */
+#define SMALL_SELECT 1024 /* below this a quickselect beats another radix level (whose
+                           * histograms are cleared only over the range's buckets) */
+
+#if defined(HAVE_AVX512)
+static int simd_level(void);
+
+/* kth_largest_key's compaction for 16 keys at a time: the keys of src[0..n) in the bucket
+ * ((x - lo) >> sh == bucket) packed in order into tmp at *m_io by vpcompressd (tmp may be src:
+ * the 16 keys are loaded before their packed ones are stored, at or below them; tmp holds n).
+ * The scalar loop's chain (the next store's address waits for this key's compare) took 40 % of
+ * the radix select. Returns the keys consumed (a multiple of 16); *m_io advances by the kept. */
+__attribute__((target("avx512f"), noinline)) static i64 keep_bucket_avx512(
+    const u32 *src, i64 n, u32 lo, int sh, u32 bucket, u32 *tmp, i64 *m_io) {
+    const __m512i vlo = _mm512_set1_epi32((int)lo), vb = _mm512_set1_epi32((int)bucket);
+    const __m128i vsh = _mm_cvtsi32_si128(sh);
+    i64 i = 0, m = *m_io;
+    for (; i + 16 <= n; i += 16) {
+        __m512i x = _mm512_loadu_si512((const void *)(src + i));
+        __mmask16 keep = _mm512_cmpeq_epi32_mask(
+            _mm512_srl_epi32(_mm512_sub_epi32(x, vlo), vsh), vb);
+        /* a full store of the packed lanes (vpcompressd into memory is microcoded on some
+         * CPUs): tmp[m .. m + 16) with m <= i lies within src[0 .. i + 16), already loaded */
+        _mm512_storeu_si512((void *)(tmp + m), _mm512_maskz_compress_epi32(keep, x));
+        m += __builtin_popcount(keep);
+    }
+    *m_io = m;
+    return i;
+}
+#endif
 
 /* The k-th largest of keys[0..c) (1 <= k <= c), every key in [lo, hi]; *ties gets how many
  * keys equal to it are among the k largest. tmp holds >= c keys. Radix select on the keys'
@@ -178,7 +206,7 @@ static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties, u
          * counter incremented back to back would serialise on its store. 32-bit counters (all
          * four fit in L1): n < 2^32 */
         u32 h4[4][2048];
-        memset(h4, 0, sizeof(h4));
+        for (int r = 0; r < 4; r++) memset(h4[r], 0, (size_t)nb * sizeof(u32));
         i64 i = 0;
         for (; i + 4 <= n; i += 4) {
             h4[0][(src[i] - lo) >> sh]++;
@@ -197,7 +225,11 @@ static u32 kth_largest_key(const u32 *keys, i64 c, i64 k, u32 *tmp, i64 *ties, u
         /* keep that bucket's keys; writing tmp[m] with m <= i never overtakes the reads when
          * src is tmp. The range shrinks by 2^11 per level (or to one value) */
         i64 m = 0;
-        for (i = 0; i < n; i++) {
+        i = 0;
+#if defined(HAVE_AVX512)
+        if (simd_level() == 2) i = keep_bucket_avx512(src, n, lo, sh, (u32)bucket, tmp, &m);
+#endif
+        for (; i < n; i++) {
             u32 x = src[i];
             tmp[m] = x;
             m += (i64)((x - lo) >> sh) == bucket;
@@ -426,14 +458,22 @@ static void sample_thresholds(const float *a, const addend *g, i64 n, i64 stride
                               int two, u32 *buf, u32 *tmp, float *t) {
     i64 m = (n + stride - 1) / stride, np = 0, nn = 0;
     u32 *pk = buf, *nk = buf + m;
-    for (i64 i = 0; i < n; i += stride) {
-        float x = added(g, a, i);
-        if (two) {
-            if (x > 0.0f) pk[np++] = fbits(x);
-            if (x < 0.0f) nk[nn++] = fbits(x) ^ 0x80000000u;
-        } else {
-            pk[np++] = fbits(x) & 0x7FFFFFFFu;
+    /* branch-free: each sample element is a cache miss, and a branch on its sign (a coin
+     * flip) mispredicted about every other time, each misprediction discarding the loads
+     * issued after it: the misses were taken one at a time (about 60 % of what the selection
+     * spends outside its candidate pass, ResNet-18 at p = 0.05). The same keys in the same
+     * order: a slot is written every time and kept when the count moves past it. */
+    if (two) {
+        for (i64 i = 0; i < n; i += stride) {
+            float x = added(g, a, i);
+            u32 u = fbits(x);
+            pk[np] = u;
+            np += x > 0.0f;
+            nk[nn] = u ^ 0x80000000u;
+            nn += x < 0.0f;
         }
+    } else {
+        for (i64 i = 0; i < n; i += stride) pk[np++] = fbits(added(g, a, i)) & 0x7FFFFFFFu;
     }
     i64 ties;
     float all = two ? TRUE_MIN : 0.0f;
@@ -974,6 +1014,20 @@ int sbc_take(int side, i64 *dst) {
 /* ------------------------------------------------------------------------------------------ */
 /* out[j] = sum over i of (gap_i >> bs[j]) for the gaps of ascending pos (gap_0 = pos_0). */
 void sbc_gap_shift_sums(const i64 *pos, i64 c, const i64 *bs, i64 nb, i64 *out) {
+    if (nb == 3 && c > 0) { /* the usual three candidates: one pass, the gap formed once */
+        int b0 = (int)bs[0], b1 = (int)bs[1], b2 = (int)bs[2];
+        u64 g = (u64)pos[0], s0 = g >> b0, s1 = g >> b1, s2 = g >> b2;
+        for (i64 i = 1; i < c; i++) {
+            g = (u64)(pos[i] - pos[i - 1] - 1);
+            s0 += g >> b0;
+            s1 += g >> b1;
+            s2 += g >> b2;
+        }
+        out[0] = (i64)s0;
+        out[1] = (i64)s1;
+        out[2] = (i64)s2;
+        return;
+    }
     for (i64 j = 0; j < nb; j++) { /* one vectorisable pass per b */
         int b = (int)bs[j];
         u64 sum = c ? (u64)pos[0] >> b : 0;
@@ -1002,6 +1056,32 @@ int sbc_rice_encode(const i64 *pos, i64 c, i64 b, uint8_t *unary, i64 ubytes, ui
     u64 acc = 0;
     int nacc = 0;
     i64 out = 0;
+    if (b >= 1 && b <= 32) { /* remainders flushed 32 bits at a time (one test per field, taken
+                              * every 32 / b fields, instead of a loop per byte) */
+        for (i64 i = 0; i < c; i++) {
+            u64 g = (u64)(pos[i] - prev - 1);
+            prev = pos[i];
+            bit += g >> b;
+            if ((i64)(bit >> 3) >= ubytes) return SBC_BADARG;
+            unary[bit >> 3] |= (uint8_t)(0x80u >> (bit & 7));
+            bit++;
+            acc = (acc << b) | (g & mask); /* nacc < 32 before: at most 63 bits pending */
+            nacc += (int)b;
+            if (nacc >= 32) { /* 32 whole stream bits: within rem[0..rbytes) */
+                nacc -= 32;
+                u32 w = __builtin_bswap32((u32)(acc >> nacc));
+                memcpy(rem + out, &w, 4);
+                out += 4;
+            }
+        }
+        while (nacc >= 8) {
+            nacc -= 8;
+            rem[out++] = (uint8_t)(acc >> nacc);
+        }
+        if (nacc) rem[out++] = (uint8_t)(acc << (8 - nacc));
+        if ((i64)((bit + 7) >> 3) != ubytes || out != rbytes) return SBC_BADARG;
+        return SBC_OK;
+    }
     for (i64 i = 0; i < c; i++) {
         u64 g = (u64)(pos[i] - prev - 1);
         prev = pos[i];
@@ -1453,6 +1533,80 @@ add_run(float *o, float *buf, float *o2, const u32 *pj, i64 c, i64 cnt, i64 hi, 
     return c;
 }
 
+/* Adds v at message positions pj[c..) below hi to the local chunk L (L[0] is element lo);
+ * returns where it stopped. The chunk is in L1: no prefetch. Four at a time while the fourth
+ * is below hi (ascending: then all four are; distinct: the four adds are independent). */
+static ALWAYS_INLINE i64 add_local(float *L, i64 lo, const u32 *pj, i64 c, i64 cnt, i64 hi,
+                                   float v) {
+    for (; c + 4 <= cnt && pj[c + 3] < hi; c += 4) {
+        L[pj[c] - lo] += v;
+        L[pj[c + 1] - lo] += v;
+        L[pj[c + 2] - lo] += v;
+        L[pj[c + 3] - lo] += v;
+    }
+    for (; c < cnt && pj[c] < hi; c++) L[pj[c] - lo] += v;
+    return c;
+}
+
+#define LCHUNK 4096 /* the local chunk (16 KiB of float32: half of an L1 data cache) */
+
+/* Outputs of at least this many elements (1 MiB: beyond a core's L2) are streamed out */
+#define STREAM_MIN (1 << 18)
+
+/* Copy len floats of the local chunk to dst; with stream set, a 16-byte aligned dst is written
+ * with non-temporal stores (SSE2 movntps): the output is written without first being read for
+ * ownership (half the memory traffic of zeroing it and adding in place), and the caller's next
+ * pass over it finds it in memory, not in a cache it would have been evicted from anyway. The
+ * bytes stored are those of L either way. */
+static void stream_out(float *dst, const float *L, i64 len, int stream) {
+#if defined(__SSE2__)
+    if (stream && ((uintptr_t)dst & 15) == 0) {
+        i64 i = 0;
+        for (; i + 16 <= len; i += 16) {
+            _mm_stream_ps(dst + i, _mm_load_ps(L + i));
+            _mm_stream_ps(dst + i + 4, _mm_load_ps(L + i + 4));
+            _mm_stream_ps(dst + i + 8, _mm_load_ps(L + i + 8));
+            _mm_stream_ps(dst + i + 12, _mm_load_ps(L + i + 12));
+        }
+        if (i < len) memcpy(dst + i, L + i, (size_t)(len - i) * sizeof(float));
+        return;
+    }
+#endif
+    memcpy(dst, L, (size_t)len * sizeof(float));
+}
+
+/* scatter_groups' walk for outputs that end holding just the sum (ZERO_FIRST, ALREADY_ZERO)
+ * and no second output: each LCHUNK-element chunk is summed in a zeroed local buffer (in L1:
+ * the ranks' adds hit it, in rank order, the same float32 additions onto +0.0 as in a zeroed
+ * output), masked from it (bufs), then copied out (stream_out; large outputs with
+ * non-temporal stores): the output is written once and never read. cur: 2 nm entries (see
+ * scatter_groups). */
+static void scatter_local(const u32 *pos, const i64 *pos_off, const i64 *count,
+                          const float *value, i64 a, i64 nm, i64 n, float *o, float *buf,
+                          i64 *cur) {
+    float L[LCHUNK] __attribute__((aligned(64)));
+    for (i64 lo = 0; lo < n; lo += LCHUNK) {
+        i64 hi = lo + LCHUNK < n ? lo + LCHUNK : n;
+        memset(L, 0, sizeof(L));
+        for (i64 j = 0; j < nm; j++) {
+            const u32 *pj = pos + pos_off[a + j];
+            cur[nm + j] = cur[j];
+            cur[j] = add_local(L, lo, pj, cur[j], count[a + j], hi, value[a + j]);
+        }
+        if (buf) /* the chunk's sums are final: mask where they are non-zero */
+            for (i64 j = 0; j < nm; j++) {
+                const u32 *pj = pos + pos_off[a + j];
+                for (i64 c = cur[nm + j]; c < cur[j]; c++)
+                    if (L[pj[c] - lo] != 0.0f) buf[pj[c]] = 0.0f;
+            }
+        stream_out(o + lo, L, hi - lo, n >= STREAM_MIN);
+    }
+#if defined(__SSE2__)
+    if (n >= STREAM_MIN) _mm_sfence(); /* the non-temporal stores are ordered before whatever
+                                        * the caller does next */
+#endif
+}
+
 /* zero: ADD_TO, ZERO_FIRST or ALREADY_ZERO (see there); also (may be NULL): per group a second
  * output (or 0) added to alike, never zeroed */
 static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gstart,
@@ -1473,6 +1627,11 @@ static int scatter_groups(const uint32_t *pos, i64 npos, i64 ng, const i64 *gsta
         i64 *cur = nm <= 64 ? stack_cur : (i64 *)calloc((size_t)(2 * nm), sizeof(i64));
         if (!cur) return SBC_NOMEM;
         for (i64 j = 0; j < nm; j++) cur[j] = 0;
+        if (zero != ADD_TO && !o2) { /* the output ends holding just the sum: built locally */
+            scatter_local(pos, pos_off, count, value, a, nm, n, o, buf, cur);
+            if (cur != stack_cur) free(cur);
+            continue;
+        }
         for (i64 lo = 0; lo < n; lo += CHUNK) {
             i64 hi = lo + CHUNK;
             if (zero == ZERO_FIRST) memset(o + lo, 0, (size_t)((hi < n ? hi : n) - lo) * sizeof(float));
