@@ -123,6 +123,8 @@ class StockHook:
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, StockContext]:
         """Horovod hook: record this gradient for the step's exchange; returns a 1-element
         dummy for Horovod's allreduce (the real data travels by allgather) and the context."""
+        if getattr(self, "hierarchy", None) is not None:  # in either exchange
+            self._check_stock()
         owner = identify(tensor, self._named)
         name = owner.name
         if tensor.is_sparse:
