@@ -353,13 +353,16 @@ def describe(r: dict) -> str:
 
 def _describe(r: dict) -> str:
     m = r["method"]
+    opt = f" with {r['optimizer']}" if r.get("optimizer") else ""
     if m == "none":
-        return "dense allreduce"
+        return "dense allreduce" + opt
     if m == "local":
-        return "no communication (each worker alone)"
+        return "no communication (each worker alone)" + opt
     if r.get("api") == "stock":
         m = f", momentum={r['stock_momentum']!r}" if "stock_momentum" in r else ""
-        return f"stock hook `SBC({r['density']:g}{m})`"
+        d = f", delay={r['delay']}" if r.get("delay", 1) != 1 else ""
+        opt = f" with {r['optimizer']}" if r.get("optimizer") else ""
+        return f"stock hook `SBC({r['density']:g}{d}{m})`{opt}"
     s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']})`",
          "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r["label"])
     if r.get("outer"):

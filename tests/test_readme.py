@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 #: a row whose study has not finished yet carries this in its figure cells
-PENDING = "ADAMW_ROW_PENDING"
 #: the recipe table's header (its columns: what you have, what to pass, the SBC figure, dense,
 #: the ratio, the results file)
 HEADER = "| you have | pass | SBC | dense | ratio | measured in |"
@@ -68,8 +67,6 @@ def check_row(row: List[str], read=lambda p: _text(p)) -> List[str]:
     if len(links) != 1:
         return [f"row {row[0]!r} must link exactly one results file, got {links!r}"]
     path = (ROOT / links[0]).resolve()
-    if PENDING in " ".join(row[2:5]):
-        return []  # reported by test_recipe_table_complete
     if not path.is_file():
         return [f"row {row[0]!r} links {links[0]}, which does not exist"]
     if not str(path).startswith(str(ROOT / "benchmarks" / "results")):
@@ -121,7 +118,7 @@ def _mutate(token: str) -> str:
 
 def test_a_changed_digit_is_reported():
     """The check itself: every figure of every measured row, changed in one digit, is caught."""
-    rows = [r for r in recipe_rows(_text(README)) if PENDING not in " ".join(r)]
+    rows = recipe_rows(_text(README))
     assert rows
     tried = 0
     for row in rows:
@@ -132,14 +129,6 @@ def test_a_changed_digit_is_reported():
                 assert check_row(bad), f"{row[0]!r}: {token!r} -> {_mutate(token)!r} not reported"
                 tried += 1
     assert tried >= 3 * len(rows)
-
-
-def test_recipe_table_complete():
-    """A row whose study is still running carries PENDING; it is filled from its results file
-    (the AdamW transformer row: benchmarks/results/quality_oneline.md)."""
-    pending = [r[0] for r in recipe_rows(_text(README)) if PENDING in " ".join(r)]
-    if pending:
-        pytest.xfail(f"recipe rows waiting for their study: {pending}")
 
 
 def _anchors(md: Path) -> set:
@@ -160,8 +149,6 @@ def test_relative_links_resolve():
             for target in LINK.findall(line):
                 if re.match(r"^[a-z]+:", target):
                     continue  # http(s), mailto
-                if PENDING in line and target.endswith("quality_oneline.md"):
-                    continue  # the running study's table (test_recipe_table_complete)
                 path, _, anchor = target.partition("#")
                 dest = (md.parent / path).resolve() if path else md
                 if not dest.exists():
