@@ -8,6 +8,12 @@ to), and how each framework encodes it. Every decoder already handles every mess
 allows, so a compressor never touches a decoder; ``docs/compressors.md`` works one example
 through.
 
+What the backends need to know of a compressor it declares as attributes, never by its name:
+``native_kernel`` (the backends' own top-k encoders, the C kernels and the fused device codec,
+encode it; otherwise its ``encode_torch``/``encode_tf`` run), ``message`` (a :class:`Message`:
+one value for every position, one float32 value each, or one sign bit each) and ``sides`` (the
+candidate sides of the paper's selection: 2 for SBC, 1 for a top-k of ``|A|``).
+
 This module imports nothing of the package beyond the format layer: lower layers (the numpy
 reference, the torch and TensorFlow codecs, ``SBCConfig``) look compressors up by name at run
 time, and the compressor files (a layer above the backends) register themselves when
@@ -15,7 +21,24 @@ time, and the compressor files (a layer above the backends) register themselves 
 """
 from __future__ import annotations
 
+import enum
 from typing import Dict, Tuple
+
+
+class Message(enum.Enum):
+    """What a compressor's tensor messages carry besides their positions (the forms of
+    :mod:`horovod_sbc.wire`; every decoder reads each)."""
+    #: one value for every position sent (no flag): SBC
+    BINARY = "positions + one value for all of them"
+    #: one float32 value per position (flag VALUES, + ALL for every element): top-k, FedAvg
+    VALUES = "positions + one float32 value each"
+    #: one sign bit per position and one value (flag SIGNS, + ALL): signSGD, TernGrad, STC
+    SIGNS = "positions + one sign bit each + one value"
+
+
+#: the (message, sides) pairs the backends' own encoders implement (``native_kernel=True``):
+#: SBC's binarized top-k of two candidate sides, and top-k of ``|A|`` with float32 values
+NATIVE_FORMS = ((Message.BINARY, 2), (Message.VALUES, 1))
 
 
 class Compressor:
@@ -33,6 +56,18 @@ class Compressor:
     binarize: bool = False
     #: draws random numbers (the adapters then keep a seeded generator in their checkpoint)
     random: bool = False
+    #: what its tensor messages carry (:class:`Message`); ``binarize`` is ``message`` is not
+    #: ``Message.VALUES``. Backends read it: a :class:`Message.BINARY` update's error feedback
+    #: subtracts its one value, any other keeps ``A - sent`` per position.
+    message: Message = None  # type: ignore[assignment]
+    #: the candidate sides its selection takes with ``selection="paper"``: 2 (the largest
+    #: positive and the most negative entries, SBC) or 1 (one top-k, of ``|A|``)
+    sides: int = 1
+    #: the backends' own encoders take it (the torch C kernels and fused device codec, the TF
+    #: ops codec and, for ``Message.BINARY``, the TF kernel op): only for the
+    #: ``(message, sides)`` of :data:`NATIVE_FORMS`, and then ``encode_torch``/``encode_tf`` are
+    #: never called; ``False`` (a new compressor): its own encoders run in every backend
+    native_kernel: bool = False
 
     def capacity(self, numel: int, density: float) -> int:
         """The most bytes a tensor message of ``numel`` elements (> 0) may take at ``density``
@@ -45,17 +80,18 @@ class Compressor:
         one float32 draw in [0, 1) per element."""
         raise NotImplementedError(f"compressor {self.name!r} has no numpy reference")
 
-    def encode_torch(self, a, density: float, name: str, selection: str, generator=None):
+    def encode_torch(self, a, *, density: float, selection: str, name: str, generator=None):
         """torch: (message uint8, positions int64, sent values in ``a``'s dtype) for flat
         non-empty ``a``, on its device; raises ``horovod_sbc.torch.backend.NonFiniteError`` on
-        NaN/Inf."""
+        NaN/Inf (naming ``name``). ``generator``: for a random compressor, the seeded
+        ``torch.Generator`` of its draws. Called only when ``native_kernel`` is False."""
         raise NotImplementedError(f"compressor {self.name!r} has no torch encoder")
 
-    def encode_tf(self, a, density: float, selection: str, name: str, generator=None):
+    def encode_tf(self, a, *, density: float, selection: str, name: str, generator=None):
         """TensorFlow: a ``horovod_sbc.tensorflow.backend.codec.Encoded`` for flat non-empty ``a``
         (graph-safe: no host read; a non-finite ``a`` sets ``Encoded.finite`` False).
         ``generator``: for a random compressor, the stateless seed (int64 ``[2]``) of its
-        draws."""
+        draws. Called only when ``native_kernel`` is False."""
         raise NotImplementedError(f"compressor {self.name!r} has no TensorFlow encoder")
 
     def __repr__(self) -> str:
@@ -76,8 +112,26 @@ def register(compressor: Compressor) -> Compressor:
     old = _REGISTRY.get(name)
     if old is not None and type(old) is not type(compressor):
         raise ValueError(f"a compressor named {name!r} is already registered ({old!r})")
+    _check_declarations(compressor)
     _REGISTRY[name] = compressor
     return compressor
+
+
+def _check_declarations(c: Compressor) -> None:
+    """``ValueError`` unless the attributes the backends read are consistent."""
+    if not isinstance(c.message, Message):
+        raise ValueError(f"compressor {c.name!r} must declare its message form (message = "
+                         f"registry.Message.BINARY, VALUES or SIGNS), got {c.message!r}")
+    if bool(c.binarize) != (c.message is not Message.VALUES):
+        raise ValueError(f"compressor {c.name!r}: binarize={c.binarize} contradicts its "
+                         f"message {c.message.name} (binarize: one value for the message)")
+    if c.sides not in (1, 2):
+        raise ValueError(f"compressor {c.name!r}: sides must be 1 or 2, got {c.sides!r}")
+    if c.native_kernel and (c.message, c.sides) not in NATIVE_FORMS:
+        raise ValueError(f"compressor {c.name!r}: the backends' own encoders implement only "
+                         f"{[(m.name, k) for m, k in NATIVE_FORMS]} (message, sides), not "
+                         f"({c.message.name}, {c.sides}); declare native_kernel=False and give "
+                         f"encode_torch/encode_tf")
 
 
 def get(name) -> Compressor:

@@ -27,6 +27,7 @@ class STC(registry.Compressor):
     name = "stc"
     summary = "top-k positions + their signs + the mean magnitude (ternary top-k)"
     binarize = True
+    message = registry.Message.SIGNS  # native_kernel stays False: its own encoders run
 
     def capacity(self, numel, density):
         return wire.tensor_capacity(numel, reference.keep_count(numel, density), signs=True)
@@ -40,7 +41,7 @@ class STC(registry.Compressor):
         sent = np.where(neg, a.dtype.type(-mu), a.dtype.type(mu)).astype(a.dtype)
         return reference.encode_tensor_np(idx, a.size, mu, signs=neg), idx, sent
 
-    def encode_torch(self, a, density, name, selection, generator=None):
+    def encode_torch(self, a, *, density, selection, name, generator=None):
         import torch
         from horovod_sbc.torch import backend as tb
         n = a.numel()
@@ -57,7 +58,7 @@ class STC(registry.Compressor):
         sent = torch.where(neg, -mu, mu).to(a.dtype)
         return tb.encode_positions(idx, n, mu, signs=neg), idx, sent
 
-    def encode_tf(self, a, density, selection, name, generator=None):
+    def encode_tf(self, a, *, density, selection, name, generator=None):
         import tensorflow as tf
         from horovod_sbc.tensorflow.backend import codec
         n = int(a.shape[0])

@@ -173,3 +173,152 @@ def test_terngrad_torch_and_tensorflow_match_the_numpy_reference_given_the_draws
         assert tcodec.backend_for("cpu").encode_tensor(torch.zeros(40), 1.0, "terngrad", "z",
                                                        generator=g).message \
             .numpy().tobytes() == empty
+
+
+# ------------------------------------------------------------------------------------------------
+# the backends read a compressor's declarations, never its name
+# ------------------------------------------------------------------------------------------------
+_BACKEND_DIRS = ("horovod_sbc/torch/backend", "horovod_sbc/tensorflow/backend")
+
+
+def _name_comparisons(source: str, names) -> list:
+    """(line, code) of every comparison of a value with one of ``names`` written as a string
+    literal (``== "sbc"``, ``"values" != x``, ``in ("sbc", "values")``) and every dict keyed by
+    one; docstrings and comments are not code and do not count."""
+    import ast
+
+    def is_name(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+            node.value in names
+
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        found = False
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                found = found or any(is_name(e) for e in elts)
+        elif isinstance(node, ast.Dict):
+            found = any(k is not None and is_name(k) for k in node.keys)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("startswith", "endswith"):
+            found = any(is_name(a) for a in node.args)
+        if found:
+            hits.append((node.lineno, ast.get_source_segment(source, node)))
+    return hits
+
+
+def test_the_name_check_sees_every_form_of_comparison():
+    names = set(BUILTIN)
+    code = ('a = mode == "sbc"\nb = "values" != mode\nc = mode in ("sbc", "values")\n'
+            'd = mode not in ["sign"]\ne = {"terngrad": 1}[mode]\nf = mode.startswith("sbc")\n'
+            'def g(mode="sbc"):\n    """mode == "sbc" in a docstring"""\n    return "sbc"\n'
+            'h = "sbc" if mode is True else "values"  # mode == "values"\n')
+    assert sorted(line for line, _ in _name_comparisons(code, names)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_no_backend_compares_a_mode_with_a_compressors_name():
+    """The backends take what they need of a compressor from its declarations
+    (``native_kernel``, ``message``, ``sides`` of ``registry.get(mode)``): no backend source
+    compares a mode with a registered name, so a compressor can never again be special-cased
+    by name below the registry."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    files = [p for d in _BACKEND_DIRS for p in sorted((root / d).rglob("*.py"))]
+    assert len(files) > 10, files
+    names = set(registry.names())
+    assert {"sbc", "values", "stc"} <= names
+    found = {str(p.relative_to(root)): hits for p in files
+             if (hits := _name_comparisons(p.read_text(), names))}
+    assert not found, found
+
+
+def test_what_the_builtin_compressors_declare():
+    m = registry.Message
+    got = {n: (registry.get(n).message, registry.get(n).sides, registry.get(n).native_kernel)
+           for n in BUILTIN + ("stc",)}
+    assert got == {"sbc": (m.BINARY, 2, True), "values": (m.VALUES, 1, True),
+                   "sign": (m.SIGNS, 1, False), "terngrad": (m.SIGNS, 1, False),
+                   "stc": (m.SIGNS, 1, False)}
+    for n in BUILTIN + ("stc",):  # the backends encode natively exactly what has no encoder
+        c = type(registry.get(n))
+        own = c.encode_torch is not registry.Compressor.encode_torch
+        assert own == (c.encode_tf is not registry.Compressor.encode_tf) == \
+            (not c.native_kernel), n
+
+
+def test_register_refuses_contradictory_declarations():
+    def make(**attrs):
+        return type("Bad", (registry.Compressor,), {"name": "bad-one", **attrs})()
+
+    with pytest.raises(ValueError, match="must declare its message form"):
+        registry.register(make())
+    with pytest.raises(ValueError, match="binarize=False contradicts its message SIGNS"):
+        registry.register(make(message=registry.Message.SIGNS))
+    with pytest.raises(ValueError, match="sides must be 1 or 2"):
+        registry.register(make(message=registry.Message.VALUES, sides=3))
+    with pytest.raises(ValueError, match=r"implement only.*not \(SIGNS, 1\)"):
+        registry.register(make(message=registry.Message.SIGNS, binarize=True,
+                               native_kernel=True))
+    with pytest.raises(ValueError, match=r"not \(VALUES, 2\)"):
+        registry.register(make(message=registry.Message.VALUES, sides=2, native_kernel=True))
+    assert "bad-one" not in registry.names()
+
+
+class _Spy:
+    """Counts the calls of STC's own encoders (keyword arguments only) while in use."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        cls = stc_compressor.STC
+        for attr in ("encode_torch", "encode_tf"):
+            real = getattr(cls, attr)
+
+            def spy(comp, a, *args, _real=real, _attr=attr, **kw):
+                assert not args, f"{_attr} called with positional arguments {args}"
+                assert set(kw) == {"density", "selection", "name", "generator"}, kw
+                self.calls.append((_attr, kw["name"]))
+                return _real(comp, a, **kw)
+            monkeypatch.setattr(cls, attr, spy)
+
+
+def test_a_user_compressor_without_native_kernel_runs_its_own_encoder_everywhere(monkeypatch):
+    """STC declares ``native_kernel=False``: every torch backend (C kernels on and off, every
+    kind of source) and every TF backend (kernel ops and TF ops, eager and in tf.function)
+    calls its ``encode_torch`` / ``encode_tf`` by keyword, and writes its reference bytes."""
+    assert not registry.get("stc").native_kernel
+    spy = _Spy(monkeypatch)
+    rng = np.random.default_rng(47)
+    u = rng.standard_normal(500).astype(np.float32)
+    r = rng.standard_normal(500).astype(np.float32)
+    want = reference.compress_np(u, r, 0.05, mode="stc")[0]
+    want_a = reference.compress_np(u + r, None, 0.05, mode="stc")[0]
+    assert want == want_a  # A = R + dW in float32 either way
+    for kernels_on in (True, False):
+        with kernels.disabled() if not kernels_on else contextlib.nullcontext():
+            backend = tcodec.backend_for("cpu")
+            assert isinstance(backend, tcodec.KernelBackend) == kernels_on
+            sources = {
+                "in-place": torch.from_numpy(u + r),
+                "accumulate": tcodec.Accumulate(torch.from_numpy(r.copy()),
+                                                torch.from_numpy(u.copy())),
+                "difference": tcodec.Difference(torch.from_numpy(u + r), torch.zeros(500)),
+            }
+            for how, src in sources.items():
+                spy.calls.clear()
+                enc = backend.encode_tensor(src, 0.05, "stc", how)
+                assert enc.message.numpy().tobytes() == want, (kernels_on, how)
+                assert spy.calls == [("encode_torch", how)], (kernels_on, how)
+    tf = pytest.importorskip("tensorflow")
+    from horovod_sbc.tensorflow import backend as tfb
+    backends = [tfb.backend_for("CPU"), tfb.OpsBackend()]
+    assert isinstance(backends[0], tfb.KernelBackend)
+    for b in backends:
+        for graph in (False, True):
+            def enc(x, y, b=b):
+                (e,) = b.encode(["w"], [x], [y], density=0.05, mode="stc")
+                return e.message
+            spy.calls.clear()
+            got = (tf.function(enc) if graph else enc)(tf.constant(u), tf.constant(r))
+            assert got.numpy().tobytes() == want, (b, graph)
+            assert spy.calls == [("encode_tf", "w")], (b, graph, spy.calls)

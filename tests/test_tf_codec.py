@@ -388,8 +388,8 @@ def test_an_empty_tensor_has_the_references_one_encoding(mode, graph):
             if mode in ("sign", "terngrad"):  # the compressor's own encoder, called directly
 
                 def own(a):
-                    return registry.get(mode).encode_tf(a, 0.1, "paper", "e",
-                                                        _seeds(1)[0]).message
+                    return registry.get(mode).encode_tf(a, density=0.1, selection="paper",
+                                                        name="e", generator=_seeds(1)[0]).message
                 assert (tf.function(own) if graph else own)(
                     tf.zeros([0], dt)).numpy().tobytes() == want
 

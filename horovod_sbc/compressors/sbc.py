@@ -6,8 +6,8 @@ selection (or the top-k by magnitude split by sign with ``selection="magnitude"`
 the larger mean is sent as its positions and that one mean (``mu+`` wins ties; nothing when both
 means are 0). The rule, the tie order and the fixed-order means are specified in
 :mod:`horovod_sbc.reference`. This file holds its numpy reference; the torch and TensorFlow
-backends run it natively (C kernels, fused device codec, kernel ops), so its framework encoders
-hand over to them.
+backends run it natively (C kernels, fused device codec, kernel ops: ``native_kernel``), so it
+has no framework encoders of its own.
 """
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ class SBC(registry.Compressor):
     name = "sbc"
     summary = "positions of the side with the larger mean + that mean (binarized top-k)"
     binarize = True
+    message = registry.Message.BINARY
+    sides = 2
+    native_kernel = True  # C kernels, fused device codec, TF ops and kernel op
 
     def capacity(self, numel, density):
         return wire.tensor_capacity(numel, reference.keep_count(numel, density))
@@ -32,15 +35,6 @@ class SBC(registry.Compressor):
         pos = p_idx if side > 0 else n_idx if side < 0 else p_idx[:0]
         msg = reference.encode_tensor_np(pos, a.size, mu, side < 0)
         return msg, pos, np.full(pos.size, -mu if side < 0 else mu, a.dtype)
-
-    def encode_torch(self, a, density, name, selection, generator=None):
-        from ..torch.backend import backend_for
-        enc = backend_for(a.device).encode_tensor(a, density, "sbc", name, selection=selection)
-        return enc.message, enc.positions, enc.sent
-
-    def encode_tf(self, a, density, selection, name, generator=None):
-        from ..tensorflow.backend import codec
-        return codec.encode_update(a, density, "sbc", selection, name)
 
 
 registry.register(SBC())

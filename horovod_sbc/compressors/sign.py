@@ -20,6 +20,7 @@ class SignSGD(registry.Compressor):
     name = "sign"
     summary = "every element's sign + one scale, mean |A|"
     binarize = True
+    message = registry.Message.SIGNS
 
     def capacity(self, numel, density):
         return wire.tensor_capacity(numel, numel, signs=True, all_positions=True)
@@ -32,7 +33,7 @@ class SignSGD(registry.Compressor):
         sent = np.where(neg, a.dtype.type(-scale), a.dtype.type(scale)).astype(a.dtype)
         return msg, np.arange(n, dtype=np.int64), sent
 
-    def encode_torch(self, a, density, name, selection, generator=None):
+    def encode_torch(self, a, *, density, selection, name, generator=None):
         import torch
         from ..torch import backend as tb
         n = a.numel()
@@ -47,7 +48,7 @@ class SignSGD(registry.Compressor):
         msg = tb.encode_positions(empty, n, scale, signs=neg, all_positions=True)
         return msg, torch.arange(n, dtype=torch.int64, device=a.device), sent
 
-    def encode_tf(self, a, density, selection, name, generator=None):
+    def encode_tf(self, a, *, density, selection, name, generator=None):
         import tensorflow as tf
         from ..tensorflow.backend import codec
         n = int(a.shape[0])

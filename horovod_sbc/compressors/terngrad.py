@@ -21,6 +21,7 @@ class TernGrad(registry.Compressor):
     name = "terngrad"
     summary = "random positions (P = |A| / max|A|) + their signs + one scale, max |A|"
     binarize = True
+    message = registry.Message.SIGNS
     random = True
 
     def capacity(self, numel, density):
@@ -39,7 +40,7 @@ class TernGrad(registry.Compressor):
         sent = np.where(neg, a.dtype.type(-scale), a.dtype.type(scale)).astype(a.dtype)
         return reference.encode_tensor_np(pos, a.size, scale, signs=neg), pos, sent
 
-    def encode_torch(self, a, density, name, selection, generator=None):
+    def encode_torch(self, a, *, density, selection, name, generator=None):
         import torch
         from ..torch import backend as tb
         n, dev = a.numel(), a.device
@@ -57,7 +58,7 @@ class TernGrad(registry.Compressor):
         sent = torch.where(neg, -scale, scale).to(a.dtype)
         return tb.encode_positions(pos, n, scale, signs=neg), pos, sent
 
-    def encode_tf(self, a, density, selection, name, generator=None):
+    def encode_tf(self, a, *, density, selection, name, generator=None):
         """The scale from the magnitudes' bit patterns (TensorFlow flushes subnormal floats on
         the CPU, integer maxima do not); ``generator``: the stateless seed (int64 ``[2]``) of
         this tensor's draws (``tf.random.stateless_uniform``: graph-safe, and a resumed run

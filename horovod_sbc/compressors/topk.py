@@ -11,6 +11,8 @@ from .. import reference, registry, wire
 class TopK(registry.Compressor):
     name = "values"
     summary = "top-k positions + their float32 values"
+    message = registry.Message.VALUES
+    native_kernel = True  # C kernels, fused device codec, TF ops (no framework encoders here)
 
     def capacity(self, numel, density):
         k = reference.keep_count(numel, density)
@@ -23,15 +25,6 @@ class TopK(registry.Compressor):
         vals = a[idx].astype(np.float32)
         msg = reference.encode_tensor_np(idx, a.size, values=vals, all_positions=(k == a.size))
         return msg, idx, vals.astype(a.dtype)
-
-    def encode_torch(self, a, density, name, selection, generator=None):
-        from ..torch.backend import backend_for
-        enc = backend_for(a.device).encode_tensor(a, density, "values", name)
-        return enc.message, enc.positions, enc.sent
-
-    def encode_tf(self, a, density, selection, name, generator=None):
-        from ..tensorflow.backend import codec
-        return codec.encode_update(a, density, "values", selection, name)
 
 
 registry.register(TopK())

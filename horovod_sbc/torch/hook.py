@@ -253,7 +253,7 @@ def warn_momentum(hook, owner: Owner) -> None:
     hook._warned_momentum = True
     groups = getattr(owner.optimizer, "param_groups", [])
     if not any(g.get("momentum", 0) for g in groups) or hook.momentum == "fold" or \
-            hook.state.config.mode != "sbc":
+            not hook.state.config.binarize:
         return  # folded into the learning rate (horovod_sbc.torch.momentum); TopK's exact
         # values were measured with their momentum
     warnings.warn(

@@ -563,10 +563,10 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
                   name: str = "tensor", generator=None) -> Encoded:
     """Encode flat ``a`` (the residual-corrected update ``A = R + dW``, float32 or float64).
 
-    ``mode``: ``"sbc"`` (or True) top-k + binarization and ``"values"`` (or False) top-k with
-    the kept entries' float32 values (magnitude selection) run here; any other registered
-    compressor (:mod:`horovod_sbc.registry`) runs its own ``encode_tf`` (``generator``: the
-    ``tf.random.Generator`` of a random one).
+    ``mode``: a registered compressor (:mod:`horovod_sbc.registry`). A ``native_kernel`` one
+    runs here: ``"sbc"`` (or True) top-k + binarization and ``"values"`` (or False) top-k with
+    the kept entries' float32 values (magnitude selection); any other runs its own
+    ``encode_tf`` (``generator``: the stateless seed of a random one).
     ``selection``: SBC's candidate sets, ``"paper"`` or ``"magnitude"`` (see
     :mod:`horovod_sbc.reference`). Returns an :class:`Encoded`; nothing in ``a`` changes (commit the
     error feedback with ``a - sent`` at ``positions``, see :func:`apply_sent`).
@@ -583,11 +583,13 @@ def encode_update(a: tf.Tensor, density: float, mode="sbc", selection: str = "pa
     if n == 0:
         return Encoded(*encode_parts(empty_pos, 0), empty_pos, tf.zeros([0], a.dtype),
                        tf.constant(True), 0)
-    if mode not in ("sbc", "values"):  # a registered compressor's own encoder
-        return registry.get(mode).encode_tf(a, density, selection, name, generator)
+    comp = registry.get(mode)
+    if not comp.native_kernel:  # a registered compressor's own encoder
+        return comp.encode_tf(a, density=density, selection=selection, name=name,
+                              generator=generator)
     k = reference.keep_count(n, density)
     header, body, pos, sent, finite = _encoder_graph(n, k, mode, selection, a.dtype)(a)
-    if mode == "values" and k >= n:
+    if comp.message is registry.Message.VALUES and k >= n:
         update = ResidualUpdate.ALL
     elif k * _DENSE_UPDATE >= n:
         update = ResidualUpdate.DENSE
@@ -606,16 +608,18 @@ def _encoder_graph(n: int, k: int, mode: str, selection: str, dtype: tf.DType):
     blocks, its norms' scales and biases) share one graph instead of each building and
     optimizing its few hundred ops."""
     key = (n, k, mode, selection, dtype.name)
+    comp = registry.get(mode)  # a native_kernel one: top-k values or SBC's binarized sides
+    values = comp.message is registry.Message.VALUES
     if key not in _ENCODERS:
         def encode(a):
             if n <= _EXACT_BELOW or k >= n:
                 prep = _Prep(None, None, all_finite(a))
             else:
-                prep = _prepare(a, k, 2 if (mode == "sbc" and selection == "paper") else 1)
+                prep = _prepare(a, k, comp.sides if selection == "paper" else 1)
             # A non-finite update is encoded all the same (nothing in the selection breaks on
             # NaN, it only takes the slow exact path); ``finite`` tells the caller to send an
             # error instead.
-            run = _encode_values if mode == "values" else _encode_binary
+            run = _encode_values if values else _encode_binary
             (header, body), pos, sent = run(a, k, selection, prep)
             return header, body, pos, sent, prep.finite
 

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from ... import kernels, wire
+from ... import kernels, registry, wire
 from . import table as _t
 
 if (_t.K_BINARY, _t.K_SIGNS, _t.K_VALUES, _t.K_ALL_SIGNS, _t.K_ALL_VALUES) != (0, 1, 2, 3, 4):
@@ -41,10 +41,13 @@ def ops():
 
 
 def encodes(mode: str, residual: tf.Tensor, update: Optional[tf.Tensor]) -> bool:
-    """Does ``SbcEncode`` take this tensor? Binary SBC (``mode == "sbc"``) of float32 with at
-    least one and at most ``kernels.MAX_NUMEL`` elements (static facts, known while tracing)."""
+    """Does ``SbcEncode`` take this tensor? Binary SBC (a ``native_kernel`` compressor whose
+    message is ``Message.BINARY``) of float32 with at least one and at most
+    ``kernels.MAX_NUMEL`` elements (static facts, known while tracing)."""
+    comp = registry.get(mode)
     n = residual.shape.num_elements()
-    return (mode == "sbc" and residual.dtype == tf.float32 and n is not None
+    return (comp.native_kernel and comp.message is registry.Message.BINARY
+            and residual.dtype == tf.float32 and n is not None
             and 0 < n <= kernels.MAX_NUMEL and (update is None or update.dtype == tf.float32))
 
 

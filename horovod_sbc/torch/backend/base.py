@@ -243,13 +243,13 @@ class Backend(abc.ABC):
         """Encode one flat update (see :class:`InPlace`, :class:`Accumulate`,
         :class:`Difference`; a tensor means :class:`InPlace`).
 
-        ``mode``: a registered compressor (:mod:`horovod_sbc.registry`); ``"sbc"`` (top-k of
-        each side, the larger mean sent; ``selection`` ``"paper"`` or ``"magnitude"``, see
-        :mod:`horovod_sbc.reference`) and ``"values"`` (top-k with float32 values) run in the
-        backend, any other through its file's ``encode_torch`` (``generator``: the draws of a
-        random one). ``positions``: a buffer the kernel backend may return the positions in.
-        Raises :class:`NonFiniteError` naming ``name`` on NaN/Inf, with the source handled as
-        its class says."""
+        ``mode``: a registered compressor (:mod:`horovod_sbc.registry`); a ``native_kernel``
+        one runs in the backend — ``"sbc"`` (top-k of each side, the larger mean sent;
+        ``selection`` ``"paper"`` or ``"magnitude"``, see :mod:`horovod_sbc.reference`) and
+        ``"values"`` (top-k with float32 values) — any other through its file's
+        ``encode_torch`` (``generator``: the draws of a random one). ``positions``: a buffer
+        the kernel backend may return the positions in. Raises :class:`NonFiniteError` naming
+        ``name`` on NaN/Inf, with the source handled as its class says."""
 
     def encode_many(self, sources: Sequence[Source], density: float, mode: str,
                     selection: str, names: Sequence[str], layout_crc: Optional[int] = None):

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ... import kernels, protocol, wire
+from ... import kernels, protocol, registry, wire
 from ...reference import choose_side, keep_count
 from . import frame
 from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, PositionBuffer,
@@ -212,24 +212,27 @@ class KernelBackend(OpsBackend):
     def encode_tensor(self, source: Source, density: float, mode="sbc", name: str = "tensor",
                       selection: str = "paper", generator=None, positions=None) -> Encoded:
         mode = check_request(mode, selection)
+        comp = registry.get(mode)
         src = as_source(source)
-        in_pass = _in_pass(src, mode)
+        in_pass = _in_pass(src, comp)
         if in_pass:  # A is formed in the selection's pass
             a = target = src.weights if isinstance(src, Difference) else src.residual
         else:
             a, target = form(src)
-        lib = kernels_for(a) if mode in ("sbc", "values") and a.numel() else None
+        lib = kernels_for(a) if comp.native_kernel and a.numel() else None
         if lib is None:
             return self._encoded(src, target, mode, lambda: self.encode_formed(
                 a, density, mode, name, selection, generator))
         return self._encoded(src, target, mode, lambda: self._encode_c(
-            lib, a, density, mode, name, selection, src if in_pass else None, positions))
+            lib, a, density, comp, name, selection, src if in_pass else None, positions))
 
-    def _encode_c(self, lib, a: torch.Tensor, density: float, mode: str, name: str,
-                  selection: str, source, positions):
+    def _encode_c(self, lib, a: torch.Tensor, density: float, comp: registry.Compressor,
+                  name: str, selection: str, source, positions):
+        """A ``native_kernel`` compressor's encoding in the kernels: top-k with values, or
+        SBC's binarized sides (:data:`horovod_sbc.registry.NATIVE_FORMS`)."""
         n = a.numel()
         k = keep_count(n, density)
-        if mode == "values":
+        if comp.message is registry.Message.VALUES:
             idx = _select_c(lib, a, k, _C_MAGNITUDE, name, source).take(0, positions)
             vals = a[idx].to(torch.float32)
             return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
@@ -364,12 +367,16 @@ class _HostValues:
         return st
 
 
-def _in_pass(src, mode: str) -> bool:
-    """Can the kernel form this source's ``A`` in its selection pass?"""
+def _in_pass(src, comp: registry.Compressor) -> bool:
+    """Can the kernel form this source's ``A`` in its selection pass? Only for a compressor
+    the kernels encode; a :class:`Difference` (``A`` formed in the weights) only when one value
+    is sent for every position (a per-position one keeps ``A - sent`` of the formed ``A``)."""
+    if not comp.native_kernel:
+        return False
     if isinstance(src, Accumulate):
-        return mode in ("sbc", "values") and _flat_ok(src.residual, src.addend)
+        return _flat_ok(src.residual, src.addend)
     if isinstance(src, Difference):
-        return mode == "sbc" and _flat_ok(src.weights, src.reference)
+        return comp.message is registry.Message.BINARY and _flat_ok(src.weights, src.reference)
     return False
 
 

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import crc, wire
+from ... import crc, registry, wire
 from ...reference import choose_side, keep_count
 from .base import NonFiniteError
 from .select import f32
@@ -413,8 +413,9 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
                  step_header=None) -> FusedEncoding:
     """Messages of every tensor of ``flat`` (float32, contiguous; tensor ``i`` the
     ``numels[i]`` elements after the previous ones), byte for byte those of
-    :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>` per tensor: ``mode="sbc"`` (selection
-    ``"paper"``) or ``"values"`` (top-k by magnitude with float32 values). ``flat`` is not
+    :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>` per tensor
+    of a ``native_kernel`` compressor: ``"sbc"`` (selection ``"paper"``, ``sides`` 2) or
+    ``"values"`` (top-k by magnitude with float32 values, ``sides`` 1). ``flat`` is not
     changed; :meth:`FusedEncoding.commit` applies the error feedback. Raises
     :class:`~horovod_sbc.torch.backend.base.NonFiniteError` naming the first tensor with NaN/Inf
     (``names``, else its index). ``step_header(body bytes)``, if given, returns the bytes to
@@ -424,13 +425,16 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("encode_fused needs a contiguous 1-D float32 buffer, got "
                          f"{flat.dtype} of shape {tuple(flat.shape)}")
-    if mode not in ("sbc", "values"):
-        raise ValueError(f"encode_fused: mode must be 'sbc' or 'values', got {mode!r}")
+    comp = registry.get(mode)
+    if not comp.native_kernel:
+        native = [m for m in registry.names() if registry.get(m).native_kernel]
+        raise ValueError(f"encode_fused: mode must be one the backends encode natively "
+                         f"{native}, got {mode!r}")
     lay = layout_for(numels, density, flat.device)
     if lay.total != flat.numel():
         raise ValueError(f"encode_fused: the layout has {lay.total} elements, the buffer "
                          f"{flat.numel()}")
-    sides = 2 if mode == "sbc" else 1
+    sides = comp.sides  # 2: SBC's binarized sides (the paper's selection); 1: top-k values
     cidx, cgrp, cmag, c, c_host = _candidates(flat, lay, names, sides)
     pos, gsel = _select(cidx, cgrp, cmag, c, c_host, lay)
     vals = flat.gather(0, pos)

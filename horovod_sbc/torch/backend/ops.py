@@ -107,7 +107,8 @@ class OpsBackend(Backend):
         except NonFiniteError:
             undo(src)
             raise
-        kept = kept_values(src, pos, sent) if mode != "sbc" else None
+        one_value_sent = registry.get(mode).message is registry.Message.BINARY
+        kept = None if one_value_sent else kept_values(src, pos, sent)
         ref = src.reference if kept is not None else None
         return Encoded(msg, pos, sent, target, self.subtract_sent, ref, kept)
 
@@ -118,10 +119,12 @@ class OpsBackend(Backend):
         if n == 0:
             empty = empty_positions(a.device)
             return encode_positions(empty, 0), empty, a.new_zeros(0)
-        if mode not in ("sbc", "values"):  # a registered compressor's own encoder
-            return registry.get(mode).encode_torch(a, density, name, selection, generator)
+        comp = registry.get(mode)
+        if not comp.native_kernel:  # a registered compressor's own encoder
+            return comp.encode_torch(a, density=density, selection=selection, name=name,
+                                     generator=generator)
         k = keep_count(n, density)
-        if mode == "values":
+        if comp.message is registry.Message.VALUES:
             idx = select_topk(a, k, name)
             vals = a[idx].to(torch.float32)
             return (encode_positions(idx, n, values=vals, all_positions=idx.numel() == n), idx,
@@ -190,7 +193,9 @@ def _fusable(srcs, mode: str, selection: str) -> bool:
     every update a :class:`Difference` (float32 weights and reference) or every one an
     :class:`Accumulate` of a float32 addend into a float32 residual of its size (consumed
     addends are zeroed once the encode succeeded)."""
-    if not srcs or mode != "sbc" or selection != "paper":
+    comp = registry.get(mode)
+    if not srcs or not comp.native_kernel or comp.message is not registry.Message.BINARY or \
+            selection != "paper":
         return False
     kind = type(srcs[0])
     if kind is Difference:

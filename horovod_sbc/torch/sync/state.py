@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ... import registry
 from ...config import SBCConfig
 from ...residual import ResidualManager
 from ..backend import Backend, PositionBuffer, backend_for
@@ -74,7 +75,7 @@ class SyncState:
     def generator(self, device) -> Optional[torch.Generator]:
         """TernGrad's random stream on ``device`` (None for the deterministic modes), seeded by
         ``seed`` and the rank, resumed from a checkpoint's state where one was loaded."""
-        if self.config.mode != "terngrad":
+        if not registry.get(self.config.mode).random:
             return None
         if self._gen is None or self._gen.device != torch.device(device):
             _, rank = self.world()
