@@ -305,7 +305,11 @@ OPT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-2, "adagrad": 
 OPTIMIZERS: Dict[str, List[tuple]] = {"opt_iid": [
     (_s(m, d, 1, optimizer=o, lr=lr, steps=1000, **({"api": "stock"} if m == "sbc" else {})),
      S0)
-    for o, lr in OPT_LR.items() for m, d in (("none", 1.0), ("local", 1.0), ("sbc", 0.01))]}
+    for o, lr in OPT_LR.items() for m, d in (("none", 1.0), ("local", 1.0), ("sbc", 0.01))] + [
+    # the optimizers whose variance is not frozen lag dense: does an outer step of sqrt(N) = 2
+    # (the average of N normalized steps is up to sqrt(N) shorter) make up for it?
+    (_s("sbc", 0.01, 1, optimizer=o, lr=OPT_LR[o], steps=1000, outer=["plain", 2.0]), S0)
+    for o in ("adagrad", "adamax", "nadam", "radam", "rmsprop")]}
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
            "optimizers": OPTIMIZERS}

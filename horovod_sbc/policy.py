@@ -14,7 +14,11 @@ steps it stands for: through the gradient exchange it trains worse than no commu
   residual beside the shared weights; the momentum folded into the learning rate.
 * everything else, and any optimizer with a delay: the weight change, the residual kept in
   each rank's weights; Adam and AdamW with their second moment frozen automatically
-  (:func:`auto_freeze_step`), which makes their steps linear as SGD's are.
+  (:func:`auto_freeze_step`), which makes their steps linear as SGD's are. Other adaptive
+  optimizers (RMSprop, Adagrad, Adamax, NAdam, RAdam, ...) keep normalising each rank's step
+  by its own statistics: where noise dominates, the average of N such steps is up to sqrt(N)
+  shorter than one step on the averaged gradient, so at delay 1 the average is applied
+  times sqrt(N) (``outer=Plain(lr=sqrt(N))``; docs/recipes.md measures it).
 
 :func:`choose` is the whole rule; the torch hook, the torch drop-in, the DDP hook and the
 TensorFlow adapters ask it and print its warning.
@@ -47,7 +51,7 @@ class Choice:
     local_residual: bool   # weights: the unsent update stays in each rank's weights
     fold_momentum: bool    # SGD's momentum folded into its learning rate
     auto_freeze: bool      # Adam's second moment frozen at auto_freeze_step()
-    warning: Optional[str] = None
+    sqrt_n_outer: bool = False  # weights: the average applied times sqrt(ranks) (below)
 
 
 def choose(family: str, *, delay: int = 1, api: str = "stock",
@@ -65,7 +69,8 @@ def choose(family: str, *, delay: int = 1, api: str = "stock",
         lr = False if local_residual is None else local_residual
         return Choice("weights", lr, not lr, False)
     lr = True if local_residual is None else local_residual
-    return Choice("weights", lr, False, family == "adam")
+    return Choice("weights", lr, False, family == "adam",
+                  sqrt_n_outer=family == "adaptive" and delay == 1)
 
 
 def auto_freeze_step(warmup_end: int, beta2: float) -> int:

@@ -132,6 +132,7 @@ def test_the_stock_hook_picks_the_exchange_from_the_optimizer(make, fam, at1, at
     assert family(opt) == fam
     one, four = (policy.choose(fam, delay=d, api="stock") for d in (1, 4))
     assert (one.exchange, four.exchange) == (at1, at4)
+    assert one.sqrt_n_outer == (fam == "adaptive") and not four.sqrt_n_outer
     for c in (one, four):
         assert c.auto_freeze == (fam == "adam")
         assert c.fold_momentum == (c.exchange == "gradients")

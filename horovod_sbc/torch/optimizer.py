@@ -21,6 +21,7 @@ stock hook's weight exchange). Parameters without gradient on some step contribu
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from ..config import OPTIMIZER_STATE_KEY
 from .adam import check_freeze, family, frozen_step
 from .hierarchy import Hierarchy
 from .momentum import folded, guard_of
-from .outer import check_kind, resolve_outer
+from .outer import Plain, check_kind, resolve_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
@@ -66,9 +67,11 @@ class _SBCOptimizer:
         if local_residual is not None and not isinstance(local_residual, bool):
             raise ValueError(f"local_residual must be None, True or False, got "
                              f"{local_residual!r}")
-        local_residual = policy.choose(family(self), delay=compression.delay, api=api,
-                                       local_residual=local_residual).local_residual
-        self._sbc_local_residual = local_residual
+        choice = policy.choose(family(self), delay=compression.delay, api=api,
+                               local_residual=local_residual)
+        local_residual = self._sbc_local_residual = choice.local_residual
+        if outer is None and choice.sqrt_n_outer:
+            outer = Plain(lr=math.sqrt(_world_size(compression)))
         self._sbc_outer = resolve_outer(outer)
         self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
         if named_parameters is None:
@@ -449,6 +452,14 @@ def _shared_part(st, rank: int):
     st = dict(st, residuals={}, server_residuals={}, config=dict(st["config"], rank=rank))
     st.pop("generator", None)
     return st
+
+
+def _world_size(compression) -> int:
+    """The job's number of ranks (1 outside a job)."""
+    try:
+        return compression.state.world()[0]
+    except (RuntimeError, ImportError, ValueError):
+        return 1
 
 
 def _refuse_stock_knobs(compression, api: str, optimizer: str) -> None:

@@ -171,8 +171,10 @@ def _train_digits(opt_name, how, steps, density):
         opt.finish()
     with torch.no_grad():
         acc = float((model(xte).argmax(1) == yte).float().mean())
+    outer = getattr(opt, "outer", None)
     return {"accuracy": acc, "weights": digest([p for _, p in sorted(model.named_parameters())]),
-            "stats": comp.stats() if isinstance(comp, sbc.SBC) else None}
+            "stats": comp.stats() if isinstance(comp, sbc.SBC) else None,
+            "outer_lr": getattr(outer, "lr", None) if how == "sbc" else None}
 
 
 def run_train(kw):
