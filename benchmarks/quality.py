@@ -380,7 +380,7 @@ def _describe(r: dict) -> str:
     if r.get("density_warmup"):
         start, n = r["density_warmup"]
         s += f", density warm-up from {start:g} over {n} steps"
-    return s
+    return s + opt
 
 
 def _is_default(r: dict) -> bool:
@@ -563,7 +563,8 @@ def markdown(res: dict) -> str:
             own = _find(runs, "none", nesterov=r.get("nesterov"),  # dense of the same recipe
                         weight_decay=r.get("weight_decay"),
                         freeze_variance_after=r.get("freeze_variance_after"),
-                        lr_after_freeze=r.get("lr_after_freeze"))
+                        lr_after_freeze=r.get("lr_after_freeze"),
+                        optimizer=r.get("optimizer"))
             vs_d = _gap(metric, top, own["score"]) if own and r is not own else "—"
             lines.append(f"| {describe(r)} | {n} | {ratio} | " + " | ".join(cells)
                          + f" | {vs_d} |")
