@@ -36,8 +36,8 @@ from typing import Optional
 FAMILIES = ("sgd", "adam", "adaptive")
 
 #: the automatic freeze waits this many variance time constants ``1 / (1 - beta2)`` after the
-#: warm-up: the moving average has then forgotten the warm-up's gradients (``beta2 ** 3`` of
-#: its weight left on them is 5 %)...
+#: warm-up: the moving average has then forgotten the warm-up's gradients (the weight left on
+#: them, ``beta2 ** (3 / (1 - beta2))``, is about e^-3 = 5 %)...
 FREEZE_TIME_CONSTANTS = 3
 #: ...but no more than this many steps (with beta2 = 0.999 three time constants are 3,000
 #: steps; 100 steps already average 100 gradients per coordinate)
