@@ -182,18 +182,6 @@ def _sq_norm(tensors: Sequence[torch.Tensor], guard: "FoldGuard") -> Optional[fl
     return None if pending is None else float(pending)  # its copy is done by now
 
 
-def _drop_in_residuals(optimizer, groups):
-    """The stored residuals of the drop-in ``optimizer`` (weight space) of the parameters of
-    ``groups``: what the back-off rescales. Empty for any other optimizer."""
-    sbc = getattr(optimizer, "_sbc", None)
-    named = getattr(optimizer, "_sbc_params", None)
-    if sbc is None or named is None:
-        return []
-    res = sbc.manager.residuals
-    ids = {id(p) for g in groups for p in g["params"]}
-    return [res[n] for n, p in named if id(p) in ids and n in res]
-
-
 @contextlib.contextmanager
 def folded(optimizer, step: Optional[int] = None, guard: Optional[FoldGuard] = None,
            residuals=None):
@@ -203,8 +191,8 @@ def folded(optimizer, step: Optional[int] = None, guard: Optional[FoldGuard] = N
     up; their settings (and any LR scheduler's ``lr``) are restored after.
 
     ``residuals``: the error-feedback residuals of these parameters that hold *folded steps*
-    (weight space: the drop-in's ``lr_eff * g`` not sent yet; None: found on the drop-in
-    optimizer itself). On a back-off they are rescaled by the new factor over the old one, so
+    (weight space: the drop-in's ``lr_eff * g`` not sent yet), or a callable that returns them
+    when a back-off needs them (None: none). On a back-off they are rescaled by the new factor over the old one, so
     the backlog is cut with the fold, as the stock hook's gradient-space residual is (its
     factor applies when a coordinate is sent)."""
     groups = _sgd_groups(optimizer)
@@ -218,8 +206,7 @@ def folded(optimizer, step: Optional[int] = None, guard: Optional[FoldGuard] = N
             sq = _grad_sq_norm(groups, guard)
             if sq is not None and guard.observe(sq):
                 cut = guard.factor(steady) / before
-                rs = _drop_in_residuals(optimizer, groups) if residuals is None \
-                    else list(residuals)
+                rs = list(residuals() if callable(residuals) else residuals or ())
                 if rs and cut < 1.0:
                     torch._foreach_mul_(rs, cut)
         for g in groups:

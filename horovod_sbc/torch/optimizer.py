@@ -144,8 +144,17 @@ class _SBCOptimizer:
         (:mod:`horovod_sbc.torch.momentum`)."""
         if self._sbc_local_residual or self._sbc.delay != 1:
             return self._user_step(closure)
-        with folded(self, self._sbc.manager.counters["steps"]):  # counted after this step
+        with folded(self, self._sbc.manager.counters["steps"],  # counted after this step
+                    residuals=self._folded_residuals):
             return self._user_step(closure)
+
+    def _folded_residuals(self):
+        """The stored residuals (weight space) of the parameters whose SGD momentum is folded:
+        what a back-off of the fold rescales (:class:`horovod_sbc.torch.momentum.FoldGuard`)."""
+        res = self._sbc.manager.residuals
+        ids = {id(p) for g in self.param_groups
+               if g.get("momentum", 0) and not g.get("maximize", False) for p in g["params"]}
+        return [res[n] for n, p in self._sbc_params if id(p) in ids and n in res]
 
     def _user_step(self, closure):
         if "found_inf" not in self.__dict__:
