@@ -14,7 +14,7 @@ from . import registry
 
 
 NONFINITE = ("raise", "skip")
-TOPOLOGIES = ("allgather", "server")
+TOPOLOGIES = ("allgather", "server", "reduce_scatter")
 #: ``freeze_variance_after`` (torch and TF): the frozen second moment is raised to this fraction
 #: of its tensor's mean, so a coordinate whose gradient was (almost) zero through the warm-up
 #: cannot divide a later gradient by ``eps`` alone; its steps stay within ``1 / sqrt(floor)``
@@ -111,8 +111,16 @@ class SBCConfig:
         number of workers). ``"server"``: rank 0 gathers, averages, compresses the average again
         with its own residual at ``downlink_density`` and broadcasts one message (Zou et al.,
         arXiv 2209.15203), so download stays flat in the number of workers.
-    downlink_density: the server's top-k fraction of the average (``None``: a dense downlink).
-    downlink_binarize: the server binarizes its downlink like SBC instead of sending values.
+        ``"reduce_scatter"``: a sparse reduce-scatter (Li & Hoefler's Ok-Topk, arXiv 2201.07598,
+        with the server's re-compression): rank r owns the r-th of N equal index regions of the
+        model, receives every rank's part of it in one alltoall, averages it, compresses the
+        average again with its own residual, and every rank allgathers and decodes the N region
+        messages: upload, download and decode per rank stay about one message at any N.
+    downlink_density: the re-compressed average's fraction of positions (``"server"``:
+        ``None`` is a dense downlink; ``"reduce_scatter"``: ``None`` is ``density``).
+    downlink_binarize: the re-compressed average is binarized like SBC instead of sending
+        values (``None``: ``"server"`` sends values, ``"reduce_scatter"`` does what the
+        uplink's ``mode`` does).
     seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
     fixed_size: every step message of a tensor layout is padded to one capacity known from the
         layout, ``density`` and ``mode`` (the PADDED step messages of :mod:`horovod_sbc.wire`),
@@ -139,7 +147,7 @@ class SBCConfig:
     nonfinite: str = "raise"
     topology: str = "allgather"
     downlink_density: Optional[float] = None
-    downlink_binarize: bool = False
+    downlink_binarize: Optional[bool] = None
     seed: int = field(default=0)
     fixed_size: Optional[bool] = None
 
@@ -151,11 +159,19 @@ class SBCConfig:
         set_("selection", validate_selection(self.selection))
         set_("nonfinite", validate_nonfinite(self.nonfinite))
         if self.topology not in TOPOLOGIES:
-            raise ValueError(f"topology must be 'allgather' or 'server', got {self.topology!r}")
+            raise ValueError(f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, "
+                             f"got {self.topology!r}")
+        for knob in ("downlink_density", "downlink_binarize"):
+            if getattr(self, knob) is not None and self.topology == "allgather":
+                raise ValueError(f"{knob} applies to topology='server' or 'reduce_scatter' "
+                                 "(the allgather has no downlink message)")
         if self.downlink_density is not None:
-            if self.topology != "server":
-                raise ValueError("downlink_density applies to topology='server' only")
             set_("downlink_density", validate_density(self.downlink_density))
+        elif self.topology == "reduce_scatter":
+            set_("downlink_density", self.density)
+        if self.downlink_binarize is None:
+            set_("downlink_binarize", self.topology == "reduce_scatter" and
+                 registry.get(self.mode).binarize)
         set_("downlink_binarize", bool(self.downlink_binarize))
         set_("seed", int(self.seed))
         if self.fixed_size is not None and not isinstance(self.fixed_size, bool):

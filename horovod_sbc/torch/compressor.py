@@ -43,7 +43,9 @@ class SBC(StockHook):
             :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
             exchanges weight changes (:func:`horovod_sbc.policy.choose`; stock Horovod too),
             ``topology="server"`` needs the drop-in :func:`horovod_sbc.torch.DistributedOptimizer`
-            and Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``). With ``nonfinite="skip"``
+            and Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``);
+            ``topology="reduce_scatter"`` works through the drop-in and the stock hook, on any
+            Horovod controller (:mod:`horovod_sbc.torch.sync.scatter`). With ``nonfinite="skip"``
             an update used up before it is found non-finite keeps its finite rest: the drop-in
             with ``local_residual=True`` resets the non-finite weights to the shared weights,
             the stock hook (whose gradient the selection's pass zeroes) resets those residual
@@ -84,7 +86,8 @@ class SBC(StockHook):
 
     def __init__(self, density: float = 0.01, delay: int = 1,
                  nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
-                 downlink_density: Optional[float] = None, downlink_binarize: bool = False,
+                 downlink_density: Optional[float] = None,
+                 downlink_binarize: Optional[bool] = None,
                  selection: str = "paper", mode: str = "sbc", seed: int = 0,
                  momentum: Optional[str] = None, hierarchy=None,
                  fixed_size: Optional[bool] = None):
@@ -93,9 +96,10 @@ class SBC(StockHook):
                            downlink_density=downlink_density,
                            downlink_binarize=downlink_binarize, seed=seed, fixed_size=fixed_size)
         self.hierarchy = hierarchy_.parse(hierarchy)
-        if self.hierarchy is not None and topology != "allgather":
+        if self.hierarchy is not None and topology == "server":
             raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
-                             f"topology={topology!r}: the cross-node exchange is an allgather")
+                             f"topology={topology!r}: the cross-node exchange is an allgather "
+                             "or a reduce-scatter")
         self.state = SyncState(config, HorovodTransport())
         StockHook.__init__(self, named_parameters, momentum)
 

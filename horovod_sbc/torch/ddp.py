@@ -66,8 +66,9 @@ def _make_compression(compression, density, what: str) -> SBC:
         raise ValueError(f"{what}: SBC(hierarchy={comp.hierarchy!r}) needs the drop-in "
                          "horovod_sbc.torch.DistributedOptimizer (Horovod process sets)")
     if comp.topology != "allgather":
-        raise ValueError(f"{what}: SBC(topology={comp.topology!r}) needs Horovod's MPI gather; "
-                         "torch.distributed supports topology='allgather' only")
+        raise ValueError(f"{what}: SBC(topology={comp.topology!r}) needs Horovod's "
+                         f"{'alltoall' if comp.topology == 'reduce_scatter' else 'MPI gather'}"
+                         "; torch.distributed supports topology='allgather' only")
     return comp
 
 

@@ -45,7 +45,9 @@ commit runs only after a successful decode), which the restore then rolls back t
 commit anyway. Our tensors travel by Horovod's broadcasts, never pickled; Horovod's own
 ``broadcast_object`` carries its host-update check and the user's plain attributes. Elastic
 Horovod needs the Gloo controller (``horovodrun --gloo`` with ``--host-discovery-script``);
-``SBC(topology="server")`` needs MPI and is not available there.
+``SBC(topology="server")`` needs MPI and is not available there. With
+``topology="reduce_scatter"`` a new world cuts new regions: a region whose owner changed starts
+its downlink residual at zero (a worker that starts from the shared weights zeroes its own).
 """
 from __future__ import annotations
 

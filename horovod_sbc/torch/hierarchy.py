@@ -39,6 +39,8 @@ Composition with the drop-in's knobs (:func:`horovod_sbc.torch.DistributedOptimi
   ``i`` stays with local rank ``i`` (the paper's formulation per node).
 * ``outer=``: every rank applies the outer step to the whole, bit-identical average ``U``
   after the allgather (the outer state is identical on every rank, as in the flat drop-in).
+* ``topology="reduce_scatter"``: the cross-node exchange of each shard is the sparse
+  reduce-scatter (:mod:`horovod_sbc.torch.sync.scatter`) among the nodes' local ranks ``i``.
 * Not supported (``ValueError`` at construction): ``topology="server"``, the stock Horovod
   hook and the DDP hook (they exchange per gradient or per bucket, not per sync), and
   parameters other than float32/float64 (a residual kept in 16-bit weights would lose the
@@ -211,6 +213,13 @@ class ProcessSetTransport:
     def allgather(self, step: torch.Tensor, tag: str) -> torch.Tensor:
         import horovod.torch as hvd
         return hvd.allgather(step, name=tag, process_set=self.process_set)
+
+    def alltoall(self, buf: torch.Tensor, splits, tag: str) -> torch.Tensor:
+        """The ``"reduce_scatter"`` topology's alltoall among the set."""
+        import horovod.torch as hvd
+        out, _ = hvd.alltoall(buf, splits=torch.tensor(splits, dtype=torch.int32), name=tag,
+                              process_set=self.process_set)
+        return out
 
 
 class NodeState(SyncState):

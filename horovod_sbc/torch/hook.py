@@ -32,7 +32,8 @@ from .backend import Accumulate, Targets, frame
 from .momentum import StockFold, check_choice, stock_fold
 from .optimizer import adopt
 from .owner import Owner, identify
-from .sync import encode_uplink
+from .sync import encode_uplink, exchange
+from .sync import plan_regions as sync_plan
 from .sync.state import SyncState
 
 
@@ -79,7 +80,7 @@ class StockHook:
         choice = policy.choose(family(opt), delay=self.state.config.delay, api="stock")
         if choice.exchange == "weights":
             if getattr(self, "hierarchy", None) is not None or \
-                    self.state.config.topology != "allgather":
+                    self.state.config.topology == "server":
                 raise ValueError(
                     f"SBC through stock hvd.DistributedOptimizer with "
                     f"{type(opt).__name__} exchanges weight changes; its hierarchy= and "
@@ -107,7 +108,7 @@ class StockHook:
                 "(named_parameters= of hvd.DistributedOptimizer) so that it can find the "
                 "optimizer, or use horovod_sbc.torch.DistributedOptimizer(optimizer, "
                 "named_parameters, compression=SBC(..., delay=n)).")
-        if cfg.topology != "allgather":
+        if cfg.topology == "server":
             raise ValueError("SBC(topology='server') needs the fused exchange of "
                              "horovod_sbc.torch.DistributedOptimizer; stock "
                              "hvd.DistributedOptimizer sends one message per tensor")
@@ -174,23 +175,26 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
     for c in ctxs:
         c.done = True
     layout = [(c.name, tuple(c.grad.shape)) for c in ctxs]
-    fp = wire.layout_fingerprint(layout)
-    cap = frame.step_capacity(layout, cfg)
+    regions = sync_plan(state, layout, size)
+    sent = layout if regions is None else regions.layout  # a region's pieces are tensors
+    fp = wire.layout_fingerprint(sent)
+    cap = frame.step_capacity(sent, cfg)
     dev = ctxs[0].grad.device
     # A = R + g in the residual; a contiguous gradient is used up (zeroed) by the encode, and
     # the average is then decoded into its buffer
     srcs = [Accumulate(state.residual(c.name, c.grad).view(-1), c.grad.detach().reshape(-1),
                        c.grad.is_contiguous()) for c in ctxs]
-    uplink = encode_uplink(state, ctxs, [c.name for c in ctxs], srcs, srcs.__getitem__, fp,
+    if regions is not None:
+        srcs = [Accumulate(srcs[p.tensor].residual[p.start:p.stop],
+                           srcs[p.tensor].addend[p.start:p.stop], srcs[p.tensor].consume)
+                for p in regions.pieces]
+    uplink = encode_uplink(state, srcs, [n for n, _ in sent], srcs, srcs.__getitem__, fp,
                            dev, rank, cap)
     if uplink.failed:  # nothing of this step is sent: the rest of the gradients waits in the
         for src in srcs[len(uplink.encoded) + 1:]:  # residuals, as every healthy rank's does
             src.residual.add_(src.addend)
             if src.consume:
                 src.addend.zero_()
-    gathered = state.transport.allgather(uplink.step, "sbc.stock")
-    state.manager.add(upstream_bits=8 * uplink.step.numel(),
-                      downstream_bits=8 * (gathered.numel() - uplink.step.numel()))
     for c in ctxs:
         c.out = c.grad if c.grad.is_contiguous() else \
             torch.empty_like(c.grad, memory_format=torch.contiguous_format)  # channels_last
@@ -203,7 +207,10 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
         raise ValueError("SBC: the gradients of one step must all be averaged or all summed "
                          "(op=hvd.Average or op=hvd.Sum)")
     try:
-        state.backend(gathered.device).decode(gathered, layout, size, targets, scales.pop())
+        commit_down = exchange(state, uplink.step, regions or layout, targets, "sbc.stock",
+                               torch.float64 if any(c.grad.dtype == torch.float64
+                                                    for c in ctxs) else torch.float32,
+                               scales.pop())
     except wire.PeerError as e:
         if e.skip:
             names = ", ".join(repr(c.name) for c in ctxs[:3]) + ("..." if len(ctxs) > 3 else "")
@@ -213,6 +220,7 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
         verdict = e
     else:
         verdict = None
+        commit_down()
         for _, enc in uplink.encoded:  # error feedback, once every rank's message decoded
             enc.commit()
         state.manager.add(positions_sent=uplink.positions_sent(),

@@ -14,6 +14,15 @@ def write_result(rank, result):
     os.replace(tmp, os.path.join(out, f"rank{rank}.json"))
 
 
+def catch(fn):
+    """What a user sees when ``fn()`` fails (``"Type: message"``), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - we record what users see
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def scenarios(argv, run):
     """The scenarios of this job: ``argv[2:]`` is one ``MODE key=value ...``, or
     ``--scenarios JSON`` with a list of them (tests/harness.py ``run_scenarios``). ``run(mode,

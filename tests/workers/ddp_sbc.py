@@ -18,7 +18,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import scenarios, write_result  # noqa: E402
+from common import catch, scenarios, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -112,14 +112,6 @@ def averager_model(period=4, warmup=0, density=0.05, nonfinite="raise"):
                            compression=SBC(density=density, nonfinite=nonfinite))
     opt = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), avg)
     return model, opt, avg
-
-
-def catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - we record what users see
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def run(model, opt, steps):

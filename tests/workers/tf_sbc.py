@@ -18,7 +18,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import scenarios, write_result  # noqa: E402
+from common import catch, scenarios, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -248,14 +248,6 @@ def run_interop():
                for d, i in zip(dec, order))
     return {"torch_decodes_identically": same, "torch_encodes_identically": mine == buf[s:e],
             "nonzero": int(sum(int((d != 0).sum()) for d in dec))}
-
-
-def catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - we record what users see
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def nan_batch(s, poison):

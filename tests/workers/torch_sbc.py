@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import scenarios, write_result  # noqa: E402
+from common import catch, scenarios, write_result  # noqa: E402
 
 import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
@@ -199,14 +199,6 @@ def run_save_load():
         train_step(model, opt, s)
         digests.append(digest(model))
     return {"digests": digests, "stats_at_checkpoint": saved_stats}
-
-
-def catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - we record what users see
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def run_errors():

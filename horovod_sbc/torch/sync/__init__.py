@@ -24,6 +24,7 @@ import torch
 from ... import wire
 from ..backend import (Accumulate, Difference, NonFiniteError, Targets, frame,
                        reset_nonfinite_, restore_, scratch)
+from . import scatter
 from .state import SyncState
 
 
@@ -67,6 +68,9 @@ class Update:
     base: Optional[torch.Tensor] = None
     base_offset: Optional[torch.Tensor] = None
     in_weights: bool = False
+    #: the residual to use (a piece of a tensor's, :mod:`~horovod_sbc.torch.sync.scatter`);
+    #: None: the state's residual of ``name``
+    residual: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, item) -> "Update":
@@ -131,9 +135,11 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     updates = [Update.of(it) for it in items]
     size, rank = state.world()
     layout = [(u.name, u.shape) for u in updates]
-    fp = wire.layout_fingerprint(layout)
+    regions = plan_regions(state, layout, size)
+    sent = updates if regions is None else _pieces(state, regions, updates)
+    fp = wire.layout_fingerprint([(u.name, u.shape) for u in sent])
     dev = updates[0].value.device if updates else torch.device("cpu")
-    uplink = _encode_all(state, updates, fp, dev, rank, error)
+    uplink = _encode_all(state, sent, fp, dev, rank, error)
     # the weights that hold their residual move with the shared weights
     also = [u.weights_flat() if u.in_weights else None for u in updates] \
         if apply is None and any(u.in_weights for u in updates) else None
@@ -144,18 +150,20 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     else:
         targets = Targets.new(layout, sum_dtype(updates), dev)
     try:
-        out = _exchange(state, uplink.step, layout, size, rank, targets, tag,
-                        sum_dtype(updates))
+        commit_down = exchange(state, uplink.step, regions or layout, targets, tag,
+                               sum_dtype(updates), 1.0 / size)
     except wire.PeerError as e:
         if not e.skip:
             raise ValueError(f"SBC: {e}") from None
         warnings.warn(f"horovod_sbc: skipping this sync: {e}")
         if uplink.failed:
-            _drop_failed_update(uplink.encoded, updates)
+            _drop_failed_update(uplink.encoded, sent)
         # healthy ranks keep R + dW in the residual: nothing sent, nothing lost
         return None
+    out = list(targets.outs)
     if apply is not None:
         apply(out)
+    commit_down()
     for _, enc in uplink.encoded:  # commit error feedback only after success
         enc.commit()
     state.manager.add(syncs=int(count_sync), positions_sent=uplink.positions_sent(),
@@ -238,12 +246,12 @@ def _whole_sync_sources(state: SyncState, updates: Sequence[Update], dev):
     if all(u.in_weights for u in updates):
         return [Difference(u.weights_flat(), u.base.reshape(-1)) for u in updates]
     if all(not u.in_weights and u.base is None for u in updates):
-        return [Accumulate(state.residual(u.name, u.value), u.value.reshape(-1))
-                for u in updates]
+        return [Accumulate(_residual(state, u), u.value.reshape(-1)) for u in updates]
     if not state.backend(dev).encodes_at_once or any(
             u.in_weights or u.base is None or u.base.dtype != u.value.dtype for u in updates):
         return None
-    res = [state.residual(u.name, u.value) for u in updates]
+    res = [state.residual(u.name, u.value) if u.residual is None else u.residual
+           for u in updates]
     if any(r.dtype != u.value.dtype or r.numel() != u.value.numel()
            for r, u in zip(res, updates)):
         return None  # the per-update path names the tensor whose residual does not fit
@@ -258,11 +266,17 @@ def _source(state: SyncState, u: Update):
     back before a ``NonFiniteError`` propagates."""
     if u.in_weights:
         return Difference(u.weights_flat(), u.base.reshape(-1))
-    res = state.residual(u.name, u.value)
+    res = _residual(state, u)
+    return Accumulate(res, u.flat(res.dtype))
+
+
+def _residual(state: SyncState, u: Update) -> torch.Tensor:
+    """``u``'s flat residual (its own, or the state's of its name)."""
+    res = state.residual(u.name, u.value) if u.residual is None else u.residual
     if res.numel() != u.value.numel():
         raise ValueError(f"SBC: {u.name!r} has {u.value.numel()} elements but its residual "
                          f"has {res.numel()}; did the model change shape?")
-    return Accumulate(res, u.flat(res.dtype))
+    return res
 
 
 def _count_padding(state: SyncState, cap: Optional[int], body: int) -> None:
@@ -277,18 +291,48 @@ def _error_frame(state: SyncState, reason: str, fp: int, skip: bool, dev, rank: 
     return frame.error_frame(reason, fp, skip, dev, rank, cap)
 
 
-def _exchange(state: SyncState, step: torch.Tensor, layout, size: int, rank: int,
-              targets: Targets, tag: str, acc_dtype) -> List[torch.Tensor]:
-    """Gather every rank's step message (or go through the server, whose average is kept in
-    ``acc_dtype``) and decode the average into ``targets``."""
+def plan_regions(state: SyncState, layout, size: int) -> Optional[scatter.Plan]:
+    """The regions of ``layout`` (topology ``"reduce_scatter"``), else None."""
+    if state.config.topology != "reduce_scatter":
+        return None
+    return scatter.plan(tuple((n, tuple(s)) for n, s in layout), size)
+
+
+def _pieces(state: SyncState, regions: scatter.Plan, updates: List[Update]) -> List[Update]:
+    """The updates cut into the regions' pieces (views: the sync writes through them)."""
+    res = [None if u.in_weights else _residual(state, u) for u in updates]
+
+    def cut(t, p):
+        return None if t is None else t.reshape(-1)[p.start:p.stop]
+    return [Update(p.name, cut(u.value, p), p.shape, cut(u.base, p), cut(u.base_offset, p),
+                   u.in_weights, cut(res[p.tensor], p))
+            for p in regions.pieces for u in (updates[p.tensor],)]
+
+
+def exchange(state: SyncState, step: torch.Tensor, layout, targets: Targets, tag: str,
+             acc_dtype, scale: float) -> Callable[[], None]:
+    """Every rank's step message (``layout``: the tensors', or a
+    :class:`~horovod_sbc.torch.sync.scatter.Plan` whose pieces the step holds) exchanged by the
+    configured topology and ``scale`` x their sum decoded into ``targets`` (per tensor; the
+    server keeps its average in ``acc_dtype``). Returns the commit of the topology's own error
+    feedback (the reduce-scatter's downlink residual), to call once the step is accepted."""
+    size, rank = state.world()
+    if isinstance(layout, scatter.Plan):
+        return scatter.exchange(state, step, layout, rank, layout.targets(targets), scale,
+                                tag, acc_dtype)
     if state.config.topology == "server":
         from . import server
-        return server.exchange(state, step, layout, size, rank, targets, acc_dtype)
+        server.exchange(state, step, layout, size, rank, targets, acc_dtype)
+        return _nothing
     gathered = state.transport.allgather(step, tag)
     state.manager.add(upstream_bits=8 * step.numel(),
                       downstream_bits=8 * (gathered.numel() - step.numel()))
-    return list(state.backend(gathered.device).decode(gathered, layout, size, targets,
-                                                      1.0 / size))
+    state.backend(gathered.device).decode(gathered, layout, size, targets, scale)
+    return _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 def _drop_failed_update(encoded, updates: Sequence[Update]) -> None:

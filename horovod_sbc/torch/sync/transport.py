@@ -33,6 +33,11 @@ class HorovodTransport:
     def allgather(self, step: torch.Tensor, tag: str) -> torch.Tensor:
         return allgather(step, tag)  # looked up at call time (tests record the traffic)
 
+    def alltoall(self, buf: torch.Tensor, splits, tag: str) -> torch.Tensor:
+        """``buf`` (uint8) cut into ``splits[r]`` bytes for each rank r in rank order; returns
+        what every rank sent this one, concatenated in rank order."""
+        return alltoall(buf, splits, tag)
+
 
 class ProcessGroupTransport:
     """Allgather of variable-length step messages with ``torch.distributed`` collectives only.
@@ -104,3 +109,10 @@ def allgather(step: torch.Tensor, name: str) -> torch.Tensor:
     """Blocking allgather of step messages (every rank's, concatenated in rank order)."""
     import horovod.torch as hvd
     return hvd.allgather(step, name=name)
+
+
+def alltoall(buf: torch.Tensor, splits, name: str) -> torch.Tensor:
+    """Blocking alltoall of uint8 bytes with per-rank ``splits`` (Horovod's)."""
+    import horovod.torch as hvd
+    out, _ = hvd.alltoall(buf, splits=torch.tensor(splits, dtype=torch.int32), name=name)
+    return out

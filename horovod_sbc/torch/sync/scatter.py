@@ -1,0 +1,226 @@
+"""The ``"reduce_scatter"`` topology: a sparse reduce-scatter whose owners re-compress.
+
+Ok-Topk's two phases (Li & Hoefler, PPoPP '22, arXiv 2201.07598) with SBC messages (Sattler et
+al., arXiv 1805.08768) and the downlink error feedback of Zou et al. (arXiv 2209.15203):
+
+1. :class:`Plan` cuts the model's concatenated index space into N regions of equal size (a
+   tensor that straddles a cut becomes two *pieces*). Every rank encodes each piece like any
+   tensor (its top ``density``, so each region carries 1/N of a message's positions: balanced
+   by construction) and sends region r's step message to rank r, all in one ``alltoall``.
+2. Rank r decodes its region's N parts, averages them, adds its downlink residual, encodes the
+   average again (``downlink_density``; binarized when the uplink is) and keeps what it did
+   not send in that residual (``ResidualManager.server_residuals``, keyed by piece name).
+3. The N region messages are allgathered and every rank decodes them into the same average.
+
+Per rank and sync, upload, download and decode are about one message plus N step headers. A
+rank that cannot encode sends its ERROR/SKIP to every owner, every owner relays it, and every
+rank raises (or skips) with it; uplink and downlink error feedback are committed only after
+every region message decoded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ... import protocol, wire
+from ..backend import Accumulate, DecodeJob, NonFiniteError, Targets, frame
+from . import server
+
+Layout = Tuple[Tuple[str, Tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of the flat tensor ``tensor`` (its index in the layout)."""
+    tensor: int
+    start: int
+    stop: int
+    name: str
+    shape: Tuple[int, ...]
+
+
+class Plan:
+    """The regions of a tensor layout over ``size`` ranks: region r holds the flat elements
+    ``[r * E // size, (r + 1) * E // size)`` of the layout's concatenation (E elements), as the
+    pieces ``bounds[r]:bounds[r + 1]``. A piece that is a whole tensor keeps its name and
+    shape; a cut one is ``"name[a:b]"``, flat."""
+
+    def __init__(self, layout: Layout, size: int):
+        self.size = size
+        numels = [wire.layout_numel(s) for _, s in layout]
+        total = sum(numels)
+        cuts = [total * r // size for r in range(size + 1)]
+        pieces, owner, off, r = [], [], 0, 0
+        for t, ((name, shape), n) in enumerate(zip(layout, numels)):
+            a = 0
+            while True:
+                while r < size - 1 and cuts[r + 1] <= off + a:
+                    r += 1
+                b = n if r == size - 1 else min(n, cuts[r + 1] - off)
+                whole = a == 0 and b == n
+                pieces.append(Piece(t, a, b, name if whole else f"{name}[{a}:{b}]",
+                                    tuple(shape) if whole else (b - a,)))
+                owner.append(r)
+                a = b
+                if a >= n:
+                    break
+            off += n
+        self.pieces: Tuple[Piece, ...] = tuple(pieces)
+        self.layout = [(p.name, p.shape) for p in pieces]
+        self.bounds = [0] * (size + 1)
+        for r in owner:
+            self.bounds[r + 1] += 1
+        for r in range(size):
+            self.bounds[r + 1] += self.bounds[r]
+        self.regions = [self.layout[self.bounds[r]:self.bounds[r + 1]] for r in range(size)]
+        self.fingerprints = [wire.layout_fingerprint(lay) for lay in self.regions]
+
+    def split(self, flats: Optional[Sequence[Optional[torch.Tensor]]]):
+        """Per piece, the view of its elements in the flat per-tensor ``flats`` (None stays)."""
+        if flats is None:
+            return None
+        return tuple(None if flats[p.tensor] is None else
+                     flats[p.tensor].view(-1)[p.start:p.stop] for p in self.pieces)
+
+    def targets(self, t: Targets) -> Targets:
+        """``t`` (per tensor) as per-piece views."""
+        return dataclasses.replace(t, outs=self.split(t.outs), also=self.split(t.also),
+                                   masks=self.split(t.masks))
+
+    def region_targets(self, t: Targets, r: int) -> Targets:
+        """Region ``r``'s part of the per-piece targets ``t``."""
+        cut = slice(self.bounds[r], self.bounds[r + 1])
+        return dataclasses.replace(t, outs=t.outs[cut],
+                                   also=None if t.also is None else t.also[cut],
+                                   masks=None if t.masks is None else t.masks[cut])
+
+
+@functools.lru_cache(maxsize=64)
+def plan(layout: Layout, size: int) -> Plan:
+    """The :class:`Plan` of ``layout`` (a tuple of ``(name, shape tuple)``) over ``size`` ranks."""
+    return Plan(layout, size)
+
+
+def region_parts(step: torch.Tensor, p: Plan, rank: int) -> Tuple[torch.Tensor, List[int]]:
+    """This rank's step message (of ``p.layout``) re-framed as one step message per region,
+    concatenated in rank order, and their lengths (the alltoall's splits). An ERROR/SKIP step
+    goes to every owner. Host work: the step's bytes (one read) and every piece's header."""
+    host = frame.host_bytes(step)
+    head = protocol.parse_step(host, 0, len(host), rank)
+    if head.kind is not protocol.StepKind.TENSORS:
+        e = protocol.peer_error(host, head)
+        msgs = [wire.error_step_message(e.reason, fp, e.skip, e.rank) for fp in p.fingerprints]
+    else:
+        ends, off = [wire.STEP_HEADER_SIZE], wire.STEP_HEADER_SIZE
+        for name, shape in p.layout:
+            off = wire.parse_tensor_header(host, off, wire.layout_numel(shape), name).nbytes
+            ends.append(off)
+        msgs = [wire.step_message_bytes(host[ends[p.bounds[r]]:ends[p.bounds[r + 1]]],
+                                        p.fingerprints[r], len(p.regions[r]))
+                for r in range(p.size)]
+    return frame.device_bytes(b"".join(msgs), step.device), [len(m) for m in msgs]
+
+
+@dataclass
+class Downlink:
+    """An owner's region message and the commit of its downlink error feedback."""
+    step: torch.Tensor
+    commit: Callable[[], None] = lambda: None
+
+
+def owner_step(state, parts: torch.Tensor, p: Plan, rank: int, scale: float, acc_dtype,
+               dev) -> Downlink:
+    """Region ``rank``: ``scale`` x the sum of every rank's part (``parts``, N step messages)
+    plus the downlink residual, encoded again; an error step relaying a rank's ERROR/SKIP or
+    naming what was malformed instead."""
+    lay, fp = p.regions[rank], p.fingerprints[rank]
+    backend = state.backend(dev)
+    try:
+        avg = backend.decode(parts, lay, p.size, Targets.new(lay, acc_dtype, dev), scale)
+    except wire.PeerError as e:
+        return Downlink(frame.error_frame(e.reason, fp, e.skip, dev, e.rank))
+    except ValueError as e:
+        return Downlink(frame.error_frame(f"region owner rank {rank} rejected an uplink: {e}",
+                                          fp, False, dev, rank))
+    srv = state.manager.server_residuals
+    names = [n for n, _ in lay]
+    for n, a in zip(names, avg):  # a region's residuals exist from its first sync on
+        r = srv.get(n)
+        if r is None or r.numel() != a.numel() or r.device != a.device:
+            srv[n] = torch.zeros_like(a)
+    # A = average + R formed in the average's buffer, which becomes R once committed
+    srcs = [Accumulate(a, srv[n].to(a.dtype)) for n, a in zip(names, avg)]
+    try:
+        step, encs = _encode_region(state, backend, srcs, names, fp, dev)
+    except NonFiniteError as e:
+        return Downlink(frame.error_frame(f"the average of region {rank} is not finite: {e}",
+                                          fp, False, dev, rank))
+
+    def commit() -> None:
+        for enc in encs:
+            enc.commit()
+        srv.update(zip(names, avg))
+    return Downlink(step, commit)
+
+
+def _encode_region(state, backend, srcs, names, fp: int, dev):
+    """The region message of ``srcs`` at the downlink's density and mode, and its encodings."""
+    cfg = state.config
+    density, mode = cfg.downlink_density, cfg.downlink_mode
+    if mode != "values":  # a binarized side never holds a zero, so no position is wasted
+        fused = backend.encode_many(srcs, density, mode, cfg.selection, names, fp)
+        if fused is not None:
+            return fused.frame(fp, None), [fused]
+        encs = [backend.encode_tensor(s, density, mode, n, cfg.selection)
+                for s, n in zip(srcs, names)]
+    else:  # top-k of a sum of sparse parts: never a zero-valued position
+        for s in srcs:
+            s.residual.add_(s.addend)
+        encs = [server.encode_downlink(backend, s.residual, density, mode, n, cfg.selection)
+                for s, n in zip(srcs, names)]
+    return frame.frame([e.message for e in encs], fp, dev), encs
+
+
+def decode_regions(state, gathered: torch.Tensor, p: Plan, targets: Targets) -> None:
+    """Every owner's region message (``gathered``, in rank order) into the per-piece
+    ``targets``; raises the first ERROR (then SKIP) in rank order before anything is written,
+    or ``ValueError`` naming the owner whose message is malformed."""
+    host = frame.host_bytes(gathered)
+    heads = [protocol.parse_step(host, s, e, r)
+             for r, (s, e) in enumerate(protocol.split(host, p.size))]
+    for kind in (protocol.StepKind.ERROR, protocol.StepKind.SKIP):
+        for h in heads:
+            if h.kind is kind:
+                raise protocol.peer_error(host, h)
+    owners = [h.rank for h in heads if p.regions[h.rank]]
+    jobs = [DecodeJob(gathered[heads[r].start:heads[r].end], p.regions[r], 1,
+                      p.region_targets(targets, r)) for r in owners]
+    for r, err in zip(owners, state.backend(gathered.device).decode_many(jobs)):
+        if err is not None:
+            raise ValueError(f"the region message of rank {r}: {err}") from None
+
+
+def exchange(state, step: torch.Tensor, p: Plan, rank: int, targets: Targets, scale: float,
+             tag: str, acc_dtype) -> Callable[[], None]:
+    """One sync (see the module docstring) into the per-piece ``targets``; returns the
+    commit of this rank's downlink error feedback. ``stats()``: ``upstream_bits`` the parts
+    sent to the other owners plus this rank's region message, ``downstream_bits`` the parts
+    and region messages received from the other ranks (each collective counted as a direct
+    exchange)."""
+    if not hasattr(state.transport, "alltoall"):
+        raise ValueError("SBC(topology='reduce_scatter') needs Horovod's alltoall; this "
+                         f"transport ({type(state.transport).__name__}) has none")
+    parts, splits = region_parts(step, p, rank)
+    received = state.transport.alltoall(parts, splits, tag + ".parts")
+    down = owner_step(state, received, p, rank, scale, acc_dtype, step.device)
+    gathered = state.transport.allgather(down.step, tag + ".regions")
+    mine = down.step.numel()
+    state.manager.add(upstream_bits=8 * (sum(splits) - splits[rank] + mine),
+                      downstream_bits=8 * (received.numel() - splits[rank]
+                                           + gathered.numel() - mine))
+    decode_regions(state, gathered, p, targets)
+    return down.commit

@@ -1,0 +1,157 @@
+"""SBC(topology="reduce_scatter") (horovod_sbc/torch/sync/scatter.py) on real 3- and 4-rank jobs
+(tests/workers/torch_scatter.py), and its region plan in this process."""
+import tempfile
+
+import pytest
+import torch
+
+from harness import SharedJob, run_ranks
+from horovod_sbc import wire
+from horovod_sbc.config import SBCConfig
+from horovod_sbc.torch.sync import scatter
+
+CKPT = tempfile.mkdtemp(prefix="sbc-rs-ckpt-")
+TRAIN = {(api, delay, lr): ["train", f"api={api}", f"delay={delay}", f"local_residual={lr}"]
+         for api, delay, lr in (("stock", 1, 0), ("dropin", 1, 0), ("dropin", 2, 1))}
+THREE = SharedJob("torch_scatter.py", 3, {
+    **TRAIN, "allgather": ["train", "api=dropin", "topology=allgather"],
+    "values": ["train", "api=dropin", "mode=values"], "equiv": ["equiv"], "nan": ["nan"]},
+    timeout=300)
+FOUR = SharedJob("torch_scatter.py", 4, {
+    **TRAIN, "allgather": ["train", "api=dropin", "topology=allgather"],
+    "hier": ["train", "api=dropin", "hier=1", "delay=2"],
+    "save": ["save", f"ckpt={CKPT}"]}, timeout=300)
+LOAD = SharedJob("torch_scatter.py", 4, {"load": ["load", f"ckpt={CKPT}"]}, after=[FOUR],
+                 timeout=200)
+JOBS = {3: THREE, 4: FOUR}
+
+
+# -- the plan, in this process -------------------------------------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 64])
+def test_plan_cuts_the_layout_into_equal_regions_of_whole_pieces(size):
+    layout = (("a", (20, 256)), ("b", (256,)), ("empty", (0,)), ("c", (5, 256)), ("d", (5,)))
+    p = scatter.Plan(layout, size)
+    total = 5120 + 256 + 1280 + 5
+    sizes = [sum(wire.layout_numel(s) for _, s in lay) for lay in p.regions]
+    assert sizes == [total * (r + 1) // size - total * r // size for r in range(size)]
+    # the pieces tile every tensor in order, without gaps or overlaps
+    for t, (name, shape) in enumerate(layout):
+        mine = [pc for pc in p.pieces if pc.tensor == t]
+        assert mine[0].start == 0 and mine[-1].stop == wire.layout_numel(shape)
+        assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
+        if len(mine) == 1:  # a whole tensor keeps its name and shape
+            assert (mine[0].name, mine[0].shape) == (name, shape)
+    assert len(p.pieces) <= len(layout) + size - 1
+    assert sum(len(lay) for lay in p.regions) == len(p.pieces)
+
+
+def test_plan_views_write_through_to_the_tensors():
+    p = scatter.Plan((("a", (10,)), ("b", (3, 2))), 4)  # regions of 4 elements
+    outs = [torch.zeros(10), torch.zeros(6)]
+    for i, v in enumerate(p.split(outs)):
+        v.fill_(i + 1)
+    assert outs[0].tolist() == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+    assert outs[1].tolist() == [4, 4, 5, 5, 5, 5]
+
+
+def test_config_says_what_the_topology_takes():
+    cfg = SBCConfig(density=0.02, topology="reduce_scatter")
+    assert cfg.downlink_density == 0.02 and cfg.downlink_mode == "sbc"
+    assert SBCConfig(topology="reduce_scatter", mode="values").downlink_mode == "values"
+    assert SBCConfig(topology="server").downlink_mode == "values"
+    with pytest.raises(ValueError, match="downlink_binarize applies to topology='server' or"):
+        SBCConfig(downlink_binarize=True)
+    with pytest.raises(ValueError, match="fixed_size applies to topology='allgather'"):
+        SBCConfig(topology="reduce_scatter", fixed_size=True)
+    with pytest.raises(ValueError, match="topology must be one of"):
+        SBCConfig(topology="ring")
+
+
+# -- real jobs ---------------------------------------------------------------------------------
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [3, 4])
+@pytest.mark.parametrize("key", list(TRAIN))
+def test_shared_weights_identical_on_every_rank_and_moving(np_, key):
+    res = JOBS[np_][key]
+    steps = len(res[0]["digests"]) - 1
+    for s in range(steps + 1):
+        assert len({r["digests"][s] for r in res}) == 1, f"ranks differ after step {s}"
+    delay = int(key[1])
+    assert len(set(res[0]["digests"][::delay])) == steps // delay + 1  # every sync moves them
+    assert all(r["stats"]["syncs"] == steps // delay for r in res)
+    # every owner keeps a downlink residual of its region only, and together they tile it
+    assert sum(sum(r["regions"].values()) for r in res) == 5120 + 256 + 2 * (1280 + 5) \
+        or key[0] == "stock"  # the stock hook's layout changes with the aux branch
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("np_", [3, 4])
+def test_bits_are_counted_exactly_and_download_stays_below_the_allgather(np_):
+    job = JOBS[np_]
+    for key in list(TRAIN) + ["allgather"]:
+        for r in job[key]:
+            # the stock hook also counts Horovod's allreduce of a 1-float placeholder per
+            # gradient and step (6 gradients, 8 steps)
+            dummies = 32 * 6 * 8 if key[0] == "stock" else 0
+            assert r["stats"]["upstream_bits"] == 8 * r["moved"]["sent"] + dummies, key
+            assert r["stats"]["downstream_bits"] == 8 * r["moved"]["received"], key
+    down = lambda key: sum(r["stats"]["downstream_bits"] for r in job[key])  # noqa: E731
+    # allgather: N - 1 messages per rank; reduce-scatter: about (N - 1) / N of two messages
+    assert down(("dropin", 1, 0)) < (0.75 if np_ == 4 else 0.9) * down("allgather")
+
+
+@pytest.mark.multirank
+def test_dense_values_through_both_topologies_agree():
+    for r in THREE["equiv"]:
+        assert r["max_abs_diff"] <= 1e-6, r
+
+
+@pytest.mark.multirank
+def test_training_through_the_regions_stays_close_to_the_allgather():
+    for key in (("dropin", 1, 0), "values"):
+        rs = THREE[key][0]["losses"]
+        ag = THREE["allgather"][0]["losses"]
+        assert abs(sum(rs[-3:]) - sum(ag[-3:])) / 3 < 0.25, (key, rs, ag)
+
+
+@pytest.mark.multirank
+def test_a_nan_on_one_rank_fails_or_skips_every_rank_alike():
+    res = THREE["nan"]
+    for api in ("dropin", "stock"):
+        for r in res:
+            msg = r[f"raise_{api}"]
+            assert msg and msg.startswith("ValueError") and "rank 1" in msg and "NaN" in msg, msg
+    assert all(r["skip_warning"] and "rank 1" in r["skip_warning"] for r in res)
+    assert all(r["skip_unchanged"] for r in res)
+    assert len({r["skip_after"] for r in res}) == 1
+    assert all(r["skip_syncs"] == 2 for r in res)  # the skipped sync is not counted
+
+
+@pytest.mark.multirank
+def test_hierarchy_with_reduce_scatter_across_nodes():
+    res = FOUR["hier"]
+    for s in range(len(res[0]["digests"])):
+        assert len({r["digests"][s] for r in res}) == 1, f"ranks differ after step {s}"
+    assert len(set(res[0]["digests"][::2])) == len(res[0]["digests"][::2])
+
+
+@pytest.mark.multirank
+def test_checkpoint_resumes_bit_identically_with_the_downlink_residuals():
+    saved, loaded = FOUR["save"], LOAD["load"]
+    for r in range(4):
+        assert loaded[r]["digests"] == saved[r]["digests"]
+        assert loaded[r]["downlink_residuals"] == saved[r]["downlink_residuals"] > 0
+
+
+@pytest.mark.multirank
+def test_a_rank_killed_inside_a_sync_ends_the_job_with_an_error():
+    _, out = run_ranks("torch_scatter.py", 3, ["--scenarios", '[["kill"]]'], timeout=150,
+                       expect_fail=True)
+    assert "finished" not in out
+
+
+def test_ddp_refuses_the_topology_by_name():
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.ddp import SBCState
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        SBCState(torch.nn.Linear(2, 2), compression=SBC(topology="reduce_scatter"))
