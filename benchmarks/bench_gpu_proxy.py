@@ -68,7 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Shape = Tuple[int, ...]
 LAYOUTS = ("resnet50", "gpt2")
-PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-variable",
+PATHS = ("dropin", "stock", "ddp", "dropin-fixed", "stock-fixed", "ddp-variable", "dropin-rs", "stock-rs",
          "dropin-shared")
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 RANKS = (2, 8)
@@ -285,7 +285,39 @@ class FakeHorovodTransport:
         return self.size, 0
 
     def allgather(self, step: torch.Tensor, tag: str) -> torch.Tensor:
+        if tag.endswith(".regions"):  # the reduce-scatter's region messages: every owner's
+            return self._regions(step)
         return fake_gather(self._counter(), step, self.size)
+
+    def alltoall(self, buf: torch.Tensor, splits, tag: str) -> torch.Tensor:
+        """Every rank sends this one what this rank sends its region 0 (kept, for the other
+        owners' region messages, which :meth:`_regions` makes uncounted)."""
+        self._parts = (buf, list(splits))
+        counter = self._counter()
+        if counter is not None:
+            counter.collectives += 1
+        with counter.paused() if counter is not None else contextlib.nullcontext():
+            return buf[:splits[0]].repeat(self.size)
+
+    def _regions(self, mine: torch.Tensor) -> torch.Tensor:
+        """Rank 0's region message and, uncounted, every other owner's for the same parts."""
+        from horovod_sbc.torch.sync import scatter
+        from horovod_sbc.torch.sync.state import SyncState
+        counter = self._counter()
+        if counter is not None:
+            counter.collectives += 1
+        with counter.paused() if counter is not None else contextlib.nullcontext():
+            buf, splits = self._parts
+            offs = [sum(splits[:r]) for r in range(self.size + 1)]
+            if not hasattr(self, "_owners"):
+                self._owners = [SyncState(self.config, self) for _ in range(self.size)]
+            out = [mine]
+            for r in range(1, self.size):
+                st = self._owners[r]
+                parts = buf[offs[r]:offs[r + 1]].repeat(self.size)
+                out.append(scatter.owner_step(st, parts, self.plan, r, 1.0 / self.size,
+                                              torch.float32, buf.device).step)
+            return torch.cat(out)
 
 
 def fake_gather(counter, step: torch.Tensor, size: int) -> torch.Tensor:
@@ -350,15 +382,24 @@ def _params(shapes):
     return [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in shapes]
 
 
+def _fake_transport(comp, shapes, size: int) -> None:
+    """``comp``'s transport: the fake Horovod one (knowing, for the reduce-scatter, the
+    regions of the layout)."""
+    from horovod_sbc.torch.sync import scatter
+    comp.transport = FakeHorovodTransport(size, _active)
+    comp.transport.config = comp.config
+    comp.transport.plan = scatter.plan(tuple(sorted((n, tuple(s)) for n, s in shapes)), size)
+
+
 def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed=None,
-                 local_residual: bool = True):
+                 local_residual: bool = True, topology: str = "allgather"):
     """The drop-in optimizer (residual in the weights, or beside the shared weights with
     ``local_residual=False``); a local step moves every weight. ``fixed``:
     ``SBC(fixed_size=True)``."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
     named = _params(shapes)
-    comp = SBC(density=density, fixed_size=fixed)
-    comp.transport = FakeHorovodTransport(size, _active)
+    comp = SBC(density=density, fixed_size=fixed, topology=topology)
+    _fake_transport(comp, shapes, size)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
                                named_parameters=named, compression=comp,
                                local_residual=local_residual)
@@ -371,7 +412,8 @@ def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed=None,
     return perturb, opt.synchronize
 
 
-def setup_stock(shapes, density: float, size: int, noise: Noise, fixed=None):
+def setup_stock(shapes, density: float, size: int, noise: Noise, fixed=None,
+                topology: str = "allgather"):
     """Stock ``hvd.DistributedOptimizer``'s calls: ``compress`` per gradient (backward), then
     per gradient the allreduce of its placeholder (a collective) and ``decompress``.
     ``fixed``: ``SBC(fixed_size=True)``."""
@@ -379,8 +421,8 @@ def setup_stock(shapes, density: float, size: int, noise: Noise, fixed=None):
     named = _params(shapes)
     for _, p in named:
         p.grad = torch.zeros_like(p)
-    comp = SBC(density=density, named_parameters=named, fixed_size=fixed)
-    comp.transport = FakeHorovodTransport(size, _active)
+    comp = SBC(density=density, named_parameters=named, fixed_size=fixed, topology=topology)
+    _fake_transport(comp, shapes, size)
 
     def perturb(step: int) -> None:
         for (_, p), g in zip(named, noise.segments(step)):
@@ -465,7 +507,9 @@ SETUPS = {"dropin": setup_dropin, "stock": setup_stock, "ddp": setup_ddp,
           "dropin-fixed": functools.partial(setup_dropin, fixed=True),
           "stock-fixed": functools.partial(setup_stock, fixed=True),
           "ddp-variable": functools.partial(setup_ddp, fixed=False),
-          "dropin-shared": functools.partial(setup_dropin, local_residual=False)}
+          "dropin-shared": functools.partial(setup_dropin, local_residual=False),
+          "dropin-rs": functools.partial(setup_dropin, topology="reduce_scatter"),
+          "stock-rs": functools.partial(setup_stock, topology="reduce_scatter")}
 
 
 # ------------------------------------------------------------------------------------------------
