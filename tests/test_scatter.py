@@ -1,5 +1,6 @@
 """SBC(topology="reduce_scatter") (horovod_sbc/torch/sync/scatter.py) on real 3- and 4-rank jobs
-(tests/workers/torch_scatter.py), and its region plan in this process."""
+(tests/workers/torch_scatter.py; the 3-rank one with the C kernels off, so through the
+tensor-op codec CUDA tensors take), and its region plan in this process."""
 import tempfile
 
 import pytest
@@ -16,7 +17,7 @@ TRAIN = {(api, delay, lr): ["train", f"api={api}", f"delay={delay}", f"local_res
 THREE = SharedJob("torch_scatter.py", 3, {
     **TRAIN, "allgather": ["train", "api=dropin", "topology=allgather"],
     "values": ["train", "api=dropin", "mode=values"], "equiv": ["equiv"], "nan": ["nan"]},
-    timeout=300)
+    timeout=300, env={"HOROVOD_SBC_KERNELS": "0"})  # the tensor-op codec CUDA tensors take
 FOUR = SharedJob("torch_scatter.py", 4, {
     **TRAIN, "allgather": ["train", "api=dropin", "topology=allgather"],
     "hier": ["train", "api=dropin", "hier=1", "delay=2"],

@@ -213,7 +213,8 @@ def _padded(xs, n: int) -> Tuple:
 @dataclass
 class DecodeJob:
     """One gathered step to decode: ``scale`` x every rank's tensors into ``targets``. The
-    backend records what it read: ``host``, the job's bytes, and ``step``, its parsed headers
+    backend records what it read: ``host``, the job's bytes (given by a caller that read them
+    already, they are not read again), and ``step``, its parsed headers
     (:class:`horovod_sbc.protocol.GatheredStep`, None when parsing failed)."""
     gathered: torch.Tensor
     layout: Sequence[Tuple[str, Sequence[int]]]

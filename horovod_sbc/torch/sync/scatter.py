@@ -198,7 +198,8 @@ def decode_regions(state, gathered: torch.Tensor, p: Plan, targets: Targets) -> 
                 raise protocol.peer_error(host, h)
     owners = [h.rank for h in heads if p.regions[h.rank]]
     jobs = [DecodeJob(gathered[heads[r].start:heads[r].end], p.regions[r], 1,
-                      p.region_targets(targets, r)) for r in owners]
+                      p.region_targets(targets, r),
+                      host=memoryview(host)[heads[r].start:heads[r].end]) for r in owners]
     for r, err in zip(owners, state.backend(gathered.device).decode_many(jobs)):
         if err is not None:
             raise ValueError(f"the region message of rank {r}: {err}") from None
