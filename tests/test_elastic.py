@@ -1,6 +1,8 @@
 """Elastic Horovod with SBC (``horovod_sbc.torch.elastic.SBCState``) on one real ``horovodrun``
 elastic job on localhost (Gloo): 3 ranks shrink to 2, grow to 3 again, and then the third rank
-dies inside a drop-in sync and its host is blacklisted; the job ends on 2 ranks.
+dies inside a drop-in sync and its host is blacklisted; the job ends on 2 ranks. The stock
+optimizer exchanges by the sparse reduce-scatter (``SBC(topology="reduce_scatter")``), whose
+downlink residuals survivors keep and new workers start at zero.
 
 The discovery script is a file this test rewrites whenever rank 0 reports that it waits for a
 host change ("localhost" holds 2 slots; "127.0.0.1", a second name for this machine, is the
@@ -52,7 +54,7 @@ def job():
     hr = str(launch.BIN / "horovodrun")
     cmd = [hr, "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
            "--gloo", "--network-interface", "lo", sys.executable,
-           str(WORKERS / "torch_elastic.py")]
+           str(WORKERS / "torch_elastic.py"), "stock_topology=reduce_scatter"]
     # HOROVOD_GLOO_TIMEOUT_SECONDS (30 s) bounds both how long the survivors wait for a new
     # worker to start (a shorter one fails the grow on a loaded machine) and how long rank 0,
     # Gloo's coordinator, waits on the dead peer after the kill
@@ -112,12 +114,15 @@ def test_survivors_keep_their_residuals_and_new_workers_start_from_zero(job):
             if e["wid"] in seen:  # a survivor: exactly its last committed state
                 survivors += 1
                 assert e["last"] is not None
-                for k in ("wref", "res", "weights", "stock_w", "stock_res", "local_steps"):
+                for k in ("wref", "res", "weights", "stock_w", "stock_res", "stock_down",
+                          "local_steps"):
                     assert e[k] == e["last"][k], (i, k, e)
                 assert e["res_max"] > 0 and e["stock_res_max"] > 0  # a residual to keep
-            else:  # a new worker: the shared weights, a zero residual
+                assert e["stock_down_max"] > 0  # every rank owns a region
+            else:  # a new worker: the shared weights, a zero residual (up and down)
                 newcomers += 1
                 assert e["last"] is None and e["res_max"] == 0 and e["stock_res_max"] == 0, e
+                assert e["stock_down_max"] == 0, e
                 assert e["weights"] == e["wref"]
                 assert e["stats"][0]["syncs"] == 0 and e["stats"][1]["syncs"] == 0
         seen |= {e["wid"] for e in g}

@@ -3,7 +3,8 @@
 Every rank trains two models side by side on one linear-regression task (each rank draws its own
 samples): one through the drop-in ``horovod_sbc.torch.DistributedOptimizer`` (SGD momentum 0.9,
 ``SBC(density=0.1, delay=2)``, the residual in the weights), one through stock
-``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (plain SGD), both in one
+``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (plain SGD; ``stock_topology=``
+its topology, e.g. ``reduce_scatter``), both in one
 ``SBCState``, committed after every step. Every worker starts from its own random weights.
 
 The schedule, by the step counter that ``SBCState`` carries across resets (the job starts on
@@ -67,7 +68,9 @@ drop = sbc.DistributedOptimizer(
 stock_named = [(f"s.{n}", p) for n, p in stock_model.named_parameters()]
 stock = hvd.DistributedOptimizer(torch.optim.SGD(stock_model.parameters(), lr=0.05),
                                  named_parameters=stock_named,
-                                 compression=sbc.SBC(density=0.1, named_parameters=stock_named))
+                                 compression=sbc.SBC(density=0.1, named_parameters=stock_named,
+                                                     topology=KW.get("stock_topology",
+                                                                     "allgather")))
 STOCK_SBC = compression_of(stock)
 state = SBCState(drop_model, drop, stock_model=stock_model, stock=stock, step=0)
 last_commit = None
@@ -80,13 +83,15 @@ def residual_max(tensors):
 def snapshot():
     """What each rank must keep or agree on (names sorted: the same order on every rank)."""
     ref, res = drop.compression.manager.reference, drop.residuals()
-    sres = STOCK_SBC.manager.residuals
+    sres, sdown = STOCK_SBC.manager.residuals, STOCK_SBC.manager.server_residuals
     return {"wref": digest([ref[k] for k in sorted(ref)]),
             "res": digest([res[k] for k in sorted(res)]),
             "res_max": residual_max(res.values()),
             "stock_w": digest(stock_model.parameters()),
             "stock_res": digest([sres[k] for k in sorted(sres)]),
             "stock_res_max": residual_max(sres.values()),
+            "stock_down": digest([sdown[k] for k in sorted(sdown)]),
+            "stock_down_max": residual_max(sdown.values()),
             "local_steps": drop.local_steps_pending,
             "weights": digest([p for _, p in sorted(drop_model.named_parameters())])}
 
