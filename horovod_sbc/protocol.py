@@ -1,43 +1,27 @@
 """The protocol layer: one framework-free verdict for every decoder.
 
-:mod:`horovod_sbc.wire` specifies the bytes. This module owns every *decision* a receiver makes
-about them, so that the numpy reference, the torch decoder and the TensorFlow decoder (eager and
-inside ``tf.function``) reach the same verdict, in the same order, from the same bytes — which is
-what keeps the ranks of one job (even a job that mixes TF and torch ranks) together:
+:mod:`horovod_sbc.wire` specifies the bytes; this module owns every *decision* a receiver makes
+about them, so that the numpy, torch and TensorFlow decoders reach the same verdict, in the same
+order, from the same bytes (docs/design.md#the-protocols-verdict): :func:`parse_gathered` judges
+the headers on the host, the framework decodes the streams into :class:`StreamStats`, and
+:func:`check_streams` judges those; only then may a decoder touch its output. The canonical
+order of verdicts (the first problem found in this order is the one reported):
 
-1. :func:`parse_gathered` splits an allgathered buffer into the ranks' step messages, validates
-   every step header, decides which rank's ERROR/SKIP wins, checks the layouts and parses every
-   tensor header — all in exact Python integers on the host (O(number of tensors), never
-   O(numel)). It returns a :class:`GatheredStep` of :class:`~horovod_sbc.wire.TensorMessage`.
-2. A framework decodes the position streams of all those messages with its own ops (that is the
-   O(message bytes) work) and computes, per message, the few :class:`StreamStats` integers.
-3. :func:`check_streams` checks those statistics in exact integer arithmetic, in the canonical
-   order, and raises the first problem. Only then may a decoder touch its output.
-
-The canonical order of verdicts (the first problem found in this order is the one reported):
-
-a. framing: rank by rank, the step message's header must be complete and its declared length
-   present; no trailing bytes after the last rank;
+a. framing: rank by rank, a complete step header and its declared length; no trailing bytes;
 b. step headers: rank by rank, magic, version, reserved bits, body length and body CRC-32;
 c. ERROR before SKIP: the lowest rank that sent ERROR raises :class:`~horovod_sbc.wire.PeerError`;
    otherwise the lowest rank that sent SKIP raises a ``PeerError`` with ``skip=True``;
 d. layouts: rank by rank, the layout fingerprint and the number of tensors;
 e. tensor headers: rank by rank, tensor by tensor (:func:`horovod_sbc.wire.parse_tensor_header`),
-   and the body must end exactly after the last tensor message, or with PADDED in zero bytes
-   only (a padded ERROR/SKIP's padding is checked with its step header, in b);
+   the body ending exactly after the last one, or PADDED with zero bytes only;
 f. streams: rank by rank, tensor by tensor (:func:`check_streams`).
 
-Decoded arithmetic (so that every rank, whatever its framework, ends with the same bits): the
-output is zero-initialised (or the caller's tensor), and for each rank in rank order, each tensor
-message adds, at its positions, ``round_to_out_dtype(float64(value) * scale)`` where ``value`` is
-the message's float32 value at that position and ``scale`` a Python float (e.g. ``1/size``);
-positions within one message are unique, so each add is one rounding in the output's dtype.
-
-Malformed input is always ``ValueError`` (``PeerError`` is a ``ValueError`` too), never
-``IndexError`` or a framework error.
-
-Encoders' byte-level choices live here too (:func:`empty_tensor_message`), next to
-:func:`horovod_sbc.wire.choose_rice_b` and :func:`horovod_sbc.wire.tensor_header`.
+Decoded arithmetic: the output is zero-initialised (or the caller's tensor), and for each rank
+in rank order each tensor message adds, at its (unique) positions,
+``round_to_out_dtype(float64(value) * scale)``: ``value`` its float32 value there, ``scale`` a
+Python float (e.g. ``1/size``). Malformed input is always ``ValueError`` (``PeerError`` is one
+too), never ``IndexError`` or a framework error. Encoders' byte-level choices live here too
+(:func:`empty_tensor_message`, next to :func:`horovod_sbc.wire.choose_rice_b`).
 """
 from __future__ import annotations
 

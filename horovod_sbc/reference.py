@@ -1,38 +1,27 @@
-"""SBC compression math — the numpy reference (framework-agnostic).
+"""SBC compression math — the numpy reference (framework-agnostic), the oracle of every codec.
 
 Sparse Binary Compression (Sattler, Wiedemann, Müller, Samek; arXiv 1805.08768), per tensor:
 
 1. ``A = R + dW``: add the residual R (error feedback) to the update dW.
-2. **Sparsify** with ``k = keep_count(numel, density)`` (``density`` is the paper's *p*):
-
-   * ``selection="paper"`` (default; the SBC paper's Algorithm 1): the positive set P is the
-     ``min(k, #positive)`` largest positive entries of A, the negative set N the ``min(k,
-     #negative)`` most negative ones. So the side finally sent has (up to) k positions: the
-     fraction of positions sent per tensor is ``density`` whenever that side has k entries.
-   * ``selection="magnitude"``: the k entries of largest |A| form the kept set, split by sign into
-     P and N (together at most k, so the side sent usually has only ~0.5-0.65 k positions).
-
-   Ties at the k-th value go to the lower flat index, so every implementation keeps the same set.
+2. **Sparsify** with ``k = keep_count(numel, density)`` (``density`` is the paper's *p*).
+   ``selection="paper"`` (default; the paper's Algorithm 1): the positive set P is the
+   ``min(k, #positive)`` largest positive entries of A, the negative set N the ``min(k,
+   #negative)`` most negative ones. ``selection="magnitude"``: the k entries of largest |A|,
+   split by sign into P and N. Ties at the k-th value go to the lower flat index.
 3. **Binarize**: ``mu+`` = mean of A over P, ``mu-`` = mean of -A over N. Only the side with the
    larger mean is sent (``mu+`` wins ties), every one of its entries as that mean: positions plus
    one float. If the winning mean is 0 (no non-zero entry) nothing is sent.
 4. **Residual**: ``R = A - sent``. Entries not sent keep their exact value; sent entries become
    ``A - (+-mu)`` rounded to the residual's dtype.
 
-Means are computed the same way by every implementation (:func:`tree_sum_np`): the values in
-position order, as float64, summed by a fixed pairwise tree (padded with zeros to a power of two,
-then repeatedly ``x[:h] + x[h:]``); the float64 sum is divided by the count on the host and
-rounded once to float32 (the wire's float). IEEE float64 addition is the same on every backend and
-device, so every implementation gets bit-identical means without any host-side O(k) work.
+Means (:func:`tree_sum_np`): the values in position order, as float64, summed by a fixed
+pairwise tree (padded with zeros to a power of two, then repeatedly ``x[:h] + x[h:]``), divided
+by the count and rounded once to float32, so every implementation's means are bit-identical.
 
-``binarize=False`` sends the kept entries' own float32 values instead (top-k with error feedback;
-with density 1 the message is dense: flag ALL, 32 bits per element); it always uses the magnitude
-selection.
-
-``mode="sign"`` is error-feedback signSGD (Karimireddy et al. 2019, "Error Feedback Fixes
-SignSGD"): every element is sent as ``sign(A) * mean(|A|)`` (one bit per element, one float;
-``density`` is ignored; zeros count as positive); the scale is ``tree_sum_np(|A|) / numel``
-rounded to float32.
+``binarize=False`` sends the kept entries' own float32 values (top-k with error feedback; always
+the magnitude selection). ``mode="sign"`` is error-feedback signSGD (Karimireddy et al. 2019):
+every element as ``sign(A) * mean(|A|)`` (zeros positive; ``density`` ignored). Why each rule:
+docs/design.md#the-sbc-rule-per-tensor.
 """
 from __future__ import annotations
 

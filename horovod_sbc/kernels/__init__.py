@@ -1,72 +1,27 @@
 """SBC's CPU kernels (``sbc_kernels.c``), compiled on first use and called through ``ctypes``.
 
-The torch codec does its O(numel) and O(k) work in tensor ops so that it runs unchanged on any
-device. On the CPU, a handful of tensor ops per stage still means several passes over the tensor
-and over the positions, and int64 temporaries for every bit; these kernels do each stage in one
-pass of plain C instead, so that compressing and decoding cost a few passes over memory, like a
-``torch.add`` of the same size. They are used for contiguous float32 CPU tensors of at most ``MAX_NUMEL`` (2**32 - 1)
-elements (positions are 32-bit inside) and CPU step buffers; everything else
-(CUDA tensors, other dtypes, SIGNS/VALUES/ALL messages) takes the tensor-op path, and so does
-everything when the kernels are unavailable or disabled. Both paths produce the same bytes and
-the same verdicts: the golden vectors and the differential test run through each.
+The torch codec's tensor ops run on any device, but on the CPU each stage costs several passes
+and int64 temporaries; these kernels do each stage in one pass of plain C, so that compressing
+and decoding cost a few passes over memory, like a ``torch.add`` of the same size. They take
+contiguous float32 CPU tensors of at most ``MAX_NUMEL`` (2**32 - 1) elements (positions are
+32-bit inside) and CPU step buffers; everything else (CUDA tensors, other dtypes,
+SIGNS/VALUES/ALL messages) takes the tensor-op path, and so does everything when the kernels are
+unavailable or disabled. Both paths produce the same bytes and the same verdicts: the golden
+vectors and the differential test run through each. The entry points: ``sbc_select`` (and
+``_diff``, ``_consume``), the exact selection and fixed-order means of
+:mod:`horovod_sbc.reference`; ``sbc_gap_shift_sums`` / ``sbc_rice_encode``, the Rice streams;
+``sbc_decode_batch``, a gathered step's positions and stream statistics; ``sbc_scatter_add_*``,
+the rank-ordered sums. What each computes, the SIMD variants and the build:
+docs/design.md#the-cpu-kernels (``sbc_kernels.c`` has the details).
 
-What the kernels compute (``sbc_kernels.c`` has the details):
-
-* ``sbc_select`` — the exact selection of :mod:`horovod_sbc.reference` (paper: the min(k, #positive)
-  largest positive and the most negative entries; magnitude: the k largest ``|a|``), ties at the
-  k-th value to the lower index, via thresholds from a strided sample, one candidate pass (which
-  also rejects NaN/Inf) and a radix select among the candidates; plus the fixed-order float64
-  tree sums of both sides (:func:`horovod_sbc.reference.tree_sum_np`, same additions in the same
-  order, so the means are bit-identical). The positions stay in per-thread scratch (kept
-  between calls, so a step does not page-fault fresh buffers per tensor; ``sbc_release`` frees
-  it) until ``sbc_take`` copies the side that is sent. Given a destination, the paper rule
-  writes only the side whose mean is larger beyond any rounding doubt straight into it (the
-  other side's sum is then a float64 sum in another fixed order, close enough that the side chosen from the two
-  means cannot change); both sides otherwise;
-* ``sbc_select_diff`` — ``sbc_select`` of ``A = W - W_ref`` formed in the selection's pass and
-  never stored (the drop-in optimizer's update when its residual lives in the weights): reads
-  the two tensors, writes neither; ``sbc_select_consume`` — ``sbc_select`` whose pass also
-  zeroes the addend (the stock hook's gradient, which then receives the decoded average with
-  no memset of its own);
-* ``sbc_gap_shift_sums`` / ``sbc_rice_encode`` — ``sum(gap >> b)`` for the candidate Rice
-  parameters, and the unary and remainder streams (:mod:`horovod_sbc.wire`);
-* ``sbc_decode_batch`` — every binary message of a gathered step: the stream statistics that
-  :func:`horovod_sbc.protocol.check_streams` judges, and the positions (into per-thread
-  scratch; ``sbc_positions`` copies some out). It reads only inside the byte ranges the host
-  parser found (and checks them against the buffer once more);
-* ``sbc_scatter_add_groups`` — ``out[pos] += value`` for every tensor's messages, each element
-  receiving its ranks' values in rank order (float32 adds, the reference's order), walking the
-  output once in cache-sized chunks rather than once per rank; ``sbc_scatter_add_mask_groups``
-  also sets ``buf = 0`` wherever the decoded sum is non-zero, visiting only the decoded
-  positions of each chunk while it is hot (the stock hook's momentum masking); both can be
-  told that their outputs are zero already (no memset); ``sbc_scatter_add_also_groups`` adds the
-  same values to a second output per tensor in the same walk (the drop-in's weights beside the
-  shared weights);
-* ``sbc_decode_batch_into`` / ``sbc_scatter_add_groups_from`` — the same two with the positions
-  in a caller's buffer instead of the thread's scratch (the TensorFlow ops below, whose decode
-  and scatter may run on different threads).
-
-SIMD: the candidate pass, the packing of the kept candidates and the Rice decoder's second pass
-use AVX-512 where the CPU reports it at run time (compiled for any x86-64 through ``target``
-attributes), else SSE2 or portable C; ``HOROVOD_SBC_SIMD=sse2`` or ``=c`` (read once per process)
-asks for an older variant. Every variant gives the same bytes and verdicts
-(``tests/test_kernels.py`` runs each).
-
-Build: ``cc -O3 -fPIC -shared -ffp-contract=off`` (never ``-ffast-math``: every float operation
-must be the IEEE one of the reference), into ``$HOROVOD_SBC_KERNELS_DIR`` or
-``~/.cache/horovod_sbc/kernels``, keyed by a hash of the source, the compiler command and the
-platform; concurrent ranks building at once each write a private file and rename it into place.
-``python -m horovod_sbc.kernels`` builds ahead of time (``scripts/install.sh`` does).
-``HOROVOD_SBC_KERNELS=0`` (read at import) disables them (the tensor-op codec is used); so does
-:func:`disabled` for a block of code (tests).
-
-TensorFlow: ``sbc_tf_ops.cc`` wraps the same kernels as three TensorFlow custom ops (CPU only;
-``SbcEncode``, ``SbcDecode``, ``SbcScatterAdd``; the file documents why the op boundaries
-lie where they do). :func:`tf_ops` builds it on first use like the C library — ``sbc_kernels.c``
-compiled by ``cc`` as a C object, linked with the ``.cc`` by ``g++`` (``$CXX``) with
-``tf.sysconfig``'s compile and link flags, cached under a hash of both sources, the commands and
-the TensorFlow version — and loads it with ``tf.load_op_library``;
-:mod:`horovod_sbc.tensorflow.backend.native` drives it. The same switches disable it.
+``HOROVOD_SBC_KERNELS=0`` (read at import) disables them, :func:`disabled` for a block of code
+(tests); ``HOROVOD_SBC_SIMD=sse2`` or ``=c`` asks for an older SIMD variant (the same bytes).
+The library is built with ``-ffp-contract=off`` (never ``-ffast-math``) into
+``$HOROVOD_SBC_KERNELS_DIR`` or ``~/.cache/horovod_sbc/kernels``, keyed by a hash of the source,
+the compiler command and the platform; ``python -m horovod_sbc.kernels`` builds ahead of time.
+TensorFlow: :func:`tf_ops` builds ``sbc_tf_ops.cc`` (the same kernels as the CPU custom ops
+``SbcEncode``, ``SbcDecode``, ``SbcScatterAdd``) the same way and loads it with
+``tf.load_op_library``; docs/tensorflow.md#the-backends-what-runs-where says how.
 """
 from __future__ import annotations
 

@@ -1,36 +1,26 @@
 """Adam's second moment frozen after a warm-up: local Adam steps that are linear in the gradient.
 
-The drop-in optimizer averages the ranks' *weight changes*. Adam divides each rank's first
-moment by the square root of that rank's own second moment, so where gradient noise dominates a
-coordinate the N ranks' normalized steps point partly different ways and their average is up to
-sqrt(N) shorter than Adam's step on the averaged gradient; under error feedback the second moment
-also sees each rank's own, noisier gradients. With the second moment held fixed, Adam is
-momentum SGD with a fixed diagonal preconditioner: its step is linear in the gradients, the
-average of the ranks' steps is the step on the averaged gradient, and error feedback delays it
-as it delays SGD's.
-
-This is the idea of 1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale
-Training with Adam's Convergence Speed", ICML 2021, arXiv 2102.02888) and 0/1 Adam (Lu et al.,
-arXiv 2202.06009): the variance settles early in training and is then frozen. Here every rank
-keeps training with its own Adam during the first ``freeze_variance_after`` steps (compressed,
-as before), and from then on :func:`frozen_step` replaces the user's ``step()``:
+The drop-in optimizer averages the ranks' *weight changes*, and Adam's per-rank normalisation
+makes that average up to sqrt(N) shorter than Adam's step on the averaged gradient. With the
+second moment held fixed, Adam is momentum SGD with a fixed diagonal preconditioner: linear in
+the gradients, so the average of the ranks' steps is the step on the averaged gradient (1-bit
+Adam, Tang et al., ICML 2021, arXiv 2102.02888; 0/1 Adam, Lu et al., arXiv 2202.06009). Every
+rank trains with its own Adam during the first ``freeze_variance_after`` steps (compressed),
+and from then on :func:`frozen_step` replaces the user's ``step()``:
 
 * the first moment ``exp_avg`` and the step count go on as in Adam (bias correction of the first
   moment included), weight decay as the optimizer does it (decoupled for AdamW, added to the
   gradient for Adam), ``maximize`` honoured;
 * the second moment is the bias-corrected ``exp_avg_sq`` of the freeze (``max_exp_avg_sq`` with
-  ``amsgrad``), stored in place once: ``exp_avg_sq / (1 - beta2 ** step)``. A later plain Adam
-  step reads it almost unchanged (its own bias correction is then close to 1).
+  ``amsgrad``), stored in place once: ``exp_avg_sq / (1 - beta2 ** step)``;
+* a parameter whose first gradient arrives after the freeze takes that gradient's square; the
+  frozen variance is raised to ``config.ADAM_VARIANCE_FLOOR`` (1e-3) times its tensor's mean
+  (where the whole tensor saw no gradient, set to the square of its gradient at the freeze),
+  so that a coordinate dead through the warm-up does not divide a later gradient by ``eps``;
+* the learning rate, betas, eps and weight decay are read from the parameter groups at every
+  step, so LR schedulers act on it as on Adam.
 
-A parameter whose first gradient arrives after the freeze takes that gradient's square as its
-second moment (what Adam's first step would use). A coordinate whose gradient was zero or
-nearly so through the warm-up (a dead ReLU's weights, an embedding row no batch has used yet) has
-no variance worth freezing: left as it is, a later gradient would be divided by ``eps`` or little
-more and the weights would blow up (a small CNN frozen after 10 AdamW steps reached NaN), so the
-frozen variance is raised to ``config.ADAM_VARIANCE_FLOOR`` (1e-3) times its tensor's mean
-(where the whole tensor saw no gradient, set to the square of its gradient at the freeze).
-The learning rate, betas, eps and weight decay are read from the parameter groups at every
-step, so LR schedulers act as before.
+Why, when ``"auto"`` freezes, and why the floor: docs/design.md#adams-variance-freeze.
 """
 from __future__ import annotations
 

@@ -6,31 +6,22 @@ The one-line change for a DDP user (used exactly like PyTorch's PowerSGD hook)::
     model = DistributedDataParallel(net)
     model.register_comm_hook(SBCState(model, density=0.01), sbc_hook)
 
-and, for communication delay (local steps, then the compressed weight update), an averager in
-the shape of ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager``,
-usable with ``PostLocalSGDOptimizer``::
-
-    averager = SBCModelAverager(model, period=4, density=0.01)
-    opt = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), averager)
+For communication delay (local steps, then the compressed weight update),
+:class:`SBCModelAverager` has the shape of PyTorch's ``PeriodicModelAverager`` and works with
+``PostLocalSGDOptimizer``: ``SBCModelAverager(model, period=4, density=0.01)``.
 
 Both are thin adapters: compression, error feedback, the ``nonfinite`` verdicts, the wire format
 and ``stats()`` are those of :class:`horovod_sbc.torch.SBC` (its :meth:`~SBC.exchange`), with a
 :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` in place of Horovod's
-allgather: an all-gather of the message lengths, then one all-gather of the zero-padded uint8
-step messages, decoded and averaged on the gradients' device. Nothing is pickled. gloo (CPU) and
-NCCL (GPU).
+allgather (uint8 step messages all-gathered, nothing pickled; decoded and averaged on the
+gradients' device). gloo (CPU) and NCCL (GPU).
 
-Granularity of the hook (``granularity=``):
-
-* ``"parameter"`` (default): one step message per optimizer step holding one tensor message
-  per parameter (named by its parameter name), so each parameter gets its own top-k and its own
-  mean, exactly like the Horovod path. Residuals are keyed by parameter name, so DDP's bucket
-  rebuild after the first iteration does not disturb them and checkpoints do not depend on the
-  bucket layout.
-* ``"bucket"``: the whole flattened bucket is one tensor (one top-k and one mean across all its
-  parameters). Fewer headers, but biases and weights share one binarized value; the residual is
-  keyed by the bucket's parameter set (a bucket rebuild starts a new residual). Measured to train
-  worse (see ``docs/ddp.md``); kept for comparison.
+Granularity of the hook (``granularity=``): ``"parameter"`` (default) sends one tensor message
+per parameter (its own top-k and mean, as on the Horovod path), residuals keyed by parameter
+name, so DDP's bucket rebuild and checkpoints do not depend on the bucket layout; ``"bucket"``
+compresses each flattened bucket as one tensor (one top-k and one mean across its parameters),
+its residual keyed by the bucket's parameter set (a rebuild starts a new one). How it works and
+what each measured: docs/ddp.md#how-it-works, docs/ddp.md#per-parameter-or-per-bucket.
 """
 import enum
 import time

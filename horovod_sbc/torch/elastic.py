@@ -1,53 +1,27 @@
 """Elastic Horovod with SBC: :class:`SBCState`, a ``hvd.elastic.TorchState`` that keeps every
 surviving rank's residual across a reset.
 
-How Horovod's elastic loop runs (``horovod/common/elastic.py``, ``run_fn``): the wrapped
-function starts after ``state.sync()``; on ``HorovodInternalError`` (a peer died inside a
-collective) every survivor calls ``state.restore()``, then ``shutdown(); init()`` builds the new
-world, ``state.on_reset()`` runs ``state.reset()`` and the reset callbacks, and ``state.sync()``
-runs again; on ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` when the driver announced
-new or removed hosts) there is no restore, and after a removal alone there is no sync either.
-
-What plain ``TorchState`` does to SBC, and why this class replaces it for SBC optimizers:
-
-* its model handler's ``sync()`` broadcasts the model from rank 0 (``broadcast_parameters``):
-  with the drop-in's ``local_residual=True`` every rank's weights hold ``W_ref + R``, so that
-  broadcast writes rank 0's residual over every other rank's;
-* its optimizer handler broadcasts rank 0's optimizer state (``broadcast_optimizer_state``),
-  momentum and Adam moments that the drop-in keeps per rank;
-* residuals of the stock hook live in the ``SBC`` object, which ``TorchState`` would treat as
-  a plain object: ``ObjectState.save()`` keeps a reference only, so tensors changed in place
-  (every residual, at every step) are never rolled back, and ``ObjectState.sync()`` would
-  pickle rank 0's residuals over everybody's.
-
-``SBCState`` gives each SBC optimizer (the drop-in, or stock ``hvd.DistributedOptimizer`` with
-``compression=SBC(...)``) one handler that owns it and the models holding its parameters:
+Plain ``TorchState`` broadcasts rank 0's weights (which hold rank 0's residual with the drop-in)
+and optimizer state, and keeps the stock hook's ``SBC`` object by reference, never rolling its
+residuals back (docs/elastic.md). ``SBCState`` gives each SBC optimizer (the drop-in, or stock
+``hvd.DistributedOptimizer`` with ``compression=SBC(...)``) one :class:`SBCHandler` that owns
+it and the models holding its parameters:
 
 * ``save()`` (``state.commit()``) deep-copies the weights, the models' other tensors and the
   optimizer's state, SBC's residuals, shared weights ``W_ref``, counters and delay-window
-  position included; ``restore()`` copies them back (as this worker's own state, whatever
-  rank it has now), so error feedback of steps after the commit is rolled back with them;
-* ``sync()``: the ranks exchange one flag, "I trained in this job". The *source* is the lowest
-  rank that did (Horovod's rank 0 whenever rank 0 survived). Everything every rank must agree
-  on travels from the source by Horovod's tensor broadcasts: the shared weights (the weights
-  for the stock hook), the models' buffers and untrained tensors, the drop-in's delay-window
-  position and outer-step state. A survivor whose shared weights equal the source's keeps its
-  residual, its weights and its optimizer state untouched; a new worker (and a survivor
-  that restored an older commit than the source) takes the source's optimizer state and
-  continues from the shared weights with a zero residual. The user's other attributes
-  (``epoch``, ``batch``, ...) are broadcast from the same source. The synced state is then
-  committed, so a later ``restore()`` never returns to another world's state;
+  position included; ``restore()`` copies them back (as this worker's own state, whatever rank
+  it has now), so error feedback of steps after the commit is rolled back with them;
+* ``sync()``: the *source* is the lowest rank that trained in this job (one flag exchanged).
+  The shared weights (the weights for the stock hook), the models' buffers and untrained
+  tensors, the delay-window position, the outer-step state and the user's other attributes come
+  from it by Horovod's broadcasts. A survivor whose shared weights equal the source's keeps its
+  residual, weights and optimizer state; any other worker takes the source's optimizer state
+  and continues from the shared weights with a zero residual. The synced state is committed;
 * ``reset()`` renews the world size and rank SBC records for checkpoint checks.
 
-Syncs after a reset read ``hvd.size()`` afresh: a step message is encoded for, gathered in and
-decoded with the new world, and a sync a failure interrupts commits no error feedback (the
-commit runs only after a successful decode), which the restore then rolls back to the last
-commit anyway. Our tensors travel by Horovod's broadcasts, never pickled; Horovod's own
-``broadcast_object`` carries its host-update check and the user's plain attributes. Elastic
-Horovod needs the Gloo controller (``horovodrun --gloo`` with ``--host-discovery-script``);
-``SBC(topology="server")`` needs MPI and is not available there. With
-``topology="reduce_scatter"`` a new world cuts new regions: a region whose owner changed starts
-its downlink residual at zero (a worker that starts from the shared weights zeroes its own).
+A sync after a reset is encoded for, gathered in and decoded with the new world; one that a
+failure interrupts commits no error feedback. Needs the Gloo controller (no ``topology="server"``).
+Horovod's elastic loop, and why these rules: docs/design.md#elastic-horovod-what-survives-a-reset.
 """
 from __future__ import annotations
 

@@ -1,60 +1,27 @@
 """Hierarchical SBC for multi-GPU nodes: dense inside a node, compressed between nodes.
 
-On a cluster of multi-GPU nodes the links inside a node (NVLink, PCIe, shared memory) are one
-or two orders of magnitude faster than the links between nodes. Flat SBC makes every rank
-compress and allgather to every other rank, so a node sends ``L`` messages (one per local rank)
-and every rank decodes one message per rank of the job. Here, as in BytePS's two-level
-compression (Jiang et al., OSDI 2020: "intra-node communication is not the bottleneck"),
-Horovod's hierarchical allreduce (a local then a cross communicator) and Bagua's node-level
-reduce-then-compress (Gan et al., VLDB 2021), the ranks of a node act as one SBC worker:
+The ranks of a node act as one SBC worker (as in BytePS's two-level compression, Jiang et al.,
+OSDI 2020, and Bagua's node-level reduce-then-compress, Gan et al., VLDB 2021). Per sync:
 
 1. every rank's update ``A = W - W_ref`` (all tensors in one flat buffer, sorted by name) is
    averaged over the node by one dense ``reducescatter`` on the node's Horovod process set:
    local rank ``i`` receives shard ``i`` of the node's average (``1/L`` of the elements);
-2. local rank ``i`` SBC-compresses its shard with its own residual (error feedback: the
-   residual lives on the rank that compresses, and only there) and allgathers it with the
-   local ranks ``i`` of the other nodes (a process set per local rank index; one
-   :func:`horovod_sbc.torch.sync.synchronize` with :class:`ProcessSetTransport`): every node
-   sends one message in total, split in ``L`` shards over its ``L`` ranks (and their NICs);
-3. the decoded average of shard ``i`` (every node's local rank ``i`` decodes the same bytes)
-   is shared inside the node by one dense ``allgather``; every rank then applies the same
-   bytes the same way, so the shared weights are bit-identical on every rank of the job.
+2. local rank ``i`` SBC-compresses its shard with its own residual and allgathers it with the
+   local ranks ``i`` of the other nodes (:func:`horovod_sbc.torch.sync.synchronize` with
+   :class:`ProcessSetTransport`; the sparse reduce-scatter with ``topology="reduce_scatter"``);
+3. the decoded average of shard ``i`` is shared inside the node by one dense ``allgather``; every
+   rank applies the same bytes the same way: the shared weights are bit-identical job-wide.
 
-Each rank decodes one message per *node* (of ``1/L`` of the elements), not one per rank.
+``local_residual=True`` (default): every rank of a node continues from ``W_ref + R_node``;
+``False``: from ``W_ref``, the residual of shard ``i`` kept by local rank ``i``. ``outer=`` acts
+on the whole average, identically on every rank. ``ValueError`` at construction:
+``topology="server"``, the stock Horovod hook and the DDP hook, parameters other than
+float32/float64, of several dtypes or devices, or non-contiguous.
 
-Why shards and not one message per node (local rank 0 compresses the node average and
-broadcasts what it gathered): the bits a node sends are the same either way (up to one step
-header per shard), but with shards the encode, the decode and the cross-node traffic are
-spread over the ``L`` ranks and their links instead of resting on one (docs/benchmarks.md
-gives the measurement).
-
-Composition with the drop-in's knobs (:func:`horovod_sbc.torch.DistributedOptimizer`):
-
-* ``local_residual=True`` (default): after a sync every rank of a node continues from
-  ``W_ref + R_node``, the node's unsent residual (its ranks' weights are equal after a
-  sync; they differ between syncs by their own local steps). The node's residual is thus in
-  its ranks' weights (``A`` carries it to the next sync), as in the flat drop-in; the
-  compressing rank shares its shard of it with the dense allgather.
-* ``local_residual=False``: every rank continues from ``W_ref`` and the residual of shard
-  ``i`` stays with local rank ``i`` (the paper's formulation per node).
-* ``outer=``: every rank applies the outer step to the whole, bit-identical average ``U``
-  after the allgather (the outer state is identical on every rank, as in the flat drop-in).
-* ``topology="reduce_scatter"``: the cross-node exchange of each shard is the sparse
-  reduce-scatter (:mod:`horovod_sbc.torch.sync.scatter`) among the nodes' local ranks ``i``.
-* Not supported (``ValueError`` at construction): ``topology="server"``, the stock Horovod
-  hook and the DDP hook (they exchange per gradient or per bucket, not per sync), and
-  parameters other than float32/float64 (a residual kept in 16-bit weights would lose the
-  small updates error feedback is for), parameters of several dtypes or devices, and
-  non-contiguous parameters (one flat buffer holds every update).
-
-Horovod process sets (Horovod >= 0.23): the node sets and the cross-node sets must exist on
-every rank. Either declare them at initialisation::
-
-    hvd.init(process_sets=horovod_sbc.torch.hierarchy_process_sets([[0, 1], [2, 3]]))
-
-or initialise with ``hvd.init(process_sets="dynamic")`` (or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)
-and the optimizer adds them when it is built (on every rank; ``hierarchy="node"`` needs this,
-since the nodes are known only after ``hvd.init``).
+The process sets (Horovod >= 0.23) must exist on every rank: declared at initialisation
+(``hvd.init(process_sets=horovod_sbc.torch.hierarchy_process_sets([[0, 1], [2, 3]]))``), or
+added by the optimizer when it is built after ``hvd.init(process_sets="dynamic")`` (what
+``hierarchy="node"`` needs). Why: docs/design.md#the-hierarchy-of-multi-gpu-nodes.
 """
 from __future__ import annotations
 

@@ -1,40 +1,26 @@
 """Momentum SGD under error feedback: the velocity folded into the learning rate.
 
-Error feedback delays an update until its coordinate is among the largest of the residual (every
-~1/density steps at delay 1). A heavy-ball velocity computed meanwhile from gradients taken where
-nothing has moved yet keeps pushing the same way, and the coordinate then arrives in one stale
-burst that the velocity replays for another ~1/(1 - momentum) steps: momentum SGD through error
-feedback trains well below dense (docs/recipes.md), on IID and label-skewed shards alike.
+Error feedback delays an update until its coordinate is among the largest of the residual; a
+heavy-ball velocity replays that stale burst for another ~1/(1 - momentum) steps, and momentum
+SGD through error feedback trains well below dense (docs/recipes.md). *Folding* runs
+``torch.optim.SGD`` without its velocity at the learning rate the velocity converges to,
+``lr * (1 - dampening) / (1 - momentum)`` (Smith, Kindermans, Ying, Le, ICLR 2018, arXiv
+1711.00489), reached as the velocity of a constant gradient reaches it: at step ``t`` (from 0)
+the factor is multiplied by ``1 - momentum ** (t + 1)``. Error feedback then delays the gradient
+itself, as in EF-SGD (Karimireddy et al., ICML 2019, arXiv 1901.09847). Weight decay is folded
+with the gradient (``lr_eff * (g + wd * w)``). Only ``torch.optim.SGD`` (and subclasses) with
+``momentum > 0`` is folded; other optimizers are left as they are. Two places fold:
 
-*Folding* runs ``torch.optim.SGD`` without its velocity at the learning rate the velocity
-converges to, ``lr * (1 - dampening) / (1 - momentum)`` (the "effective learning rate" of
-momentum SGD; Smith, Kindermans, Ying, Le, "Don't Decay the Learning Rate, Increase the Batch
-Size", ICLR 2018, arXiv 1711.00489), reached as the velocity of a constant gradient reaches it:
-at step ``t`` (from 0) the factor is multiplied by ``1 - momentum ** (t + 1)``, so the first
-steps are as short as the heavy ball's. Error feedback then delays the gradient itself, as in
-EF-SGD (Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
-Schemes", ICML 2019, arXiv 1901.09847), and every coordinate's delayed step is applied once. Weight decay is
-folded with the gradient (``lr_eff * (g + wd * w)``, the heavy ball's steady state). Only
-``torch.optim.SGD`` (and subclasses) with ``momentum > 0`` is folded; other optimizers are left
-as they are.
-
-Two places fold:
-
-* the drop-in optimizer at delay 1 with the residual kept beside the weights
-  (``local_residual=False``, its default for SGD at delay 1): :func:`folded` runs the user's SGD step with ``momentum=0`` and the folded learning rate;
-* the stock Horovod hook (``SBC(momentum="fold")``): Horovod's optimizer steps after the hook
-  returns the averaged gradient, so :func:`stock_fold` scales that gradient and empties the
-  velocity (``momentum_buffer``) instead, which gives the same step.
+* the drop-in at delay 1 with ``local_residual=False``: :func:`folded` runs the user's SGD step
+  with ``momentum=0`` and the folded learning rate;
+* the stock Horovod hook (``SBC(momentum="fold")``): :func:`stock_fold` scales the averaged
+  gradient and empties the velocity (``momentum_buffer``), which gives the same step.
 
 Both are backed off by the optimizer's :class:`FoldGuard` when the gradient norm blows up: the
 drop-in's watches this rank's gradients, the stock hook's the decoded averaged gradient
-(:meth:`StockFold.observe`; the same on every rank, so every rank takes the same decision and
-the ranks' weights stay identical). A step the stock hook skips (``nonfinite="skip"``) is not
-shown to its guard: an overflow now and then (mixed precision) would otherwise halve the
-fold's ceiling each time. The guard's state is saved with the drop-in's ``state_dict()``; the
-stock hook's ``SBC.state_dict()`` does not hold it: a resumed stock run starts its guards
-afresh (full fold, a new warm-up) on every rank alike, but a worker that elastic Horovod adds
-to a running job would start a fresh guard beside the survivors' backed-off ones.
+(:meth:`StockFold.observe`: every rank takes the same decision); a step the stock hook skips is
+not shown to it. The guard's state is saved with the drop-in's ``state_dict()``, not with the
+stock hook's ``SBC.state_dict()``. Why: docs/design.md#the-momentum-fold.
 """
 from __future__ import annotations
 

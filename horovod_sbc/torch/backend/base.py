@@ -2,16 +2,14 @@
 
 A *backend* turns residual-corrected updates into tensor messages (the bytes of
 :mod:`horovod_sbc.wire`, equal to the numpy reference's, :mod:`horovod_sbc.reference`) and a
-gathered step (every rank's step message, concatenated in rank order) back into sums. Two
-implement it: :class:`~horovod_sbc.torch.backend.ops.OpsBackend` (tensor ops on the tensors'
-own device; what CUDA tensors take) and :class:`~horovod_sbc.torch.backend.ckernels.KernelBackend`
-(the C kernels on the CPU). :func:`horovod_sbc.torch.backend.backend_for` chooses one per
-device, once; the sync state holds it.
+gathered step (every rank's step message, concatenated in rank order) back into sums:
+:class:`~horovod_sbc.torch.backend.ops.OpsBackend` (tensor ops on the tensors' own device; what
+CUDA tensors take) or :class:`~horovod_sbc.torch.backend.ckernels.KernelBackend` (the C kernels
+on the CPU), chosen once per device by :func:`horovod_sbc.torch.backend.backend_for`.
 
 What every backend guarantees:
 
-* **the same bytes** for the same update, whatever the device (golden vectors, differential
-  tests);
+* **the same bytes** for the same update, whatever the device (golden vectors, differential tests);
 * **error feedback committed only after success**: :meth:`Backend.encode_tensor` returns an
   :class:`Encoded` whose :meth:`~Encoded.commit` takes what was sent out of the residual; the
   sync calls it once every rank's message decoded;

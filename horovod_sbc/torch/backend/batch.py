@@ -3,31 +3,23 @@
 :class:`~horovod_sbc.torch.backend.ops.OpsBackend` parses all headers on the host
 (:func:`horovod_sbc.protocol.parse_gathered`: exact integers, compressed bytes only), then hands
 every message of every rank (of one or of many gathered steps) to :func:`decode_messages`, which
-decodes them with a fixed number of tensor ops, one upload and one read of O(messages) integers,
-whatever the number of tensors, ranks and message kinds:
+decodes them with a fixed number of tensor ops, one upload of the host facts (:class:`Uploads`)
+and one read of O(messages) integers, whatever the number of tensors, ranks and message kinds:
 
-1. **unary streams** — one ``index_select`` gathers the unary streams of all messages with
-   position streams; byte popcounts and their running sum give each message's number of one
-   bits and the global index of each of its one bits;
-2. **positions** — element j of a message is the j-th one bit after its stream's start: a binary
-   search of the running popcount finds its byte, a 256 x 8 table its bit, so its offset ``u``
-   in its stream; quotients are the zero bits between one bits; remainders are read from a
-   40-bit window at each field's bit offset (in two halves above 31 bits, so any Rice parameter
-   up to 62 is exact); positions by segmented cumulative sums, ``position = ((u - j) << b) +
-   sum(r) + j``. ALL messages hold positions ``0 .. count - 1``. Anchoring each message at its
-   own stream keeps a message whose one bits do not match its count (rejected on those counts
-   alone, before its positions are looked at) from shifting any other message's elements, so
-   the verdict is exact for any input;
+1. **unary streams** — gathered by one ``index_select``; byte popcounts and their running sum
+   locate each message's one bits;
+2. **positions** — element j of a message is the j-th one bit after its own stream's start,
+   ``position = ((u - j) << b) + sum(r) + j`` (remainders exact for any Rice parameter up to
+   62); ALL messages hold positions ``0 .. count - 1``. A message whose one bits do not match
+   its count cannot shift any other message's elements, so the verdict is exact for any input;
 3. **values** — per element ``float64(value) * scale``: the message's value (binary), its sign
    bit applied (SIGNS), or its own float32 (VALUES), as :mod:`horovod_sbc.protocol` specifies;
-4. **statistics** — per message the one bits, whether the last unary byte is zero, the remainder
-   and sign padding bits, the number of non-finite VALUES (by bit pattern), and the largest
-   quotient, remainder and position (``scatter_reduce``): **one host read**, for
-   :func:`horovod_sbc.protocol.check_streams`.
+4. **statistics** — per message, what :func:`horovod_sbc.protocol.check_streams` judges: the
+   one host read.
 
-The host facts a decode needs (offsets, counts, the values times their scales) go to the device
-as one buffer (:class:`Uploads`). Elements come out in message order, each message's elements
-ascending; callers order the messages rank-major so that each rank's elements are one slice.
+Elements come out in message order, each message's elements ascending; callers order the
+messages rank-major so that each rank's elements are one slice. How each stage is computed:
+docs/design.md#decoding-every-message-at-once.
 """
 from __future__ import annotations
 

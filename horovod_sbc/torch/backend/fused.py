@@ -8,33 +8,20 @@ The bytes are those of :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backen
 lie in one float32 buffer, tensor ``i`` at ``[offsets[i], offsets[i+1])``; each tensor (a
 *segment*) has two *groups*, its positive side ``2 i`` and its negative side ``2 i + 1``.
 
-How, per sync (everything segmented, nothing per tensor in Python):
+Per sync, everything segmented, nothing per tensor in Python:
 
-1. **Exact candidates without a sort of the tensor.** A histogram per group of the top 12
-   magnitude bits (8 exponent, 4 mantissa bits) of every non-zero entry, one ``index_add_``;
-   per group the bucket that holds its ``c = min(k, #side)``-th largest magnitude; the
-   candidates are the entries of that bucket and above (at least ``c``, at most ``c`` plus one
-   bucket). **Host read 1**: the per-group counts and non-finite counts (NaN/Inf: the top
-   buckets).
-2. **Exact top-c.** One stable sort of the candidates by (group, magnitude descending): stable,
-   so ties at the c-th value go to the lower flat index; the first ``c`` of each group are kept,
-   then sorted back by (group, position).
-3. **Means.** The fixed-order float64 tree sum of :func:`horovod_sbc.reference.tree_sum_np` for every
-   group at once: each group padded with zeros to its power of two ``W``, then level by level
-   ``x[j] += x[j + W / 2**(l+1)]`` on the slots still active (``log2(max W)`` levels of a few
-   elementwise ops).
-4. **Rice parameter.** ``sum(gap >> b)`` per group for every ``b`` the rule may consider (the
-   candidates ``b* - 1 .. b* + 1`` of all groups lie in one small range). **Host read 2**: the
-   sums and these tables; the host then applies :func:`horovod_sbc.reference.choose_side` and
-   :func:`horovod_sbc.wire.choose_rice_b` exactly as the per-tensor encoder does and builds
-   every tensor header.
-5. **Streams.** **One upload**: the body with its headers in place (streams zero) and the
-   per-tensor plan (side, ``b``, stream offsets, mean). The unary bits are set at segmented
-   cumulative sums of ``q + 1``, the remainder fields through a 64-bit window at their bit
-   offsets, ``index_add_`` on bytes (the bits are disjoint, so adding is OR-ing).
+1. **candidates** from a histogram of the top 12 magnitude bits per group, no sort of the
+   tensor; **host read 1**: the per-group counts and non-finite counts;
+2. **exact top-c** by one stable sort of the candidates (ties to the lower flat index);
+3. **means** by the fixed-order float64 tree of :func:`horovod_sbc.reference.tree_sum_np`, every
+   group at once;
+4. **Rice parameter** from ``sum(gap >> b)`` tables; **host read 2**, then the host applies
+   :func:`horovod_sbc.reference.choose_side` and :func:`horovod_sbc.wire.choose_rice_b` exactly
+   as the per-tensor encoder does and builds every tensor header;
+5. **streams** after **one upload** of the body and the per-tensor plan.
 
-The residual update (``a[pos] -= mu``) is :meth:`FusedEncoding.commit`, one ``index_add_``,
-called once the exchange succeeded.
+The residual update (``a[pos] -= mu``) is :meth:`FusedEncoding.commit`, one ``index_add_``, called
+once the exchange succeeded. Each stage in full: docs/design.md#encoding-every-tensor-at-once.
 """
 from __future__ import annotations
 
