@@ -115,7 +115,8 @@ class SBCConfig:
         with the server's re-compression): rank r owns the r-th of N equal index regions of the
         model, receives every rank's part of it in one alltoall, averages it, compresses the
         average again with its own residual, and every rank allgathers and decodes the N region
-        messages: upload, download and decode per rank stay about one message at any N.
+        messages: upload per rank stays about one message, download and decode about two
+        messages' worth, at any N.
     downlink_density: the re-compressed average's fraction of positions (``"server"``:
         ``None`` is a dense downlink; ``"reduce_scatter"``: ``None`` is ``density``).
     downlink_binarize: the re-compressed average is binarized like SBC instead of sending

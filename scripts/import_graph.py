@@ -21,7 +21,7 @@ PACKAGE = "horovod_sbc"
 
 #: layer of each module (prefix match, longest wins), lowest first
 LAYERS = [
-    ("format", ["wire", "crc", "registry", "config", "policy", "residual", "launch"]),
+    ("format", ["wire", "crc", "registry", "config", "policy", "residual", "launch", "regions"]),
     ("protocol", ["protocol"]),
     ("reference", ["reference"]),
     ("kernels", ["kernels"]),

@@ -3,16 +3,18 @@
 Ok-Topk's two phases (Li & Hoefler, PPoPP '22, arXiv 2201.07598) with SBC messages (Sattler et
 al., arXiv 1805.08768) and the downlink error feedback of Zou et al. (arXiv 2209.15203):
 
-1. :class:`Plan` cuts the model's concatenated index space into N regions of equal size (a
-   tensor that straddles a cut becomes two *pieces*). Every rank encodes each piece like any
-   tensor (its top ``density``, so each region carries 1/N of a message's positions: balanced
-   by construction) and sends region r's step message to rank r, all in one ``alltoall``.
+1. :class:`Plan` cuts the model's concatenated index space into N regions (a tensor that
+   straddles a cut becomes two *pieces*; :mod:`horovod_sbc.regions` balances elements and
+   pieces). Every rank encodes each piece like any tensor (its top ``density``, so a region
+   carries its share of the positions whatever the gradients) and sends region r's step
+   message to rank r, all in one ``alltoall``.
 2. Rank r decodes its region's N parts, averages them, adds its downlink residual, encodes the
    average again (``downlink_density``; binarized when the uplink is) and keeps what it did
    not send in that residual (``ResidualManager.server_residuals``, keyed by piece name).
 3. The N region messages are allgathered and every rank decodes them into the same average.
 
-Per rank and sync, upload, download and decode are about one message plus N step headers. A
+Per rank and sync: upload about one message, download and decode about two messages' worth
+((N-1)/N of the parts and of the region messages), whatever N, plus 2N step headers. A
 rank that cannot encode sends its ERROR/SKIP to every owner, every owner relays it, and every
 rank raises (or skips) with it; uplink and downlink error feedback are committed only after
 every region message decoded.
@@ -26,58 +28,16 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import protocol, wire
+from ... import protocol, regions, wire
 from ..backend import Accumulate, DecodeJob, NonFiniteError, Targets, frame
 from . import server
 
 Layout = Tuple[Tuple[str, Tuple[int, ...]], ...]
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Elements ``[start, stop)`` of the flat tensor ``tensor`` (its index in the layout)."""
-    tensor: int
-    start: int
-    stop: int
-    name: str
-    shape: Tuple[int, ...]
-
-
-class Plan:
-    """The regions of a tensor layout over ``size`` ranks: region r holds the flat elements
-    ``[r * E // size, (r + 1) * E // size)`` of the layout's concatenation (E elements), as the
-    pieces ``bounds[r]:bounds[r + 1]``. A piece that is a whole tensor keeps its name and
-    shape; a cut one is ``"name[a:b]"``, flat."""
-
-    def __init__(self, layout: Layout, size: int):
-        self.size = size
-        numels = [wire.layout_numel(s) for _, s in layout]
-        total = sum(numels)
-        cuts = [total * r // size for r in range(size + 1)]
-        pieces, owner, off, r = [], [], 0, 0
-        for t, ((name, shape), n) in enumerate(zip(layout, numels)):
-            a = 0
-            while True:
-                while r < size - 1 and cuts[r + 1] <= off + a:
-                    r += 1
-                b = n if r == size - 1 else min(n, cuts[r + 1] - off)
-                whole = a == 0 and b == n
-                pieces.append(Piece(t, a, b, name if whole else f"{name}[{a}:{b}]",
-                                    tuple(shape) if whole else (b - a,)))
-                owner.append(r)
-                a = b
-                if a >= n:
-                    break
-            off += n
-        self.pieces: Tuple[Piece, ...] = tuple(pieces)
-        self.layout = [(p.name, p.shape) for p in pieces]
-        self.bounds = [0] * (size + 1)
-        for r in owner:
-            self.bounds[r + 1] += 1
-        for r in range(size):
-            self.bounds[r + 1] += self.bounds[r]
-        self.regions = [self.layout[self.bounds[r]:self.bounds[r + 1]] for r in range(size)]
-        self.fingerprints = [wire.layout_fingerprint(lay) for lay in self.regions]
+class Plan(regions.Plan):
+    """:class:`horovod_sbc.regions.Plan` (which rank owns which piece, the same in every
+    framework) with the torch views of its pieces."""
 
     def split(self, flats: Optional[Sequence[Optional[torch.Tensor]]]):
         """Per piece, the view of its elements in the flat per-tensor ``flats`` (None stays)."""
