@@ -28,6 +28,9 @@ fixed   fixed-size messages: padding per density on ResNet-50's shapes, and Horo
 tf-train  TF drop-in tape and Keras SBCCallback vs the torch drop-in on mnist1d, dense baselines
         of both, 4 workers, 3 seeds: accuracy, ratio, TF - torch gap
         (:mod:`benchmarks.bench_tf_train`)
+scatter  topology="reduce_scatter" vs the allgather, N ranks simulated in one process:
+        re-compression error and region skew on digits gradients, bytes and codec time per rank
+        on a big layout for N = 4 ... 64 (:mod:`benchmarks.bench_scatter`)
 JSON goes to ``--json FILE``, markdown tables to ``FILE`` with ``.md``, PNG plots to ``--plots``
 (default: the JSON's directory).
 
@@ -456,7 +459,8 @@ def main(argv=None) -> int:
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
     own = {"downlink": "bench_downlink", "gpu-proxy": "bench_gpu_proxy", "gpu": "bench_gpu",
-           "fixed": "bench_fixed", "soak": "bench_soak", "tf-train": "bench_tf_train"}
+           "fixed": "bench_fixed", "soak": "bench_soak", "tf-train": "bench_tf_train",
+           "scatter": "bench_scatter"}
     if _ARGV[:1] and _ARGV[0] in own:  # benchmarks with their own module and options
         import importlib
         return importlib.import_module(f"benchmarks.{own[_ARGV[0]]}").main(_ARGV[1:])

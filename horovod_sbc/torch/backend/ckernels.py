@@ -265,7 +265,8 @@ class KernelBackend(OpsBackend):
             if job.gathered.device.type != "cpu" or not job.gathered.is_contiguous():
                 errors += super().decode_many([job])
                 continue
-            job.host = memoryview(frame.host_bytes(job.gathered))
+            if job.host is None:  # else the caller read it
+                job.host = memoryview(frame.host_bytes(job.gathered))
             try:
                 job.step = protocol.parse_gathered(job.host, job.layout, job.n_ranks)
                 if any(m.count and not m.all_positions and not _streamed(m)

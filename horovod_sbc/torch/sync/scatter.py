@@ -51,13 +51,6 @@ class Plan(regions.Plan):
         return dataclasses.replace(t, outs=self.split(t.outs), also=self.split(t.also),
                                    masks=self.split(t.masks))
 
-    def region_targets(self, t: Targets, r: int) -> Targets:
-        """Region ``r``'s part of the per-piece targets ``t``."""
-        cut = slice(self.bounds[r], self.bounds[r + 1])
-        return dataclasses.replace(t, outs=t.outs[cut],
-                                   also=None if t.also is None else t.also[cut],
-                                   masks=None if t.masks is None else t.masks[cut])
-
 
 @functools.lru_cache(maxsize=64)
 def plan(layout: Layout, size: int) -> Plan:
@@ -148,7 +141,8 @@ def _encode_region(state, backend, srcs, names, fp: int, dev):
 def decode_regions(state, gathered: torch.Tensor, p: Plan, targets: Targets) -> None:
     """Every owner's region message (``gathered``, in rank order) into the per-piece
     ``targets``; raises the first ERROR (then SKIP) in rank order before anything is written,
-    or ``ValueError`` naming the owner whose message is malformed."""
+    or ``ValueError`` naming the owner whose message is malformed. The region bodies, checked,
+    are decoded as ONE step of the whole piece layout (one decode job, not one per rank)."""
     host = frame.host_bytes(gathered)
     heads = [protocol.parse_step(host, s, e, r)
              for r, (s, e) in enumerate(protocol.split(host, p.size))]
@@ -156,13 +150,18 @@ def decode_regions(state, gathered: torch.Tensor, p: Plan, targets: Targets) -> 
         for h in heads:
             if h.kind is kind:
                 raise protocol.peer_error(host, h)
-    owners = [h.rank for h in heads if p.regions[h.rank]]
-    jobs = [DecodeJob(gathered[heads[r].start:heads[r].end], p.regions[r], 1,
-                      p.region_targets(targets, r),
-                      host=memoryview(host)[heads[r].start:heads[r].end]) for r in owners]
-    for r, err in zip(owners, state.backend(gathered.device).decode_many(jobs)):
-        if err is not None:
-            raise ValueError(f"the region message of rank {r}: {err}") from None
+    for h in heads:
+        if (h.layout, h.n_tensors) != (p.fingerprints[h.rank], len(p.regions[h.rank])):
+            raise ValueError(f"rank {h.rank} sent the message of another region (fingerprint "
+                             f"{h.layout:#010x}, {h.n_tensors} tensors; expected "
+                             f"{p.fingerprints[h.rank]:#010x}, {len(p.regions[h.rank])})")
+    whole = wire.step_message_bytes(b"".join(host[h.body[0]:h.body[1]] for h in heads),
+                                     wire.layout_fingerprint(p.layout), len(p.layout))
+    job = DecodeJob(frame.device_bytes(whole, gathered.device), p.layout, 1, targets,
+                    host=memoryview(whole))
+    err = state.backend(gathered.device).decode_many([job])[0]
+    if err is not None:
+        raise ValueError(f"a region message: {err}") from None
 
 
 def exchange(state, step: torch.Tensor, p: Plan, rank: int, targets: Targets, scale: float,
