@@ -8,8 +8,9 @@ message size, and the drop-in optimizer's sync work outside the codec) for a lay
 ``resnet50``, ``gpt2-small``, a comma list of tensor sizes (``4194304,4096,10``) or the user's
 model as ``package.module:function`` (a callable returning a ``torch.nn.Module`` or a list of
 ``(name, shape)``). Then it predicts the step time of dense ring allreduce, SBC over
-allgather, SBC's server topology and a hierarchical exchange (dense inside a node of G ranks,
-SBC across nodes) for N = 2 ... 1024, and the bandwidth below which SBC's allgather beats dense
+allgather, SBC's server topology, SBC's sparse reduce-scatter with re-compression and
+hierarchical exchanges (dense inside a node of G ranks, SBC's allgather or reduce-scatter
+across nodes) for N = 2 ... 1024, and the bandwidth below which SBC's allgather beats dense
 allreduce. Every assumption is stated in docs/advise.md.
 
 Each communication pattern costs ``bits / bandwidth + seconds`` (:class:`Cost`): linear in
@@ -123,6 +124,13 @@ class CodecCost:
     # the drop-in optimizer's sync work outside the codec: W - W_ref, the average added to the
     # reference, the weights and the reference renewed (passes over every element, once per sync)
     sync_overhead_s: float = 0.0
+    # the reduce-scatter topology's extra step messages: parsing one more step message beyond
+    # its tensors (header, CRC, split; from 64 one-tensor messages), decoding it as a job of
+    # its own (the region messages have a layout each) beyond that, framing one more on the
+    # encode side, and the mean tensor-message header of the measured message (bits)
+    decode_per_step_s: float = 0.0
+    frame_per_step_s: float = 0.0
+    tensor_header_bits: float = 0.0
 
     def decode_s(self, n_messages: int) -> float:
         return self.decode_fixed_s + n_messages * self.decode_per_message_s
@@ -250,7 +258,37 @@ def measure_codec(layout: Layout, density: float, downlink_density: Optional[flo
                      d_enc, d_dec, d_bits)
     if sync_overhead:
         cost.sync_overhead_s = _time_sync_overhead(layout, density, reps, t_enc + t1)
-    return _split_per_tensor(cost, density, reps)
+    cost.tensor_header_bits = _mean_tensor_header_bits(steps[0])
+    return _per_step(_split_per_tensor(cost, density, reps), density, reps)
+
+
+def _mean_tensor_header_bits(step) -> float:
+    """Mean header (magic ... value, before the position streams) of a step message's tensor
+    messages, in bits."""
+    from horovod_sbc import wire
+    buf, off, sizes = step.cpu().numpy().tobytes(), wire.STEP_HEADER_SIZE, []
+    while off < len(buf):
+        tm = wire.parse_tensor_header(buf, off)
+        sizes.append(tm.unary[0] - off)
+        off = tm.nbytes
+    return 8.0 * sum(sizes) / max(1, len(sizes))
+
+
+def _per_step(cost: CodecCost, density: float, reps: int, k: int = 64) -> CodecCost:
+    """The cost of one more step message beyond its one tensor: decode 1 and ``k`` messages of
+    one 64-element tensor (the difference / (k - 1) less ``decode_per_tensor_s``), the same
+    ``k`` as ``k`` jobs (the difference / (k - 1) beyond that: one more job), and frame ``k``
+    such messages (/ k)."""
+    from horovod_sbc import wire
+    from horovod_sbc.torch.backend import frame
+    one = [("t0", (64,))]
+    steps = [_encoder(one, density, 100 + r)() for r in range(k)]
+    tk, t1 = _time_decode(one, steps, reps), _time_decode(one, steps[:1], reps)
+    cost.decode_per_step_s = max(0.0, (tk - t1) / (k - 1) - cost.decode_per_tensor_s)
+    body, fp = steps[0][wire.STEP_HEADER_SIZE:], wire.layout_fingerprint(one)
+    cost.frame_per_step_s = min_time(lambda: [frame.frame([body], fp, body.device)
+                                              for _ in range(k)], reps) / k
+    return cost
 
 
 def _split_per_tensor(cost: CodecCost, density: float, reps: int) -> CodecCost:
@@ -339,17 +377,73 @@ def sbc_server_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
     return (work + gather + broadcast(c.downlink_bits, n, net.latency_s)).scaled(1 / delay)
 
 
-def hierarchical_step(c: CodecCost, n: int, g: int, net: Net, delay: int = 1) -> Cost:
+def hierarchical_step(c: CodecCost, n: int, g: int, net: Net, delay: int = 1,
+                      across: Optional[Callable[..., Cost]] = None) -> Cost:
     """Dense allreduce inside each node of ``g`` ranks (intra-node link), then SBC over
-    allgather among the n/g nodes (one message per node, inter-node link). The intra-node part
-    is converted to bits at the inter-node bandwidth so that the whole stays one Cost."""
+    allgather (``across``: another ``(c, nodes, net, delay)`` step) among the n/g nodes (one
+    message per node, inter-node link). The intra-node part is converted to bits at the
+    inter-node bandwidth so that the whole stays one Cost."""
     g = min(g, n)
     nodes = math.ceil(n / g)
     intra = ring_allreduce(c.dense_bits, g, net.intra_latency_s)
     intra = Cost(0.0, intra.at(net.intra_bps) / delay)  # once per sync; the intra link is given
     if nodes == 1:
         return intra
-    return intra + sbc_allgather_step(c, nodes, net, delay)
+    return intra + (across or sbc_allgather_step)(c, nodes, net, delay)
+
+
+STEP_HEADER_BITS = 8 * 24  # horovod_sbc.wire.STEP_HEADER_SIZE
+
+
+def reduce_scatter_region_bits(c: CodecCost, n: int) -> float:
+    """One region's step message: a step header and 1/n of the message's body (its positions
+    and tensor headers) plus 1/n of the n - 1 tensor headers the region cuts add."""
+    body = c.message_bits - STEP_HEADER_BITS + (n - 1) * c.tensor_header_bits
+    return STEP_HEADER_BITS + body / n
+
+
+def reduce_scatter_download_bits(c: CodecCost, n: int) -> float:
+    """What a rank receives per sync: n - 1 region messages in the alltoall, n - 1 in the
+    allgather."""
+    return 2 * (n - 1) * reduce_scatter_region_bits(c, n)
+
+
+def reduce_scatter_decode_s(c: CodecCost, n: int) -> float:
+    """Decode of one sync: the owner's n parts of its region (one job: a pass over numel / n)
+    and every rank's n region messages (their headers checked, then one job of the whole
+    piece layout: a pass over numel); each is one message's positions in T + n - 1 pieces and
+    n step messages. One rank: its own message, as the allgather."""
+    if n <= 1:
+        return c.decode_s(1)
+    spread = (c.decode_per_message_s + (n - 1) * c.decode_per_tensor_s
+              + (n - 1) * c.decode_per_step_s)
+    return c.decode_fixed_s * (1 + 1 / n) + 2 * spread
+
+
+def sbc_reduce_scatter_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
+    """Sparse reduce-scatter with re-compression (``horovod_sbc.torch.sync.scatter``), per sync:
+
+    1. every rank cuts the flat model (numel E, T tensors) into n regions of E/n elements
+       (T + n - 1 pieces), encodes every piece at density p (one encode of the layout plus
+       n - 1 more pieces' per-tensor share, n step messages framed: n - 1 more than one) and
+       sends region r's step message to rank r in one pairwise alltoall: n - 1 messages of
+       :func:`reduce_scatter_region_bits` out and in, (n - 1) latencies;
+    2. the owner decodes its region's n parts and re-encodes its region with SBC at the same p
+       (its downlink residual added): the encode of E/n elements and (T + n - 1)/n pieces;
+    3. the owners' region messages (the same size) are ring-allgathered, (n - 1) latencies,
+       and every rank decodes all n as one job (:func:`reduce_scatter_decode_s` holds both
+       decodes).
+
+    Per-message and per-header figures are this machine's (:class:`CodecCost`), the
+    drop-in's sync work outside the codec is added once; once per ``delay`` steps."""
+    if n <= 1:
+        return sbc_allgather_step(c, n, net, delay)
+    region = reduce_scatter_region_bits(c, n)
+    encode = c.encode_s + (n - 1) * (c.encode_per_tensor_s + c.frame_per_step_s)
+    reencode = (c.encode_s + (n - 1) * c.encode_per_tensor_s) / n
+    work = Cost(0.0, encode + reencode + reduce_scatter_decode_s(c, n) + c.sync_overhead_s)
+    alltoall = Cost((n - 1) * region, (n - 1) * net.latency_s)
+    return (work + alltoall + ring_allgather(region, n, net.latency_s)).scaled(1 / delay)
 
 
 def crossover_bps(a: Cost, b: Cost) -> Tuple[Optional[float], str]:
@@ -372,13 +466,18 @@ def predict(c: CodecCost, net: Net, compute_s: float, workers: Sequence[int] = W
     for n in workers:
         costs = {"dense": dense_step(c, n, net), "sbc_allgather": sbc_allgather_step(c, n, net, delay),
                  "sbc_server": sbc_server_step(c, n, net, delay),
-                 "hierarchical": hierarchical_step(c, n, gpus_per_node, net, delay)}
+                 "hierarchical": hierarchical_step(c, n, gpus_per_node, net, delay),
+                 "sbc_reduce_scatter": sbc_reduce_scatter_step(c, n, net, delay),
+                 "hierarchical_rs": hierarchical_step(c, n, gpus_per_node, net, delay,
+                                                      sbc_reduce_scatter_step)}
         step = {k: compute_s + v.at(net.bps) for k, v in costs.items()}
         x, side = crossover_bps(costs["dense"], costs["sbc_allgather"])
         rows.append({"workers": n, "step_s": step, "best": min(step, key=step.get),
                      "crossover_bps": x, "sbc_pays": side,
                      "allgather_decode_s": c.decode_s(n) / delay,
                      "allgather_download_bits": (n - 1) * c.message_bits / delay,
+                     "reduce_scatter_decode_s": reduce_scatter_decode_s(c, n) / delay,
+                     "reduce_scatter_download_bits": reduce_scatter_download_bits(c, n) / delay,
                      "dense_download_bits": 2 * (n - 1) / n * c.dense_bits})
     return rows
 
@@ -415,16 +514,23 @@ def _fmt_bps(x: Optional[float], side: str) -> str:
 
 
 def format_table(rows: List[Dict[str, object]]) -> str:
-    head = (f"{'N':>5} {'dense':>10} {'sbc allgather':>14} {'sbc server':>11} {'hierarch.':>10}"
-            f"  {'best':<13} {'decode':>9} {'download':>10}  SBC allgather pays")
-    lines = [head, f"{'':>5} {'ms/step':>10} {'ms/step':>14} {'ms/step':>11} {'ms/step':>10}"
-                   f"  {'':<13} {'ms/step':>9} {'Mbit/step':>10}"]
+    """Step time per topology, the fastest, and the decode and download of SBC's allgather and
+    reduce-scatter (per step: a sync's divided by the delay)."""
+    head = (f"{'N':>5} {'dense':>9} {'sbc allgather':>13} {'sbc server':>10} {'hierarch.':>9}"
+            f" {'sbc r-scatter':>13} {'hier. rs':>9}  {'best':<18} {'ag decode':>9}"
+            f" {'ag download':>11} {'rs decode':>9} {'rs download':>11}  SBC allgather pays")
+    unit = f"{'ms/step':>9}"
+    lines = [head, f"{'':>5} {unit} {'ms/step':>13} {'ms/step':>10} {unit} {'ms/step':>13} {unit}"
+                   f"  {'':<18} {unit} {'Mbit/step':>11} {unit} {'Mbit/step':>11}"]
     for r in rows:
-        s = r["step_s"]
-        lines.append(f"{r['workers']:>5} {1e3 * s['dense']:>10.1f} {1e3 * s['sbc_allgather']:>14.1f}"
-                     f" {1e3 * s['sbc_server']:>11.1f} {1e3 * s['hierarchical']:>10.1f}"
-                     f"  {r['best']:<13} {1e3 * r['allgather_decode_s']:>9.1f}"
-                     f" {r['allgather_download_bits'] / 1e6:>10.1f}"
+        s = {k: 1e3 * v for k, v in r["step_s"].items()}
+        lines.append(f"{r['workers']:>5} {s['dense']:>9.1f} {s['sbc_allgather']:>13.1f}"
+                     f" {s['sbc_server']:>10.1f} {s['hierarchical']:>9.1f}"
+                     f" {s['sbc_reduce_scatter']:>13.1f} {s['hierarchical_rs']:>9.1f}"
+                     f"  {r['best']:<18} {1e3 * r['allgather_decode_s']:>9.1f}"
+                     f" {r['allgather_download_bits'] / 1e6:>11.1f}"
+                     f" {1e3 * r['reduce_scatter_decode_s']:>9.1f}"
+                     f" {r['reduce_scatter_download_bits'] / 1e6:>11.1f}"
                      f"  {_fmt_bps(r['crossover_bps'], r['sbc_pays'])}")
     return "\n".join(lines)
 
@@ -436,7 +542,9 @@ def plot(rows: List[Dict[str, object]], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ns = [r["workers"] for r in rows]
     for key, label in (("dense", "dense ring allreduce"), ("sbc_allgather", "SBC allgather"),
-                       ("sbc_server", "SBC server"), ("hierarchical", "hierarchical")):
+                       ("sbc_server", "SBC server"), ("hierarchical", "hierarchical"),
+                       ("sbc_reduce_scatter", "SBC reduce-scatter"),
+                       ("hierarchical_rs", "hierarchical reduce-scatter")):
         ax.plot(ns, [1e3 * r["step_s"][key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -493,6 +601,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"codec here ({args.threads} thread): encode {1e3 * cost.encode_s:.2f} ms per sync, "
           f"decode {1e3 * cost.decode_fixed_s:.2f} ms + {1e3 * cost.decode_per_message_s:.3f} ms "
           f"per rank's message, the drop-in's other sync work {1e3 * cost.sync_overhead_s:.2f} ms")
+    print(f"reduce-scatter: one more step message {1e6 * cost.decode_per_step_s:.1f} us to "
+          f"parse, "
+          f"{1e6 * cost.frame_per_step_s:.1f} us to frame; one more piece "
+          f"{1e6 * cost.encode_per_tensor_s:.1f} us to encode; tensor headers "
+          f"{cost.tensor_header_bits / 8:.1f} B")
     print(f"link {args.bandwidth / 1e9:g} Gbit/s, latency {1e6 * args.latency:g} us; compute "
           f"{args.compute_ms:g} ms; hierarchical: {args.gpus_per_node} ranks per node at "
           f"{args.intra_bandwidth / 1e9:g} Gbit/s\n")

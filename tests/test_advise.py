@@ -86,6 +86,87 @@ def test_server_and_hierarchical():
     assert close(ad.hierarchical_step(c, 8, 8, net), 0, intra)
 
 
+def rs_codec(**kw) -> ad.CodecCost:
+    """The made-up codec with the reduce-scatter's per-piece and per-step figures."""
+    base = dict(tensor_header_bits=96, encode_per_tensor_s=1e-5, decode_per_tensor_s=1e-5,
+                decode_per_step_s=2e-6, frame_per_step_s=3e-6)
+    base.update(kw)
+    return codec(**base)
+
+
+def test_reduce_scatter_by_hand():
+    from horovod_sbc import wire
+    c, net = rs_codec(), Net(bps=1e9, latency_s=1e-3)
+    assert ad.STEP_HEADER_BITS == 8 * wire.STEP_HEADER_SIZE
+    # a region's step message: 24-byte header + (body + 3 more piece headers) / 4
+    region = 192 + (64_000 - 192 + 3 * 96) / 4
+    assert ad.reduce_scatter_region_bits(c, 4) == pytest.approx(16_216)
+    assert ad.reduce_scatter_download_bits(c, 4) == pytest.approx(2 * 3 * region)
+    # encode 10 ms + 3 more pieces and step messages; the region's re-encode (10 ms + 3 pieces)
+    # / 4; decode: 2 ms x (1 + 1/4) + 2 x (one message 1 ms + 3 pieces + 3 step messages)
+    encode, reencode = 0.010 + 3 * 13e-6, (0.010 + 3e-5) / 4
+    decode = 0.0025 + 2 * (0.001 + 3 * 12e-6)
+    assert ad.reduce_scatter_decode_s(c, 4) == pytest.approx(decode)
+    # alltoall and allgather: 3 latencies each
+    assert close(ad.sbc_reduce_scatter_step(c, 4, net), 6 * region,
+                 encode + reencode + decode + 6e-3)
+    # the drop-in's sync work once; one rank: the allgather's own (nothing exchanged)
+    busy = rs_codec(sync_overhead_s=0.003)
+    assert ad.sbc_reduce_scatter_step(busy, 4, net).seconds == pytest.approx(
+        encode + reencode + decode + 6e-3 + 0.003)
+    assert ad.sbc_reduce_scatter_step(c, 1, net) == ad.sbc_allgather_step(c, 1, net)
+    # hierarchical: the intra-node allreduce, then the reduce-scatter among 2 nodes
+    hier = ad.hierarchical_step(c, 16, 8, net, across=ad.sbc_reduce_scatter_step)
+    assert hier == ad.hierarchical_step(c, 8, 8, net) + ad.sbc_reduce_scatter_step(c, 2, net)
+
+
+def test_reduce_scatter_download_does_not_grow_with_n():
+    """A ResNet-50-sized message (2.09 Mbit, 14-byte tensor headers): what a rank receives is
+    2 (n-1)/n of the message body plus 2 (n-1) step headers and the region cuts' piece headers;
+    from 8 to 1,024 ranks it grows 1.31x (the allgather's 146x)."""
+    c = rs_codec(message_bits=2_090_960, tensor_header_bits=112)
+    body = 2_090_960 - 192
+
+    def expect(n):
+        return 2 * (n - 1) / n * (body + (n - 1) * 112) + 2 * (n - 1) * 192
+    for n in (8, 1024):
+        assert ad.reduce_scatter_download_bits(c, n) == pytest.approx(expect(n))
+    d8, d1024 = ad.reduce_scatter_download_bits(c, 8), ad.reduce_scatter_download_bits(c, 1024)
+    assert d8 == pytest.approx(3_662_904) and d1024 == pytest.approx(4_799_212.6875)
+    assert d1024 / d8 < 1.32
+    # without the headers exactly the (n-1)/n factor
+    assert (d1024 - 2 * 1023 * 192 - 2 * 1023 / 1024 * 1023 * 112) / \
+        (d8 - 2 * 7 * 192 - 2 * 7 / 8 * 7 * 112) == pytest.approx((1023 / 1024) / (7 / 8))
+    (r8, r1024) = ad.predict(c, Net(1e10, 2e-5), 0.1, workers=[8, 1024])
+    assert r1024["reduce_scatter_download_bits"] == pytest.approx(d1024)
+    assert r1024["allgather_download_bits"] / r8["allgather_download_bits"] == 1023 / 7
+
+
+def test_reduce_scatter_picked_over_allgather_at_large_n_on_a_slow_link():
+    c, net = rs_codec(), Net(bps=1e8, latency_s=2e-5)
+    (small, large) = ad.predict(c, net, 0.1, workers=[2, 1024], gpus_per_node=1)
+    assert small["step_s"]["sbc_allgather"] <= small["step_s"]["sbc_reduce_scatter"]
+    s = large["step_s"]
+    assert large["best"] == "sbc_reduce_scatter"
+    assert s["sbc_reduce_scatter"] < 0.2 * s["sbc_allgather"] and s["sbc_reduce_scatter"] < s["dense"]
+    assert large["reduce_scatter_decode_s"] < large["allgather_decode_s"] / 20
+
+
+def test_reduce_scatter_delay_divides_it():
+    c, net = rs_codec(sync_overhead_s=0.002), Net(bps=1e9, latency_s=2e-5)
+    for n in (2, 64, 1024):
+        one = ad.sbc_reduce_scatter_step(c, n, net)
+        assert close(ad.sbc_reduce_scatter_step(c, n, net, delay=4), one.bits / 4,
+                     one.seconds / 4)
+    (d1,), (d4,) = (ad.predict(c, net, 0.1, workers=[256], delay=d) for d in (1, 4))
+    assert d4["step_s"]["sbc_reduce_scatter"] - 0.1 == pytest.approx(
+        (d1["step_s"]["sbc_reduce_scatter"] - 0.1) / 4)
+    assert d4["reduce_scatter_decode_s"] == pytest.approx(d1["reduce_scatter_decode_s"] / 4)
+    assert d4["reduce_scatter_download_bits"] == pytest.approx(
+        d1["reduce_scatter_download_bits"] / 4)
+    assert d4["step_s"]["dense"] == d1["step_s"]["dense"]
+
+
 def test_predict_rows():
     c, net = codec(), Net(bps=1e9, latency_s=0.0)
     (row,) = ad.predict(c, net, compute_s=0.1, workers=[4], gpus_per_node=2)
@@ -138,6 +219,10 @@ def test_measure_codec_accounts_real_messages():
     assert c.sync_overhead_s >= 0
     assert ad.measure_codec(layout, 0.01, reps=1, decode_ranks=2,
                             sync_overhead=False).sync_overhead_s == 0
+    # the reduce-scatter's figures: a step message's parse and framing, the tensor headers
+    # (magic 2, version, flags, b, 3 varints, value 4: 12 to 30 bytes)
+    assert c.decode_per_step_s >= 0 and c.frame_per_step_s > 0
+    assert 8 * 12 <= c.tensor_header_bits <= 8 * 30
 
 
 def test_the_sync_overhead_runs_the_drop_in_through_a_one_rank_transport(monkeypatch):
@@ -175,6 +260,10 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     dense = res["rows"][1]["step_s"]["dense"]  # compute + 2 * 7/8 * 32 * 2030 bits / 1 Gbit/s
     assert dense == pytest.approx(0.005 + 2 * 7 / 8 * 32 * 2030 / 1e9 + 14 * 1e-5)
     assert res["rows"][2]["allgather_download_bits"] == 1023 * c.message_bits
+    assert "sbc r-scatter" in text and "rs download" in text
+    assert res["rows"][2]["reduce_scatter_download_bits"] == pytest.approx(
+        2 * 1023 * ad.reduce_scatter_region_bits(c, 1024))
+    assert set(res["rows"][2]["step_s"]) >= {"sbc_reduce_scatter", "hierarchical_rs"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
