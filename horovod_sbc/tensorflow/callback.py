@@ -33,6 +33,7 @@ from ..config import resolve_compression
 from .adam import freeze_variance_after, is_frozen
 from .compressor import SBC
 from .momentum import family
+from .owner import entries
 from .tape import broadcast_variables
 
 
@@ -72,7 +73,7 @@ class SBCCallback(keras.callbacks.Callback):
         if family(opt) == "adam" and not is_frozen(opt):  # before fit traces its step
             freeze_variance_after(opt, "auto")  # horovod_sbc.policy: as torch's drop-in
         variables = self._variables()
-        names = {e[0] for e in self.sbc._entries(variables)}
+        names = {e[0] for e in entries(variables)}
         if not names.issubset(set(self.sbc.reference.keys())):
             if self.broadcast:
                 broadcast_variables(self.model.variables, self.root_rank)

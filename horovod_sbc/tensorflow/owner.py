@@ -9,12 +9,13 @@ of Horovod's own TensorFlow package (``HOROVOD_MODULE``) only, matching the grad
 Nothing of Horovod is modified.
 
 What this reads of Horovod is pinned for the Horovod release this package is built against by
-``tests/test_owner.py``.
+``tests/test_owner.py``. The names that key a variable's state (:func:`variable_name`) and the
+canonical order of a sync's variables (:func:`entries`) are defined here too.
 """
 from __future__ import annotations
 
 import sys
-from typing import Tuple
+from typing import List, Tuple
 
 import tensorflow as tf
 
@@ -24,6 +25,33 @@ HOROVOD_MODULE = "horovod.tensorflow"
 #: how many callers are looked at: Horovod's frame is within a few outside ``tf.function`` and
 #: within a few dozen inside it (TensorFlow's tracing and control flow sit in between)
 MAX_FRAMES = 80
+
+
+def tf_variable(v) -> tf.Variable:
+    """The ``tf.Variable`` behind ``v`` (a Keras 3 ``Variable`` wraps one as ``.value``)."""
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    raise TypeError(f"SBC needs variables (tf.Variable or keras.Variable), got {type(v).__name__}"
+                    " (gradients of plain tensors cannot be given a residual)")
+
+
+def entries(variables) -> List[Tuple[str, tf.Variable, int]]:
+    """(name, tf.Variable, index in ``variables``) of the floating-point variables, sorted by
+    name (one canonical message order on every rank); names must be unique."""
+    out = []
+    for i, v in enumerate(tf.nest.flatten(variables)):
+        tv = tf_variable(v)
+        if tv.dtype.is_floating:
+            out.append((variable_name(v), tv, i))
+    names = [e[0] for e in out]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"SBC: variable names must be unique; duplicated: {', '.join(dups)} "
+                         "(give your tf.Variables distinct names)")
+    return sorted(out, key=lambda e: e[0])
 
 
 def variable_name(v) -> str:

@@ -11,22 +11,16 @@ returns this rank's own gradients (no communication); apply them with your optim
 ``sbc.step(variables, optimizer)``, which every ``delay``-th time (every time at ``delay=1``) compresses the
 weight update since the last sync (plus its residual) for every variable, sends all of them in
 one step message through one ``horovod.tensorflow.allgather`` and moves the shared weights by
-the average of all ranks' decoded updates, identical on every rank (see :meth:`SBC.step`)::
+the average of all ranks' decoded updates, identical on every rank (:meth:`SBC.step`,
+:mod:`horovod_sbc.tensorflow.weights`)::
 
     grads = tape.gradient(loss, model.trainable_variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))
     sbc.step(model.trainable_variables, opt)
 
-Why weight updates, also at ``delay=1``: the optimizer's own state (momentum, Adam's moments)
-then sees this rank's full gradient at every step, and the residual of what was not sent stays
-in this rank's weights (``local_residual``), as in the torch drop-in and :class:`SBCCallback`;
-for a Keras SGD with momentum at ``delay=1`` (the optimizer passed to ``step``) the momentum is
-folded into the learning rate instead and the residual waits beside the shared weights
-(:mod:`horovod_sbc.tensorflow.momentum`).
-Exchanging sparse gradients instead feeds the optimizer the sparse average, which momentum
-amplifies: that is what stock ``hvd.DistributedGradientTape(tape, compression=SBC(...))`` does.
-
-A ``gradient()`` call whose gradients were not followed by ``sbc.step()`` fails loudly at the next
+Why weight updates, also at ``delay=1``, and not sparse gradients as stock
+``hvd.DistributedGradientTape(tape, compression=SBC(...))``: docs/design.md (TensorFlow). A
+``gradient()`` call whose gradients were not followed by ``sbc.step()`` fails loudly at the next
 ``gradient()``.
 """
 from __future__ import annotations
@@ -36,6 +30,7 @@ from typing import Optional
 import tensorflow as tf
 
 from .compressor import SBC
+from .owner import tf_variable
 
 
 class _SBCTape:
@@ -95,7 +90,6 @@ def broadcast_variables(variables, root_rank: int = 0, compression: Optional[SBC
     weights are then reset to the broadcast values (weight mode: the drop-in tape,
     :class:`SBCCallback`)."""
     import horovod.tensorflow as hvd
-    from .compressor import tf_variable
     flat = tf.nest.flatten(variables)
     hvd.broadcast_variables([tf_variable(v) for v in flat], root_rank=root_rank)
     if compression is not None and len(compression.reference):

@@ -26,6 +26,7 @@ import keras  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
+from horovod_sbc.tensorflow.owner import entries as tf_entries  # noqa: E402
 from horovod_sbc.tensorflow.sync import exchange  # noqa: E402
 from horovod_sbc.tensorflow.backend import host as tf_host  # noqa: E402
 
@@ -441,8 +442,8 @@ def run_outer():
         sbc = SBC(density=1.0, delay=2, mode="values", outer=make())
         hsbc.broadcast_variables(model.variables, root_rank=0)
         sbc.build(model.trainable_variables)
-        names = [n for n, _, _ in sbc._entries(model.trainable_variables)]
-        variables = {n: v for n, v, _ in sbc._entries(model.trainable_variables)}
+        names = [n for n, _, _ in tf_entries(model.trainable_variables)]
+        variables = {n: v for n, v, _ in tf_entries(model.trainable_variables)}
         snap = lambda d: {n: d[n].numpy().ravel().tolist() for n in names}  # noqa: E731
         bufs = lambda: snap(sbc.outer.buffers) if kind == "nesterov" and \
             sbc.outer.buffers else None  # noqa: E731
@@ -490,7 +491,7 @@ def run_fold():
         sbc = hsbc.SBC(density=1.0, delay=1, mode="values", local_residual=local)
         hsbc.broadcast_variables(model.variables, root_rank=0)
         sbc.build(model.trainable_variables)
-        entries = sbc._entries(model.trainable_variables)
+        entries = tf_entries(model.trainable_variables)
         snap = lambda d: {n: np.asarray(d[n].numpy(), np.float64).ravel().tolist()  # noqa: E731
                           for n, _, _ in entries}
         variables = {n: v for n, v, _ in entries}

@@ -19,6 +19,7 @@ import keras  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import horovod_sbc.tensorflow as hsbc  # noqa: E402
+from horovod_sbc.tensorflow.owner import entries as tf_entries  # noqa: E402
 
 hvd.init()
 tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -58,7 +59,7 @@ def run(local_residual, fn, steps=12, delay=2):
         step(tf.constant(rng.standard_normal((16, 20)).astype(np.float32)),
              tf.constant(rng.integers(0, 5, 16)))
         if (s + 1) % delay == 0:
-            entries = sbc._entries(model.trainable_variables)
+            entries = tf_entries(model.trainable_variables)
             refs = [sbc.reference[n].numpy() for n, _, _ in entries]
             exact = True
             for (n, v, _), ref in zip(entries, refs):

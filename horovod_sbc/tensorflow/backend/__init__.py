@@ -34,7 +34,7 @@ The implementations:
 :func:`backend_for` picks one per (device type, kernels switch) and keeps it: the kernel backend
 on the CPU when the op library is built and not disabled (``HOROVOD_SBC_KERNELS=0``,
 :func:`horovod_sbc.kernels.disabled`), else the ops backend. The ``SBC`` object
-(:mod:`horovod_sbc.tensorflow.compressor`) asks once, at its first sync.
+(:class:`horovod_sbc.tensorflow.sync.state.SyncState`) asks once, at its first sync.
 """
 from __future__ import annotations
 

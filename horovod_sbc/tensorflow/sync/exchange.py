@@ -6,27 +6,22 @@ One sync is a few graph pieces, so it runs the same way eagerly and inside ``tf.
    tensor message (:meth:`horovod_sbc.tensorflow.backend.Backend.encode`: TF ops, or one kernel
    op per float32 tensor of binary SBC on the CPU); the new residuals ``A - sent`` are computed
    but not committed.
-2. **frame (the backend)** — the step message of the tensor messages: the 24-byte step header
-   with the CRC-32 of the body (:meth:`horovod_sbc.tensorflow.backend.Backend.frame`, the bytes
-   of :func:`horovod_sbc.wire.step_message_bytes`), in TF ops on the tensors' device (the ops
-   backend, which GPU tensors take: nothing crosses to the host) or, with the CPU kernels, on
-   the host. A non-finite update yields an ERROR (or SKIP) step message instead
-   (:func:`horovod_sbc.wire.error_step_message`), so the other ranks learn of it from the same
-   allgather instead of hanging.
+2. **frame (the backend)** — the step message: the 24-byte step header with the CRC-32 of the
+   body (:meth:`horovod_sbc.tensorflow.backend.Backend.frame`, the bytes of
+   :func:`horovod_sbc.wire.step_message_bytes`), in TF ops on the tensors' device (GPU tensors:
+   nothing crosses to the host) or, with the CPU kernels, on the host. A non-finite update
+   yields an ERROR (or SKIP) step message (:func:`horovod_sbc.wire.error_step_message`), so the
+   other ranks learn of it from the same allgather instead of hanging.
 3. ``horovod.tensorflow.allgather`` of that ``uint8`` tensor (a Horovod graph op: asynchronous in
    Horovod's background thread, blocks no TensorFlow thread).
 4. **decode (the backend)** — :meth:`horovod_sbc.tensorflow.backend.Backend.decode`: headers
    and verdict on the host (:mod:`horovod_sbc.protocol`, on the compressed bytes), streams and
    the accumulation of ``scale`` x every rank's tensor, in rank order (onto zeros, or e.g. the
-   reference weights). Every rank adds the same values in the same order: bit-identical
-   results.
+   reference weights): every rank adds the same values in the same order, bit-identically.
 
 The bytes are those of the wire format spec (``horovod_sbc/wire.py``), identical to the PyTorch
-adapter's: a TensorFlow rank and a PyTorch rank decode each other's messages.
-
-Errors: a ``ValueError`` raised by a host step surfaces as ``ValueError`` in eager mode; inside a
-``tf.function`` TensorFlow re-raises it as ``tf.errors.InvalidArgumentError`` with the same text
-(``"ValueError: SBC: rank 1 could not encode ..."``).
+adapter's. A host step's ``ValueError`` is a ``ValueError`` eagerly and, inside a
+``tf.function``, ``tf.errors.InvalidArgumentError`` with the same text (docs/design.md).
 """
 from __future__ import annotations
 
