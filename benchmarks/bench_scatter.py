@@ -51,7 +51,7 @@ import torch
 from horovod_sbc import advise, wire
 from horovod_sbc.config import SBCConfig
 from horovod_sbc.torch.backend import Accumulate, Targets, frame
-from horovod_sbc.torch.sync import encode_uplink, scatter
+from horovod_sbc.torch.sync import Outgoing, encode_uplink, scatter
 from horovod_sbc.torch.sync.state import SyncState
 
 Layout = List[Tuple[str, Tuple[int, ...]]]
@@ -129,15 +129,15 @@ def encode_pieces(state: SyncState, p: scatter.Plan, srcs, rank: int):
     """The reduce-scatter's uplink: every piece encoded (``encode_uplink``, as
     ``synchronize`` does for a plan's pieces)."""
     names = [c.name for c in p.pieces]
-    return encode_uplink(state, list(p.pieces), names, srcs, srcs.__getitem__,
-                         wire.layout_fingerprint(p.layout), DEV, rank, None)
+    out = Outgoing(names, wire.layout_fingerprint(p.layout), DEV, rank)
+    return encode_uplink(state, out, srcs.__getitem__, whole=srcs, keys=list(p.pieces))
 
 
 def encode_tensors(state: SyncState, layout: Layout, srcs, rank: int):
     """The allgather's uplink: one message per tensor."""
     names = [n for n, _ in layout]
-    return encode_uplink(state, names, names, srcs, srcs.__getitem__,
-                         wire.layout_fingerprint(layout), DEV, rank, None)
+    out = Outgoing(names, wire.layout_fingerprint(layout), DEV, rank)
+    return encode_uplink(state, out, srcs.__getitem__, whole=srcs)
 
 
 def outputs(layout: Layout) -> List[torch.Tensor]:

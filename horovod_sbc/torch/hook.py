@@ -32,7 +32,7 @@ from .backend import Accumulate, Targets, frame
 from .momentum import StockFold, check_choice, stock_fold
 from .optimizer import adopt
 from .owner import Owner, identify
-from .sync import encode_uplink, exchange
+from .sync import Outgoing, encode_uplink, exchange
 from .sync import plan_regions as sync_plan
 from .sync.state import SyncState
 
@@ -188,8 +188,8 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
         srcs = [Accumulate(srcs[p.tensor].residual[p.start:p.stop],
                            srcs[p.tensor].addend[p.start:p.stop], srcs[p.tensor].consume)
                 for p in regions.pieces]
-    uplink = encode_uplink(state, srcs, [n for n, _ in sent], srcs, srcs.__getitem__, fp,
-                           dev, rank, cap)
+    uplink = encode_uplink(state, Outgoing([n for n, _ in sent], fp, dev, rank, cap),
+                           srcs.__getitem__, whole=srcs)
     if uplink.failed:  # nothing of this step is sent: the rest of the gradients waits in the
         for src in srcs[len(uplink.encoded) + 1:]:  # residuals, as every healthy rank's does
             src.residual.add_(src.addend)

@@ -185,28 +185,43 @@ class Uplink:
         return sum(enc.positions.numel() for _, enc in self.encoded)
 
 
-def encode_uplink(state: SyncState, keys: Sequence, names: Sequence[str], whole, source_of,
-                  fp: int, dev, rank: int, cap: Optional[int]) -> Uplink:
-    """Every tensor of a sync encoded by the state's backend: all at once from ``whole`` (a
-    list of sources, or None) where the backend can, else one by one (``source_of(i)`` builds
-    tensor i's source when its turn comes); a NaN/Inf gives the ERROR/SKIP step naming the
-    tensor instead. ``keys[i]`` is what :attr:`Uplink.encoded` pairs each encoding with."""
-    cfg = state.config
+@dataclass(frozen=True)
+class Outgoing:
+    """What this rank sends in one sync, before it is encoded: the tensors' ``names`` in
+    message order, the ``fingerprint`` of their layout, the ``device`` they live on, this
+    ``rank`` (an ERROR/SKIP step names it) and the step's ``capacity`` (fixed-size steps;
+    None: variable)."""
+    names: Sequence[str]
+    fingerprint: int
+    device: torch.device
+    rank: int
+    capacity: Optional[int] = None
+
+
+def encode_uplink(state: SyncState, out: Outgoing, source_of: Callable[[int], object], *,
+                  whole: Optional[Sequence] = None, keys: Optional[Sequence] = None) -> Uplink:
+    """Every tensor of ``out`` encoded by the state's backend: all at once from ``whole`` (every
+    source, or None) where the backend can, else one by one (``source_of(i)`` builds tensor
+    i's source when its turn comes); a NaN/Inf gives the ERROR/SKIP step naming the tensor
+    instead. ``keys[i]`` (default: the names) is what :attr:`Uplink.encoded` pairs each
+    encoding with."""
+    cfg, dev, fp, cap = state.config, out.device, out.fingerprint, out.capacity
     backend = state.backend(dev)
-    fused = backend.encode_many(whole, cfg.density, cfg.mode, cfg.selection, list(names),
+    fused = backend.encode_many(whole, cfg.density, cfg.mode, cfg.selection, list(out.names),
                                 fp if cap is None else None) if whole else None
     if fused is not None:
         _count_padding(state, cap, fused.body_bytes)
         return Uplink(fused.frame(fp, cap), [(None, fused)])
     encoded = []
-    for i, (key, name) in enumerate(zip(keys, names)):
+    for i, (key, name) in enumerate(zip(out.names if keys is None else keys, out.names)):
         try:
             enc = backend.encode_tensor(source_of(i), cfg.density, cfg.mode, name,
                                         cfg.selection, state.generator(dev),
                                         state.position_buffer(name))
         except NonFiniteError as e:
             skip = cfg.nonfinite == "skip"
-            return Uplink(_error_frame(state, str(e), fp, skip, dev, rank, cap), encoded, True)
+            return Uplink(_error_frame(state, str(e), fp, skip, dev, out.rank, cap), encoded,
+                          True)
         encoded.append((key, enc))
     msgs = [enc.message for _, enc in encoded]
     _count_padding(state, cap, sum(m.numel() for m in msgs))
@@ -230,9 +245,9 @@ def _encode_all(state: SyncState, updates: List[Update], fp: int, dev, rank: int
     if bad is not None:
         reason = f"the update of {bad.name!r} contains NaN or Inf"
         return Uplink(_error_frame(state, reason, fp, skip, dev, rank, cap), [], True)
-    return encode_uplink(state, updates, [u.name for u in updates],
-                         _whole_sync_sources(state, updates, dev),
-                         lambda i: _source(state, updates[i]), fp, dev, rank, cap)
+    return encode_uplink(state, Outgoing([u.name for u in updates], fp, dev, rank, cap),
+                         lambda i: _source(state, updates[i]),
+                         whole=_whole_sync_sources(state, updates, dev), keys=updates)
 
 
 def _whole_sync_sources(state: SyncState, updates: Sequence[Update], dev):
