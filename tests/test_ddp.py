@@ -157,3 +157,22 @@ def test_example_trains_digits_with_identical_ranks(method):
     acc = float(line.split("accuracy ")[1].split("%")[0])
     ratio = float(line.split("compression ")[1].split("x")[0])
     assert acc > 90 and ratio > (300 if method == "hook" else 1000), line
+
+
+@pytest.mark.parametrize("opt", ["Adam", "AdamW", "RMSprop", "SGD"])
+def test_the_hook_warns_where_the_policy_exchanges_weight_changes(opt):
+    """horovod_sbc.policy.choose decides for the DDP hook as for Horovod's: every optimizer
+    but SGD needs weight changes, which a gradient hook cannot send; it says what to use."""
+    import torch
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.ddp import SBCState
+    model = torch.nn.Linear(4, 2)
+    optimizer = getattr(torch.optim, opt)(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        SBCState(model, compression=SBC(0.01), optimizer=optimizer)
+    msgs = [str(x.message) for x in w if "DDP comm hook" in str(x.message)]
+    if opt == "SGD":
+        assert msgs == []
+    else:
+        assert len(msgs) == 1 and opt in msgs[0] and "DistributedOptimizer" in msgs[0]

@@ -25,6 +25,7 @@ what each measured: docs/ddp.md#how-it-works, docs/ddp.md#per-parameter-or-per-b
 """
 import enum
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -33,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
+from .. import policy
 from ..config import resolve_compression
+from .adam import family
 from .compressor import SBC
 from .momentum import StockFold, stock_fold
 from .owner import Owner
@@ -61,6 +64,20 @@ def _make_compression(compression, density, what: str) -> SBC:
                          f"{'alltoall' if comp.topology == 'reduce_scatter' else 'MPI gather'}"
                          "; torch.distributed supports topology='allgather' only")
     return comp
+
+
+def warn_gradient_exchange(optimizer) -> None:
+    """A gradient hook can only exchange gradients; where :func:`horovod_sbc.policy.choose`
+    picks the weight change for ``optimizer`` (every optimizer but SGD), say what to use."""
+    if policy.choose(family(optimizer), delay=1, api="stock").exchange == "gradients":
+        return
+    warnings.warn(
+        f"horovod_sbc: the DDP comm hook exchanges compressed gradients, and "
+        f"{type(optimizer).__name__} normalises each coordinate by its own history: a "
+        "coordinate that arrives late in one burst moves by one learning rate, which trains "
+        "below no communication (docs/recipes.md). For it, exchange weight changes: "
+        "horovod_sbc.torch.DistributedOptimizer (Horovod; Adam's variance frozen "
+        "automatically) or PostLocalSGDOptimizer with SBCModelAverager.", stacklevel=3)
 
 
 @dataclass
@@ -123,6 +140,8 @@ class SBCState:
         self.optimizer = optimizer
         self._fold = StockFold() if optimizer is not None and \
             self.compression.momentum == "fold" else None
+        if optimizer is not None:
+            warn_gradient_exchange(optimizer)
         if self.compression.delay != 1:
             raise ValueError(
                 f"SBCState: SBC(delay={self.compression.delay}) needs local steps between "
