@@ -124,3 +124,29 @@ def test_the_fold_grows_as_the_velocity_of_a_constant_gradient():
         s_opt.step()
         torch.testing.assert_close(fold_p.detach(), heavy.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(stock_p.detach(), heavy.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_stock_fold_guard_survives_a_checkpoint():
+    """The stock hook's state_dict carries its fold guards (what a blow-up cut and the running
+    norm), restored for the folding optimizer met first after loading, before or after it."""
+    from horovod_sbc.torch import SBC
+    from horovod_sbc.torch.momentum import guard_of
+
+    def setup():
+        p = torch.nn.Parameter(torch.zeros(4))
+        return p, torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    comp = SBC(0.5)
+    p, opt = setup()
+    comp._fold.plan([Owner("p", opt, p)], 0)
+    for sq in [1.0] * 30 + [1e6]:  # calm steps, then a blow-up: the scale is cut
+        guard_of(opt).observe(sq)
+    saved = comp.state_dict()
+    assert saved["fold_guards"] == [guard_of(opt).state_dict()]
+    assert saved["fold_guards"][0]["backoffs"] == 1
+    for first in ("load", "fold"):  # load into a fresh hook, or into one that folded already
+        comp2, (p2, opt2) = SBC(0.5), setup()
+        if first == "fold":
+            comp2._fold.plan([Owner("p", opt2, p2)], 0)
+        comp2.load_state_dict(saved)
+        comp2._fold.plan([Owner("p", opt2, p2)], 1)
+        assert guard_of(opt2).state_dict() == saved["fold_guards"][0], first

@@ -137,8 +137,13 @@ class SBC(StockHook):
         return self.manager.stats()
 
     def state_dict(self):
-        """This rank's residuals, reference weights, counters (and TernGrad's generator)."""
-        return self.state.state_dict()
+        """This rank's residuals, reference weights, counters (and TernGrad's generator); the
+        stock hook's momentum fold adds its guards' state (``"fold_guards"``)."""
+        st = self.state.state_dict()
+        guards = self._fold.guard_states()
+        if guards:
+            st["fold_guards"] = guards
+        return st
 
     def load_state_dict(self, state) -> None:
         """Restore residuals and counters. Residuals are per rank: loading a checkpoint written
@@ -154,6 +159,7 @@ class SBC(StockHook):
             self._optimizer_state = state[OPTIMIZER_STATE_KEY]
             return
         self.state.load_state_dict(state)
+        self._fold.load_guard_states(state.get("fold_guards", []))
 
     def take_optimizer_state(self):
         """The drop-in state :meth:`load_state_dict` was given for an optimizer not adopted

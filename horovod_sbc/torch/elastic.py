@@ -185,9 +185,25 @@ class SBCHandler:
                                                   "sbc.elastic.local_steps")
         else:
             self.sbc.realign_steps()
+            self._sync_fold_guards(source)
         self.renew_world()
         self.joined = True
         return source
+
+    def _sync_fold_guards(self, source: int) -> None:
+        """The stock hook's momentum-fold guards from ``source``: the folded step depends on
+        them, and the weights it moves are shared (a new worker has met no optimizer yet; it
+        takes them at its first fold)."""
+        from .momentum import FoldGuard
+        keys = sorted(FoldGuard().state_dict())
+        mine = self.sbc._fold.guard_states()
+        n = _broadcast_int(len(mine), source, "sbc.elastic.guards")
+        if n == 0:
+            return
+        vals = torch.tensor([[float(g[k]) for k in keys] for g in mine] if len(mine) == n
+                            else [[0.0] * len(keys)] * n, dtype=torch.float64)
+        _hvd().broadcast_(vals, source, name="sbc.elastic.guard_values")
+        self.sbc._fold.load_guard_states([dict(zip(keys, row)) for row in vals.tolist()])
 
     def _shared_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         if not self.drop_in:

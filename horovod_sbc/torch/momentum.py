@@ -211,11 +211,31 @@ class StockFold:
 
     def __init__(self):
         self._groups: Dict[int, Tuple[object, Dict[int, dict]]] = {}
+        #: :class:`FoldGuard` states from a checkpoint, for the folding optimizers in the order
+        #: they are met (:meth:`guard_states`)
+        self.pending_guards: List[dict] = []
+
+    def guard_states(self) -> List[dict]:
+        """The :class:`FoldGuard` state of every folding optimizer met, in the order met (the
+        stock hook's ``state_dict()["fold_guards"]``)."""
+        return [guard_of(opt).state_dict() for opt, _ in self._groups.values()
+                if _sgd_groups(opt)]
+
+    def load_guard_states(self, states: Sequence[dict]) -> None:
+        """Restore :meth:`guard_states`: the folding optimizers met so far take theirs now, in
+        order; the rest wait for their optimizer's first fold."""
+        met = [opt for opt, _ in self._groups.values() if _sgd_groups(opt)]
+        for opt, st in zip(met, states):
+            guard_of(opt).load_state_dict(st)
+        self.pending_guards = [dict(st) for st in states[len(met):]]
 
     def _group_of(self, optimizer, p: torch.Tensor) -> Optional[dict]:
         """The folded group of ``p`` (None: not folded); looked up again when ``p`` is new
-        (``add_param_group``)."""
+        (``add_param_group``). A folding optimizer met for the first time takes the next
+        checkpointed guard state."""
         cached = self._groups.get(id(optimizer))
+        if cached is None and self.pending_guards and _sgd_groups(optimizer):
+            guard_of(optimizer).load_state_dict(self.pending_guards.pop(0))
         if cached is None or cached[0] is not optimizer or id(p) not in cached[1]:
             folded_groups = [id(g) for g in _sgd_groups(optimizer)]
             by_param = {id(q): (g if id(g) in folded_groups else None)

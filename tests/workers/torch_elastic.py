@@ -3,7 +3,8 @@
 Every rank trains two models side by side on one linear-regression task (each rank draws its own
 samples): one through the drop-in ``horovod_sbc.torch.DistributedOptimizer`` (SGD momentum 0.9,
 ``SBC(density=0.1, delay=2)``, the residual in the weights), one through stock
-``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (plain SGD; ``stock_topology=``
+``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (SGD momentum 0.9, folded, its
+guards synced at every reset; ``stock_topology=``
 its topology, e.g. ``reduce_scatter``), both in one
 ``SBCState``, committed after every step. Every worker starts from its own random weights.
 
@@ -66,7 +67,7 @@ drop = sbc.DistributedOptimizer(
     [(f"d.{n}", p) for n, p in drop_model.named_parameters()],
     compression=sbc.SBC(density=0.1, delay=2))
 stock_named = [(f"s.{n}", p) for n, p in stock_model.named_parameters()]
-stock = hvd.DistributedOptimizer(torch.optim.SGD(stock_model.parameters(), lr=0.05),
+stock = hvd.DistributedOptimizer(torch.optim.SGD(stock_model.parameters(), lr=0.02, momentum=0.9),
                                  named_parameters=stock_named,
                                  compression=sbc.SBC(density=0.1, named_parameters=stock_named,
                                                      topology=KW.get("stock_topology",
