@@ -11,6 +11,8 @@
 * :func:`freeze_variance_after` — Keras Adam/AdamW with the second moment frozen after K steps,
   for the drop-in (:mod:`horovod_sbc.tensorflow.adam`; the torch drop-in's knob of that name).
 * :func:`compress` / :func:`decompress` — the single-tensor codec (TF ops).
+* :class:`SBCState` — elastic Horovod (:mod:`horovod_sbc.tensorflow.elastic`: each survivor
+  keeps its residual; run the training function under its ``run``).
 * :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — weight mode's outer step
   (``SBC(..., delay=16, outer=Nesterov(lr=1.0, momentum=0.5))``, see
   :mod:`horovod_sbc.tensorflow.outer`).
@@ -31,11 +33,14 @@ from .outer import ErrorDecay, Nesterov, Plain
 from .tape import DistributedGradientTape, broadcast_variables
 
 __all__ = ["SBC", "DistributedGradientTape", "SBCCallback", "broadcast_variables", "compress",
-           "decompress", "Plain", "Nesterov", "ErrorDecay", "freeze_variance_after"]
+           "decompress", "Plain", "Nesterov", "ErrorDecay", "freeze_variance_after", "SBCState"]
 
 
 def __getattr__(name):
     if name == "SBCCallback":  # keras is imported only when the callback is asked for
         from .callback import SBCCallback
         return SBCCallback
+    if name == "SBCState":  # elastic Horovod (horovod_sbc.tensorflow.elastic), when asked for
+        from .elastic import SBCState
+        return SBCState
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
