@@ -168,12 +168,8 @@ class SBCConfig:
                                  "(the allgather has no downlink message)")
         if self.downlink_density is not None:
             set_("downlink_density", validate_density(self.downlink_density))
-        elif self.topology == "reduce_scatter":
-            set_("downlink_density", self.density)
-        if self.downlink_binarize is None:
-            set_("downlink_binarize", self.topology == "reduce_scatter" and
-                 registry.get(self.mode).binarize)
-        set_("downlink_binarize", bool(self.downlink_binarize))
+        if self.downlink_binarize is not None:
+            set_("downlink_binarize", bool(self.downlink_binarize))
         set_("seed", int(self.seed))
         if self.fixed_size is not None and not isinstance(self.fixed_size, bool):
             raise ValueError(f"fixed_size must be True, False or None, got "
@@ -189,7 +185,22 @@ class SBCConfig:
 
     @property
     def downlink_mode(self) -> str:
-        return "sbc" if self.downlink_binarize else "values"
+        """The re-compressed average's compressor: ``"sbc"`` (binarized) or ``"values"``
+        (``downlink_binarize``; None: ``"server"`` sends values, ``"reduce_scatter"`` does
+        what the uplink's ``mode`` does)."""
+        binarize = self.downlink_binarize
+        if binarize is None:
+            binarize = self.topology == "reduce_scatter" and registry.get(self.mode).binarize
+        return "sbc" if binarize else "values"
+
+    @property
+    def downlink_fraction(self) -> Optional[float]:
+        """The re-compressed average's fraction of positions: ``downlink_density``, or when
+        it is None the uplink's ``density`` (``"reduce_scatter"``) or a dense downlink
+        (``"server"``: None)."""
+        if self.downlink_density is None and self.topology == "reduce_scatter":
+            return self.density
+        return self.downlink_density
 
     def padded(self, collective_needs_equal_sizes: bool = False) -> bool:
         """Whether step messages are padded to their layout's capacity (``fixed_size``, or

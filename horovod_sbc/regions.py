@@ -12,7 +12,7 @@ so every rank, torch or TensorFlow, cuts the same regions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from . import wire
 
@@ -75,3 +75,42 @@ def cut(layout: Layout, size: int) -> Tuple[List[Piece], List[int]]:
             if a >= n:
                 break
     return pieces, owner
+
+
+# ----------------------------------------------------------------------------------------------
+# the host's byte work of a sync through the regions (shared by torch and TensorFlow; the step
+# headers are parsed and judged by the caller, with horovod_sbc.protocol)
+# ----------------------------------------------------------------------------------------------
+def region_messages(host: bytes, plan: Plan,
+                    error: Optional[wire.PeerError] = None) -> List[bytes]:
+    """A rank's step message (``host``: its bytes, a step of ``plan.layout`` whose header the
+    caller checked) re-framed as one step message per region, in rank order: region r's tensor
+    messages under region r's fingerprint. ``error``: the ERROR/SKIP the step carries instead
+    (``protocol.peer_error``), sent to every owner as an ERROR/SKIP of its region with the same
+    reason and origin. Reads every piece's tensor header (``ValueError`` if one is malformed)."""
+    if error is not None:
+        return [wire.error_step_message(error.reason, fp, error.skip, error.rank)
+                for fp in plan.fingerprints]
+    ends, off = [wire.STEP_HEADER_SIZE], wire.STEP_HEADER_SIZE
+    for name, shape in plan.layout:
+        off = wire.parse_tensor_header(host, off, wire.layout_numel(shape), name).nbytes
+        ends.append(off)
+    return [wire.step_message_bytes(host[ends[plan.bounds[r]]:ends[plan.bounds[r + 1]]],
+                                    plan.fingerprints[r], len(plan.regions[r]))
+            for r in range(plan.size)]
+
+
+def join_regions(host: bytes, plan: Plan, heads: Sequence) -> bytes:
+    """Every owner's region message (``host``: concatenated in rank order; ``heads``: their
+    step headers, ``protocol.parse_step`` of each, none an ERROR/SKIP) as ONE step message of
+    the whole piece layout ``plan.layout`` (the region bodies joined in order), so that one
+    decode of one rank's step gives every piece. ``ValueError`` naming the owner whose message
+    is of another region."""
+    for h in heads:
+        if (h.layout, h.n_tensors) != (plan.fingerprints[h.rank], len(plan.regions[h.rank])):
+            raise ValueError(f"rank {h.rank} sent the message of another region (fingerprint "
+                             f"{h.layout:#010x}, {h.n_tensors} tensors; expected "
+                             f"{plan.fingerprints[h.rank]:#010x}, "
+                             f"{len(plan.regions[h.rank])})")
+    return wire.step_message_bytes(b"".join(host[h.body[0]:h.body[1]] for h in heads),
+                                   wire.layout_fingerprint(plan.layout), len(plan.layout))

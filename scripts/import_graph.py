@@ -21,7 +21,8 @@ PACKAGE = "horovod_sbc"
 
 #: layer of each module (prefix match, longest wins), lowest first
 LAYERS = [
-    ("format", ["wire", "crc", "registry", "config", "policy", "residual", "launch", "regions"]),
+    ("format", ["wire", "crc", "registry", "config", "policy", "residual", "launch", "regions",
+                "mpi"]),
     ("protocol", ["protocol"]),
     ("reference", ["reference"]),
     ("kernels", ["kernels"]),

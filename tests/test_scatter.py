@@ -1,6 +1,7 @@
 """SBC(topology="reduce_scatter") (horovod_sbc/torch/sync/scatter.py) on real 3- and 4-rank jobs
 (tests/workers/torch_scatter.py; the 3-rank one with the C kernels off, so through the
 tensor-op codec CUDA tensors take), and its region plan in this process."""
+import dataclasses
 import tempfile
 
 import pytest
@@ -67,7 +68,12 @@ def test_plan_views_write_through_to_the_tensors():
 
 def test_config_says_what_the_topology_takes():
     cfg = SBCConfig(density=0.02, topology="reduce_scatter")
-    assert cfg.downlink_density == 0.02 and cfg.downlink_mode == "sbc"
+    assert cfg.downlink_fraction == 0.02 and cfg.downlink_mode == "sbc"
+    # a copy with another density (the density warm-up) re-validates, and follows it
+    warm = dataclasses.replace(cfg, density=0.1)
+    assert warm.downlink_fraction == 0.1 and warm.downlink_density is None
+    assert dataclasses.replace(SBCConfig(), density=0.1).downlink_mode == "values"
+    assert SBCConfig(topology="server").downlink_fraction is None  # dense
     assert SBCConfig(topology="reduce_scatter", mode="values").downlink_mode == "values"
     assert SBCConfig(topology="server").downlink_mode == "values"
     with pytest.raises(ValueError, match="downlink_binarize applies to topology='server' or"):

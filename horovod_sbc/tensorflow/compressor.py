@@ -73,9 +73,17 @@ class SBC(StockHook, WeightMode, tf.Module):
             :class:`horovod_sbc.config.SBCConfig` (the allgather then has one shape every step;
             ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
             here (Horovod's allgather takes any sizes).
-        The server topology, the hierarchy
-            and DGC's momentum masking are torch-only (the momentum fold is here: ``optimizer``
-            for the stock tape, ``local_residual`` for weight mode).
+        topology, downlink_density, downlink_binarize: the exchange, as in
+            :class:`horovod_sbc.config.SBCConfig` and torch (docs/topologies.md):
+            ``"allgather"`` (default), ``"reduce_scatter"`` (Horovod's alltoall, then an
+            allgather of the owners' region messages; the same bytes and collective names as
+            torch, :mod:`horovod_sbc.tensorflow.sync.scatter`) or ``"server"`` (rank 0 gathers
+            and broadcasts through mpi4py: the MPI controller only,
+            :mod:`horovod_sbc.tensorflow.sync.server`). Every mode takes them but the stock tape,
+            which refuses ``"server"``. The downlink residuals are ``server_residuals`` (saved
+            with this module). The hierarchy and DGC's momentum masking are torch-only (the
+            momentum fold is here: ``optimizer`` for the stock tape, ``local_residual`` for
+            weight mode).
         local_residual: weight mode only (:meth:`step`: the drop-in tape,
             :class:`SBCCallback`). True: after a sync every rank continues from the shared
             weights plus its own unsent residual, so momentum and Adam see the effect of their
@@ -105,7 +113,9 @@ class SBC(StockHook, WeightMode, tf.Module):
     """
 
     def __init__(self, density: float = 0.01, delay: int = 1,
-                 nonfinite: str = "raise", selection: str = "paper",
+                 nonfinite: str = "raise", topology: str = "allgather",
+                 downlink_density: Optional[float] = None,
+                 downlink_binarize: Optional[bool] = None, selection: str = "paper",
                  name: str = "sbc", local_residual: Optional[bool] = None,
                  mode: str = "sbc",
                  seed: int = 0, fixed_size: Optional[bool] = None,
@@ -119,11 +129,15 @@ class SBC(StockHook, WeightMode, tf.Module):
         self._settled = False
         # the same validated knobs as the torch adapter's (horovod_sbc.config)
         self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
-                                nonfinite=nonfinite, seed=seed, fixed_size=fixed_size)
+                                nonfinite=nonfinite, topology=topology,
+                                downlink_density=downlink_density,
+                                downlink_binarize=downlink_binarize, seed=seed,
+                                fixed_size=fixed_size)
         self.mode = self.config.mode
         self.density, self.delay = self.config.density, self.config.delay
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
+        self.topology, self.downlink_density = self.config.topology, self.config.downlink_density
         self.outer = resolve_outer(outer)
         self._optimizer = _Held(optimizer)
         StockHook.__init__(self, optimizer)
@@ -132,6 +146,7 @@ class SBC(StockHook, WeightMode, tf.Module):
         with tf.init_scope():
             self.residuals = {}
             self.reference = {}
+            self.server_residuals = {}  # topologies: an owner's / the server's downlink residual
             self.calls = {}  # stock mode: how often each gradient was exchanged
             self.counters = {k: state_variable(tf.constant(0, tf.int64), k)
                              for k in COUNTER_KEYS}
@@ -143,12 +158,16 @@ class SBC(StockHook, WeightMode, tf.Module):
         # the framework-agnostic holder shares the (checkpoint-tracked) stores
         self.manager = ResidualManager()
         self.manager.residuals, self.manager.reference = self.residuals, self.reference
+        self.manager.server_residuals = self.server_residuals
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
-                                   selection=self.selection)
+                                   selection=self.selection, topology=self.topology,
+                                   downlink_density=self.downlink_density,
+                                   downlink_binarize=self.config.downlink_binarize)
 
     def __repr__(self) -> str:
+        topo = "" if self.topology == "allgather" else f", topology={self.topology!r}"
         return (f"SBC(density={self.density}, delay={self.delay}, mode={self.mode!r}, "
-                f"nonfinite={self.nonfinite!r})")
+                f"nonfinite={self.nonfinite!r}{topo})")
 
     def stats(self) -> Dict[str, int]:
         """Cumulative figures of this rank (eager), as in PyTorch:

@@ -88,6 +88,12 @@ class StockHook(SyncState):
                 "hvd.DistributedGradientTape cannot do: use horovod_sbc.tensorflow."
                 "DistributedGradientTape(tape, compression=SBC(..., delay=n)) and call "
                 "sbc.step(variables) after each optimizer step, or SBCCallback for Keras.")
+        if self.config.topology == "server":
+            raise ValueError(
+                "SBC(topology='server') needs the fused exchange of weight mode: use "
+                "horovod_sbc.tensorflow.DistributedGradientTape(tape, compression=SBC(..., "
+                "topology='server')) with sbc.step(variables), or SBCCallback for Keras; "
+                "stock hvd.DistributedGradientTape runs Horovod's collectives beside it")
         name, op_sum = identify(tensor)
         self._use("stock")
         self._warn_stock()

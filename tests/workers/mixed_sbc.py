@@ -1,11 +1,17 @@
 """A mixed job under one horovodrun: even ranks run TensorFlow, odd ranks PyTorch, and they sync
 through the same SBC step messages. argv: OUT [key=value ...]; writes OUT/rank<R>.json.
+With topology=reduce_scatter or server (and downlink_density=) the job runs the phase
+"shared" alone instead.
 
 Phases (every rank the same layout: tensors named "a" (300,) and "b" (10, 5)):
   good   3 syncs of deterministic per-rank updates: each rank records the sha256 of its averaged
          result per sync (TF and torch must decode to the same bits);
   nan    rank 1 (torch) has a NaN: every rank must raise, naming rank 1 and the tensor;
   skip   the same with nonfinite="skip": every rank skips (TF: code SKIP_*, torch: None).
+  shared through SBC(topology=...): every rank keeps shared weights (TF: weight mode,
+         sbc.synchronize; torch: SBC.exchange into the reference weights), adds its update to
+         them and syncs, 3 times, recording the shared weights' sha256; then rank 1 (torch)
+         has a NaN and every rank must raise naming it.
 """
 import hashlib
 import os
@@ -21,6 +27,10 @@ RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK",
 FRAMEWORK = "tf" if RANK % 2 == 0 else "torch"
 NAMES, SHAPES = ["a", "b"], [(300,), (10, 5)]
 DENSITY = 0.05
+KW = dict(a.split("=", 1) for a in sys.argv[2:])
+TAG = "sbc_sync"  # TF's weight mode syncs under this tag; torch is given the same
+TOPOLOGY = {k: (float(v) if k == "downlink_density" else v) for k, v in KW.items()
+            if k in ("topology", "downlink_density")}
 
 
 def update(rank, sync, nan=False):
@@ -101,6 +111,56 @@ def run_torch():
     return rank, out
 
 
+def shared_tf():
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import horovod_sbc.tensorflow as hsbc
+    hvd.init()
+    rank = hvd.rank()
+    ws = [tf.Variable(tf.zeros(s), name=n) for n, s in zip(NAMES, SHAPES)]
+    sbc = hsbc.SBC(density=DENSITY, local_residual=False, **TOPOLOGY)
+    sbc.build(ws)
+    out = {"framework": "tf", "digests": []}
+    for s in range(4):
+        for w, u in zip(ws, update(rank, s, nan=s == 3 and rank == 1)):
+            w.assign_add(u)
+        try:
+            sbc.synchronize(ws)
+        except ValueError as e:
+            out["nan"] = str(e)
+            break
+        out["digests"].append(sha([w.numpy() for w in ws]))
+    out["downlink"] = sorted(sbc.server_residuals.keys())
+    return rank, out
+
+
+def shared_torch():
+    import torch
+    import horovod.torch as hvd
+    import horovod_sbc.torch as sbc
+    hvd.init()
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    refs = [torch.zeros(s) for s in SHAPES]
+    comp = sbc.SBC(density=DENSITY, **TOPOLOGY)
+    out = {"framework": "torch", "digests": []}
+    for s in range(4):
+        ups = update(rank, s, nan=s == 3 and rank == 1)
+        items = [(n, r + torch.from_numpy(u), tuple(sh), r)
+                 for n, r, u, sh in zip(NAMES, refs, ups, SHAPES)]
+        try:
+            comp.exchange(items, out=[r.view(-1) for r in refs], tag=TAG)
+        except ValueError as e:
+            out["nan"] = str(e)
+            break
+        out["digests"].append(sha([r.numpy() for r in refs]))
+    out["downlink"] = sorted(comp.manager.server_residuals.keys())
+    return rank, out
+
+
 if __name__ == "__main__":
-    rank, result = run_tf() if FRAMEWORK == "tf" else run_torch()
+    if "topology" in KW:
+        rank, result = shared_tf() if FRAMEWORK == "tf" else shared_torch()
+    else:
+        rank, result = run_tf() if FRAMEWORK == "tf" else run_torch()
     write_result(rank, result)

@@ -26,7 +26,8 @@ adapter's. A host step's ``ValueError`` is a ``ValueError`` eagerly and, inside 
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -34,6 +35,9 @@ from ... import wire
 from ..backend import Backend, codec, frame
 # what a decode tells the caller to do with the residuals
 from ..backend.host import COMMIT, SKIP_DROP_UPDATE, SKIP_KEEP_UPDATE  # noqa: F401
+
+__all__ = ["COMMIT", "SKIP_DROP_UPDATE", "SKIP_KEEP_UPDATE", "Uplink", "allgather", "alltoall",
+           "collective_name", "encode_step", "exchange", "residual_dtype", "tf_name"]
 
 
 def tf_name(name: str) -> str:
@@ -44,26 +48,48 @@ def tf_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # graph side (TensorFlow ops)
 # ----------------------------------------------------------------------------------------------
-_EAGER_ALLGATHER = {}
+_EAGER = {}
+
+
+def collective_name(kind: str, tag: str) -> str:
+    """The name of a Horovod collective: ``"<kind>.<tag>"``, exactly as ``horovod.torch`` names
+    its collectives (``GetOpName``), so TensorFlow and PyTorch ranks of one job meet in
+    Horovod's negotiation (characters a TensorFlow op name cannot hold become ``_``; dots
+    stay, so torch's ``"sbc.sync.parts"`` is the same name here)."""
+    return kind + "." + re.sub(r"[^A-Za-z0-9_.]", "_", tag)
+
+
+def _eager(name: str, op, signature):
+    """``op`` run inside a small ``tf.function`` (one trace per name): an eager TensorFlow op
+    loses its name (Horovod would see ``HorovodAllgather``)."""
+    fn = _EAGER.get(name)
+    if fn is None:
+        fn = _EAGER[name] = tf.function(op, input_signature=signature)
+    return fn
 
 
 def allgather(step: tf.Tensor, tag: str) -> tf.Tensor:
-    """Every rank's step message, concatenated in rank order (``horovod.tensorflow.allgather``).
-
-    The collective is named ``"allgather.<tag>"``, exactly as ``horovod.torch`` names its
-    allgather of the same tag, so TensorFlow and PyTorch ranks of one job meet in Horovod's
-    negotiation. An eager TensorFlow op loses its name (Horovod would see ``HorovodAllgather``),
-    so in eager mode the op runs inside a small ``tf.function`` (one trace per tag)."""
+    """Every rank's step message, concatenated in rank order (``horovod.tensorflow.allgather``),
+    the collective named ``"allgather.<tag>"`` (:func:`collective_name`)."""
     import horovod.tensorflow as hvd
-    name = "allgather." + tf_name(tag)
+    name = collective_name("allgather", tag)
     if not tf.executing_eagerly():
         return hvd.allgather(step, name=name)
-    fn = _EAGER_ALLGATHER.get(name)
-    if fn is None:
-        fn = _EAGER_ALLGATHER[name] = tf.function(
-            lambda t: hvd.allgather(t, name=name),
-            input_signature=[tf.TensorSpec([None], tf.uint8)])
-    return fn(step)
+    return _eager(name, lambda t: hvd.allgather(t, name=name),
+                  [tf.TensorSpec([None], tf.uint8)])(step)
+
+
+def alltoall(buf: tf.Tensor, splits: tf.Tensor, tag: str) -> tf.Tensor:
+    """``buf`` (uint8) cut into ``splits[r]`` bytes for each rank r, in rank order; returns what
+    every rank sent this one, concatenated in rank order (``horovod.tensorflow.alltoall``,
+    named ``"alltoall.<tag>"`` as ``horovod.torch`` names its alltoall of the same tag)."""
+    import horovod.tensorflow as hvd
+    name = collective_name("alltoall", tag)
+    splits = tf.cast(splits, tf.int32)
+    if not tf.executing_eagerly():
+        return hvd.alltoall(buf, splits=splits, name=name)[0]
+    return _eager(name, lambda t, s: hvd.alltoall(t, splits=s, name=name)[0],
+                  [tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.int32)])(buf, splits)
 
 
 def residual_dtype(dtype: tf.DType) -> tf.DType:
@@ -93,9 +119,42 @@ def exchange(backend: Backend, names: Sequence[str], shapes: Sequence[Tuple[int,
     are ``"sbc"``/``"values"``); ``seeds``: per tensor, the stateless seed of a random one.
     """
     layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
-    fp = wire.layout_fingerprint(layout)
+    up = encode_step(backend, names, shapes, updates, residuals, density=density, mode=mode,
+                     skip=skip, rank=rank, selection=selection, seeds=seeds, capacity=capacity)
+    gathered = allgather(up.step, tag)
+    out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
+    with tf.control_dependencies(on_gathered(up.step, gathered, up.padding)
+                                 if on_gathered else []):
+        gathered = tf.identity(gathered)
+    code, flat = backend.decode(gathered, layout, size, scale=scale,
+                                outs=None if outs is None else list(outs),
+                                out_dtypes=out_dtypes, failed=up.failed, strict=False)
+    results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
+    return code, results, up.new_residuals, up.positions
+
+
+@dataclass
+class Uplink:
+    """This rank's part of a sync, encoded and framed (nothing committed): its ``step``
+    message (uint8) and that step's zero ``padding`` (int64), the ``new_residuals`` ``A - sent``
+    (each shaped like its residual), whether this rank ``failed`` to encode (a non-finite
+    update: the step is then its ERROR/SKIP) and the ``positions`` its messages carry."""
+    step: tf.Tensor
+    padding: tf.Tensor
+    new_residuals: List[tf.Tensor]
+    failed: tf.Tensor
+    positions: tf.Tensor
+
+
+def encode_step(backend: Backend, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
+                updates: Sequence[tf.Tensor], residuals: Sequence[tf.Tensor], *,
+                density: float, mode="sbc", skip: bool, rank: int, selection: str = "paper",
+                seeds: Optional[Sequence[tf.Tensor]] = None,
+                capacity: Optional[int] = None) -> Uplink:
+    """Steps 1 and 2 of the module docstring: ``A = dW + R`` of every tensor encoded and the
+    step message framed (the ERROR/SKIP step naming the first non-finite tensor instead)."""
+    layout = [(n, tuple(s)) for n, s in zip(names, shapes)]
     numels = [wire.layout_numel(s) for s in shapes]
-    # A = dW + R, encoded (not committed)
     encoded = backend.encode(names, updates, residuals, density=density, mode=mode,
                              selection=selection, seeds=seeds)
     heads = [e.header for e in encoded] or [tf.zeros([5], tf.int64)]
@@ -103,14 +162,7 @@ def exchange(backend: Backend, names: Sequence[str], shapes: Sequence[Tuple[int,
     new_res = [tf.reshape(e.new_residual, tf.shape(r)) for e, r in zip(encoded, residuals)]
     all_finite = tf.reduce_all(tf.stack(finite + [tf.constant(True)]))
     bound = capacity or frame.step_bound(tuple(numels), density, codec.normalize_mode(mode))
-    step, padding = backend.frame(encoded, names, numels, fp, rank, skip, capacity, bound)
-    gathered = allgather(step, tag)
-    out_dtypes = [r.dtype for r in residuals] if outs is None else [o.dtype for o in outs]
-    with tf.control_dependencies(on_gathered(step, gathered, padding) if on_gathered else []):
-        gathered = tf.identity(gathered)
-    code, flat = backend.decode(gathered, layout, size, scale=scale,
-                                outs=None if outs is None else list(outs),
-                                out_dtypes=out_dtypes, failed=tf.logical_not(all_finite),
-                                strict=False)
-    results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
-    return code, results, new_res, tf.reduce_sum(tf.stack(heads)[:, 2])
+    step, padding = backend.frame(encoded, names, numels, wire.layout_fingerprint(layout), rank,
+                                  skip, capacity, bound)
+    return Uplink(step, padding, new_res, tf.logical_not(all_finite),
+                  tf.reduce_sum(tf.stack(heads)[:, 2]))

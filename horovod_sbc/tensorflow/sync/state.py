@@ -4,9 +4,10 @@ Sparse Binary Compression (Sattler et al., arXiv 1805.08768) keeps, per tensor, 
 what was not sent yet (error feedback) and, with communication delay, the weights all ranks
 agreed on at the last sync. :class:`SyncState` is the part of
 :class:`horovod_sbc.tensorflow.SBC` (mixed into it) that creates and checks that state, runs one
-exchange (:func:`horovod_sbc.tensorflow.sync.exchange.exchange`: encode, allgather, decode) with
-the object's knobs, and commits the error feedback according to the decode's verdict. The state
-lives in ``tf.Variable`` s that ``SBC.__init__`` assigns to the ``tf.Module`` itself, so
+exchange (:func:`horovod_sbc.tensorflow.sync.exchange.exchange`: encode, allgather, decode; or
+through a topology, :mod:`horovod_sbc.tensorflow.sync.topology`) with the object's knobs, and
+commits the error feedback according to the decode's verdict. The state lives in
+``tf.Variable`` s that ``SBC.__init__`` assigns to the ``tf.Module`` itself, so
 ``tf.train.Checkpoint`` saves them under the names torch's ``state_dict()`` uses.
 
 The stock hook (:mod:`horovod_sbc.tensorflow.hook`), gradient mode and weight mode
@@ -21,7 +22,7 @@ import tensorflow as tf
 
 from ... import reference, registry, wire
 from ..backend import Backend, backend_for
-from . import exchange
+from . import exchange, topology
 from .exchange import residual_dtype, tf_name
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class SyncState:
     manager: "ResidualManager"
     residuals: Dict[str, tf.Variable]
     reference: Dict[str, tf.Variable]
+    server_residuals: Dict[str, tf.Variable]
     counters: Dict[str, tf.Variable]
     local_steps: tf.Variable
     world: tf.Variable
@@ -179,22 +181,34 @@ class SyncState:
     def _exchange(self, names, shapes, updates, residuals, scale, tag, outs=None,
                   extra_up_bits: int = 0):
         """One exchange with this object's knobs and backend: ``(code, results, new_residuals,
-        positions)`` of :func:`horovod_sbc.tensorflow.sync.exchange.exchange`, traffic counted;
-        the caller commits (:meth:`_commit`)."""
+        positions)`` of :func:`horovod_sbc.tensorflow.sync.exchange.exchange` (or, for the
+        ``"reduce_scatter"`` and ``"server"`` topologies, of
+        :func:`horovod_sbc.tensorflow.sync.topology.exchange`, which commits its downlink
+        residuals itself), traffic counted; the caller commits (:meth:`_commit`)."""
         size, rank = self._world()
-        seeds = None
-        if registry.get(self.mode).random:  # stateless draws: (seed, rank, exchange, tensor)
-            n = self.draws.assign_add(1) - 1
-            seeds = [tf.stack([tf.constant(self.config.seed * 65536 + rank, tf.int64),
-                               n * 65536 + i]) for i in range(len(names))]
+        if self.config.topology != "allgather":
+            return topology.exchange(self, names, shapes, updates, residuals, scale=scale,
+                                     tag=tag, outs=outs, extra_up_bits=extra_up_bits,
+                                     seeds_of=lambda n: self._seeds(rank, n),
+                                     variable=state_variable)
         capacity = reference.step_capacity([wire.layout_numel(s) for s in shapes],
                                            self.density, self.mode) \
             if self.config.fixed_size else None
         return exchange.exchange(self._backend_of(residuals), names, shapes, updates,
                                  [r.read_value() for r in residuals],
-                                 density=self.density, mode=self.mode, seeds=seeds,
+                                 density=self.density, mode=self.mode,
+                                 seeds=self._seeds(rank, len(names)),
                                  selection=self.selection, capacity=capacity,
                                  skip=self.nonfinite == "skip", rank=rank, size=size,
                                  scale=scale, tag=tag, outs=outs,
                                  on_gathered=lambda s, g, p: self._count_traffic(
                                      s, g, p, extra_up_bits))
+
+    def _seeds(self, rank: int, n: int):
+        """Per message of this exchange, the stateless seed of a random compressor's draws
+        (``seed``, rank, exchange, message), or None; counts the exchange."""
+        if not registry.get(self.mode).random:
+            return None
+        k = self.draws.assign_add(1) - 1
+        return [tf.stack([tf.constant(self.config.seed * 65536 + rank, tf.int64),
+                          k * 65536 + i]) for i in range(n)]

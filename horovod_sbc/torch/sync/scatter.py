@@ -64,17 +64,8 @@ def region_parts(step: torch.Tensor, p: Plan, rank: int) -> Tuple[torch.Tensor, 
     goes to every owner. Host work: the step's bytes (one read) and every piece's header."""
     host = frame.host_bytes(step)
     head = protocol.parse_step(host, 0, len(host), rank)
-    if head.kind is not protocol.StepKind.TENSORS:
-        e = protocol.peer_error(host, head)
-        msgs = [wire.error_step_message(e.reason, fp, e.skip, e.rank) for fp in p.fingerprints]
-    else:
-        ends, off = [wire.STEP_HEADER_SIZE], wire.STEP_HEADER_SIZE
-        for name, shape in p.layout:
-            off = wire.parse_tensor_header(host, off, wire.layout_numel(shape), name).nbytes
-            ends.append(off)
-        msgs = [wire.step_message_bytes(host[ends[p.bounds[r]]:ends[p.bounds[r + 1]]],
-                                        p.fingerprints[r], len(p.regions[r]))
-                for r in range(p.size)]
+    err = None if head.kind is protocol.StepKind.TENSORS else protocol.peer_error(host, head)
+    msgs = regions.region_messages(host, p, err)
     return frame.device_bytes(b"".join(msgs), step.device), [len(m) for m in msgs]
 
 
@@ -123,7 +114,7 @@ def owner_step(state, parts: torch.Tensor, p: Plan, rank: int, scale: float, acc
 def _encode_region(state, backend, srcs, names, fp: int, dev):
     """The region message of ``srcs`` at the downlink's density and mode, and its encodings."""
     cfg = state.config
-    density, mode = cfg.downlink_density, cfg.downlink_mode
+    density, mode = cfg.downlink_fraction, cfg.downlink_mode
     if mode != "values":  # a binarized side never holds a zero, so no position is wasted
         fused = backend.encode_many(srcs, density, mode, cfg.selection, names, fp)
         if fused is not None:
@@ -150,13 +141,7 @@ def decode_regions(state, gathered: torch.Tensor, p: Plan, targets: Targets) -> 
         for h in heads:
             if h.kind is kind:
                 raise protocol.peer_error(host, h)
-    for h in heads:
-        if (h.layout, h.n_tensors) != (p.fingerprints[h.rank], len(p.regions[h.rank])):
-            raise ValueError(f"rank {h.rank} sent the message of another region (fingerprint "
-                             f"{h.layout:#010x}, {h.n_tensors} tensors; expected "
-                             f"{p.fingerprints[h.rank]:#010x}, {len(p.regions[h.rank])})")
-    whole = wire.step_message_bytes(b"".join(host[h.body[0]:h.body[1]] for h in heads),
-                                     wire.layout_fingerprint(p.layout), len(p.layout))
+    whole = regions.join_regions(host, p, heads)
     job = DecodeJob(frame.device_bytes(whole, gathered.device), p.layout, 1, targets,
                     host=memoryview(whole))
     err = state.backend(gathered.device).decode_many([job])[0]

@@ -3,12 +3,8 @@ Sparsification", arXiv 2209.15203): rank 0 gathers every rank's step message, de
 averages them, adds its own server residual, compresses the average at ``downlink_density`` and
 broadcasts that one message; every rank, rank 0 included, applies the same decoded downlink.
 
-Transport: a real gather to the root and a broadcast back.
-
-Horovod has no gather (its allgather sends everything to everyone, which is what the server
-topology avoids), so this uses mpi4py's buffer-based ``Gatherv``/``Bcast`` (no pickling) on a
-duplicate of the MPI world communicator Horovod runs on. The duplicate keeps our messages apart
-from Horovod's own traffic.
+Transport: a real gather to the root and a broadcast back, by mpi4py
+(:mod:`horovod_sbc.mpi`).
 """
 from __future__ import annotations
 
@@ -18,29 +14,15 @@ import numpy as np
 import torch
 
 from ... import wire
+from ...mpi import server_communicator
 from ...reference import keep_count
 from ..backend import Encoded, Targets, frame
 from ..backend.streams import empty_positions, encode_positions
 
-_COMM = None
-
-
 def _comm():
-    global _COMM
-    if _COMM is None:
-        import horovod.torch as hvd
-        if not hvd.mpi_enabled():
-            raise ValueError("SBC(topology='server') needs Horovod's MPI controller: launch with "
-                             "mpirun or horovodrun --mpi (Gloo has no gather)")
-        try:
-            from mpi4py import MPI
-        except ImportError as e:
-            raise ImportError("SBC(topology='server') needs mpi4py: pip install mpi4py") from e
-        if MPI.COMM_WORLD.Get_size() != hvd.size():
-            raise ValueError("SBC(topology='server'): mpi4py's world does not match Horovod's "
-                             "(was Horovod initialised on a sub-communicator?)")
-        _COMM = MPI.COMM_WORLD.Dup()  # collective: every rank reaches the first sync together
-    return _COMM
+    """The server's MPI communicator (:func:`horovod_sbc.mpi.server_communicator`)."""
+    import horovod.torch as hvd
+    return server_communicator(hvd)
 
 
 def gather(step: torch.Tensor, root: int) -> Optional[torch.Tensor]:
