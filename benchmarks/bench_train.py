@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import queue
 import shlex
 import subprocess
@@ -755,7 +754,8 @@ def _task_compressor(spec: dict, seed: int):
     """The compressor of a spec: drop-in and stock SBC/top-K with their extra knobs."""
     import horovod_sbc.torch as sbc
     m = spec["method"]
-    extra = {k: spec[k] for k in ("topology", "downlink_density", "mode") if k in spec}
+    extra = {k: spec[k] for k in ("topology", "downlink_density", "downlink_binarize", "mode")
+             if k in spec}
     if "stock_momentum" in spec:  # SBC(momentum=...); "momentum" is the optimizer's
         extra["momentum"] = spec["stock_momentum"]
     if "momentum_masking" in spec:  # the results of before SBC(momentum=...)
@@ -983,6 +983,11 @@ def spec_label(s: dict) -> str:
     if s.get("topology") == "server":
         dd = s.get("downlink_density")
         lab += " server" + (f" down={dd:g}" if dd is not None else " down=dense")
+    elif s.get("topology") == "reduce_scatter":  # downlink_density None: the uplink's density
+        dd = s.get("downlink_density")
+        lab += " reduce_scatter" + (f" down={dd:g}" if dd is not None else "")
+        if s.get("downlink_binarize") is False:
+            lab += " down_values"
     if s.get("local_residual") is False:
         lab += " shared"
     elif s.get("local_residual") is True:

@@ -2,7 +2,9 @@
 
     nice -n 19 python -m benchmarks.quality [--parts iid,skewed,lm_docs,lm_iid]
         [--json benchmarks/results/quality.json] [--resume] [--report] [--quick]
-        [--study screen]   (the one-seed screen, ``SCREEN``)
+        [--study screen]   (the one-seed screen, ``SCREEN``; ``STUDIES`` has every study)
+        [--study topology --parts iid,skewed,iid8,skewed8,lm_docs]   (``TOPOLOGY``: the
+                           sparse reduce-scatter against the allgather)
 
 Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
 
@@ -10,7 +12,8 @@ Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
 ``skewed``   the same, label-skewed shards (``by_class``: worker r holds the classes c with
              c mod 4 = r);
 ``lm_docs``  ``transformer`` (AdamW, warm-up + cosine, 600 steps), each worker its own documents;
-``lm_iid``   the same, windows dealt round-robin.
+``lm_iid``   the same, windows dealt round-robin;
+``iid8``, ``skewed8``  ``iid`` and ``skewed`` on 8 workers (worker r: the classes c mod 8 = r).
 
 Every part measures dense allreduce and no communication (each worker alone) next to the
 compressed settings. Each (part, setting, seed list) is one ``mpirun`` job; with ``--json``
@@ -64,6 +67,11 @@ PARTS = {
                          "settings (Adam-family and RMSprop learning rates as torch's defaults)"},
     "lm_iid8": {"task": "transformer", "partition": "iid", "workers": 8,
                 "title": "transformer LM, AdamW (warm-up + cosine), IID windows, 8 workers"},
+    "iid8": {"task": "mnist1d_long", "partition": "iid", "workers": 8,
+             "title": "mnist1d_long, IID shards, SGD momentum 0.9, 8 workers"},
+    "skewed8": {"task": "mnist1d_long", "partition": "by_class", "workers": 8,
+                "title": "mnist1d_long, label-skewed shards (worker r: the classes c with "
+                         "c mod 8 = r), SGD momentum 0.9, 8 workers"},
 }
 
 BASELINES = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock")]
@@ -310,9 +318,61 @@ OPTIMIZERS: Dict[str, List[tuple]] = {"opt_iid": [
     # (the average of N normalized steps is up to sqrt(N) shorter) make up for it?
     (_s("sbc", 0.01, 1, optimizer=o, lr=OPT_LR[o], steps=1000, outer=["plain", 2.0]), S0)
     for o in ("adagrad", "adamax", "nadam", "radam", "rmsprop")]}
+# The sparse reduce-scatter against the allgather, everything else the same (``--study
+# topology``): SBC(0.01) at delay 1 with each topology, dense and no communication beside. On
+# mnist1d through the drop-in at its defaults for SGD (4 and 8 workers; seed 0 of every row
+# first, then seeds 1 and 2, the two SBC rows before the baselines), on the transformer
+# through the one-line stock hook (seed 0).
+RS = {"topology": "reduce_scatter"}
+TOPOLOGY_MNIST = [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 1, **RS)]
+TOPOLOGY_LM = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
+               _s("sbc", 0.01, 1, api="stock", **RS)]
+TOPOLOGY: Dict[str, List[tuple]] = {
+    **{part: [(r, S0) for r in TOPOLOGY_MNIST] + [(r, S12) for r in TOPOLOGY_MNIST[2:]]
+       + [(r, S12) for r in TOPOLOGY_MNIST[:2]]
+       for part in ("iid", "skewed", "iid8", "skewed8")},
+    **{part: [(r, S0) for r in TOPOLOGY_LM] for part in ("lm_docs", "lm_iid")}}
+# the transformer lost perplexity with the owners' binarized re-compression at the uplink's
+# density: the owners' downlink as values, or at twice the density (seed 0)
+TOPOLOGY["lm_docs"] += [(_s("sbc", 0.01, 1, api="stock", downlink_binarize=False, **RS), S0),
+                        (_s("sbc", 0.01, 1, api="stock", downlink_density=0.02, **RS), S0)]
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
-           "optimizers": OPTIMIZERS}
+           "optimizers": OPTIMIZERS, "topology": TOPOLOGY}
+
+
+def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
+    """Raise ``ValueError`` unless every part of ``study`` is a known part, measures dense and
+    no communication, and every reduce-scatter row has an allgather twin (the same setting but
+    the topology, the same seeds) under another label, so that the two rows are never joined
+    into one (:func:`benchmarks.bench_train.merge_seed_runs` joins by label)."""
+    from .bench_train import spec_label
+    for part, rows in study.items():
+        if part not in PARTS:
+            raise ValueError(f"topology study: unknown part {part!r}")
+        seeds: Dict[str, set] = {}
+        for spec, ss in rows:
+            seeds.setdefault(json.dumps(spec, sort_keys=True), set()).update(ss)
+        specs = [json.loads(k) for k in seeds]
+        if not {"none", "local"} <= {x["method"] for x in specs}:
+            raise ValueError(f"topology study, {part}: no dense or no-communication row")
+        for x in specs:
+            if x.get("topology") != "reduce_scatter":
+                continue
+            twin = {k: v for k, v in x.items()
+                    if k not in ("topology", "downlink_density", "downlink_binarize")}
+            key = json.dumps(twin, sort_keys=True)
+            if key not in seeds:
+                raise ValueError(f"topology study, {part}: {x} has no allgather twin")
+            if seeds[key] != seeds[json.dumps(x, sort_keys=True)]:
+                raise ValueError(f"topology study, {part}: {x} and its allgather twin have "
+                                 "different seeds")
+            if spec_label(twin) == spec_label(x):
+                raise ValueError(f"topology study, {part}: {x} is labelled as its allgather "
+                                 "twin")
+
+
+check_topology_study()  # the study's declaration, checked on import (the tests import this)
 
 
 def study_jobs(parts: Sequence[str], quick: bool = False,
@@ -355,6 +415,18 @@ def describe(r: dict) -> str:
     return _describe(r) + _recipe_change(r)
 
 
+def _topology(r: dict) -> str:
+    """The compressor's exchange when it is not the default allgather, as its arguments."""
+    if r.get("topology", "allgather") == "allgather":
+        return ""
+    s = f", topology=\"{r['topology']}\""
+    if r.get("downlink_density") is not None:
+        s += f", downlink_density={r['downlink_density']:g}"
+    if r.get("downlink_binarize") is not None:
+        s += f", downlink_binarize={r['downlink_binarize']}"
+    return s
+
+
 def _describe(r: dict) -> str:
     m = r["method"]
     opt = f" with {r['optimizer']}" if r.get("optimizer") else ""
@@ -366,9 +438,9 @@ def _describe(r: dict) -> str:
         m = f", momentum={r['stock_momentum']!r}" if "stock_momentum" in r else ""
         d = f", delay={r['delay']}" if r.get("delay", 1) != 1 else ""
         opt = f" with {r['optimizer']}" if r.get("optimizer") else ""
-        return f"stock hook `SBC({r['density']:g}{d}{m})`{opt}"
-    s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']})`",
-         "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r["label"])
+        return f"stock hook `SBC({r['density']:g}{d}{m}{_topology(r)})`{opt}"
+    s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']}{_topology(r)})`",
+         "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r.get("label", m))
     if r.get("outer"):
         kind, *a = r["outer"]
         if kind == "nesterov" and a[1] == 0:  # W_ref += lr U: Plain(lr)'s arithmetic, bit for bit
@@ -434,7 +506,7 @@ def _order(r: dict) -> tuple:
     first), outer step and residual placement."""
     first = {"none": 0, "local": 1}.get(r["method"], 2 if r.get("api") == "stock" else 3)
     return (_recipe_change(r), first, r.get("delay", 1), -r.get("density", 1.0),
-            r.get("outer") is not None,
+            r.get("outer") is not None, _topology(r),
             json.dumps(r.get("outer")),
             r.get("local_residual", True) is False)
 
@@ -532,6 +604,116 @@ def goals(res: dict) -> List[dict]:
     return out
 
 
+TOPOLOGY_TOL = {"accuracy": 0.01, "perplexity": 0.03}  # 1 point; 3 % of the allgather's
+
+
+def _allgather_twin(runs: List[dict], r: dict) -> Optional[dict]:
+    """The run of ``runs`` with ``r``'s setting but the default allgather."""
+    import re
+    want = re.sub(r" reduce_scatter( down=\S+)?( down_values)?", "", r["label"])
+    return next((a for a in runs if a["label"] == want and not _topology(a)), None)
+
+
+def _primary(r: dict) -> tuple:
+    """(score, std, which): the shared weights where the run has them, else its one model."""
+    if r.get("score_shared") is not None:
+        return r["score_shared"], r.get("score_shared_std"), "shared weights"
+    return r["score"], r.get("score_std"), "model"
+
+
+def _per_sync(r: dict, key: str) -> Optional[float]:
+    return r[key] / r["syncs"] if r.get("syncs") else None
+
+
+def _down_ratio(r: dict) -> Optional[float]:
+    return r["dense_bits"] / r["downstream_bits"] if r.get("downstream_bits") else None
+
+
+def topology_goals(res: dict) -> List[dict]:
+    """Each reduce-scatter row against its allgather twin (same part, same setting): within
+    1 point of accuracy or 3 % of perplexity, on the shared weights (else the one model), with
+    both rows' traffic. Empty where the runs have no reduce-scatter row."""
+    out = []
+    for part, runs in _by_part(res).items():
+        for r in runs:
+            if r.get("topology") != "reduce_scatter":
+                continue
+            a = _allgather_twin(runs, r)
+            g = {"part": part, "workers": r["workers"], "setting": describe(r),
+                 "metric": r["metric"], "seeds": len(r["seeds"]), "measured": a is not None}
+            if a is None:
+                out.append(g)
+                continue
+            (v, sd, which), (va, sda, _) = _primary(r), _primary(a)
+            tol = TOPOLOGY_TOL.get(r["metric"], 0.03)
+            g.update(model=which, reduce_scatter=v, reduce_scatter_std=sd, allgather=va,
+                     allgather_std=sda, allgather_seeds=len(a["seeds"]), tolerance=tol,
+                     difference=(v - va) if r["metric"] == "accuracy" else v / va - 1,
+                     within=_within(r["metric"], v, va, tol),
+                     ratio_up={"reduce_scatter": r.get("compression_ratio"),
+                               "allgather": a.get("compression_ratio")},
+                     ratio_down={"reduce_scatter": _down_ratio(r), "allgather": _down_ratio(a)},
+                     bits_per_sync_up={"reduce_scatter": _per_sync(r, "upstream_bits"),
+                                       "allgather": _per_sync(a, "upstream_bits")},
+                     bits_per_sync_down={"reduce_scatter": _per_sync(r, "downstream_bits"),
+                                         "allgather": _per_sync(a, "downstream_bits")})
+            out.append(g)
+    return out
+
+
+def topology_markdown(res: dict) -> str:
+    """Every row of the parts that have a reduce-scatter row, with upload and download, then
+    each reduce-scatter row against its allgather twin."""
+    parts = {p: v for p, v in _by_part(res).items()
+             if any(r.get("topology") == "reduce_scatter" for r in v)}
+    if not parts:
+        return ""
+
+    def kbit(v):
+        return "—" if v is None else f"{v / 1e3:,.1f}"
+    lines = ["**Sparse reduce-scatter against the allgather** (score: the shared weights where "
+             "the run has them, else its one model; the ratios are dense fp32 bits / the bits "
+             "a rank sent (upload) or received (download), the reduce-scatter's upload "
+             "counting its region message; kbit per rank and sync)", "",
+             "| part | workers | setting | seeds | score | after finish() | upload ratio | "
+             "download ratio | upload kbit/sync | download kbit/sync | ranks identical |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for part, runs in parts.items():
+        for r in runs:
+            n = len(r["seeds"])
+            v, sd, _ = _primary(r)
+            fin = _fmt(r["metric"], r["score"], r.get("score_std") if n > 1 else None) \
+                if r.get("score_shared") is not None else "—"
+            local = r["method"] == "local"
+            lines.append(
+                f"| {part} | {r['workers']} | {describe(r)} | {n} | "
+                f"{_fmt(r['metric'], v, sd if n > 1 else None)} | {fin} | "
+                f"{'—' if local else _ratio(r.get('compression_ratio'))} | "
+                f"{'—' if local else _ratio(_down_ratio(r))} | "
+                f"{'—' if local else kbit(_per_sync(r, 'upstream_bits'))} | "
+                f"{'—' if local else kbit(_per_sync(r, 'downstream_bits'))} | "
+                f"{'—' if local else ('yes' if r.get('ranks_identical') else 'no')} |")
+    lines += ["", "**Goals: the reduce-scatter within 1 point (accuracy) or 3 % (perplexity) "
+              "of the allgather**", "",
+              "| part | workers | setting | seeds | allgather | reduce_scatter | difference | "
+              "within |", "|---|---:|---|---:|---:|---:|---:|:---:|"]
+    for g in topology_goals(res):
+        if not g["measured"]:
+            lines.append(f"| {g['part']} | {g['workers']} | {g['setting']} | {g['seeds']} | "
+                         "not measured | | | no |")
+            continue
+        m = g["metric"]
+        d = g["difference"]
+        diff = f"{100 * d:+.1f} pt" if m == "accuracy" else f"{100 * d:+.1f} %"
+        n = min(g["seeds"], g["allgather_seeds"])
+        lines.append(
+            f"| {g['part']} | {g['workers']} | {g['setting']} | {n} | "
+            f"{_fmt(m, g['allgather'], g['allgather_std'] if n > 1 else None)} | "
+            f"{_fmt(m, g['reduce_scatter'], g['reduce_scatter_std'] if n > 1 else None)} | "
+            f"{diff} | {'yes' if g['within'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def markdown(res: dict) -> str:
     parts = _by_part(res)
     out = []
@@ -602,6 +784,9 @@ def markdown(res: dict) -> str:
                      f" | {cell(g.get('best_at_min_ratio'))} | "
                      f"{'yes' if g['reached'] else 'no'} |")
     out.append("\n".join(lines))
+    topo = topology_markdown(res)
+    if topo:
+        out.append(topo)
     missing = [s for s in res.get("skipped", []) if "runs" in s.get("job", {})]
     if missing:
         out.append("**Not run** (listed in the study, no finished job saved):\n\n" + "\n".join(
@@ -627,7 +812,8 @@ def plot(res: dict, path: str) -> None:
     cols = min(2, len(keys))
     rows = (len(keys) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(7.2 * cols, 5.4 * rows), squeeze=False)
-    tol = {"iid": 0.01, "skewed": 0.02, "lm_docs": 0.03, "lm_iid": 0.03}
+    tol = {"iid": 0.01, "skewed": 0.02, "lm_docs": 0.03, "lm_iid": 0.03, "iid8": 0.01,
+           "skewed8": 0.02}
     marker = {"shared weights": "o", "own weights": "^", "after finish()": "o", "model": "s"}
     for ax, part in zip(axes.flat, keys):
         runs = parts[part]
@@ -648,6 +834,8 @@ def plot(res: dict, path: str) -> None:
                 continue
             stock = r.get("api") == "stock"
             c = "tab:red" if stock else ("tab:orange" if r.get("outer") else "tab:blue")
+            if r.get("topology") == "reduce_scatter":
+                c = "tab:green"
             three = len(r["seeds"]) >= 3
             for v, sd, ratio, which in _points(r):
                 if ratio is None:
@@ -669,11 +857,15 @@ def plot(res: dict, path: str) -> None:
         ax.legend(fontsize=6, loc="best")
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.suptitle("Issue 27 quality study, 4 workers. Drop-in: filled circle = shared weights, "
+    workers = sorted({r["workers"] for v in parts.values() for r in v})
+    rs = any(r.get("topology") == "reduce_scatter" for v in parts.values() for r in v)
+    fig.suptitle(f"Issue 27 quality study, {' and '.join(map(str, workers))} workers. Drop-in: "
+                 "filled circle = shared weights, "
                  "triangle = each rank's own weights (both at the exchange's ratio), hollow = "
                  "after finish() (its dense allreduce counted).\nBlue: plain outer step, orange: "
-                 "Nesterov outer step, red square: stock hook. Faint: 1 seed; labelled, with "
-                 "std: 3 seeds.", fontsize=8)
+                 "Nesterov outer step, red square: stock hook"
+                 + (", green: topology='reduce_scatter'" if rs else "") + ". Faint: 1 seed; "
+                 "labelled, with std: 3 seeds.", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -756,6 +948,9 @@ def main(argv=None) -> int:
     res = {"runs": merge_seed_runs(runs), "skipped": skipped, "command": cmd,
            "wall_s": time.perf_counter() - t0}
     res["goals"] = goals(res)
+    topo = topology_goals(res)
+    if topo:
+        res["topology_goals"] = topo
     write_outputs(res, a.json)
     print(markdown(res))
     for s in skipped:
