@@ -1,31 +1,27 @@
 """Keras Adam's second moment frozen after a warm-up: the TensorFlow side of the torch drop-in's
-``freeze_variance_after`` (:mod:`horovod_sbc.torch.adam` explains why: with the variance held,
-each rank's step is linear in its gradients and the average of the ranks' steps is the step on
-the averaged gradient; 1-bit Adam, arXiv 2102.02888).
+``freeze_variance_after`` (1-bit Adam, arXiv 2102.02888). With the variance held, each rank's
+step is linear in its gradients and the average of the ranks' steps is the step on the averaged
+gradient (why: docs/design.md, "Adam's variance freeze"; :mod:`horovod_sbc.torch.adam`).
 
 :func:`freeze_variance_after` gives a Keras 3 ``Adam`` or ``AdamW`` (or a subclass) a step that,
-from its ``K``-th applied step on (``optimizer.iterations >= K``), keeps the second moment of
-the freeze:
+from its ``K``-th applied step on (``optimizer.iterations >= K``), is torch's frozen step:
 
-* the velocity ``v`` is no longer updated: it stays Keras' moving average of the first K
-  steps, and the step divides by its bias-corrected root ``sqrt(v / (1 - beta_2 ** K))``;
-* ``m += (g - m) (1 - beta_1)`` and
-  ``w -= lr / (1 - beta_1 ** t) * m / (sqrt(v / (1 - beta_2 ** K)) + eps)`` with
-  ``t = iterations + 1``, torch's frozen step (torch stores the corrected ``v`` in place once;
-  Keras' own Adam scales ``eps`` by ``sqrt(1 - beta_2 ** t)``, the frozen step adds it to the
-  corrected root as torch does); weight decay stays Keras' (decoupled, before the step);
+* the velocity ``v`` is no longer updated (it stays Keras' moving average of the first K steps);
+  ``m += (g - m) (1 - beta_1)`` and, with ``t = iterations + 1``,
+  ``w -= lr / (1 - beta_1 ** t) * m / (sqrt(v / (1 - beta_2 ** K)) + eps)`` (``eps`` added to
+  the corrected root as torch does, not scaled as Keras' Adam scales it); weight decay stays
+  Keras' (decoupled, before the step);
 * at the first frozen step ``v`` is raised to ``config.ADAM_VARIANCE_FLOOR`` times its mean
-  (where all of it is zero, set to the square of that step's gradient): a coordinate whose
-  gradient was (nearly) zero through the warm-up, as a dead ReLU's weights, would otherwise
-  divide a later gradient by ``eps`` or little more (torch's rule, :mod:`horovod_sbc.torch.adam`).
+  (where all of it is zero, set to the square of that step's gradient), so a coordinate idle
+  through the warm-up (a dead ReLU's weights) never divides a later gradient by about ``eps``.
 
-Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so
-a run restored from a checkpoint freezes where the first one did (call this function again on
-the restored optimizer before its first step). Build it before training: a ``tf.function``
-traces the step it finds. Each variable's step is one of three (Keras' Adam, the first frozen
-step, a later one): traced (``tf.function``, ``fit``, XLA) a ``tf.switch_case`` decided on the
-device; eagerly the step reads ``iterations`` once and branches in Python. ``amsgrad`` is
-refused.
+Whether a step is frozen is read from ``iterations``, which Keras saves with the optimizer, so a
+restored run freezes where the first one did (call this function again on the restored
+optimizer before its first step). Build it before training: a ``tf.function`` traces the step it
+finds. Each variable's step is one of three (Keras' Adam, the first frozen step, a later one):
+traced (``tf.function``, ``fit``, XLA) a ``tf.switch_case`` decided on the device; eagerly the
+step reads ``iterations`` once and branches in Python. ``amsgrad`` is refused. Usage, tests and
+measurements: docs/tensorflow.md, "Adam and AdamW: the second moment frozen".
 """
 from __future__ import annotations
 

@@ -1,29 +1,25 @@
 """Keras SGD's momentum folded into its learning rate: the drop-in at delay 1 and the stock tape.
 
-The reason and the arithmetic are those of :mod:`horovod_sbc.torch.momentum`: under error
-feedback a velocity replays each coordinate's late, burst-like arrival for ~1/(1 - momentum)
-steps, so the drop-in at delay 1 with the residual beside the shared weights runs SGD without
-its velocity at the learning rate the velocity converges to, ``lr / (1 - momentum)``, reached as
-a constant gradient's velocity reaches it (× ``1 - momentum ** (t + 1)`` at step ``t``).
+Why, and the arithmetic: :mod:`horovod_sbc.torch.momentum` and docs/design.md, "The momentum
+fold" (under error feedback a velocity replays each coordinate's late, burst-like arrival, so
+SGD runs without its velocity at ``lr / (1 - momentum)``, reached as a constant gradient's
+velocity reaches it: the factor ``F_t`` carries ``1 - momentum ** (t + 1)`` at step ``t``).
+Keras bakes ``momentum`` into its traced update, so the fold acts after the optimizer's step
+(the same section says how and why):
 
-Keras 3 bakes ``momentum`` into its traced update function as a Python float, so it cannot be
-switched off for one step as torch's param groups can. Folding acts after the optimizer's step
-instead: the velocity is set to zero after every step (so each step starts from a zero
-velocity: Keras then moves the weight by ``-lr * a * g``, ``a = 1``, or ``1 + momentum`` with
-Nesterov), and the window update ``W - W_ref`` is scaled by ``F_t / a`` before it is
-compressed. Every rank continues from the shared weights after the sync, so the local step's
-length never reaches the weights.
-
-The stock tape (``hvd.DistributedGradientTape(tape, compression=SBC(..., optimizer=opt))``)
-folds as torch's stock hook does: the averaged gradient it returns is scaled by ``F_t / a`` and
-the velocities are set to zero before the optimizer applies it (once per step, by the exchange
-that holds the first gradient of a step).
+* weight mode (the drop-in at delay 1, residual beside the shared weights): the velocity is set
+  to zero after every step (Keras then moves the weight by ``-lr * a * g``, ``a = 1``, or
+  ``1 + momentum`` with Nesterov), and the window update ``W - W_ref`` is scaled by ``F_t / a``
+  before it is compressed;
+* the stock tape (``hvd.DistributedGradientTape(tape, compression=SBC(..., optimizer=opt))``):
+  the averaged gradient it returns is scaled by ``F_t / a`` and the velocities are set to zero
+  before the optimizer applies it (once per step, by the exchange holding the step's first
+  gradient).
 
 Folded: ``keras.optimizers.SGD`` (and subclasses) with ``momentum > 0`` and without
-``gradient_accumulation_steps``. In weight mode also without ``weight_decay``: Keras decays
-decoupled from the gradient, by ``lr * weight_decay * W``, which a scale of the window update
-would lengthen too (an L2 term in the loss folds with the gradient); the stock tape scales the
-gradient alone, so there the decay stays as Keras applies it.
+``gradient_accumulation_steps``. In weight mode also without ``weight_decay`` (Keras decays by
+``lr * weight_decay * W`` apart from the gradient, which a scaled window update would lengthen
+too); the stock tape scales the gradient alone, so there the decay stays as Keras applies it.
 """
 from __future__ import annotations
 

@@ -1,40 +1,27 @@
 """The TensorFlow backends: SBC's wire format encoded and decoded by TensorFlow, behind one
-interface, one implementation per kind of device, chosen once.
-
-The contract (:class:`Backend`), the same for every implementation:
+interface, one implementation per kind of device, chosen once. The contract (:class:`Backend`),
+the same for every implementation:
 
 * :meth:`Backend.encode` — the tensors of one sync (or the one gradient of a stock-hook call):
-  for each, ``A = update + residual`` (the residual's dtype, float32 or float64), the
-  compressor's tensor message of ``A`` (header integers and body bytes, :mod:`horovod_sbc.wire`),
-  the positions and values sent, whether ``A`` is finite, and the new residual ``A - sent``:
-  computed, never committed (the caller commits after the verdict). The bytes are those of the
-  numpy reference (:mod:`horovod_sbc.reference`, pinned by ``tests/golden``).
+  per tensor ``A = update + residual`` (the residual's dtype, float32 or float64), its tensor
+  message (:mod:`horovod_sbc.wire`), the positions and values sent, whether ``A`` is finite and
+  the new residual ``A - sent``: computed, never committed (the caller commits after the
+  verdict); the numpy reference's bytes (:mod:`horovod_sbc.reference`, ``tests/golden``).
 * :meth:`Backend.frame` — this rank's step message (the step header with the body's CRC-32, or
-  the ERROR/SKIP step naming a non-finite tensor): on the device for the ops backend, on the
-  host for the CPU kernel backend.
+  the ERROR/SKIP step naming a non-finite tensor).
 * :meth:`Backend.decode` — a gathered step (every rank's step message, in rank order): the host
-  parses the headers and reaches the protocol's verdict (:mod:`horovod_sbc.protocol`; see
-  :mod:`.host`), and only after it passed, ``scale`` x every rank's decoded tensor is added,
-  rank after rank at every element, into ``outs`` (or zeros), with the protocol's arithmetic
-  (``float32(float64(value) * scale)``, one add per rank): bit-identical on every rank and with
-  every backend, so ranks on different backends (or frameworks) stay equal.
+  parse and the protocol's verdict (:mod:`horovod_sbc.protocol`, :mod:`.host`), and only after
+  it passed, ``scale`` x every rank's tensor added, rank after rank at every element, into
+  ``outs`` (or zeros) as ``float32(float64(value) * scale)``, one add per rank: bit-identical on
+  every rank, backend and framework.
 
-The implementations:
-
-* :class:`OpsBackend` — TensorFlow ops on the tensors' own device, any device (GPUs included):
-  :mod:`.codec` encodes, :mod:`.decoder` decodes. TensorFlow's float arithmetic on the tensors
-  (``R + dW``, the residual update) flushes subnormal results on the CPU; the values in messages
-  are moved as bits and survive.
-* :class:`KernelBackend` — SBC's C kernels as TensorFlow custom ops (:mod:`.native`; CPU). It
-  holds an :class:`OpsBackend` for what the kernels do not take, decided while tracing from
-  static facts (never by a ``tf.cond``): encoding a float64 residual or a compressor other than
-  ``sbc``; decoding into float64 outputs or tensors of more than ``kernels.MAX_NUMEL``
-  elements. IEEE subnormal values survive its arithmetic.
-
-:func:`backend_for` picks one per (device type, kernels switch) and keeps it: the kernel backend
-on the CPU when the op library is built and not disabled (``HOROVOD_SBC_KERNELS=0``,
-:func:`horovod_sbc.kernels.disabled`), else the ops backend. The ``SBC`` object
-(:class:`horovod_sbc.tensorflow.sync.state.SyncState`) asks once, at its first sync.
+:class:`OpsBackend`: TensorFlow ops on the tensors' own device, any device (:mod:`.codec`,
+:mod:`.frame`, :mod:`.decoder`). :class:`KernelBackend`: SBC's C kernels as TensorFlow custom
+ops (:mod:`.native`; CPU; framing on the host), with an :class:`OpsBackend` for what the kernels
+do not take, decided while tracing from static facts (never a ``tf.cond``): a float64 residual,
+a compressor other than ``sbc``, float64 outputs, tensors over ``kernels.MAX_NUMEL`` elements.
+:func:`backend_for` picks one per (device type, kernels switch) and keeps it. What runs where,
+subnormals, costs: docs/tensorflow.md, "The backends: what runs where".
 """
 from __future__ import annotations
 

@@ -2,35 +2,26 @@
 TensorFlow ops on the tensor's own device, eagerly and inside ``tf.function``.
 
 Produces byte for byte the messages of the numpy reference (:mod:`horovod_sbc.reference`,
-:mod:`horovod_sbc.wire`) and of the torch codec (pinned by ``tests/golden/``). What runs where:
+:mod:`horovod_sbc.wire`) and of the torch codec (pinned by ``tests/golden/``). Everything runs
+as TF ops on the tensor's device, nothing on the host: the O(numel) and O(k) work (non-finite
+check, per-block maxima, threshold sample, exact top-k among the candidates, fixed-order float64
+tree sums of both sides, residual update, unary / remainder / sign streams, the tensor message
+with its header, varints built with ``tf.bitwise``) and the O(1) scalars: the Rice parameter
+(``wire.rice_parameter``'s breakpoints precomputed in Python per tensor size by
+``wire.rice_table``, looked up with integer ops) and the mean's float64 -> float32 rounding
+(round to nearest even on the bit pattern). Framing: :mod:`.frame`; decoding: :mod:`.host`.
 
-* **on the tensor's device (TF ops)** — everything O(numel) or O(k): the non-finite check, the
-  per-block maxima, the threshold sample, the exact top-k among the candidates, the fixed-order
-  float64 tree sums of both sides, the residual update, the unary / remainder / sign streams and
-  the tensor message itself, including its header (varints are built with ``tf.bitwise``).
-* **O(1) scalars, still as TF ops** — the Rice parameter (a table of ``wire.rice_parameter``
-  breakpoints precomputed in Python per tensor size, looked up with integer ops), the mean's
-  float64 -> float32 rounding (round-to-nearest-even on the bit pattern, so a mean like 1e-40 of
-  a float64 tensor survives: TensorFlow flushes subnormal floats to zero on CPU).
-* **on the host** — nothing while encoding a tensor, nor while framing the step message
-  (:mod:`.frame`: the body's CRC-32 in TF ops). Decoding parses headers on the host (O(message
-  bytes)); see :mod:`.host`.
+Selection is the exact top-k with the reference's tie rule (ties at the k-th value go to the
+lower flat index) without a ``tf.math.top_k`` of the whole tensor: the maximum and minimum of
+every block of ``_BLOCK`` elements, sampled thresholds a little below and above each side's
+k-th value, and the exact k-th value among the blocks that reach them. If the sample misjudges
+(never for ordinary data, possible for adversarial ties), the same selection runs on the whole
+tensor: the estimate costs speed, never exactness.
 
-Selection is the exact top-k with the reference's tie rule (ties at the k-th value go to the lower
-flat index) without a ``tf.math.top_k`` of the whole tensor: one pass computes the maximum and
-minimum of every block of ``_BLOCK`` contiguous elements, a strided sample gives a threshold a
-little below the k-th value of each side, only the blocks that reach it are gathered, and the
-exact k-th value is found among those candidates (a band between a lower and an upper sampled
-threshold keeps that search small). If the sample misjudges (never for ordinary data, possible
-for adversarial ties), the same selection runs on the whole tensor instead: the estimate costs
-speed, never exactness.
-
-Floating point in TensorFlow on CPU flushes subnormal numbers to zero (in eager mode and inside
-``tf.function``). The codec therefore moves every value that ends up in or comes from a message
-as bits (``tf.bitcast``): the mean, the decoded values, their finiteness and sign checks. The
-arithmetic on the tensors themselves (``R + dW``, the residual update, the accumulation of the
-decoded average) is TensorFlow's and flushes subnormal results like every TF op does; for inputs
-without subnormal numbers the results are bit-identical to numpy's.
+TensorFlow on CPU flushes subnormal floats to zero (eagerly and inside ``tf.function``), so every
+value that goes into or comes out of a message moves as bits (``tf.bitcast``): the mean, the
+decoded values, their finiteness and sign checks; ``R + dW`` and the residual update stay TF
+arithmetic. Details and costs: docs/tensorflow.md, "The backends: what runs where".
 """
 from __future__ import annotations
 

@@ -3,22 +3,21 @@ integers (:mod:`horovod_sbc.protocol`), run by ``tf.numpy_function``; the verdic
 (in TF ops, with a host step only to name what failed); and the CPU kernel backend's step
 framing (:func:`frame`; the ops backend frames on the device, :mod:`.frame`).
 
-Both backends decode in four pieces, the same eagerly and inside ``tf.function``:
+Both backends decode in four pieces, the same eagerly and inside ``tf.function`` (what runs
+where, and costs: docs/tensorflow.md, "The backends: what runs where"):
 
 1. **parse (host, here)** — the gathered *compressed* bytes (O(message bytes), never O(numel)):
-   split the step messages, check step headers and CRC-32s, the verdict of the step (malformed
-   framing > ERROR > SKIP, lowest rank first), the layout, and every tensor header
-   (:mod:`horovod_sbc.wire`). It returns one row of integers per tensor message
-   (:mod:`.table`: stream offsets, count, Rice b, kind, value bits).
+   step messages, step headers and CRC-32s, the step's verdict (malformed framing > ERROR >
+   SKIP, lowest rank first), the layout and every tensor header (:mod:`horovod_sbc.wire`); one
+   row of integers per tensor message (:mod:`.table`: stream offsets, count, Rice b, kind,
+   value bits).
 2. **streams (the backend)** — positions and the per-message statistics the protocol judges
    (:class:`horovod_sbc.protocol.StreamStats`).
-3. **verdict (device, here)** — :func:`stream_faults`, :func:`horovod_sbc.protocol.check_stream`
-   on those O(1)-per-message statistics in TF ops. Only when a message fails does a host step
-   (:func:`check_stats_host`, inside the ``tf.cond`` branch a failure takes) run
-   ``check_stream`` itself for the exact error. Nothing is added to any output before the
-   verdict passed (a control dependency).
-4. **accumulate (the backend)** — ``scale`` x every rank's decoded tensor, rank after rank at
-   every element, into the outputs.
+3. **verdict (device, here)** — :func:`stream_faults`: :func:`horovod_sbc.protocol.check_stream`
+   on those statistics in TF ops; only when a message fails does :func:`check_stats_host` (in
+   the ``tf.cond`` branch a failure takes) run ``check_stream`` itself for the exact error.
+   Nothing is added to any output before the verdict passed (a control dependency).
+4. **accumulate (the backend)** — ``scale`` x every rank's tensor, rank order at every element.
 
 Errors: ``ValueError`` raised by the host steps (``InvalidArgumentError`` with the same text
 inside ``tf.function``, a NUL written ``\\x00``: :func:`tf_text`; :func:`original_error` gives

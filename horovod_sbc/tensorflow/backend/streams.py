@@ -7,27 +7,16 @@ tensor's offset in the concatenated layout + the position) and its message; per 
 :class:`horovod_sbc.protocol.StreamStats` row that the verdict judges. Values are read by
 :func:`element_bits`, only where an accumulation needs them per element.
 
-Per element, about twenty int64 ops, three gathers and one running sum, with no branch per
-message kind (binary, SIGNS and VALUES messages share the position code of :mod:`horovod_sbc.wire`):
-
-* **one bits** — one ``Where`` over the unary bits of all messages gives every one bit's offset
-  in the concatenated unary streams; element ``i`` of message ``m`` is ``m``'s ``i``-th one bit.
-  When a message's one-bit count differs from its header's count (an ALL message, which has no
-  position streams, or corrupt input) the elements are mapped to one bits by index instead, so
-  shapes stay valid; ALL elements then get quotient 0, hence positions ``0 .. count - 1``.
-* **quotient** — the zero bits since the previous one bit (a message's first element: since its
-  stream's start). **Remainder** — one gather from 64-bit windows starting every 4 bytes (fields
-  of up to 32 bits; a Rice parameter above 32, possible only for tensors of more than 2**32
-  elements or in corrupt messages, reads two fields).
-* **key** — one running sum of the gaps ``(q << b) + r + 1`` over all elements minus a
-  per-message constant, plus the tensor offset. int64 wraps in two's complement, so each
-  message's positions are exact whenever they fit int64; a message whose gaps do not is
-  rejected by its ``max_q`` / ``max_r`` (exact: bit offsets and field reads).
-
-Statistics: one bits per message by a binary search of the message's end among the sorted
-one-bit offsets, the largest quotient, remainder and position by sorted segment maxima, the
-padding of the remainder and sign streams from their last bytes (O(messages)), the non-finite
-values of VALUES messages from their value streams.
+No branch per message kind (binary, SIGNS and VALUES messages share the position code of
+:mod:`horovod_sbc.wire`); per element about twenty int64 ops, three gathers and one running sum.
+Element ``i`` of message ``m`` is ``m``'s ``i``-th one bit (one ``Where`` over all unary bits;
+by index where the one-bit count differs from the header's: ALL messages, corrupt input); its
+quotient is the zero bits since the previous one bit, its remainder one gather from 64-bit
+windows, its key one running sum of the gaps ``(q << b) + r + 1``. Statistics come from a binary
+search per message and sorted segment maxima (int64 maxima as two int32 ones,
+:func:`_segment_max64`: TensorFlow places an int64 segment reduction on the host). Each step,
+and why the positions are exact: docs/tensorflow.md, "The backends: what runs where" (**The
+TF-ops stream decoder**).
 
 The whole decoder is one graph function (:func:`decode`), traced once per process: it depends
 on no layout (sizes, offsets and the table are its inputs).
