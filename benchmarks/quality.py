@@ -336,9 +336,16 @@ TOPOLOGY: Dict[str, List[tuple]] = {
 # density: the owners' downlink as values, or at twice the density (seed 0)
 TOPOLOGY["lm_docs"] += [(_s("sbc", 0.01, 1, api="stock", downlink_binarize=False, **RS), S0),
                         (_s("sbc", 0.01, 1, api="stock", downlink_density=0.02, **RS), S0)]
+# the reduce-scatter's owners at a higher downlink density than the uplink's (``--study
+# downlink``; the topology study's rows and baselines are its reference)
+DOWNLINK: Dict[str, List[tuple]] = {
+    "skewed": [(_s("sbc", 0.01, 1, downlink_density=0.02, **RS), S3)],
+    "lm_docs": [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **RS), S0)]}
+
+
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
-           "optimizers": OPTIMIZERS, "topology": TOPOLOGY}
+           "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
