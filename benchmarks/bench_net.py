@@ -25,6 +25,19 @@ reports the mean step time. Crossover (the bandwidth below which a compressed me
 than dense allreduce) is estimated two ways: from loopback step times plus wire bits
 (``t(B) = t_loopback + wire_bits / B``) and from a least-squares fit ``t = a + c / B`` to the
 rate-limited measurements.
+
+A method entry is a dict: ``method`` (``local``, ``none``, ``fp16``, ``sbc``, ``topk``, ...),
+``density``, ``delay``, ``api: "stock"`` (the stock Horovod hook instead of the drop-in),
+``hierarchy``, and ``topology`` (``"allgather"``, the default, or ``"reduce_scatter"``: SBC's
+sparse reduce-scatter, :mod:`horovod_sbc.torch.sync.scatter`). Every result has the step time,
+``upstream_bits_per_step``/``downstream_bits_per_step`` (the compressor's ``stats()``, mean over
+ranks) and ``decode_s_per_step``: the seconds spent in the codec's decode calls per step
+(:class:`DecodeTimer`, mean over ranks), measured the same way for both topologies.
+
+``python -m benchmarks.bench_net topology --workers 4 --workers 8 --bandwidth 1gbit --bandwidth
+100mbit --json FILE`` (:func:`run_topology`) runs dense allreduce and SBC with each topology
+(drop-in and stock hook) in turns on each rank count and writes the table (``.md``) and a plot
+(``.png``) beside the JSON.
 """
 from __future__ import annotations
 
@@ -84,6 +97,8 @@ def method_label(m: dict) -> str:
         s += f" p={m['density']:g}"
     if m.get("delay", 1) != 1:
         s += f" n={m['delay']}"
+    if m.get("topology", "allgather") != "allgather":
+        s += f" {m['topology']}"
     if m.get("api") == "stock":
         s += " (stock hook)"
     if m.get("hierarchy"):
@@ -342,6 +357,72 @@ class Testbed:
 # ------------------------------------------------------------------------------------------------
 # the worker (runs on every rank)
 # ------------------------------------------------------------------------------------------------
+TOPOLOGIES = ("allgather", "reduce_scatter")
+
+
+def method_compressor(m: dict, delay: int):
+    """The compressor of method entry ``m`` at ``delay``: :func:`bench_train.make_compressor`,
+    or, with ``m["topology"]`` (``"allgather"``, the default, or ``"reduce_scatter"``), SBC or
+    top-K built with that topology."""
+    from .bench_train import make_compressor
+    topology = m.get("topology", "allgather")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"method {method_label(m)!r}: topology {topology!r} is not one of "
+                         f"{TOPOLOGIES}")
+    density = float(m.get("density", 1.0))
+    if topology == "allgather":
+        return make_compressor(m["method"], density, delay)
+    import horovod_sbc.torch as sbc
+    cls = {"sbc": sbc.SBC, "topk": sbc.TopK}.get(m["method"])
+    if cls is None:
+        raise ValueError(f"method {m['method']!r} has no topology={topology!r} (sbc, topk only)")
+    return cls(density=density, delay=delay, topology=topology)
+
+
+class DecodeTimer:
+    """Seconds spent in the codec's decode calls (every backend class's ``decode`` and
+    ``decode_many``; a call inside another counted once), cumulative for this process. Both
+    topologies decode only through these: the allgather's one ``decode`` of the gathered
+    messages; the reduce-scatter's owner ``decode`` of its region's parts and ``decode_many``
+    of the region messages."""
+
+    def __init__(self):
+        self.seconds, self.calls, self._depth, self._installed = 0.0, 0, 0, False
+
+    def wrap(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            if self._depth:
+                return fn(*a, **kw)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+                self._depth -= 1
+        timed._decode_timer = True
+        return timed
+
+    def install(self) -> "DecodeTimer":
+        if self._installed:
+            return self
+        from horovod_sbc.torch import backend as be
+        for cls in {be.Backend, be.KernelBackend, be.OpsBackend}:
+            for name in ("decode", "decode_many"):
+                fn = cls.__dict__.get(name)
+                if fn is not None and not getattr(fn, "_decode_timer", False):
+                    setattr(cls, name, self.wrap(fn))
+        self._installed = True
+        return self
+
+
+DECODE_TIMER = DecodeTimer()
+
+
 class _MethodRun:
     """One method's model, optimizer and data on this rank, stepped by :func:`_bench_method` (all
     its steps in one block) or by :func:`_bench_interleaved` (blocks of steps in turn with the
@@ -351,7 +432,6 @@ class _MethodRun:
         import torch
         import horovod.torch as hvd
         import horovod_sbc.torch as sbc
-        from .bench_train import make_compressor
 
         self.m, self.cfg = m, cfg
         rank = hvd.rank()
@@ -373,18 +453,20 @@ class _MethodRun:
         elif self.method == "local":
             self.opt = base
         elif m.get("api") == "stock":  # the one-line change: SBC as stock Horovod's compression
-            self.comp = make_compressor(self.method, self.density, 1)
+            self.comp = method_compressor(m, 1)
             self.opt = hvd.DistributedOptimizer(base, named_parameters=named,
                                                 compression=self.comp)
         elif m.get("hierarchy"):  # dense inside each group of ranks, SBC between groups
-            self.comp = sbc.SBC(self.density, delay=self.delay, hierarchy=m["hierarchy"])
+            kw = {"topology": m["topology"]} if "topology" in m else {}
+            self.comp = sbc.SBC(self.density, delay=self.delay, hierarchy=m["hierarchy"], **kw)
             self.opt = sbc.DistributedOptimizer(base, named, compression=self.comp)
         else:
-            self.comp = make_compressor(self.method, self.density, self.delay)
+            self.comp = method_compressor(m, self.delay)
             self.opt = sbc.DistributedOptimizer(base, named, compression=self.comp)
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.k = 0  # steps taken
         self.times: List[float] = []  # timed steps
+        self.decode_times: List[float] = []  # codec decode seconds inside each timed step
         self.st0 = None
 
     def warm_up(self) -> float:
@@ -398,12 +480,22 @@ class _MethodRun:
 
     def step(self) -> float:
         i = self.k
+        d0 = DECODE_TIMER.seconds
         t = time.perf_counter()
         self.opt.zero_grad()
         self.loss_fn(self.model(self.xs[i % 4]), self.ys[i % 4]).backward()
         self.opt.step()
         self.k += 1
-        return time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.last_decode_s = DECODE_TIMER.seconds - d0
+        return dt
+
+    def timed_step(self) -> float:
+        """A step counted in the result: its time, and its codec decode time."""
+        dt = self.step()
+        self.times.append(dt)
+        self.decode_times.append(self.last_decode_s)
+        return dt
 
     def start_timing(self) -> None:
         self.st0 = dict(self.comp.stats()) if self.comp is not None else None
@@ -423,16 +515,28 @@ class _MethodRun:
             up = down = (16 if self.method == "fp16" else 32) * self.numel
             wire = 2 * (size - 1) / size * up  # ring allreduce
         ups = hvd.allgather_object(up)
+        downs = hvd.allgather_object(down)
+        decs = hvd.allgather_object(sum(self.decode_times) / n)
+        topology = self.comp.topology if self.comp is not None else None
+        if self.comp is not None:  # what crosses each rank's link inbound (= outbound, ring)
+            wire = (float(np.mean(downs)) if topology == "reduce_scatter"
+                    else float(np.mean([(size - 1) * u for u in ups])))
         # median over sync windows (delay steps each) of the window's time / delay: robust to
         # the other processes of a shared machine, and still includes every window's sync
         win = [sum(self.times[i:i + delay]) / delay for i in range(0, n, delay)]
         return {"method": self.method, "label": method_label(self.m), "density": self.density,
                 "delay": delay, "workers": size, "params": self.numel, "warmup_s": warmup_s,
+                "topology": topology, "api": self.m.get("api", "drop-in"),
                 "steps": n, "step_time_s": float(np.median(win)),
                 "step_time_mean_s": (total_s if total_s is not None else sum(self.times)) / n,
-                "upstream_bits_per_step": float(np.mean(ups)), "downstream_bits_per_step": down,
-                "wire_bits_per_step": float(np.mean([(size - 1) * u for u in ups])
-                                            if self.comp is not None else wire),
+                "upstream_bits_per_step": float(np.mean(ups)),
+                "downstream_bits_per_step": float(np.mean(downs)),
+                "downstream_bits_per_step_max": float(np.max(downs)),
+                "wire_bits_per_step": wire,
+                # the codec's decode calls (Backend.decode / decode_many) per step, mean over
+                # the timed steps, then over ranks
+                "decode_s_per_step": float(np.mean(decs)),
+                "decode_s_per_step_max": float(np.max(decs)),
                 "dense_bits_per_step": 32 * self.numel}
 
 
@@ -456,7 +560,7 @@ def _bench_method(m: dict, cfg: dict, emit) -> dict:
     _barrier()
     t0 = time.perf_counter()
     for i in range(n):
-        run.times.append(run.step())
+        run.timed_step()
         emit((i + 1) / n)
     _barrier()
     res = run.result(t_warm, time.perf_counter() - t0)
@@ -479,7 +583,7 @@ def _bench_interleaved(methods: List[dict], cfg: dict, emit) -> List[dict]:
         for run in runs:
             _barrier()
             for _ in range(block * run.delay):
-                run.times.append(run.step())
+                run.timed_step()
         emit((r + 1) / rounds)
     return [run.result(w) for run, w in zip(runs, warm)]
 
@@ -495,6 +599,7 @@ def worker_main(argv: Sequence[str]) -> int:
         from horovod_sbc.torch import hierarchy_process_sets
         hvd.init(process_sets=hierarchy_process_sets(groups))
     torch.set_num_threads(1)
+    DECODE_TIMER.install()
     rank = hvd.rank()
     if cfg.get("interleave"):
         def emit_all(frac):
@@ -898,8 +1003,228 @@ def markdown_net(res: Dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------
+# the topologies side by side: allgather vs sparse reduce-scatter
+# ------------------------------------------------------------------------------------------------
+TOPOLOGY_METHODS = [
+    {"method": "local"},
+    {"method": "none"},
+    {"method": "sbc", "density": 0.01},
+    {"method": "sbc", "density": 0.01, "topology": "reduce_scatter"},
+    {"method": "sbc", "density": 0.01, "api": "stock"},
+    {"method": "sbc", "density": 0.01, "api": "stock", "topology": "reduce_scatter"},
+]
+
+
+def topology_pairs(methods: Sequence[dict]) -> List[tuple]:
+    """(allgather label, reduce-scatter label) of every reduce-scatter method entry whose
+    allgather twin (the same entry without ``topology``) is among ``methods``."""
+    labels = {method_label(m) for m in methods}
+    out = []
+    for m in methods:
+        if m.get("topology") == "reduce_scatter":
+            twin = {k: v for k, v in m.items() if k != "topology"}
+            if method_label(twin) in labels:
+                out.append((method_label(twin), method_label(m)))
+    return out
+
+
+def topology_rows(by_workers: Dict[str, Dict[str, object]],
+                  methods: Sequence[dict]) -> List[dict]:
+    """One row per (ranks, network, method) of :func:`run_topology`'s runs: step time, its ratio
+    to dense allreduce on the same network, bits per rank per step (the compressors' from
+    ``stats()``, mean over ranks; dense and fp16: what a rank receives in the ring allreduce,
+    2(N-1)/N of the model), decode time per step, and for a reduce-scatter method its ratios to
+    the allgather twin (step, bits down, decode)."""
+    pairs = dict((rs, ag) for ag, rs in topology_pairs(methods))
+    rows = []
+    for w in sorted(by_workers, key=int):
+        runs = by_workers[w]["runs"]
+        cell = {(r["network"], r["label"]): r for r in runs}
+        for r in runs:
+            dense = cell.get((r["network"], "none"))
+            row = {"workers": int(w), "network": r["network"], "label": r["label"],
+                   "method": r["method"], "topology": r.get("topology"),
+                   "api": r.get("api", "drop-in"), "steps": r["steps"],
+                   "step_time_s": r["step_time_s"],
+                   "step_over_dense": (r["step_time_s"] / dense["step_time_s"]) if dense else None,
+                   "upstream_bits_per_step": r["upstream_bits_per_step"],
+                   "downstream_bits_per_step": (r["wire_bits_per_step"]
+                                                if r["method"] in ("none", "fp16")
+                                                else r["downstream_bits_per_step"]),
+                   "decode_s_per_step": r.get("decode_s_per_step", 0.0)}
+            ag = cell.get((r["network"], pairs.get(r["label"])))
+            if ag is not None:
+                def ratio(k, a=ag, b=r):
+                    return b[k] / a[k] if a.get(k) else None
+                row["rs_over_allgather"] = {
+                    "step_time": ratio("step_time_s"),
+                    "downstream_bits": ratio("downstream_bits_per_step"),
+                    "decode": ratio("decode_s_per_step")}
+            rows.append(row)
+    return rows
+
+
+def run_topology(workers: Sequence[int] = (4, 8), bandwidths: Sequence[str] = ("1gbit", "100mbit"),
+                 methods: Optional[List[dict]] = None, sizes: Optional[List[int]] = None,
+                 rounds: int = 6, block: int = 1, loopback: bool = True, timeout: float = 1800,
+                 progress: bool = True) -> Dict[str, object]:
+    """:func:`run_net` per rank count with the methods in turns (``rounds`` rounds of ``block``
+    steps each, median step: the ratios are measured side by side), then
+    :func:`topology_rows`."""
+    methods = list(methods or TOPOLOGY_METHODS)
+    sizes = sizes or FULL_SIZES
+    t0 = time.perf_counter()
+    by = {}
+    for w in workers:
+        by[str(w)] = run_net(bandwidths, loopback=loopback, unlimited=False, workers=w,
+                             methods=methods, sizes=sizes, timeout=timeout, progress=progress,
+                             interleave={"rounds": rounds, "block": block})
+    return {"config": {"workers": list(workers), "bandwidths": list(bandwidths),
+                       "methods": methods, "sizes": sizes,
+                       "interleave": {"rounds": rounds, "block": block}},
+            "by_workers": by, "rows": topology_rows(by, methods),
+            "errors": [dict(e, workers=int(w)) for w, r in by.items() for e in r["errors"]],
+            "wall_s": time.perf_counter() - t0, "load_average": os.getloadavg()}
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{1000 * v:.1f}"
+
+
+def _x(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def markdown_topology(res: Dict[str, object]) -> str:
+    """The rows of :func:`run_topology` as one markdown table (and the setup in a line)."""
+    cfg = res["config"]
+    params = next((r["params"] for b in res["by_workers"].values() for r in b["runs"]), 0)
+    il = cfg["interleave"]
+    lines = [f"{params:,}-parameter MLP {cfg['sizes']}, batch 32 per rank, every rank in its own "
+             f"network namespace behind a tc-shaped veth (loopback: plain localhost, shared "
+             f"memory); methods in turns, {il['rounds']} rounds of {il['block']} step(s) each, "
+             f"median step. RS ÷ AG: the reduce-scatter over the same method with the "
+             f"allgather (step time / Mbit down / decode).", "",
+             "| ranks | network | method | step | ÷ dense | Mbit down / rank / step "
+             "| decode / step | RS ÷ AG (step / bits / decode) |",
+             "|---:|---|---|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        rs = r.get("rs_over_allgather")
+        rs_s = " / ".join(_x(rs[k]) for k in ("step_time", "downstream_bits", "decode")) \
+            if rs else ""
+        comp = r["method"] not in ("local", "none")
+        lines.append(f"| {r['workers']} | {r['network']} | {r['label']} | "
+                     f"{_ms(r['step_time_s'])} ms | {_x(r['step_over_dense'])} | "
+                     f"{r['downstream_bits_per_step'] / 1e6:.3f} | "
+                     f"{_ms(r['decode_s_per_step']) + ' ms' if comp else '-'} | {rs_s} |")
+    return "\n".join(lines)
+
+
+def plot_topology(res: Dict[str, object], path: str) -> None:
+    """Step time per (ranks, network), one bar per method (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in res["rows"] if r["method"] != "local"]
+    cells = []
+    for r in rows:
+        if (r["workers"], r["network"]) not in cells:
+            cells.append((r["workers"], r["network"]))
+    labels = []
+    for r in rows:
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    val = {(r["workers"], r["network"], r["label"]): r["step_time_s"] for r in rows}
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    wbar = 0.8 / max(1, len(labels))
+    for j, lab in enumerate(labels):
+        xs = [i + (j - (len(labels) - 1) / 2) * wbar for i in range(len(cells))]
+        ax.bar(xs, [val.get((w, n, lab), 0.0) for w, n in cells], wbar, label=lab)
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"{w} ranks\n{n}" for w, n in cells], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("step time (s, log)")
+    ax.set_title("SBC p=0.01: allgather vs sparse reduce-scatter on the network testbed",
+                 fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def topology_parser():
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_net topology",
+        description="SBC's allgather vs reduce-scatter topology on the network testbed (root)")
+    ap.add_argument("--workers", type=int, action="append", help="rank count, repeatable (4, 8)")
+    ap.add_argument("--bandwidth", action="append", help="tc rate, repeatable (1gbit, 100mbit)")
+    ap.add_argument("--sizes", help="MLP layer sizes (default the testbed's "
+                                    f"{','.join(map(str, FULL_SIZES))})")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--block", type=int, default=1)
+    ap.add_argument("--no-stock", action="store_true", help="without the stock-hook methods")
+    ap.add_argument("--no-loopback", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--json", help="results; the table beside it (.md) and a plot (.png)")
+    ap.add_argument("--reanalyse", metavar="JSON",
+                    help="no run: the rows, table and plot again from a JSON this wrote")
+    return ap
+
+
+def topology_methods(args) -> List[dict]:
+    ms = [dict(m) for m in TOPOLOGY_METHODS if not (args.no_stock and m.get("api") == "stock")]
+    for m in ms:
+        if "density" in m:
+            m["density"] = args.density
+    return ms
+
+
+def topology_main(argv: Sequence[str]) -> int:
+    args = topology_parser().parse_args(list(argv))
+    if args.reanalyse:
+        with open(args.reanalyse) as f:
+            res = json.load(f)
+        res["rows"] = topology_rows(res["by_workers"], res["config"]["methods"])
+        args.json = args.json or args.reanalyse
+        return _write_topology(res, args.json)
+    res = run_topology(args.workers or [4, 8], args.bandwidth or ["1gbit", "100mbit"],
+                       methods=topology_methods(args),
+                       sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
+                       rounds=args.rounds, block=args.block, loopback=not args.no_loopback,
+                       progress=not args.no_progress)
+    res["command"] = "python -m benchmarks.bench_net topology " + shlex.join(list(argv))
+    return _write_topology(res, args.json)
+
+
+def _write_topology(res: Dict[str, object], path: Optional[str]) -> int:
+    md = markdown_topology(res)
+    print(md)
+    for e in res["errors"]:
+        print(f"error at {e['workers']} ranks, {e['network']}: {e['error'].splitlines()[0]}")
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        stem = os.path.splitext(path)[0]
+        notes = [f"Code: {res['code']}." if res.get("code") else "",
+                 "Load average (1, 5, 15 min) at the end: "
+                 + ", ".join(f"{x:.1f}" for x in res["load_average"])
+                 if res.get("load_average") else ""]
+        with open(stem + ".md", "w") as f:
+            f.write(f"`{res['command']}`\n\n" + "".join(n + "\n\n" for n in notes if n)
+                    + f"{md}\n")
+        if res["rows"]:
+            plot_topology(res, stem + ".png")
+    return 1 if res["errors"] else 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         sys.exit(worker_main(sys.argv[2:]))
-    print("usage: python -m benchmarks.bench net ... (this module's entry is the worker)")
+    if len(sys.argv) >= 2 and sys.argv[1] == "topology":
+        sys.exit(topology_main(sys.argv[2:]))
+    print("usage: python -m benchmarks.bench net ... (this module's entries: worker, topology)")
     sys.exit(2)

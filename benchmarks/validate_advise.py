@@ -11,7 +11,11 @@
    100 Mbit/s, on an idle machine, repeatably; see docs/advise.md).
 2. :func:`benchmarks.bench_net.run_net` measures, on an MLP, the step time of a compute-only run
    (``local``, plain localhost), dense allreduce (``none``) and the drop-in SBC at each shaped
-   link, every rank in its own network namespace.
+   link, every rank in its own network namespace: with the allgather and, with ``--topology``
+   ``both`` (the default) or ``reduce_scatter``, ``SBC(topology="reduce_scatter")`` beside it
+   (predicted by :func:`horovod_sbc.advise.sbc_reduce_scatter_step`). The benchmark also times
+   the codec's decode calls in the job (``decode_s_per_step``), which the rows set beside the
+   model's decode term.
 3. :mod:`horovod_sbc.advise` measures the codec on the same MLP's layout and predicts the dense
    and SBC step times from the measured compute time, the link rate and the given latency. The
    codec is measured the way the job runs it (:func:`codec_in_job`): on all N ranks at once
@@ -27,8 +31,10 @@
    timed on all ranks at once it would be the difference of two contended figures. Open MPI's
    allreduce is forced to the ring at N > 2 and to
    recursive doubling at N = 2 (``--ompi-allreduce auto``, see there).
-4. The table gives predicted, measured and the error (predicted / measured - 1); the JSON keeps
-   the benchmark's runs, the codec figures and every prediction.
+4. The table gives predicted, measured and the error (predicted / measured - 1), and per
+   network the reduce-scatter's step time over the allgather's, measured and predicted
+   (:func:`topology_ratios`); the JSON keeps the benchmark's runs, the codec figures and every
+   prediction.
 """
 from __future__ import annotations
 
@@ -228,6 +234,34 @@ def link_bps(info: Dict, rate: str) -> float:
     return 1e6 * info["link_measured_mbit"] if rate == "one_way" else info["two_way_bps"]
 
 
+def method_model(r: Dict, codec: ad.CodecCost, workers: int, net: ad.Net) -> Optional[ad.Cost]:
+    """advise's cost of the benchmark run ``r``'s exchange: dense allreduce, SBC over the
+    allgather or SBC's sparse reduce-scatter (``r["topology"]``; runs without the key are
+    allgather runs); None for a method the model has no formula for here."""
+    if r["method"] == "none":
+        return ad.dense_step(codec, workers, net)
+    if r["method"] != "sbc" or r.get("api", "drop-in") != "drop-in" or r.get("delay", 1) != 1:
+        return None
+    if r.get("topology") == "reduce_scatter":
+        return ad.sbc_reduce_scatter_step(codec, workers, net)
+    return ad.sbc_allgather_step(codec, workers, net)
+
+
+def latency_steps(r: Dict, workers: int) -> int:
+    """The model's message steps of a sparse exchange: N - 1 for the ring allgather, and
+    N - 1 more for the reduce-scatter's alltoall."""
+    return (2 if r.get("topology") == "reduce_scatter" else 1) * (workers - 1)
+
+
+def decode_model_s(r: Dict, codec: ad.CodecCost, workers: int) -> Optional[float]:
+    """The model's decode seconds per sync of a sparse run (None for dense)."""
+    if r["method"] != "sbc":
+        return None
+    if r.get("topology") == "reduce_scatter":
+        return ad.reduce_scatter_decode_s(codec, workers)
+    return codec.decode_s(workers)
+
+
 def predictions(res: Dict, codec: ad.CodecCost, latency_s: Optional[float],
                 rate: str) -> List[Dict]:
     """One row per (shaped network, method) of the benchmark: measured and predicted step
@@ -242,11 +276,15 @@ def predictions(res: Dict, codec: ad.CodecCost, latency_s: Optional[float],
         if info.get("link_measured_mbit") is None:
             continue  # loopback: shared memory, no link to model
         net = ad.Net(link_bps(info, rate), info["latency_s"] if latency_s is None else latency_s)
-        model = {"none": ad.dense_step(codec, workers, net),
-                 "sbc": ad.sbc_allgather_step(codec, workers, net)}
         for r in runs:
-            if r["network"] == info["network"] and r["method"] in model:
-                row = _row(r, info, model[r["method"]], net, local, _loopback(runs, r))
+            cost = method_model(r, codec, workers, net) if r["network"] == info["network"] \
+                else None
+            if cost is not None:
+                row = _row(r, info, cost, net, local, _loopback(runs, r))
+                dec = decode_model_s(r, codec, workers)
+                if dec is not None:
+                    row["decode_predicted_s"] = dec
+                    row["decode_measured_s"] = r.get("decode_s_per_step")
                 rows.append(dict(row, rate=rate))
     return rows
 
@@ -264,11 +302,13 @@ def _row(r: Dict, info: Dict, cost: ad.Cost, net: ad.Net, local: Dict, loop: Dic
     if r["method"] == "none":
         comm = cost.at(net.bps)
     else:  # latencies only: the codec share of ``cost`` is already inside the loopback step
-        comm += (r["workers"] - 1) * net.latency_s
+        comm += latency_steps(r, r["workers"]) * net.latency_s
     net_only = loop["step_time_s"] + comm
     return {"network": info["network"], "link_mbit": net.bps / 1e6,
             "latency_us": 1e6 * net.latency_s,
-            "method": r["label"], "workers": r["workers"], "measured_s": r["step_time_s"],
+            "method": r["label"], "topology": r.get("topology") or (
+                "allgather" if r["method"] != "none" else None),
+            "workers": r["workers"], "measured_s": r["step_time_s"],
             "predicted_s": pred, "error": pred / r["step_time_s"] - 1,
             "network_only_s": net_only, "network_only_error": net_only / r["step_time_s"] - 1}
 
@@ -288,16 +328,59 @@ def all_rows(res: Dict, codec: ad.CodecCost, latency_s: Optional[float]) -> List
 
 
 def format_rows(rows: List[Dict], compute_s: float) -> str:
+    width = max([12] + [len(r["method"]) for r in rows])
     out = [f"compute only (the model's input): {1e3 * compute_s:.1f} ms per step",
-           f"{'rate':<9} {'network':<9} {'link':>9} {'L':>8} {'N':>3} {'method':<12} "
-           f"{'measured':>10} {'predicted':>10} {'error':>7} {'net only':>10} {'error':>7}"]
+           f"{'rate':<9} {'network':<9} {'link':>9} {'L':>8} {'N':>3} {'method':<{width}} "
+           f"{'measured':>10} {'predicted':>10} {'error':>7} {'net only':>10} {'error':>7} "
+           f"{'decode meas/pred':>17}"]
     for r in rows:
+        dec = ""
+        if r.get("decode_measured_s") is not None:
+            dec = (f"{1e3 * r['decode_measured_s']:>7.1f}/{1e3 * r['decode_predicted_s']:.1f}"
+                   " ms")
         out.append(f"{r['rate']:<9} {r['network']:<9} {r['link_mbit']:>6.0f} Mb "
                    f"{r.get('latency_us', float('nan')):>5.0f} us {r['workers']:>3} "
-                   f"{r['method']:<12} {1e3 * r['measured_s']:>7.1f} ms "
+                   f"{r['method']:<{width}} {1e3 * r['measured_s']:>7.1f} ms "
                    f"{1e3 * r['predicted_s']:>7.1f} ms {100 * r['error']:>+6.1f}% "
-                   f"{1e3 * r['network_only_s']:>7.1f} ms {100 * r['network_only_error']:>+6.1f}%")
+                   f"{1e3 * r['network_only_s']:>7.1f} ms {100 * r['network_only_error']:>+6.1f}%"
+                   f" {dec:>17}")
+    ratios = topology_ratios(rows)
+    if ratios:
+        out.append("reduce-scatter step / allgather step:")
+        for t in ratios:
+            out.append(f"  {t['rate']:<9} {t['network']:<9} N={t['workers']}: measured "
+                       f"{t['measured']:.2f}x, predicted {t['predicted']:.2f}x")
     return "\n".join(out)
+
+
+def topology_ratios(rows: List[Dict]) -> List[Dict]:
+    """Per (rate, network): the reduce-scatter's step time over the allgather's (the same
+    density, the drop-in), measured and predicted."""
+    by = {}
+    for r in rows:
+        if r.get("topology") in ("allgather", "reduce_scatter"):
+            by.setdefault((r["rate"], r["network"], r["workers"]), {})[r["topology"]] = r
+    out = []
+    for (rate, network, workers), d in by.items():
+        if len(d) == 2:
+            ag, rs = d["allgather"], d["reduce_scatter"]
+            out.append({"rate": rate, "network": network, "workers": workers,
+                        "measured": rs["measured_s"] / ag["measured_s"],
+                        "predicted": rs["predicted_s"] / ag["predicted_s"]})
+    return out
+
+
+def validation_methods(density: float, topology: str = "both") -> List[Dict]:
+    """The benchmark's method entries: compute only, dense allreduce, and the drop-in SBC at
+    ``density`` with the allgather, the reduce-scatter or both (``topology``)."""
+    if topology not in ("allgather", "reduce_scatter", "both"):
+        raise ValueError(f"topology {topology!r}: allgather, reduce_scatter or both")
+    methods = [{"method": "local"}, {"method": "none"}]
+    if topology in ("allgather", "both"):
+        methods.append({"method": "sbc", "density": density})
+    if topology in ("reduce_scatter", "both"):
+        methods.append({"method": "sbc", "density": density, "topology": "reduce_scatter"})
+    return methods
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -325,6 +408,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--bandwidth", action="append", help="tc rate, repeatable (100mbit, 1gbit)")
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--topology", choices=["allgather", "reduce_scatter", "both"], default="both",
+                    help="SBC's exchange(s) measured and predicted (default both, side by side)")
     ap.add_argument("--latency", type=_latency, default=ad.parse_seconds("100us"),
                     help="per message step across the veth testbed (default 100us); "
                          "'measured': the one measured on each shaped network (latency_worker)."
@@ -360,7 +445,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if algo != "default":  # mpirun hands OMPI_MCA_* on to the ranks
         os.environ.update(OMPI_MCA_coll_tuned_use_dynamic_rules="1",
                           OMPI_MCA_coll_tuned_allreduce_algorithm="4" if algo == "ring" else "3")
-    methods = [{"method": "local"}, {"method": "none"}, {"method": "sbc", "density": args.density}]
+    methods = validation_methods(args.density, args.topology)
     bws = args.bandwidth or ["100mbit", "1gbit"]
     probes = {b: probe_link(args.workers, b, args.probe_mbyte << 20) for b in bws}
     res = bn.run_net(bws, loopback=True, unlimited=False,
@@ -401,7 +486,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_rows(rows, res.get("compute_in_job_s") or local_s))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "validation": rows, "bench_net": res,
+            json.dump({"args": vars(args), "validation": rows,
+                       "rs_vs_allgather": topology_ratios(rows), "bench_net": res,
                        "load_average": os.getloadavg()}, f, indent=1)
     return 0
 
