@@ -37,9 +37,11 @@ def write_discovery(path: str, hosts) -> None:
     os.replace(tmp, path)  # the driver never runs a half-written script
 
 
-@pytest.fixture(scope="module")
-def job():
-    script = os.path.join(tempfile.mkdtemp(prefix="sbc-elastic-"), "discover.sh")
+def run_elastic_job(worker: str, args, timeout: float, prefix: str):
+    """``tests/workers/<worker>`` as a real elastic ``horovodrun`` job on localhost (Gloo):
+    3 ranks whose discovery script is rewritten to ``HOSTS[name]`` whenever rank 0 prints a
+    ``ready`` event; returns (the ``EL {json}`` events in order, the output)."""
+    script = os.path.join(tempfile.mkdtemp(prefix=prefix), "discover.sh")
     write_discovery(script, THREE)
     events = []
 
@@ -53,18 +55,23 @@ def job():
 
     hr = str(launch.BIN / "horovodrun")
     cmd = [hr, "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
-           "--gloo", "--network-interface", "lo", sys.executable,
-           str(WORKERS / "torch_elastic.py"), "stock_topology=reduce_scatter"]
+           "--gloo", "--network-interface", "lo", sys.executable, str(WORKERS / worker), *args]
     # HOROVOD_GLOO_TIMEOUT_SECONDS (30 s) bounds both how long the survivors wait for a new
     # worker to start (a shorter one fails the grow on a loaded machine) and how long rank 0,
     # Gloo's coordinator, waits on the dead peer after the kill
     env = launch.job_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
     try:
-        rc, out = launch.run(cmd, TIMEOUT, env, on_line=on_line)
+        rc, out = launch.run(cmd, timeout, env, on_line=on_line)
     except launch.JobTimeout as e:
-        pytest.fail(f"elastic job did not finish within {TIMEOUT} s\n{e.output[-6000:]}")
+        pytest.fail(f"elastic job did not finish within {timeout} s\n{e.output[-6000:]}")
     assert rc == 0, out[-6000:]
     return events, out
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_elastic_job("torch_elastic.py", ["stock_topology=reduce_scatter"], TIMEOUT,
+                           "sbc-elastic-")
 
 
 def groups(events):

@@ -14,20 +14,16 @@ one rank checks commit/restore bit for bit, the keeping sync, the world's renewa
 turning a failed collective into a reset."""
 import json
 import os
-import sys
-import tempfile
 import textwrap
 
 import pytest
 
-from harness import ROOT, WORKERS, launch, run_ranks
-from test_elastic import groups, write_discovery
+from harness import ROOT, run_ranks
+from test_elastic import groups, run_elastic_job
 
 pytest.importorskip("horovod.tensorflow")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 TIMEOUT = 420  # a hang fails; the job takes 2-4 min on 2 cores under load from other jobs
-THREE, TWO = ["localhost:2", "127.0.0.1:1"], ["localhost:2"]
-HOSTS = {"shrink": TWO, "grow": THREE}
 #: (step, world size) of each start of the training function before the kill, in order
 ENTRIES = [(0, 3), (8, 2), (16, 3)]
 KILL = 24
@@ -35,32 +31,7 @@ KILL = 24
 
 @pytest.fixture(scope="module")
 def job():
-    script = os.path.join(tempfile.mkdtemp(prefix="sbc-tf-elastic-"), "discover.sh")
-    write_discovery(script, THREE)
-    events = []
-
-    def on_line(line):
-        if "EL {" not in line:
-            return
-        ev = json.loads(line[line.index("EL {") + 3:])
-        events.append(ev)
-        if ev["ev"] == "ready":
-            write_discovery(script, HOSTS[ev["name"]])
-
-    hr = str(launch.BIN / "horovodrun")
-    cmd = [hr, "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
-           "--gloo", "--network-interface", "lo", sys.executable,
-           str(WORKERS / "tf_elastic.py"), f"kill={KILL}"]
-    # HOROVOD_GLOO_TIMEOUT_SECONDS bounds how long the survivors wait for a new worker to
-    # start (TensorFlow's import takes its time on a loaded machine) and how long rank 0,
-    # Gloo's coordinator, waits on the dead peer after the kill
-    env = launch.job_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
-    try:
-        rc, out = launch.run(cmd, TIMEOUT, env, on_line=on_line)
-    except launch.JobTimeout as e:
-        pytest.fail(f"elastic job did not finish within {TIMEOUT} s\n{e.output[-6000:]}")
-    assert rc == 0, out[-6000:]
-    return events, out
+    return run_elastic_job("tf_elastic.py", [f"kill={KILL}"], TIMEOUT, "sbc-tf-elastic-")
 
 
 def test_the_job_grows_shrinks_survives_a_kill_and_ends_with_identical_weights(job):
