@@ -359,10 +359,10 @@ def setup_dropin(layout: Layout, density: float, size: int, device: str, noise: 
     returns (perturb(step), sync(), transport, params)."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
     named = [(n, torch.nn.Parameter(torch.zeros(s, device=device))) for n, s in layout]
-    comp = SBC(density=density)
+    comp = SBC(density=density, local_residual=True)
     comp.transport = tr = Loopback(size)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
-                               named_parameters=named, compression=comp, local_residual=True)
+                               named_parameters=named, compression=comp)
     opt._capture_reference()
 
     def perturb(step: int) -> None:

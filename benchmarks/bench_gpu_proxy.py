@@ -398,11 +398,11 @@ def setup_dropin(shapes, density: float, size: int, noise: Noise, fixed=None,
     ``SBC(fixed_size=True)``."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
     named = _params(shapes)
-    comp = SBC(density=density, fixed_size=fixed, topology=topology)
+    comp = SBC(density=density, fixed_size=fixed, topology=topology,
+               local_residual=local_residual)
     _fake_transport(comp, shapes, size)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
-                               named_parameters=named, compression=comp,
-                               local_residual=local_residual)
+                               named_parameters=named, compression=comp)
     opt._capture_reference()
 
     def perturb(step: int) -> None:

@@ -41,8 +41,8 @@ the two frameworks start equal and see the same data; only the framework and its
 betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.01: torch's ``AdamW`` and Keras'
 ``AdamW(epsilon=1e-8)``; no stock methods, whose hooks warn for Adam), and ``--freeze K`` freezes
 Adam's second moment after K steps in every method of both frameworks: the torch drop-in's
-``freeze_variance_after=K``, ``horovod_sbc.tensorflow.freeze_variance_after(opt, K)`` for the TF
-tape and the Keras callback, and the same frozen optimizer for the dense and no-communication
+``SBC(freeze_variance_after=K)``, ``horovod_sbc.tensorflow.adam.freeze_variance_after(opt, K)`` for
+the TF tape and the Keras callback, and the same frozen optimizer for the dense and no-communication
 rows.
 
 SBC settings: density 0.01, delay 4 (``bench_train.HEADLINE`` and the ``sbc p=0.01 n=4`` row of
@@ -278,14 +278,15 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
 def _keras_optimizer(spec: dict, recipe):
     """The Keras optimizer of :func:`optimizer_spec`'s ``spec`` (empty: the recipe's SGD)."""
     import keras
-    import horovod_sbc.tensorflow as hsbc
+    from horovod_sbc.tensorflow.adam import freeze_variance_after
     if spec.get("optimizer", "sgd") == "sgd":
         return keras.optimizers.SGD(recipe.lr, momentum=recipe.momentum)
     b1, b2 = recipe.betas
     opt = keras.optimizers.AdamW(learning_rate=spec["lr"], weight_decay=spec["weight_decay"],
                                  beta_1=b1, beta_2=b2, epsilon=ADAMW_EPS)
     if spec.get("freeze_variance_after"):
-        hsbc.freeze_variance_after(opt, spec["freeze_variance_after"])
+        # every row's optimizer, dense ones too (SBC's knob would freeze the SBC rows only)
+        freeze_variance_after(opt, spec["freeze_variance_after"])
     return opt
 
 

@@ -226,8 +226,9 @@ def make_mlp(sizes: Sequence[int]):
     return torch.nn.Sequential(*layers)
 
 
-def make_compressor(method: str, density: float, delay: int, seed: int = 0):
-    """The horovod_sbc.torch compressor of a drop-in method (kwargs filtered by its signature)."""
+def make_compressor(method: str, density: float, delay: int, seed: int = 0, **knobs):
+    """The horovod_sbc.torch compressor of a drop-in method (kwargs filtered by its signature;
+    ``knobs``: SBC's training knobs, passed on)."""
     import horovod_sbc.torch as sbc
     cls = {"sbc": "SBC", "topk": "TopK", "fedavg": "FedAvg"}.get(method) or OPTIONAL.get(method)
     if cls is None or not hasattr(sbc, cls):
@@ -235,7 +236,7 @@ def make_compressor(method: str, density: float, delay: int, seed: int = 0):
     c = getattr(sbc, cls)
     want = {"density": density, "delay": delay, "seed": seed}
     params = inspect.signature(c).parameters
-    return c(**{k: v for k, v in want.items() if k in params})
+    return c(**{k: v for k, v in want.items() if k in params}, **knobs)
 
 
 def method_available(method: str) -> bool:
@@ -760,11 +761,15 @@ def _task_compressor(spec: dict, seed: int):
         extra["momentum"] = spec["stock_momentum"]
     if "momentum_masking" in spec:  # the results of before SBC(momentum=...)
         extra["momentum"] = "mask" if spec["momentum_masking"] else "keep"
+    knobs = {k: spec[k] for k in ("local_residual", "freeze_variance_after") if k in spec}
+    if spec.get("outer") is not None:
+        knobs["outer"] = _task_outer(spec)
+    extra.update(knobs)
     if m == "sbc":
         return sbc.SBC(density=spec["density"], delay=spec.get("delay", 1), **extra)
     if m == "topk":
         return sbc.TopK(density=spec["density"], delay=spec.get("delay", 1), **extra)
-    return make_compressor(m, spec.get("density", 1.0), spec.get("delay", 1), seed)
+    return make_compressor(m, spec.get("density", 1.0), spec.get("delay", 1), seed, **knobs)
 
 
 def _task_outer(spec: dict):
@@ -816,9 +821,7 @@ def _task_train_once(task, spec: dict, seed: int, partition: str) -> dict:
         opt = stock_horovod_optimizer(base, model, comp)
     else:
         comp = _task_compressor(spec, seed)
-        kw = {k: spec[k] for k in ("local_residual", "freeze_variance_after") if k in spec}
-        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp,
-                                       outer=_task_outer(spec), **kw)
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
     xs, ys = task.shard(rank, size, partition)
     bs = spec.get("batch_size", task.recipe.batch_size)

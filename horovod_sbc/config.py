@@ -14,6 +14,12 @@ from . import registry
 
 
 NONFINITE = ("raise", "skip")
+#: ``momentum``: what the gradient exchange does with SGD's momentum
+MOMENTUM = ("fold", "mask", "keep")
+#: the outer steps of :mod:`horovod_sbc.outer`, by their ``kind``
+OUTER_KINDS = ("plain", "nesterov", "error_decay")
+#: the knobs of training with SBC (below the codec's in :class:`SBCConfig`)
+TRAINING_KNOBS = ("momentum", "hierarchy", "local_residual", "outer", "freeze_variance_after")
 TOPOLOGIES = ("allgather", "server", "reduce_scatter")
 #: ``freeze_variance_after`` (torch and TF): the frozen second moment is raised to this fraction
 #: of its tensor's mean, so a coordinate whose gradient was (almost) zero through the warm-up
@@ -55,15 +61,48 @@ def check_number(what: str, value, low: float, high: float, low_open: bool = Fal
     return v
 
 
-def resolve_outer(outer, plain: type, module: str):
-    """An outer step: ``None`` -> ``plain()``; an instance of ``plain`` (or of a subclass)
-    as is; anything else a ValueError naming ``module``'s outer steps."""
-    if outer is None:
-        return plain()
-    if not isinstance(outer, plain):
-        raise ValueError(f"outer must be {module}.Plain(), Nesterov(...) or ErrorDecay(...), "
-                         f"got {outer!r}")
-    return outer
+def validate_freeze(freeze):
+    """``freeze_variance_after``: ``"auto"``, None or a step count >= 1."""
+    if freeze is None or (isinstance(freeze, str) and freeze == "auto"):
+        return freeze
+    if isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 1:
+        raise ValueError(f"freeze_variance_after must be 'auto', None or an int >= 1, got "
+                         f"{freeze!r}")
+    return freeze
+
+
+def describe_hierarchy(spec) -> str:
+    """``SBC(hierarchy=...)`` as the user wrote it (groups as lists)."""
+    if isinstance(spec, tuple):
+        spec = [list(g) for g in spec]
+    return f"SBC(hierarchy={spec!r})"
+
+
+def validate_hierarchy(spec):
+    """``hierarchy``: None (flat), ``"node"`` (Horovod's nodes) or a grouping of global ranks
+    such as ``[[0, 1], [2, 3]]``, returned as sorted tuples. Checks what can be checked without
+    a job (the adapters check the grouping against the job)."""
+    if spec is None or (isinstance(spec, str) and spec == "node"):
+        return spec
+    what = describe_hierarchy(spec)
+    if isinstance(spec, (str, bytes)) or not hasattr(spec, "__iter__"):
+        raise ValueError(f"{what}: give None, 'node' or a list of groups of ranks such as "
+                         "[[0, 1], [2, 3]]")
+    groups = []
+    for g in spec:
+        if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
+            raise ValueError(f"{what}: every group must be a list of ranks, got {g!r}")
+        g = list(g)
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in g):
+            raise ValueError(f"{what}: ranks must be integers >= 0, got group {g!r}")
+        groups.append(tuple(sorted(g)))
+    seen = set()
+    for g in groups:
+        for r in g:
+            if r in seen:
+                raise ValueError(f"{what}: rank {r} is in more than one group")
+            seen.add(r)
+    return tuple(sorted(groups))
 
 
 def validate_delay(delay) -> int:
@@ -92,7 +131,8 @@ class SBCConfig:
         then the accumulated weight update is compressed and exchanged (the weight exchange of
         :func:`horovod_sbc.policy.choose`: the torch drop-in, stock ``hvd.DistributedOptimizer``
         once it has found the optimizer, TF's ``DistributedGradientTape`` with ``SBC.step`` or
-        ``SBCCallback``). TF's stock tape exchanges gradients: there it must be 1.
+        ``SBCCallback``, TF's stock tape given ``SBC(optimizer=opt)``; without it TF's stock tape
+        exchanges gradients and ``delay`` must be 1).
     mode: the compressor, by its registered name (:mod:`horovod_sbc.registry`; one file each
         in ``horovod_sbc/compressors/``): ``"sbc"`` (positions and one mean),
         ``"values"`` (top-k: the kept entries' own float32 values, ~32 more bits per position),
@@ -138,8 +178,37 @@ class SBCConfig:
         variable messages would be padded to the longest rank's after an extra exchange of the
         lengths and a host read of them), variable over Horovod's allgather.
 
-    Each adapter adds its own knobs (torch: ``named_parameters``, ``momentum``; TF:
-    ``local_residual``, ``name``) and says which of these it supports.
+    The knobs of training with SBC, the same in both frameworks, each applying where
+    :func:`horovod_sbc.policy.choose` says what the optimizer's steps exchange (where one does
+    not apply, passing it raises ValueError there):
+
+    momentum: the gradient exchange (stock Horovod with SGD at delay 1): what happens to SGD's
+        momentum, which acts on the averaged sparse gradient, where a coordinate arrives every
+        ~1/p steps in one burst that a velocity replays for ~1/(1-m) more steps. ``"fold"``
+        (None: the default; :func:`horovod_sbc.torch.TopK`'s is ``"keep"``): the velocity
+        folded into the learning rate, SGD at ``lr / (1 - m)`` (docs/design.md, "The momentum
+        fold"); ``"mask"``: DGC's momentum factor masking (Lin et al., ICLR 2018), the velocity
+        zeroed where the average is non-zero; ``"keep"``: the optimizer's own momentum.
+    hierarchy: None (flat), ``"node"`` (Horovod's nodes) or groups of global ranks such as
+        ``[[0, 1], [2, 3]]``: a dense reduce inside each node, SBC with error feedback between
+        nodes (docs/topologies.md). The drop-in (weight exchange).
+    local_residual: the weight exchange: True, every rank continues from the shared weights
+        plus its own unsent residual (momentum and Adam see their own steps at once; ranks'
+        weights differ by their residuals until ``finish``); False, every rank continues from
+        the shared weights, bit-identical after every sync. None (default): False for SGD at
+        delay 1 (its momentum then folded), True otherwise (:func:`horovod_sbc.policy.choose`).
+    outer: the weight exchange: the outer step that turns each sync's average into the change
+        of the shared weights (:mod:`horovod_sbc.outer`: ``Plain``, ``Nesterov``,
+        ``ErrorDecay``). None (default): ``Plain()``, or ``Plain(lr=sqrt(N))`` where
+        :func:`horovod_sbc.policy.choose` says so.
+    freeze_variance_after: the weight exchange with Adam/AdamW: when every rank's second moment
+        is frozen so that its steps are linear in the gradients (1-bit Adam, arXiv 2102.02888).
+        ``"auto"`` (default): :func:`horovod_sbc.policy.auto_freeze_step`, from the run's
+        learning-rate warm-up; K: after K steps; None: never. A number with another optimizer
+        is an error.
+
+    Each adapter adds what its framework needs (torch: ``named_parameters``; TF: ``optimizer``,
+    ``name``).
     """
     density: float = 0.01
     delay: int = 1
@@ -151,6 +220,11 @@ class SBCConfig:
     downlink_binarize: Optional[bool] = None
     seed: int = field(default=0)
     fixed_size: Optional[bool] = None
+    momentum: Optional[str] = None
+    hierarchy: Any = None
+    local_residual: Optional[bool] = None
+    outer: Any = None
+    freeze_variance_after: Any = "auto"
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -177,6 +251,21 @@ class SBCConfig:
         if self.fixed_size and self.topology != "allgather":
             raise ValueError("fixed_size applies to topology='allgather' (the server's "
                              "messages are not padded)")
+        if self.momentum is not None and self.momentum not in MOMENTUM:
+            raise ValueError(f"momentum must be one of {', '.join(map(repr, MOMENTUM))}, "
+                             f"got {self.momentum!r}")
+        set_("hierarchy", validate_hierarchy(self.hierarchy))
+        if self.hierarchy is not None and self.topology == "server":
+            raise ValueError(f"{describe_hierarchy(self.hierarchy)} cannot be combined with "
+                             "topology='server': the cross-node exchange is an allgather or a "
+                             "reduce-scatter")
+        if self.local_residual is not None and not isinstance(self.local_residual, bool):
+            raise ValueError(f"local_residual must be None, True or False, got "
+                             f"{self.local_residual!r}")
+        if self.outer is not None and getattr(self.outer, "kind", None) not in OUTER_KINDS:
+            raise ValueError("outer must be None, horovod_sbc.outer.Plain(...), Nesterov(...) "
+                             f"or ErrorDecay(...), got {self.outer!r}")
+        validate_freeze(self.freeze_variance_after)
 
     @property
     def binarize(self) -> bool:
@@ -208,8 +297,11 @@ class SBCConfig:
         return collective_needs_equal_sizes if self.fixed_size is None else self.fixed_size
 
     def record(self) -> Dict[str, Any]:
-        """The knobs as a plain dict (stored with the residual state in checkpoints)."""
-        return asdict(self)
+        """The codec's knobs as a plain dict (stored with the residual state in checkpoints)."""
+        out = asdict(self)
+        for knob in TRAINING_KNOBS:
+            out.pop(knob)
+        return out
 
 
 def resolve_compression(cls, compression, what: str = "SBC", density=None):

@@ -83,3 +83,16 @@ def auto_freeze_step(warmup_end: int, beta2: float) -> int:
         raise ValueError(f"Adam's beta2 must be in [0, 1) to freeze its variance, got {beta2!r}")
     wait = min(FREEZE_MAX_WAIT, math.ceil(FREEZE_TIME_CONSTANTS / (1.0 - beta2) - 1e-6))
     return int(warmup_end) + max(1, wait)
+
+
+def refuse_weight_knobs(config, where: str) -> None:
+    """Raise ValueError if ``config`` (an :class:`horovod_sbc.config.SBCConfig`) sets a knob of
+    the drop-in's weight exchange (``outer``, a number for ``freeze_variance_after``) where
+    ``where`` (e.g. "torch SGD through stock Horovod at delay 1, which exchanges gradients")
+    cannot apply it, instead of ignoring it."""
+    given = [k for k, v in (("outer", config.outer),
+                            ("freeze_variance_after", config.freeze_variance_after))
+             if v is not None and v != "auto"]
+    if given:
+        raise ValueError(f"SBC({given[0]}=...) applies to the weight exchange of "
+                         f"horovod_sbc.policy.choose; {where}: leave it out")

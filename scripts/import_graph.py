@@ -22,7 +22,7 @@ PACKAGE = "horovod_sbc"
 #: layer of each module (prefix match, longest wins), lowest first
 LAYERS = [
     ("format", ["wire", "crc", "registry", "config", "policy", "residual", "launch", "regions",
-                "mpi"]),
+                "mpi", "outer", "hierarchy"]),
     ("protocol", ["protocol"]),
     ("reference", ["reference"]),
     ("kernels", ["kernels"]),

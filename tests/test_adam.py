@@ -168,14 +168,15 @@ def test_freeze_variance_after_is_checked():
     model = _model()
     with pytest.raises(ValueError, match="applies to torch.optim.Adam and AdamW, not SGD"):
         sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 model.named_parameters(), freeze_variance_after=10)
+                                 model.named_parameters(),
+                                 compression=sbc.SBC(freeze_variance_after=10))
     for bad in (0, -3, 2.5, True, "10"):
-        with pytest.raises(ValueError, match="freeze_variance_after must be 'auto', None or an int"):
-            sbc.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
-                                     model.named_parameters(), freeze_variance_after=bad)
+        with pytest.raises(ValueError, match="freeze_variance_after must be 'auto', None or an"):
+            sbc.SBC(freeze_variance_after=bad)
     with pytest.raises(ValueError, match="capturable, fused or differentiable"):
         sbc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), capturable=True),
-                                 model.named_parameters(), freeze_variance_after=10)
+                                 model.named_parameters(),
+                                 compression=sbc.SBC(freeze_variance_after=10))
 
 
 # -- the drop-in on two ranks ------------------------------------------------------------------
@@ -184,8 +185,8 @@ def _train(rank, conn, freeze, steps, start=None, save_at=None):
     checkpoint to resume from. Returns the report and the checkpoint saved at ``save_at``."""
     model = _model()
     base = torch.optim.AdamW(model.parameters(), lr=0.01, betas=BETAS, weight_decay=0.1)
-    opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=sbc.SBC(0.3),
-                                   freeze_variance_after=freeze)
+    opt = sbc.DistributedOptimizer(base, model.named_parameters(),
+                                   compression=sbc.SBC(0.3, freeze_variance_after=freeze))
     opt.compression.transport = _PipeTransport(rank, conn)
     first = 0
     if start is not None:

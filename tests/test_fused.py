@@ -213,11 +213,10 @@ def _dropin_run(shapes, density, ranks, steps, device_path: bool, local_residual
     g = torch.Generator().manual_seed(5)
     named = [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=g)))
              for i, s in enumerate(shapes)]
-    comp = SBC(density=density)
+    comp = SBC(density=density, local_residual=local_residual)
     comp.transport = _Replay(ranks)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
-                               named_parameters=named, compression=comp,
-                               local_residual=local_residual)
+                               named_parameters=named, compression=comp)
     trace = []
     with kernels.disabled() if device_path else contextlib.nullcontext():
         for s in range(steps):

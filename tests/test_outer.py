@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import horovod_sbc.torch as sbc
-from horovod_sbc.torch.outer import ErrorDecay, Nesterov, Plain
+from horovod_sbc.outer import ErrorDecay, Nesterov, Plain
+from horovod_sbc.torch.outer import make
 
 
 class _PipeTransport:
@@ -35,9 +36,9 @@ def _model():
 _OUTERS = {"plain": lambda: None, "nesterov": lambda: Nesterov(lr=0.7, momentum=0.9),
            "nesterov_0.5_0.8": lambda: Nesterov(lr=0.5, momentum=0.8),
            "decay": lambda: ErrorDecay(decay=0.5), "plain_2": lambda: Plain(lr=2.0)}
-_COMPS = {"dense": lambda: sbc.SBC(density=1.0, mode="values", delay=2),
-          "dense1": lambda: sbc.SBC(density=1.0, mode="values", delay=1),
-          "sbc": lambda: sbc.SBC(density=0.3, delay=2)}
+_COMPS = {"dense": lambda **kw: sbc.SBC(density=1.0, mode="values", delay=2, **kw),
+          "dense1": lambda **kw: sbc.SBC(density=1.0, mode="values", delay=1, **kw),
+          "sbc": lambda **kw: sbc.SBC(density=0.3, delay=2, **kw)}
 
 
 def _numpy(d):
@@ -52,8 +53,9 @@ def _rank_main(rank, conn, runs, results):
     for comp, outer, steps, local_residual in runs:
         model = _model()
         base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=_COMPS[comp](),
-                                       local_residual=local_residual, outer=_OUTERS[outer]())
+        opt = sbc.DistributedOptimizer(
+            base, model.named_parameters(),
+            compression=_COMPS[comp](local_residual=local_residual, outer=_OUTERS[outer]()))
         opt.compression.transport = _PipeTransport(rank, conn)
         g = torch.Generator().manual_seed(100 + rank)
         for _ in range(steps):
@@ -64,7 +66,8 @@ def _rank_main(rank, conn, runs, results):
         st = opt.state_dict()["horovod_sbc"]["outer"]
         out.append({"local_residual": opt.local_residual,
                     "momentum_buffers": sum(1 for v in opt.state.values()
-                                            if v.get("momentum_buffer") is not None),"weights": _numpy(dict(model.named_parameters())),
+                                            if v.get("momentum_buffer") is not None),
+                    "weights": _numpy(dict(model.named_parameters())),
                     "ref": _numpy(opt.compression.manager.reference),
                     "residuals": _numpy(opt.residuals()), "buffers": _numpy(opt.outer.buffers()),
                     "outer_state": {k: v for k, v in st.items() if k != "buffers"}})
@@ -101,7 +104,7 @@ def _tensors(report):
 
 def test_nesterov_arithmetic_by_hand():
     """v <- m v + U; D = lr (U + m v), exact in binary fractions."""
-    n = Nesterov(lr=0.5, momentum=0.5)
+    n = make(Nesterov(lr=0.5, momentum=0.5))
     u = [torch.tensor([1.0, -2.0, 4.0])]
     n.delta_(["w"], u)
     assert u[0].tolist() == [0.75, -1.5, 3.0]  # v = U; D = 0.5 (U + 0.5 U)
@@ -116,11 +119,11 @@ def test_plain_outer_lr_scales_the_average():
     """Plain(lr): D = lr U, in place; lr = 1 changes nothing and keeps the straight decode
     into W_ref (no dense buffer of U)."""
     u = [torch.tensor([1.0, -2.5]), torch.tensor([3.0])]
-    Plain(lr=2.0).delta_(["a", "b"], u)
+    make(Plain(lr=2.0)).delta_(["a", "b"], u)
     assert u[0].tolist() == [2.0, -5.0] and u[1].tolist() == [6.0]
-    Plain().delta_(["a", "b"], u)
+    make(Plain()).delta_(["a", "b"], u)
     assert u[0].tolist() == [2.0, -5.0]
-    assert not Plain().needs_buffer and Plain(lr=2.0).needs_buffer
+    assert not make(Plain()).needs_buffer and make(Plain(lr=2.0)).needs_buffer
     assert repr(Plain()) == "Plain()" and repr(Plain(lr=2.0)) == "Plain(lr=2.0)"
 
 
@@ -135,9 +138,8 @@ def test_outer_step_knobs_are_checked():
         Nesterov(lr=0)
     with pytest.raises(ValueError, match=r"ErrorDecay: decay must be in \[0.0, 1.0\]"):
         ErrorDecay(decay=1.5)
-    with pytest.raises(ValueError, match="outer must be horovod_sbc.torch.outer.Plain()"):
-        sbc.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1),
-                                 _model().named_parameters(), outer="nesterov")
+    with pytest.raises(ValueError, match=r"outer must be None, horovod_sbc.outer.Plain\(...\)"):
+        sbc.SBC(outer="nesterov")
 
 
 def _simulate_dense(outer_lr, m, syncs, delay=2):
@@ -253,12 +255,12 @@ def test_outer_state_in_the_checkpoint(runs):
     st = a["outer_state"]
     assert st == {"kind": "nesterov", "lr": 0.5, "momentum": 0.8}
     full = dict(st, buffers={n: v.clone() for n, v in a["buffers"].items()})
-    fresh = Nesterov()
+    fresh = make(Nesterov())
     fresh.load_state_dict(full)
     assert all(torch.equal(fresh.buffers()[n], v) for n, v in a["buffers"].items())
     with pytest.raises(ValueError, match=r"outer step is 'nesterov' but this optimizer uses "
                                          r"Plain\(\)"):
-        Plain().load_state_dict(full)
+        make(Plain()).load_state_dict(full)
 
 
 def _simulate_folded(steps, lr=0.1, m=0.9):
@@ -313,5 +315,4 @@ def test_the_default_residual_placement_follows_the_optimizer_and_the_delay():
         opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
         assert opt.local_residual is local, (type(base).__name__, comp.delay)
     with pytest.raises(ValueError, match="local_residual must be None, True or False"):
-        sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 model.named_parameters(), local_residual="yes")
+        sbc.SBC(local_residual="yes")

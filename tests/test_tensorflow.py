@@ -230,7 +230,7 @@ def test_outer_step_arithmetic_on_two_ranks():
     assert ends["plain"] != ends["nesterov"] and ends["plain"] != ends["decay"]
     assert ends["plain"] != ends["plain2"]
     for r in range(2):
-        assert "acts on the shared weights of weight mode" in out[r]["stock_refused"]
+        assert "applies where weight changes are exchanged" in out[r]["stock_refused"]
 
 
 def test_sgd_momentum_at_delay_1_is_folded_by_default():

@@ -8,7 +8,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from horovod_sbc.tensorflow import SBC, freeze_variance_after  # noqa: E402
+from horovod_sbc.tensorflow import SBC  # noqa: E402
+from horovod_sbc.tensorflow.adam import freeze_variance_after  # noqa: E402
 
 LR, B1, B2, EPS, WD, K = 0.01, 0.9, 0.95, 1e-8, 0.1, 2
 W0 = np.linspace(-1.0, 1.0, 7).astype(np.float32)
@@ -178,7 +179,7 @@ def test_the_stock_tape_warning_names_the_freeze_for_keras_adam():
             SBC(0.01, optimizer=opt)._warn_stock()
         (w,) = [str(x.message) for x in seen]
         assert "exchanges sparse gradients" in w and type(opt).__name__ in w
-        assert ("freeze_variance_after(opt, total_steps // 6)" in w) == named, w
+        assert ("freezes its second moment" in w) == named, w
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])

@@ -84,3 +84,51 @@ def test_the_default_residual_placement_is_torchs():
     assert sbc.local_residual is True and sbc._fold is None
     with pytest.raises(ValueError, match="local_residual must be None, True or False"):
         hsbc_tf.SBC(local_residual="yes")
+
+
+#: what each framework's SBC takes beyond the shared knobs (framework types only)
+FRAMEWORK_ONLY = {"torch": ["named_parameters"], "tf": ["optimizer", "name"]}
+
+
+def test_sbc_has_the_same_knobs_in_the_same_order_with_the_same_defaults():
+    """The signature of ``SBC`` in torch and TF: the same knobs (SBCConfig's fields, in its
+    order), keyword-only after ``density, delay``, the same defaults; then each framework's own
+    (torch ``named_parameters``; TF ``optimizer``, ``name``). The outer steps are one set of
+    classes."""
+    import dataclasses
+    import inspect
+    from horovod_sbc.config import SBCConfig
+
+    def knobs(cls, extra):
+        params = list(inspect.signature(cls).parameters.values())
+        assert [p.name for p in params[-len(extra):]] == extra
+        return [(p.name, p.default, p.kind) for p in params[:-len(extra)]]
+
+    torch_knobs = knobs(hsbc_torch.SBC, FRAMEWORK_ONLY["torch"])
+    tf_knobs = knobs(hsbc_tf.SBC, FRAMEWORK_ONLY["tf"])
+    assert torch_knobs == tf_knobs
+    fields = {f.name: f.default for f in dataclasses.fields(SBCConfig)}
+    assert sorted(n for n, _, _ in torch_knobs) == sorted(fields)
+    assert all(fields[n] == d for n, d, _ in torch_knobs), torch_knobs
+    assert [k for _, _, k in torch_knobs[2:]] == [inspect.Parameter.KEYWORD_ONLY] * (
+        len(torch_knobs) - 2)
+    for step in ("Plain", "Nesterov", "ErrorDecay"):
+        assert getattr(hsbc_torch, step) is getattr(hsbc_tf, step)
+    # the drop-in entry points take the optimizer/tape, the names (torch) and SBC: no knob
+    assert list(inspect.signature(hsbc_torch.DistributedOptimizer).parameters) == [
+        "optimizer", "named_parameters", "compression"]
+    assert list(inspect.signature(hsbc_tf.DistributedGradientTape).parameters) == [
+        "gradtape", "compression"]
+
+
+def test_a_knob_is_checked_the_same_way_in_both_frameworks():
+    bad = [dict(local_residual="yes"), dict(outer="nesterov"), dict(momentum="heavy"),
+           dict(freeze_variance_after=0), dict(hierarchy=[[0, 1], [1, 2]]),
+           dict(hierarchy=[[0, 1]], topology="server")]
+    for kw in bad:
+        errors = []
+        for cls in (hsbc_torch.SBC, hsbc_tf.SBC):
+            with pytest.raises(ValueError) as e:
+                cls(0.01, **kw)
+            errors.append(str(e.value))
+        assert errors[0] == errors[1], (kw, errors)

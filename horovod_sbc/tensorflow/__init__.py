@@ -8,14 +8,13 @@
   and ``tf.function``.
 * :class:`SBCCallback` — Keras 3 ``model.fit`` with SBC (imported lazily: needs ``keras``).
 * :func:`broadcast_variables` — start all ranks equal (accepts Keras 3 variables).
-* :func:`freeze_variance_after` — Keras Adam/AdamW with the second moment frozen after K steps,
-  for the drop-in (:mod:`horovod_sbc.tensorflow.adam`; the torch drop-in's knob of that name).
 * :func:`compress` / :func:`decompress` — the single-tensor codec (TF ops).
 * :class:`SBCState` — elastic Horovod (:mod:`horovod_sbc.tensorflow.elastic`: each survivor
   keeps its residual; run the training function under its ``run``).
-* :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — weight mode's outer step
-  (``SBC(..., delay=16, outer=Nesterov(lr=1.0, momentum=0.5))``, see
-  :mod:`horovod_sbc.tensorflow.outer`).
+* :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — the outer step, the same classes as
+  torch's (``SBC(0.01, delay=16, outer=Nesterov(lr=1.0, momentum=0.5))``, :mod:`horovod_sbc.outer`).
+* :func:`hierarchy_process_sets` — the Horovod process sets of ``SBC(hierarchy=groups)``, to
+  declare at initialisation (:mod:`horovod_sbc.tensorflow.hierarchy`).
 
 See docs/tensorflow.md.
 """
@@ -26,14 +25,15 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_package.p
                       "'horovod_sbc[tensorflow]' (and Horovod built with HOROVOD_WITH_TENSORFLOW=1; "
                       "see scripts/install.sh)") from e
 
-from .adam import freeze_variance_after
 from .backend import compress, decompress
 from .compressor import SBC
-from .outer import ErrorDecay, Nesterov, Plain
+from .hierarchy import hierarchy_process_sets
+from ..outer import ErrorDecay, Nesterov, Plain
 from .tape import DistributedGradientTape, broadcast_variables
 
 __all__ = ["SBC", "DistributedGradientTape", "SBCCallback", "broadcast_variables", "compress",
-           "decompress", "Plain", "Nesterov", "ErrorDecay", "freeze_variance_after", "SBCState"]
+           "decompress", "Plain", "Nesterov", "ErrorDecay", "SBCState",
+           "hierarchy_process_sets"]
 
 
 def __getattr__(name):

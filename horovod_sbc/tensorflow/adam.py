@@ -105,11 +105,9 @@ def _no_value(_):
 
 def freeze_variance_after(optimizer, steps="auto"):
     """Freeze the second moment of ``optimizer`` (Keras 3 ``Adam``/``AdamW``) after ``steps``
-    applied steps; returns the same optimizer. Call it once, before training (a ``tf.function``
-    keeps the step it traced), and again on an optimizer restored from a checkpoint. Use it with
-    the drop-in (``SBC.step`` after each ``apply_gradients``, or :class:`SBCCallback`, which
-    calls it with ``"auto"`` for a Keras Adam by itself): the stock tape hands Adam sparse
-    averages, whose variance is not worth freezing.
+    applied steps; returns the same optimizer. ``SBC(freeze_variance_after=...)`` calls it
+    (:func:`apply_freeze`) where weight changes are exchanged, before a ``tf.function`` traces
+    the step when ``SBC(optimizer=opt)`` is given; the benchmarks call it for dense baselines.
 
     ``steps``: ``"auto"`` (the default): :func:`horovod_sbc.policy.auto_freeze_step` of the
     warm-up of the optimizer's learning-rate schedule (evaluated on the host, once; a constant
@@ -122,6 +120,19 @@ def freeze_variance_after(optimizer, steps="auto"):
         optimizer.__class__ = type(cls.__name__, (_FrozenVariance, cls), {})
     optimizer._sbc_freeze_after = steps
     return optimizer
+
+
+def apply_freeze(optimizer, knob) -> None:
+    """``SBC(freeze_variance_after=knob)`` for the weight exchange with ``optimizer``:
+    ``"auto"`` freezes a Keras Adam/AdamW (other optimizers: nothing), a number K freezes after
+    K steps (Adam only, else ValueError), None never. Once per optimizer."""
+    if knob is None or optimizer is None or is_frozen(optimizer):
+        return
+    if isinstance(knob, str):
+        if is_keras_adam(optimizer) and not optimizer.amsgrad:
+            freeze_variance_after(optimizer, "auto")
+        return
+    freeze_variance_after(optimizer, knob)
 
 
 def is_frozen(optimizer) -> bool:

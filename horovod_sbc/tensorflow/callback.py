@@ -30,9 +30,8 @@ from typing import Optional
 import keras
 
 from ..config import resolve_compression
-from .adam import freeze_variance_after, is_frozen
+from .adam import apply_freeze
 from .compressor import SBC
-from .momentum import family
 from .owner import entries
 from .tape import broadcast_variables
 
@@ -70,8 +69,7 @@ class SBCCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         opt = self.model.optimizer
-        if family(opt) == "adam" and not is_frozen(opt):  # before fit traces its step
-            freeze_variance_after(opt, "auto")  # horovod_sbc.policy: as torch's drop-in
+        apply_freeze(opt, self.sbc.config.freeze_variance_after)  # before fit traces its step
         variables = self._variables()
         names = {e[0] for e in entries(variables)}
         if not names.issubset(set(self.sbc.reference.keys())):

@@ -12,7 +12,9 @@ last sync). ``name`` is the variable's Keras 3 path (``"sequential/dense/kernel"
 Three ways to use one ``SBC`` object (one at a time per object), one module each:
 
 * **stock** — ``hvd.DistributedGradientTape(tape, compression=SBC(...))``: Horovod calls
-  ``compress``/``decompress`` per gradient (:mod:`horovod_sbc.tensorflow.hook`); ``delay`` 1.
+  ``compress``/``decompress`` per gradient (:mod:`horovod_sbc.tensorflow.hook`): gradients
+  exchanged, or with ``SBC(optimizer=opt)`` what :func:`horovod_sbc.policy.choose` says (weight
+  changes after the optimizer's step, :mod:`horovod_sbc.tensorflow.stock`).
 * **weights** — the drop-in, as the torch drop-in optimizer: ``delay`` local optimizer steps,
   then the weight change is exchanged; :meth:`SBC.step` after each optimizer step (the drop-in
   tape, :class:`horovod_sbc.tensorflow.SBCCallback`), :mod:`horovod_sbc.tensorflow.weights`.
@@ -32,8 +34,9 @@ from ..config import SBCConfig
 from ..residual import COUNTER_KEYS, ResidualManager
 from . import sync
 from .hook import StockHook
-from .momentum import Fold
-from .outer import Plain, resolve_outer
+from .adam import apply_freeze
+from .momentum import Fold, family
+from .outer import make as make_outer
 from .owner import entries, tf_variable
 from .sync.state import no_autograph, state_variable
 from .weights import WeightMode
@@ -56,90 +59,57 @@ class SBC(StockHook, WeightMode, tf.Module):
     adapter's.
 
     Args:
-        density, delay, nonfinite, selection: the knobs of
-            :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
-            needs weight mode: :func:`horovod_sbc.tensorflow.DistributedGradientTape` plus
-            :meth:`step`, or :class:`horovod_sbc.tensorflow.SBCCallback`. With
-            ``nonfinite="skip"`` in weight mode the weights go back to the last shared state;
-            in gradient modes the returned gradients are zeros for that step. Inside
-            ``tf.function`` a ``ValueError`` arrives as ``tf.errors.InvalidArgumentError`` with
-            the same text.
-        mode, seed: the compressor (any registered one: ``"sbc"``, ``"values"``, ``"sign"``,
-            ``"terngrad"``, or your own, see :mod:`horovod_sbc.registry`) and the seed of a
-            random one's draws, as in :class:`horovod_sbc.config.SBCConfig`. TernGrad's draws
-            are ``tf.random.stateless_uniform`` of (``seed``, rank, sync count, tensor), so a
-            resumed run draws what it would have drawn.
-        fixed_size: every step message padded to the capacity of its layout, as in
-            :class:`horovod_sbc.config.SBCConfig` (the allgather then has one shape every step;
-            ``stats()["padding_bits"]`` counts the padding); ``None``, the default, is variable
-            here (Horovod's allgather takes any sizes).
-        topology, downlink_density, downlink_binarize: the exchange, as in
-            :class:`horovod_sbc.config.SBCConfig` and torch (docs/topologies.md):
-            ``"allgather"`` (default), ``"reduce_scatter"`` (Horovod's alltoall, then an
-            allgather of the owners' region messages; the same bytes and collective names as
-            torch, :mod:`horovod_sbc.tensorflow.sync.scatter`) or ``"server"`` (rank 0 gathers
-            and broadcasts through mpi4py: the MPI controller only,
-            :mod:`horovod_sbc.tensorflow.sync.server`). Every mode takes them but the stock tape,
-            which refuses ``"server"``. The downlink residuals are ``server_residuals`` (saved
-            with this module). The hierarchy and DGC's momentum masking are torch-only (the
-            momentum fold is here: ``optimizer`` for the stock tape, ``local_residual`` for
-            weight mode).
-        local_residual: weight mode only (:meth:`step`: the drop-in tape,
-            :class:`SBCCallback`). True: after a sync every rank continues from the shared
-            weights plus its own unsent residual, so momentum and Adam see the effect of their
-            own steps at once; ranks' weights then differ by their residuals until
-            :meth:`finish`. False: every rank continues from the shared weights, bit-identical
-            after every sync. None (the default) chooses as the torch drop-in does
-            (:mod:`horovod_sbc.torch.optimizer`): False for ``keras.optimizers.SGD`` at
-            ``delay=1``, whose momentum is then folded into its learning rate
-            (:mod:`horovod_sbc.tensorflow.momentum`; with ``weight_decay``, which is not folded,
-            True), True otherwise. The choice needs the
-            optimizer: :class:`SBCCallback` passes the model's, the drop-in tape's loop passes
-            it to :meth:`step`; without it the default is True. Gradient modes (stock tape,
-            :meth:`exchange_gradients`) exchange gradients and are not affected.
-        outer: weight mode only: the outer step that turns each sync's averaged update into
-            the change of the shared weights (:mod:`horovod_sbc.tensorflow.outer`: ``Plain()``,
-            the default, ``Plain(lr=sqrt(N))`` with Adam-family optimizers at delay 1,
-            ``Nesterov(lr, momentum)``, ``ErrorDecay(decay, lr)``), as the torch
-            drop-in's ``outer=``; its state is saved with this module.
-        optimizer: the Keras optimizer that applies this rank's steps. The stock tape folds a
-            Keras SGD's momentum with it (the averaged gradient scaled, the velocity set to zero
-            before each step, as torch's stock hook: :mod:`horovod_sbc.tensorflow.momentum`;
-            build the optimizer before the first step); without it the stock tape hands the
-            average to the optimizer's momentum and warns.
-            Weight mode uses it when :meth:`step` is not given one. Not saved with this module
-            (save the optimizer in your checkpoint, as usual).
+        density, delay: the paper's p and n, the two knobs to tune (docs/recipes.md).
+        nonfinite, topology, downlink_density, downlink_binarize, selection, mode, seed,
+        fixed_size, momentum, hierarchy, local_residual, outer, freeze_variance_after: the
+            knobs of :class:`horovod_sbc.config.SBCConfig`, documented there once and the same
+            as torch's. Weight mode (the drop-in tape, :class:`SBCCallback`, and the stock tape
+            where ``optimizer`` makes it exchange weight changes) takes ``delay > 1``,
+            ``local_residual``, ``outer``, ``freeze_variance_after``; the stock tape's gradient
+            exchange takes ``momentum``; the stock tape refuses ``topology="server"``. Inside ``tf.function`` a ``ValueError`` arrives as
+            ``tf.errors.InvalidArgumentError`` with the same text; TernGrad's draws are
+            ``tf.random.stateless_uniform`` of (``seed``, rank, sync count, tensor).
+        optimizer: the Keras optimizer that applies this rank's steps; torch's stock hook finds
+            it, TensorFlow's tape is told. The stock tape then does what
+            :func:`horovod_sbc.policy.choose` says: a Keras SGD at delay 1 exchanges gradients
+            with its momentum folded (``momentum="fold"``) or masked (``"mask"``; build the
+            optimizer before the first step); every other optimizer, ``delay > 1`` or
+            ``local_residual=True`` exchanges weight changes after the optimizer's step (Adam's
+            variance frozen by ``freeze_variance_after``). Without it the stock tape exchanges
+            gradients and warns. Weight mode uses it when :meth:`step` is not given one. Not
+            saved with this module (save the optimizer in your checkpoint, as usual).
         name: the ``tf.Module`` name.
     """
 
-    def __init__(self, density: float = 0.01, delay: int = 1,
-                 nonfinite: str = "raise", topology: str = "allgather",
-                 downlink_density: Optional[float] = None,
+    def __init__(self, density: float = 0.01, delay: int = 1, *, nonfinite: str = "raise",
+                 topology: str = "allgather", downlink_density: Optional[float] = None,
                  downlink_binarize: Optional[bool] = None, selection: str = "paper",
-                 name: str = "sbc", local_residual: Optional[bool] = None,
-                 mode: str = "sbc",
-                 seed: int = 0, fixed_size: Optional[bool] = None,
-                 outer: Optional[Plain] = None, optimizer=None):
+                 mode: str = "sbc", seed: int = 0, fixed_size: Optional[bool] = None,
+                 momentum: Optional[str] = None, hierarchy=None,
+                 local_residual: Optional[bool] = None, outer=None,
+                 freeze_variance_after="auto", optimizer=None, name: str = "sbc"):
         tf.Module.__init__(self, name=name)
-        if local_residual is not None and not isinstance(local_residual, bool):
-            raise ValueError(f"local_residual must be None, True or False, got "
-                             f"{local_residual!r}")
-        self._local_residual = local_residual  # None: chosen at the first weight-mode call
-        self._fold: Optional[Fold] = None
-        self._settled = False
         # the same validated knobs as the torch adapter's (horovod_sbc.config)
         self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                                 nonfinite=nonfinite, topology=topology,
                                 downlink_density=downlink_density,
                                 downlink_binarize=downlink_binarize, seed=seed,
-                                fixed_size=fixed_size)
+                                fixed_size=fixed_size, momentum=momentum, hierarchy=hierarchy,
+                                local_residual=local_residual, outer=outer,
+                                freeze_variance_after=freeze_variance_after)
+        self._local_residual = local_residual  # None: chosen at the first weight-mode call
+        self._fold: Optional[Fold] = None
+        self._settled = False
         self.mode = self.config.mode
         self.density, self.delay = self.config.density, self.config.delay
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
         self.topology, self.downlink_density = self.config.topology, self.config.downlink_density
-        self.outer = resolve_outer(outer)
+        self.outer = make_outer(outer)  # Plain(lr=sqrt(N)) may replace it (weights._settle)
         self._optimizer = _Held(optimizer)
+        if optimizer is not None and family(optimizer) == "adam":
+            # before a tf.function traces its step (weight mode freezes it at the first sync)
+            apply_freeze(optimizer, self.config.freeze_variance_after)
         StockHook.__init__(self, optimizer)
         self._mode: Optional[str] = None
         self._backend = None

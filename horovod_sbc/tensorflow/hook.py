@@ -1,20 +1,32 @@
 """The stock Horovod hook (TensorFlow): ``compress()``/``decompress()`` for
 ``hvd.DistributedGradientTape(tape, compression=SBC(...))``.
 
-Stock Horovod allreduces whatever ``compress()`` returns, and Sparse Binary Compression's
-messages (Sattler et al., arXiv 1805.08768) cannot be summed: ``compress()`` hands Horovod a
-1-element placeholder (counted in ``stats()``) and queues the gradient; the first
-``decompress()`` of a group encodes the queued gradients with their residuals, allgathers one
-step message, decodes every rank's and commits the error feedback. With
-``hvd.DistributedGradientTape(..., num_groups=1)`` (or ``groups=``) that is one exchange per
-step; without groups Horovod hands over one gradient at a time, each its own exchange (warned
-once). Horovod passes no name: the variable is found by
-:func:`horovod_sbc.tensorflow.owner.identify`. ``delay`` must be 1 (no local steps here).
+:func:`horovod_sbc.policy.choose` says what the steps of the optimizer given as
+``SBC(optimizer=opt)`` exchange, as torch's stock hook does (:mod:`horovod_sbc.torch.hook`):
 
-This exchanges sparse *gradients*: an optimizer with momentum or of the Adam family then acts
-on the averaged sparse update, which can train worse than each rank alone (warned once). A
-Keras SGD given as ``SBC(optimizer=...)`` has its momentum folded instead, as torch's stock
-hook does (:mod:`horovod_sbc.tensorflow.momentum`).
+* **gradients** (a Keras SGD at delay 1, and every run whose optimizer SBC does not know).
+  Stock Horovod allreduces whatever ``compress()`` returns, and Sparse Binary Compression's
+  messages (Sattler et al., arXiv 1805.08768) cannot be summed: ``compress()`` hands Horovod a
+  1-element placeholder (counted in ``stats()``) and queues the gradient; the first
+  ``decompress()`` of a group encodes the queued gradients with their residuals, allgathers one
+  step message, decodes every rank's and commits the error feedback. With
+  ``hvd.DistributedGradientTape(..., num_groups=1)`` (or ``groups=``) that is one exchange per
+  step; without groups Horovod hands over one gradient at a time, each its own exchange (warned
+  once). The SGD's momentum is folded (``momentum="fold"``, the default:
+  :mod:`horovod_sbc.tensorflow.momentum`), masked (``"mask"``: DGC's momentum factor masking,
+  the velocity zeroed where the average is non-zero) or kept (``"keep"``). Without
+  ``optimizer=`` the average goes to whatever optimizer applies it, which with momentum or of
+  the Adam family can train worse than each rank alone (warned once).
+* **weight changes** (every other optimizer, any ``delay > 1``, ``local_residual=True``):
+  ``compress()`` hands Horovod the placeholder, ``decompress()`` hands back this rank's own
+  gradient, and the optimizer's step is followed by weight mode's sync
+  (:mod:`horovod_sbc.tensorflow.stock`): every ``delay`` steps the weight change is
+  compressed and exchanged, with ``local_residual``, ``outer`` and ``freeze_variance_after``
+  as in the drop-in tape (Adam's second moment frozen automatically).
+
+Horovod passes no name: the variable is found by :func:`horovod_sbc.tensorflow.owner.identify`.
+``topology="server"`` is refused in either exchange, ``hierarchy=`` in the gradient exchange
+(weight mode's sync takes it where weight changes are exchanged).
 """
 from __future__ import annotations
 
@@ -23,8 +35,9 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from .. import wire
-from .momentum import Fold, family, foldable, momentum_free
+from .. import policy, wire
+from . import stock
+from .momentum import Fold, Mask, family, foldable, momentum_free, stock_family
 from .owner import identify
 from .sync.exchange import tf_name
 from .sync.state import SyncState, no_autograph, state_variable, static_shape
@@ -53,6 +66,14 @@ class StockBatch:
         self.updates.append(update)
 
 
+class _Own:
+    """What ``compress()`` hands ``decompress()`` where weight changes are exchanged: this
+    rank's own gradient and the op that marks the step pending."""
+
+    def __init__(self, grad, mark):
+        self.grad, self.mark = grad, mark
+
+
 class StockHook(SyncState):
     """``compress``/``decompress`` of :class:`horovod_sbc.tensorflow.SBC` (mixed into it). Besides
     the shared state it reads ``calls`` (per gradient, how often it was exchanged: a
@@ -63,13 +84,27 @@ class StockHook(SyncState):
     _optimizer: object  # holds .optimizer, the user's (not tracked by the checkpoint)
 
     def __init__(self, optimizer):
+        momentum = self.config.momentum or "fold"
+        # what the known optimizer's steps exchange (None: not known, the gradients)
+        self._stock_choice = None if optimizer is None else policy.choose(
+            stock_family(optimizer), delay=self.delay, api="stock",
+            local_residual=self.config.local_residual)
+        grads = not self._stock_weights()
         # the stock tape's fold: the gradient alone is scaled, Keras' decoupled decay is apart
         self._stock_fold = Fold(optimizer, decay_apart=True) \
-            if foldable(optimizer, decay_apart=True) else None
+            if grads and momentum == "fold" and foldable(optimizer, decay_apart=True) else None
+        # DGC's masking: a Keras SGD's velocity zeroed where the average is non-zero
+        self._stock_mask = Mask(optimizer) if grads and momentum == "mask" and \
+            optimizer is not None and not momentum_free(optimizer) else None
         self._stock_first: Optional[str] = None  # the first gradient of a step (the fold's reset)
         self._stock_batch: Optional[StockBatch] = None
         self._warned_stock = False
         self._alone: Optional[set] = set()  # gradients exchanged one at a time (None: warned)
+
+    def _stock_weights(self) -> bool:
+        """Whether the stock tape exchanges weight changes (:func:`horovod_sbc.policy.choose`
+        for the optimizer given as ``SBC(optimizer=...)``)."""
+        return self._stock_choice is not None and self._stock_choice.exchange == "weights"
 
     @no_autograph
     def compress(self, tensor):
@@ -82,18 +117,22 @@ class StockHook(SyncState):
         encoded, allgathered and decoded together, as one step message: one exchange and a
         constant number of host round trips per group. Without groups Horovod compresses and
         decompresses one gradient at a time, and each is its own exchange."""
-        if self.delay != 1:
-            raise ValueError(
-                f"SBC(delay={self.delay}) needs local steps between syncs, which stock "
-                "hvd.DistributedGradientTape cannot do: use horovod_sbc.tensorflow."
-                "DistributedGradientTape(tape, compression=SBC(..., delay=n)) and call "
-                "sbc.step(variables) after each optimizer step, or SBCCallback for Keras.")
         if self.config.topology == "server":
             raise ValueError(
                 "SBC(topology='server') needs the fused exchange of weight mode: use "
                 "horovod_sbc.tensorflow.DistributedGradientTape(tape, compression=SBC(..., "
                 "topology='server')) with sbc.step(variables), or SBCCallback for Keras; "
                 "stock hvd.DistributedGradientTape runs Horovod's collectives beside it")
+        if self._stock_weights():  # hierarchy= too: weight mode's sync (sbc.step) takes it
+            return self._compress_weights(tensor)
+        if self.config.hierarchy is not None:
+            raise ValueError(
+                "SBC(hierarchy=...) needs the weight exchange, and stock "
+                "hvd.DistributedGradientTape exchanges gradients here: pass the optimizer as "
+                "SBC(..., optimizer=opt) (a Keras SGD at delay 1 with local_residual=True or "
+                "delay > 1; any other optimizer as it is), or use "
+                "horovod_sbc.tensorflow.DistributedGradientTape with sbc.step(), or SBCCallback")
+        self._refuse_weight_knobs()
         name, op_sum = identify(tensor)
         self._use("stock")
         self._warn_stock()
@@ -107,6 +146,13 @@ class StockHook(SyncState):
                 f"SBC(optimizer={type(fold.optimizer).__name__}) folds its momentum, which does "
                 "not exist before its first step: call optimizer.build(model.trainable_variables)"
                 " before the first step")
+        if self.config.momentum == "mask":
+            if self._optimizer.optimizer is None:
+                raise ValueError("SBC(momentum='mask') zeroes the velocity of the Keras SGD "
+                                 "that applies the average: pass it as SBC(..., "
+                                 "momentum='mask', optimizer=opt)")
+            if self._stock_mask is not None:
+                self._stock_mask.velocity(name)  # built, and steps this variable
         if isinstance(tensor, tf.IndexedSlices):
             raise ValueError(f"SBC: gradient of {name!r} is sparse (tf.IndexedSlices); pass "
                              "sparse_as_dense=True to hvd.DistributedGradientTape")
@@ -133,39 +179,109 @@ class StockHook(SyncState):
     @no_autograph
     def decompress(self, tensor, ctx):
         """Horovod hook: the averaged gradient; the first call of a group runs its exchange and
-        commits its error feedback."""
+        commits its error feedback. Weight changes exchanged: this rank's own gradient."""
+        if isinstance(ctx, _Own):  # once Horovod's allreduce of the placeholder is done
+            with tf.control_dependencies([tensor, ctx.mark]):
+                return tf.identity(ctx.grad)
         batch, i = ctx
         if not batch.done:
             self._exchange_batch(batch)
         with tf.control_dependencies([batch.committed]):
             return tf.cast(tf.identity(batch.avg[i]), batch.dtypes[i])  # zeros if skipped
 
+    def _refuse_weight_knobs(self) -> None:
+        """The gradient exchange: knobs of the weight exchange raise instead of being ignored,
+        naming what makes the stock tape exchange weight changes."""
+        opt = self._optimizer.optimizer
+        if opt is not None:  # a Keras SGD at delay 1
+            policy.refuse_weight_knobs(
+                self.config, f"{type(opt).__name__} through stock hvd.DistributedGradientTape at "
+                "delay 1 exchanges gradients (pass local_residual=True or delay > 1 to exchange "
+                "weight changes)")
+            return
+        knob = None
+        if self.delay != 1:
+            knob = f"delay={self.delay}"
+        elif self.config.local_residual:
+            knob = "local_residual=True"
+        elif self.config.outer is not None:
+            knob = "outer=..."
+        elif self.config.freeze_variance_after not in (None, "auto"):
+            knob = "freeze_variance_after=..."
+        if knob is not None:
+            raise ValueError(
+                f"SBC({knob}) applies where weight changes are exchanged (local steps between "
+                "syncs), and stock hvd.DistributedGradientTape exchanges gradients unless it "
+                "knows the optimizer: pass it as SBC(..., optimizer=opt) (each rank then runs "
+                "opt's step on its own gradients and the weight change is exchanged after it), "
+                "or use horovod_sbc.tensorflow.DistributedGradientTape(tape, compression=SBC(...)) "
+                "with sbc.step(variables, opt) after each optimizer step, or SBCCallback for Keras")
+
+    @no_autograph
+    def _compress_weights(self, tensor):
+        """compress() where weight changes are exchanged: the placeholder, and this rank's own
+        gradient for decompress(); the optimizer's step syncs (:mod:`.stock`)."""
+        name, op_sum = identify(tensor)
+        opt = self._optimizer.optimizer
+        what = type(opt).__name__
+        if op_sum:
+            raise ValueError(f"SBC through stock hvd.DistributedGradientTape with {what} averages "
+                             "the ranks' weight changes; op=hvd.Sum has no meaning there: use "
+                             "op=hvd.Average (the default)")
+        if self.config.momentum is not None:
+            raise ValueError(
+                f"SBC(momentum={self.config.momentum!r}) applies to the gradient exchange (stock "
+                f"hvd.DistributedGradientTape with a Keras SGD at delay 1); here {what}'s steps "
+                "exchange weight changes (horovod_sbc.policy), where a Keras SGD's momentum is "
+                "folded by local_residual=False at delay 1: leave momentum= out")
+        self._use("weights")
+        stock.adopt(opt, self)
+        if self._stock_first is None:
+            self._stock_first = name
+        mark = stock.mark_gradient(self, name == self._stock_first, what)
+        dummy = tf.zeros([1], tensor.dtype)
+        with tf.control_dependencies([mark]):  # Horovod allreduces the placeholder
+            counted = self.counters["upstream_bits"].assign_add(8 * tensor.dtype.size)
+        return dummy, _Own(tensor, counted)
+
     def _warn_stock(self) -> None:
-        """Once per object: the stock tape exchanges sparse gradients, which an optimizer with
-        momentum or of the Adam family reshapes badly; silent when ``SBC(optimizer=...)`` is a
-        Keras SGD, whose momentum is folded (or which has none)."""
+        """Once per object, where the stock tape exchanges sparse gradients (the optimizer not
+        given, or a Keras SGD whose velocity is kept or masked), which an optimizer with
+        momentum or of the Adam family reshapes badly; silent for a Keras SGD whose momentum is
+        folded (or which has none)."""
         if self._warned_stock:
             return
         self._warned_stock = True
         opt = self._optimizer.optimizer
         if self._stock_fold is not None or momentum_free(opt):
             return
-        which = ("an optimizer that has momentum or is of the Adam family (pass it as "
-                 "SBC(..., optimizer=opt): a Keras SGD's momentum is then folded)"
-                 if opt is None else f"{type(opt).__name__}")
-        adam = (" With Adam or AdamW the drop-in freezes its second moment: "
-                "horovod_sbc.tensorflow.freeze_variance_after(opt, total_steps // 6)."
+        if opt is None:
+            which = ("an optimizer that has momentum or is of the Adam family (pass it as "
+                     "SBC(..., optimizer=opt): the stock tape then exchanges weight changes "
+                     "after opt's step, or folds a Keras SGD's momentum)")
+            advice = (" Or use the drop-in horovod_sbc.tensorflow.DistributedGradientTape(tape, "
+                      "compression=SBC(0.01)) with sbc.step(variables, opt) after each optimizer "
+                      "step (or SBCCallback for Keras), which runs the optimizer on each rank's "
+                      "own gradients and compresses the weight change, as torch's one-line "
+                      "change does.")
+        elif stock_family(opt) == "sgd":  # its velocity kept or masked ("keep", "mask")
+            which = f"{type(opt).__name__} and SBC(momentum={self.config.momentum!r})"
+            advice = (" SBC(momentum='fold') (the default) runs SGD without its velocity at the "
+                      "learning rate the velocity converges to, lr / (1 - momentum); "
+                      "horovod_sbc.tensorflow.DistributedGradientTape with sbc.step(variables, "
+                      "opt) exchanges weight changes instead.")
+        else:  # not reached through compress(): given, such an optimizer exchanges weights
+            which = type(opt).__name__
+            advice = (" Given as SBC(..., optimizer=opt), the stock tape exchanges its weight "
+                      "changes after its step instead.")
+        adam = (" With Adam or AdamW the weight exchange freezes its second moment by itself."
                 if opt is not None and family(opt) == "adam" else "")
         warnings.warn(
             "horovod_sbc: SBC through stock hvd.DistributedGradientTape exchanges sparse "
-            f"gradients; with {which}, which then acts on the averaged sparse update (each "
-            "coordinate arriving late and in bursts), it can train worse than each rank alone "
-            "(horovod_sbc.policy: such optimizers exchange weight changes). "
-            "The drop-in horovod_sbc.tensorflow.DistributedGradientTape(tape, compression="
-            "SBC(0.01)) with sbc.step(variables, opt) after each optimizer step (or "
-            "SBCCallback for Keras) runs the optimizer on each rank's own gradients and "
-            "compresses the weight change, as torch's one-line change does." + adam,
-            stacklevel=3)
+            f"gradients; with {which}, the optimizer then acts on the averaged sparse update "
+            "(each coordinate arriving late and in bursts) and can train worse than each rank "
+            "alone (horovod_sbc.policy: such optimizers exchange weight changes)." + advice
+            + adam, stacklevel=3)
 
     def _warn_ungrouped(self, batch: StockBatch) -> None:
         """Once per object: Horovod hands the stock tape one gradient at a time (no groups), so
@@ -199,6 +315,9 @@ class StockHook(SyncState):
             if self._stock_first in batch.names:  # once per step: a zero velocity
                 with tf.control_dependencies(fold.reset()):
                     avg = [tf.identity(a) for a in avg]
+        if self._stock_mask is not None:  # before the optimizer's step reads the velocities
+            with tf.control_dependencies(self._stock_mask.apply(batch.names, avg)):
+                avg = [tf.identity(a) for a in avg]
         batch.avg = avg
         batch.committed = self._commit(batch.residuals, batch.updates, code, new_res, sent)
         batch.done = True

@@ -20,15 +20,22 @@ Folded: ``keras.optimizers.SGD`` (and subclasses) with ``momentum > 0`` and with
 ``gradient_accumulation_steps``. In weight mode also without ``weight_decay`` (Keras decays by
 ``lr * weight_decay * W`` apart from the gradient, which a scaled window update would lengthen
 too); the stock tape scales the gradient alone, so there the decay stays as Keras applies it.
+
+``SBC(momentum="mask")`` in the stock tape's gradient exchange is DGC's momentum factor masking
+(Lin et al., ICLR 2018) instead, as torch's stock hook does it (:mod:`horovod_sbc.torch.hook`,
+``momentum_buffer``): :class:`Mask` sets the Keras SGD's velocity to zero wherever the averaged
+gradient the tape returns is non-zero, before the optimizer's step uses it; elsewhere the
+velocity is kept (``"keep"``: kept everywhere). The velocities are the same on every rank (every
+rank applies the same average), so the ranks stay identical.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import tensorflow as tf
 
-from .. import policy
 from .adam import is_keras_adam
+from .owner import tf_variable, variable_name
 
 
 def foldable(optimizer, decay_apart: bool = False) -> bool:
@@ -39,6 +46,15 @@ def foldable(optimizer, decay_apart: bool = False) -> bool:
     return (isinstance(optimizer, keras.optimizers.SGD) and float(optimizer.momentum) > 0
             and (decay_apart or not optimizer.weight_decay)
             and not getattr(optimizer, "gradient_accumulation_steps", None))
+
+
+def is_adaptive(optimizer) -> bool:
+    """A known optimizer other than Keras SGD and Adam/AdamW (RMSprop, Adagrad, ...): the one
+    whose average :func:`horovod_sbc.policy.choose` scales by sqrt(N) at delay 1. :func:`family`
+    calls a Keras SGD that cannot be folded ``"adaptive"`` too, for its residual placement."""
+    import keras
+    return optimizer is not None and not isinstance(optimizer, keras.optimizers.SGD) and \
+        family(optimizer) == "adaptive"
 
 
 def momentum_free(optimizer) -> bool:
@@ -58,11 +74,57 @@ def family(optimizer) -> str:
     return "adaptive"
 
 
-def shares_weights(optimizer, delay: int) -> bool:
-    """Whether the residual waits beside the shared weights by default
-    (``SBC(local_residual=None)`` → False): :func:`horovod_sbc.policy.choose` for the drop-in,
-    as in torch (a Keras SGD at delay 1 without a velocity or with one that folds)."""
-    return not policy.choose(family(optimizer), delay=delay, api="dropin").local_residual
+def stock_family(optimizer) -> str:
+    """:func:`family` for the stock tape, whose fold scales the gradient alone: a Keras SGD with
+    momentum and ``weight_decay`` is ``"sgd"`` there too (its gradients are exchanged)."""
+    if optimizer is not None and foldable(optimizer, decay_apart=True):
+        return "sgd"
+    return family(optimizer)
+
+
+class Mask:
+    """Momentum factor masking of one Keras SGD optimizer (see the module docstring)."""
+
+    def __init__(self, optimizer):
+        import keras
+        if not isinstance(optimizer, keras.optimizers.SGD) or float(optimizer.momentum) <= 0:
+            raise ValueError(f"SBC(momentum='mask') masks the velocity of a Keras SGD with "
+                             f"momentum > 0, not {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._velocities: Dict[str, tf.Variable] = {}
+
+    def velocity(self, name: str) -> tf.Variable:
+        """The velocity of the variable named ``name`` (as :func:`owner.identify` names its
+        gradient: its Keras path or its ``tf.Variable``'s name); ValueError before the
+        optimizer's first step, or for a variable it does not step."""
+        opt = self.optimizer
+        if not opt.built:
+            # Horovod traces the exchange into a tf.function (eagerly too) once, before the
+            # optimizer's first step would create the velocities the mask zeroes
+            raise ValueError(
+                f"SBC(momentum='mask', optimizer={type(opt).__name__}) masks its velocities, "
+                "which do not exist before its first step: call "
+                "optimizer.build(model.trainable_variables) before the first step")
+        if name not in self._velocities:
+            for v in opt._trainable_variables:
+                m = opt.momentums[opt._get_variable_index(v)]
+                m = m if isinstance(m, tf.Variable) else m.value  # a Keras 3 Variable wraps one
+                for key in (variable_name(v), variable_name(tf_variable(v))):
+                    self._velocities.setdefault(key, m)
+        if name not in self._velocities:
+            raise ValueError(f"SBC(momentum='mask'): {name!r} is not a variable that "
+                             f"{type(opt).__name__} was built with, so it has no velocity to "
+                             "mask: build the optimizer with every variable the tape exchanges")
+        return self._velocities[name]
+
+    def apply(self, names: List[str], averages: List[tf.Tensor]) -> List:
+        """Ops that zero each velocity where its averaged gradient is non-zero."""
+        ops = []
+        for name, avg in zip(names, averages):
+            m = self.velocity(name)
+            moved = tf.not_equal(tf.cast(avg, m.dtype), 0)
+            ops.append(m.assign(tf.where(moved, tf.zeros_like(m), m.read_value())))
+        return ops
 
 
 class Fold:

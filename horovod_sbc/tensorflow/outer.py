@@ -1,59 +1,36 @@
-"""Outer steps of TensorFlow's weight mode: how a sync's averaged update moves the shared weights.
+"""The outer steps of :mod:`horovod_sbc.outer` run on TensorFlow variables (``SBC(outer=...)``
+in weight mode: the drop-in tape and :class:`horovod_sbc.tensorflow.SBCCallback`).
 
-The same three steps, knobs and formulas as :mod:`horovod_sbc.torch.outer` (documented there
-with their papers), for :class:`horovod_sbc.tensorflow.SBC` in weight mode (``SBC.step``: the
-drop-in tape and :class:`horovod_sbc.tensorflow.SBCCallback`)::
-
-    SBC(density=0.01, delay=16, outer=Nesterov(lr=1.0, momentum=0.5))
-
-At a sync every rank decodes the same average ``U``; the outer step turns it into the change
-``D`` of the shared weights ``W_ref``:
-
-* :class:`Plain` -- ``D = lr * U`` (``Plain()``, lr 1, is the default: the average is decoded
-  straight into ``W_ref``; ``lr = sqrt(N)`` for adaptive inner optimizers at delay 1).
-* :class:`Nesterov` -- DiLoCo's outer SGD with Nesterov momentum on the pseudo-gradient ``-U``:
-  ``v <- momentum * v + U``, ``D = lr * (U + momentum * v)``.
-* :class:`ErrorDecay` -- SparseLoCo's decayed error feedback: ``D = lr * U`` and every rank's
-  residual is multiplied by ``decay`` after the sync.
-
-Each step's state (Nesterov's ``v``) is a ``tf.Variable`` per tensor, tracked by the ``SBC``
-module (``outer/buffers/<name>`` in a ``tf.train.Checkpoint``), a function of the ``U`` s
-alone and so identical on every rank. A sync that does not commit (a rank failed or skipped)
-changes neither ``W_ref`` nor this state.
+:func:`make` turns a step's knobs into its runner, a ``tf.Module`` the ``SBC`` module tracks:
+Nesterov's buffers are ``tf.Variable`` s (``outer/buffers/<name>`` in a
+``tf.train.Checkpoint``). ``delta`` returns the change of the shared weights for a sync's
+averaged updates and moves the state only where the sync committed; ``after_commit`` acts on
+the residuals (ErrorDecay). The formulas are those of :mod:`horovod_sbc.torch.outer`.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from .. import config
-from ..config import check_number
+from ..outer import OuterStep, Plain
 
 
-class Plain(tf.Module):
-    """``W_ref += lr * U``: the SBC paper's step (with ``mode="values", density=1`` federated
-    averaging). No state.
+class PlainStep(tf.Module):
+    """``W_ref += lr * U`` (:class:`horovod_sbc.outer.Plain`); no state."""
 
-    Args:
-        lr: the outer learning rate, in (0, 16]; ``sqrt(N)`` for N ranks with an adaptive
-            inner optimizer (Adam, AdamW, RMSprop) at ``delay=1``, 1 with momentum SGD; see
-            :class:`horovod_sbc.torch.outer.Plain`.
-    """
-
-    kind = "plain"
-
-    def __init__(self, lr: float = 1.0):
+    def __init__(self, spec: OuterStep):
         super().__init__(name="outer")
-        self.lr = check_number("Plain: lr", lr, 0.0, 16.0, low_open=True)
+        self.spec = spec
+        self.kind, self.lr = spec.kind, spec.lr
 
     def __repr__(self) -> str:
-        return "Plain()" if self.lr == 1.0 else f"Plain(lr={self.lr})"
+        return repr(self.spec)
 
     @property
     def decodes_into_reference(self) -> bool:
         """The average is decoded straight into ``W_ref`` (no state, ``lr = 1``)."""
-        return self.kind == "plain" and self.lr == 1.0
+        return self.spec.decodes_into_reference
 
     def build(self, names: Sequence[str], likes: List[tf.Tensor], make) -> None:
         """Create the state of every tensor not holding one yet; ``make(initial, name)``
@@ -70,27 +47,13 @@ class Plain(tf.Module):
         return []
 
 
-class Nesterov(Plain):
-    """DiLoCo's outer step (Douillard et al., arXiv 2311.08105); see
-    :class:`horovod_sbc.torch.outer.Nesterov`.
+class NesterovStep(PlainStep):
+    """:class:`horovod_sbc.outer.Nesterov`: ``v <- m v + U``, ``D = lr (U + m v)``."""
 
-    Args:
-        lr: the outer learning rate, in (0, 2]; DiLoCo uses 0.7.
-        momentum: in [0, 1); DiLoCo uses 0.9.
-    """
-
-    kind = "nesterov"
-
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9):
-        super().__init__()
-        self.lr = check_number("Nesterov: lr", lr, 0.0, 2.0, low_open=True)
-        self.momentum = check_number("Nesterov: momentum", momentum, 0.0, 1.0)
-        if self.momentum >= 1.0:
-            raise ValueError(f"Nesterov: momentum must be below 1, got {momentum!r}")
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.momentum = spec.momentum
         self.buffers = {}
-
-    def __repr__(self) -> str:
-        return f"Nesterov(lr={self.lr}, momentum={self.momentum})"
 
     def build(self, names, likes, make) -> None:
         for name, u in zip(names, likes):
@@ -113,24 +76,13 @@ class Nesterov(Plain):
         return out
 
 
-class ErrorDecay(Plain):
-    """SparseLoCo's error feedback with decay (Sarfi et al., arXiv 2508.15706); see
-    :class:`horovod_sbc.torch.outer.ErrorDecay`.
+class ErrorDecayStep(PlainStep):
+    """:class:`horovod_sbc.outer.ErrorDecay`: ``D = lr * U``, then every residual times
+    ``decay``."""
 
-    Args:
-        decay: in [0, 1]; 1 is plain error feedback.
-        lr: the outer learning rate, in (0, 2].
-    """
-
-    kind = "error_decay"
-
-    def __init__(self, decay: float = 0.95, lr: float = 1.0):
-        super().__init__()
-        self.decay = check_number("ErrorDecay: decay", decay, 0.0, 1.0)
-        self.lr = check_number("ErrorDecay: lr", lr, 0.0, 2.0, low_open=True)
-
-    def __repr__(self) -> str:
-        return f"ErrorDecay(decay={self.decay}, lr={self.lr})"
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.decay = spec.decay
 
     def after_commit(self, residuals, committed):
         if self.decay == 1.0:
@@ -139,6 +91,10 @@ class ErrorDecay(Plain):
                 for r in residuals]
 
 
-def resolve_outer(outer) -> Plain:
-    """``None`` -> :class:`Plain`; otherwise one of this module's outer steps."""
-    return config.resolve_outer(outer, Plain, "horovod_sbc.tensorflow")
+_RUNNERS = {"plain": PlainStep, "nesterov": NesterovStep, "error_decay": ErrorDecayStep}
+
+
+def make(spec: Optional[OuterStep]) -> PlainStep:
+    """The runner of ``spec`` (None: ``Plain()``), with fresh state."""
+    spec = Plain() if spec is None else spec
+    return _RUNNERS[spec.kind](spec)

@@ -18,14 +18,19 @@ Adam's second moment (:mod:`horovod_sbc.tensorflow.adam`), as :mod:`horovod_sbc.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
 import tensorflow as tf
 
 from .. import wire
-from .adam import freeze_variance_after, is_frozen
-from .momentum import Fold, family, foldable, shares_weights
+from .. import policy
+from ..config import describe_hierarchy
+from ..outer import Plain
+from .adam import apply_freeze, is_frozen
+from .momentum import Fold, family, foldable, is_adaptive
+from .outer import make as make_outer
 from .owner import entries, tf_variable
 from .sync import synchronize_weights
 from .sync.exchange import tf_name
@@ -56,27 +61,43 @@ class WeightMode(SyncState):
         if self._settled:
             return
         self._settled = True
-        if self._local_residual is None:
-            self._local_residual = not shares_weights(optimizer, self.delay)
-        if family(optimizer) == "adam" and not is_frozen(optimizer):
-            if tf.inside_function():  # its step is traced already: say how to freeze it
-                warnings.warn(
-                    f"horovod_sbc: {type(optimizer).__name__}'s second moment is frozen "
-                    "automatically only when SBC sees the optimizer before its step is "
-                    "traced: call horovod_sbc.tensorflow.freeze_variance_after(optimizer) "
-                    "before the first tf.function step (SBCCallback does it for fit)",
-                    stacklevel=4)
-            else:
-                freeze_variance_after(optimizer, "auto")  # horovod_sbc.policy, as torch
+        if self.config.hierarchy is not None:  # built now: a bad grouping fails every rank
+            from . import hierarchy
+            hierarchy.of(self, describe_hierarchy(self.config.hierarchy))
+        choice = policy.choose(family(optimizer), delay=self.delay, api="dropin",
+                               local_residual=self._local_residual)
+        self._local_residual = choice.local_residual
+        if self.config.outer is None and choice.sqrt_n_outer and is_adaptive(optimizer):
+            self.outer = make_outer(Plain(lr=math.sqrt(self._world_size())))
+        if tf.inside_function() and family(optimizer) == "adam" and not is_frozen(optimizer) \
+                and self.config.freeze_variance_after is not None:
+            # its step is traced already: say how to freeze it
+            warnings.warn(
+                f"horovod_sbc: {type(optimizer).__name__}'s second moment is frozen "
+                "automatically only when SBC sees the optimizer before its step is traced: "
+                "pass it as SBC(..., optimizer=opt) (SBCCallback does it for fit)",
+                stacklevel=4)
+        elif not tf.inside_function():
+            apply_freeze(optimizer, self.config.freeze_variance_after)
         if self.delay == 1 and not self._local_residual and foldable(optimizer):
             self._fold = Fold(optimizer)
 
+    def _world_size(self) -> int:
+        """The job's number of ranks (1 outside a job, as torch's drop-in)."""
+        try:
+            return self._world()[0]
+        except (RuntimeError, ImportError, ValueError):
+            return 1
+
     def _create(self, variables) -> None:
         """The residuals and reference weights of ``variables`` (entries), created now (eagerly)
-        where missing."""
+        where missing. With a hierarchy only the reference weights: its residuals are pieces
+        of the node's shard, created by its first sync (:mod:`horovod_sbc.tensorflow.hierarchy`)."""
+        flat = self.config.hierarchy is None
         with tf.init_scope():
             for name, v, _ in variables:
-                self._residual(name, static_shape(v, name), v.dtype)
+                if flat:
+                    self._residual(name, static_shape(v, name), v.dtype)
                 self._reference(name, v)
 
     @no_autograph
@@ -135,6 +156,9 @@ class WeightMode(SyncState):
         return self._synchronize(entries(variables))
 
     def _synchronize(self, found):
+        if self.config.hierarchy is not None:  # dense in the node, SBC between nodes
+            from .hierarchy import synchronize as hierarchical
+            return hierarchical(self, found, self.local_residual, self._fold)
         return synchronize_weights(self, found, self.local_residual, self._fold)
 
     @no_autograph
@@ -143,7 +167,9 @@ class WeightMode(SyncState):
         same weights: ``W_ref`` + the average of all ranks' residuals (one dense allreduce, then
         a broadcast from rank 0), or ``W_ref`` alone with ``average_residuals=False``. None
         (the default) averages residuals that live in the weights (``local_residual=True``)
-        only, as the torch drop-in's ``finish``. Residuals are cleared. Eager only."""
+        only, as the torch drop-in's ``finish``. Residuals are cleared. Eager only. With a
+        hierarchy, the residual of each rank is its share of its node's (the weights' ``W -
+        W_ref``, or its residual pieces times the node size), as in torch."""
         import horovod.tensorflow as hvd
         self._use("weights")
         self._settle(self._optimizer.optimizer)
@@ -152,6 +178,10 @@ class WeightMode(SyncState):
         found = entries(variables)
         if int(self.local_steps.numpy()) > 0:
             self._synchronize(found)
+        if self.config.hierarchy is not None:  # the residuals are the node's pieces
+            from . import hierarchy
+            hierarchy.of(self).finish(self, found, average_residuals, self._local_residual)
+            return
         for name, v, _ in found:
             ref = self._reference(name, v, create=False)
             r = self._residual(name, static_shape(v, name), v.dtype)

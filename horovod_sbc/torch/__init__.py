@@ -8,9 +8,9 @@
   exchange (values instead of one mean; dense with communication delay; 1 bit per element;
   stochastic ternary).
 * :func:`broadcast_state` — start all ranks equal (parameters, optimizer state, reference weights).
-* :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — the drop-in's outer step
-  (``DistributedOptimizer(..., outer=Nesterov(lr=0.7, momentum=0.9))``, see
-  :mod:`horovod_sbc.torch.outer`).
+* :class:`Plain`, :class:`Nesterov`, :class:`ErrorDecay` — the outer step, the same classes as
+  TensorFlow's (``SBC(0.01, delay=16, outer=Nesterov(lr=0.7, momentum=0.9))``,
+  :mod:`horovod_sbc.outer`).
 * :func:`hierarchy_process_sets` — the Horovod process sets ``SBC(hierarchy=[[0, 1], [2, 3]])``
   needs, to declare at ``hvd.init`` (see :mod:`horovod_sbc.torch.hierarchy`).
 * :mod:`horovod_sbc.torch.ddp` — without Horovod: a DistributedDataParallel comm hook
@@ -26,7 +26,7 @@ from .compressor import SBC, FedAvg, SignSGD, TernGrad, TopK
 from .hierarchy import hierarchy_process_sets
 from .dropin import DistributedOptimizer
 from .optimizer import broadcast_state
-from .outer import ErrorDecay, Nesterov, Plain
+from ..outer import ErrorDecay, Nesterov, Plain
 
 __all__ = ["SBC", "TopK", "FedAvg", "SignSGD", "TernGrad", "DistributedOptimizer", "broadcast_state",
            "Plain", "Nesterov", "ErrorDecay", "hierarchy_process_sets"]

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..config import OPTIMIZER_STATE_KEY, SBCConfig
-from . import hierarchy as hierarchy_, sync
+from . import sync
 from .sync.transport import HorovodTransport
 from .hook import StockHook
 from .sync.state import SyncState
@@ -38,45 +38,19 @@ class SBC(StockHook):
     updates.
 
     Args:
-        density, delay, mode, selection, nonfinite, topology, downlink_density,
-        downlink_binarize, seed, fixed_size: the knobs of
-            :class:`horovod_sbc.config.SBCConfig`, documented there once. Here ``delay > 1``
-            exchanges weight changes (:func:`horovod_sbc.policy.choose`; stock Horovod too),
-            ``topology="server"`` needs the drop-in :func:`horovod_sbc.torch.DistributedOptimizer`
-            and Horovod's MPI controller (``horovodrun --mpi``, ``mpirun``);
-            ``topology="reduce_scatter"`` works through the drop-in and the stock hook, on any
-            Horovod controller (:mod:`horovod_sbc.torch.sync.scatter`). With ``nonfinite="skip"``
-            an update used up before it is found non-finite keeps its finite rest: the drop-in
-            with ``local_residual=True`` resets the non-finite weights to the shared weights,
-            the stock hook (whose gradient the selection's pass zeroes) resets those residual
-            entries to 0.
-        mode: the compressor (``SBCConfig.mode``); the presets :func:`TopK`, :func:`FedAvg`,
-            :func:`SignSGD`, :func:`TernGrad` set it for you.
-        named_parameters: optional ``model.named_parameters()``. Stock Horovod passes no name to
-            ``compress()``; these names are looked up first, then the name Horovod's optimizer
-            that called gives the parameter (see :mod:`horovod_sbc.torch.hook`).
-        momentum: stock ``hvd.DistributedOptimizer`` with torch SGD at delay 1 only (the
-            gradient exchange; other optimizers exchange weight changes, where it does not
-            apply): what happens to SGD's momentum, which there acts on the averaged sparse
-            gradient. A coordinate arrives
-            only every ~1/p steps, in one burst holding all its delayed gradient, and a velocity
-            would replay that burst for ~1/(1-m) more steps. ``"fold"`` (default for SBC):
-            ``torch.optim.SGD``'s momentum is folded into its learning rate — the hook empties
-            the velocity and scales the average so that SGD steps at ``lr / (1 - m)`` (with
-            dampening and Nesterov accounted for, weight decay folded too), which is
-            error-feedback SGD at momentum SGD's effective learning rate
-            (:mod:`horovod_sbc.torch.momentum`); other optimizers are left alone. ``"mask"``:
-            DGC's momentum factor masking (Lin et al., ICLR 2018) — the velocity is zeroed where
-            the average is non-zero (:func:`horovod_sbc.torch.hook.momentum_buffer`).
-            ``"keep"`` (default for :func:`TopK`, whose exact values were measured with their
-            momentum): the optimizer's own momentum, untouched. docs/recipes.md's
-            table compares them.
-        hierarchy: ``None`` (flat: every rank compresses and allgathers to every rank),
-            ``"node"`` (Horovod's nodes) or explicit groups of global ranks such as
-            ``[[0, 1], [2, 3]]``: a dense reduce inside each node, SBC with error feedback
-            between nodes, the result shared inside the node
-            (:mod:`horovod_sbc.torch.hierarchy`, which says what ``hvd.init`` needs). The
-            drop-in :func:`horovod_sbc.torch.DistributedOptimizer` only.
+        density, delay: the paper's p and n, the two knobs to tune (docs/recipes.md).
+        nonfinite, topology, downlink_density, downlink_binarize, selection, mode, seed,
+        fixed_size, momentum, hierarchy, local_residual, outer, freeze_variance_after: the
+            knobs of :class:`horovod_sbc.config.SBCConfig`, documented there once and the same
+            in TensorFlow; each applies where :func:`horovod_sbc.policy.choose` says (a knob
+            that does not apply raises ValueError when the optimizer is known).
+            ``topology="server"`` and ``hierarchy`` need the drop-in
+            :func:`horovod_sbc.torch.DistributedOptimizer` (the server Horovod's MPI
+            controller: ``horovodrun --mpi``, ``mpirun``).
+        named_parameters: optional ``model.named_parameters()`` for stock Horovod, which passes
+            no name to ``compress()``; these names are looked up first, then the name Horovod's
+            optimizer gives the parameter (:mod:`horovod_sbc.torch.hook`). The drop-in takes
+            them as its own argument.
 
     Attribute ``transport``: the collective :meth:`exchange` gathers step messages with;
     :class:`~horovod_sbc.torch.sync.transport.HorovodTransport` by default. The DDP hook and averager
@@ -84,22 +58,20 @@ class SBC(StockHook):
     :class:`~horovod_sbc.torch.sync.transport.ProcessGroupTransport` (``torch.distributed``).
     """
 
-    def __init__(self, density: float = 0.01, delay: int = 1,
-                 nonfinite: str = "raise", named_parameters=None, topology: str = "allgather",
-                 downlink_density: Optional[float] = None,
-                 downlink_binarize: Optional[bool] = None,
-                 selection: str = "paper", mode: str = "sbc", seed: int = 0,
+    def __init__(self, density: float = 0.01, delay: int = 1, *, nonfinite: str = "raise",
+                 topology: str = "allgather", downlink_density: Optional[float] = None,
+                 downlink_binarize: Optional[bool] = None, selection: str = "paper",
+                 mode: str = "sbc", seed: int = 0, fixed_size: Optional[bool] = None,
                  momentum: Optional[str] = None, hierarchy=None,
-                 fixed_size: Optional[bool] = None):
+                 local_residual: Optional[bool] = None, outer=None,
+                 freeze_variance_after="auto", named_parameters=None):
         config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                            nonfinite=nonfinite, topology=topology,
                            downlink_density=downlink_density,
-                           downlink_binarize=downlink_binarize, seed=seed, fixed_size=fixed_size)
-        self.hierarchy = hierarchy_.parse(hierarchy)
-        if self.hierarchy is not None and topology == "server":
-            raise ValueError(f"SBC(hierarchy={hierarchy!r}) cannot be combined with "
-                             f"topology={topology!r}: the cross-node exchange is an allgather "
-                             "or a reduce-scatter")
+                           downlink_binarize=downlink_binarize, seed=seed, fixed_size=fixed_size,
+                           momentum=momentum, hierarchy=hierarchy, local_residual=local_residual,
+                           outer=outer, freeze_variance_after=freeze_variance_after)
+        self.hierarchy = config.hierarchy
         self.state = SyncState(config, HorovodTransport())
         StockHook.__init__(self, named_parameters, momentum)
 
@@ -181,43 +153,37 @@ class SBC(StockHook):
 
 
 # -- baselines: presets of the same configuration -----------------------------------------------
-def TopK(density: float = 0.01, delay: int = 1, nonfinite: str = "raise",
-         named_parameters=None, **kw) -> SBC:
+def TopK(density: float = 0.01, delay: int = 1, **kw) -> SBC:
     """Top-k sparsification with error feedback (as in DGC / GRACE): the kept entries' own
     float32 values are sent, positions Golomb-Rice coded like SBC's (``SBC(mode="values")``).
     Takes ``topology="server"`` and ``downlink_density`` like :class:`SBC` (the setting of
     "Downlink Compression Improves TopK Sparsification", Zou, De Sterck, Liu; arXiv
     2209.15203). ``momentum`` is ``"keep"`` by default here: top-k sends exact values, and
     the stock hook's measurements of it were made with the optimizer's own momentum."""
-    comp = SBC(density=density, delay=delay, mode="values", nonfinite=nonfinite,
-               named_parameters=named_parameters, **kw)
+    comp = SBC(density=density, delay=delay, mode="values", **kw)
     if kw.get("momentum") is None:
         comp.momentum = "keep"  # its default, not the user's choice
     return comp
 
 
-def FedAvg(delay: int = 4, nonfinite: str = "raise", named_parameters=None) -> SBC:
+def FedAvg(delay: int = 4, **kw) -> SBC:
     """Communication delay alone (federated averaging / local SGD): every ``delay`` local steps
     the dense weight update is averaged (``SBC(density=1.0, mode="values", delay=n)``); needs
     the drop-in :func:`horovod_sbc.torch.DistributedOptimizer` for ``delay > 1``."""
-    return SBC(density=1.0, delay=delay, mode="values", nonfinite=nonfinite,
-               named_parameters=named_parameters)
+    return SBC(density=1.0, delay=delay, mode="values", **kw)
 
 
-def SignSGD(delay: int = 1, nonfinite: str = "raise", named_parameters=None) -> SBC:
+def SignSGD(delay: int = 1, **kw) -> SBC:
     """Error-feedback signSGD (Karimireddy et al., "Error Feedback Fixes SignSGD and other
     Gradient Compression Schemes", ICML 2019): every element is sent as ``sign(A) * mean(|A|)``,
     one bit per element plus one float per tensor; the difference stays in the residual."""
-    return SBC(density=1.0, delay=delay, mode="sign", nonfinite=nonfinite,
-               named_parameters=named_parameters)
+    return SBC(density=1.0, delay=delay, mode="sign", **kw)
 
 
-def TernGrad(delay: int = 1, seed: int = 0, nonfinite: str = "raise",
-             named_parameters=None) -> SBC:
+def TernGrad(delay: int = 1, seed: int = 0, **kw) -> SBC:
     """TernGrad (Wen et al., NeurIPS 2017): each element is sent as ``max|A| * sign(A)`` with
     probability ``|A| / max|A|`` (unbiased stochastic ternarization), positions Golomb-Rice coded
     plus one sign bit each and one float per tensor; here with error feedback too, like every
     compressor of this package. ``seed`` (and the rank) seed the random stream, which is saved
     in ``state_dict()`` so a resumed run continues exactly."""
-    return SBC(density=1.0, delay=delay, mode="terngrad", nonfinite=nonfinite,
-               named_parameters=named_parameters, seed=seed)
+    return SBC(density=1.0, delay=delay, mode="terngrad", seed=seed, **kw)

@@ -63,6 +63,12 @@ def _make_compression(compression, density, what: str) -> SBC:
         raise ValueError(f"{what}: SBC(topology={comp.topology!r}) needs Horovod's "
                          f"{'alltoall' if comp.topology == 'reduce_scatter' else 'MPI gather'}"
                          "; torch.distributed supports topology='allgather' only")
+    cfg = comp.config
+    if cfg.local_residual is not None:
+        raise ValueError(f"{what}: SBC(local_residual={cfg.local_residual!r}) is the Horovod "
+                         "drop-in's; the DDP hook keeps the residual beside the weights and the "
+                         "averager in them")
+    policy.refuse_weight_knobs(cfg, f"{what} has no outer step and no variance freeze")
     return comp
 
 

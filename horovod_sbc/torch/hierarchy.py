@@ -25,54 +25,18 @@ added by the optimizer when it is built after ``hvd.init(process_sets="dynamic")
 """
 from __future__ import annotations
 
-import itertools
-import zlib
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import hierarchy as common
+from ..hierarchy import (Groups, Layout, check, describe, parse, piece_name,  # noqa: F401
+                         set_lists)
 from . import sync
 from .sync.state import SyncState
 
-Groups = Tuple[Tuple[int, ...], ...]
-
 _SETS: Dict[Tuple[int, ...], object] = {}  # ranks -> the hvd.ProcessSet made for them here
-
-
-def parse(spec) -> Optional[object]:
-    """``SBC(hierarchy=...)``: ``None`` (flat), ``"node"`` (Horovod's nodes: ranks with the same
-    ``hvd.cross_rank()``, ordered by ``hvd.local_rank()``) or an explicit grouping, a list of
-    lists of global ranks (e.g. ``[[0, 1], [2, 3]]``: 4 ranks of one machine as 2 nodes of 2).
-    Checks what can be checked without a job; :func:`check` does the rest."""
-    if spec is None or spec == "node":
-        return spec
-    what = describe(spec)
-    if isinstance(spec, (str, bytes)) or not hasattr(spec, "__iter__"):
-        raise ValueError(f"{what}: give None, 'node' or a list of groups of ranks such as "
-                         "[[0, 1], [2, 3]]")
-    groups = []
-    for g in spec:
-        if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
-            raise ValueError(f"{what}: every group must be a list of ranks, got {g!r}")
-        g = list(g)
-        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in g):
-            raise ValueError(f"{what}: ranks must be integers >= 0, got group {g!r}")
-        groups.append(tuple(sorted(g)))
-    seen: Dict[int, int] = {}
-    for gi, g in enumerate(groups):
-        for r in g:
-            if r in seen:
-                raise ValueError(f"{what}: rank {r} is in more than one group")
-            seen[r] = gi
-    return tuple(sorted(groups))
-
-
-def describe(spec) -> str:
-    """``SBC(hierarchy=...)`` as the user wrote it (groups as lists)."""
-    if isinstance(spec, tuple):
-        spec = [list(g) for g in spec]
-    return f"SBC(hierarchy={spec!r})"
+_DECLARE = "horovod_sbc.torch.hierarchy_process_sets"  # named in the errors
 
 
 def check_parameters(named: Sequence[Tuple[str, torch.Tensor]], rank: int) -> None:
@@ -93,45 +57,11 @@ def check_parameters(named: Sequence[Tuple[str, torch.Tensor]], rank: int) -> No
                          "contiguous (the sync writes the weights through flat views)")
 
 
-def check(groups: Groups, size: int, what: str) -> Groups:
-    """Raise ValueError (the same on every rank: a function of the grouping and the job size)
-    unless ``groups`` partitions the job's ranks into at least 2 nodes of equal size >= 2."""
-    ranks = sorted(r for g in groups for r in g)
-    missing = sorted(set(range(size)) - set(ranks))
-    extra = [r for r in ranks if r >= size]
-    if extra:
-        raise ValueError(f"{what}: rank(s) {extra} do not exist in this job of {size} ranks")
-    if missing:
-        raise ValueError(f"{what}: rank(s) {missing} of this job of {size} ranks are in no "
-                         "group; every rank must be in exactly one")
-    sizes = sorted({len(g) for g in groups})
-    if len(sizes) != 1:
-        raise ValueError(f"{what}: every node must have as many ranks (local rank i of every "
-                         f"node compresses shard i), got node sizes {[len(g) for g in groups]}")
-    if len(groups) < 2 or sizes[0] < 2:
-        raise ValueError(f"{what}: a hierarchy needs at least 2 nodes of at least 2 ranks, got "
-                         f"{len(groups)} node(s) of {sizes[0]}; use SBC(hierarchy=None) (flat)")
-    return groups
-
-
 def horovod_nodes(hvd) -> Groups:
     """Horovod's own nodes, from every rank's ``(cross_rank, local_rank, local_size)`` (one
     allgather of 3 integers per rank)."""
     mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank(), hvd.local_size()]])
-    rows = hvd.allgather(mine, name="sbc.hierarchy.nodes").tolist()
-    nodes: Dict[int, List[Tuple[int, int]]] = {}
-    for rank, (node, local, _) in enumerate(rows):
-        nodes.setdefault(node, []).append((local, rank))
-    if len({n for _, _, n in rows}) != 1:
-        raise ValueError("SBC(hierarchy='node'): Horovod's nodes have different numbers of "
-                         f"ranks ({sorted({n for _, _, n in rows})}); give the groups explicitly")
-    return tuple(sorted(tuple(sorted(r for _, r in v)) for v in nodes.values()))
-
-
-def set_lists(groups: Groups) -> List[Tuple[int, ...]]:
-    """The process sets a grouping needs: one per node, one per local rank index (cross-node)."""
-    local = len(groups[0])
-    return list(groups) + [tuple(sorted(g[i] for g in groups)) for i in range(local)]
+    return common.nodes_of_rows(hvd.allgather(mine, name="sbc.hierarchy.nodes").tolist())
 
 
 def hierarchy_process_sets(groups) -> list:
@@ -139,30 +69,11 @@ def hierarchy_process_sets(groups) -> list:
     ``hvd.init(process_sets=hierarchy_process_sets([[0, 1], [2, 3]]))``. The optimizer finds
     them here; without them it needs ``hvd.init(process_sets="dynamic")``."""
     import horovod.torch as hvd
-    parsed = parse(groups)
-    if not isinstance(parsed, tuple):
-        raise ValueError(f"hierarchy_process_sets needs explicit groups, got {groups!r}")
-    out = []
-    for ranks in set_lists(parsed):
-        ps = _SETS.get(ranks)
-        if ps is None:
-            ps = _SETS[ranks] = hvd.ProcessSet(list(ranks))
-        out.append(ps)
-    return out
+    return common.declared_process_sets(groups, _SETS, hvd.ProcessSet)
 
 
 def _process_set(hvd, ranks: Tuple[int, ...], what: str):
-    ps = _SETS.get(ranks)
-    if ps is not None and ps.process_set_id is not None:
-        return ps
-    try:
-        ps = _SETS[ranks] = hvd.add_process_set(list(ranks))
-    except ValueError as e:
-        raise ValueError(
-            f"{what}: Horovod has no process set of ranks {list(ranks)} and cannot add it "
-            f"({e}); call hvd.init(process_sets=horovod_sbc.torch.hierarchy_process_sets("
-            "groups)) or hvd.init(process_sets='dynamic') on every rank") from None
-    return ps
+    return common.process_set(hvd, ranks, what, _SETS, _DECLARE)
 
 
 class ProcessSetTransport:
@@ -198,37 +109,9 @@ class NodeState(SyncState):
         return self.transport.world()
 
 
-@dataclass
-class Layout:
-    """Where each tensor lies in the flat buffer of ``shards * shard`` elements (zero padded)
-    and which pieces of which tensors fall in this rank's shard."""
-    names: List[str]
-    offsets: List[int]
-    numels: List[int]
-    shard: int
-    pieces: List[Tuple[int, int, int]]  # (tensor index, start, end) within the tensor
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
-
-
 def layout(named: Sequence[Tuple[str, torch.Tensor]], shards: int, index: int) -> Layout:
-    """Contiguous shards of ``ceil(N / shards)`` elements; a tensor crossing a shard border
-    is sent as one piece per shard (each piece a tensor message with its own SBC mean)."""
-    names = [n for n, _ in named]
-    numels = [p.numel() for _, p in named]
-    offsets = [0, *itertools.accumulate(numels)][:-1]
-    size = -(-sum(numels) // shards)
-    lo, hi = index * size, (index + 1) * size
-    pieces = [(i, max(lo, o) - o, min(hi, o + n) - o) for i, (o, n) in
-              enumerate(zip(offsets, numels)) if o < hi and o + n > lo]
-    return Layout(names, offsets, numels, size, pieces)
-
-
-def piece_name(lay: Layout, piece: Tuple[int, int, int]) -> str:
-    i, a, b = piece
-    return f"{lay.names[i]}[{a}:{b}]"
+    """:func:`horovod_sbc.hierarchy.layout` of the parameters ``named``."""
+    return common.layout([n for n, _ in named], [p.numel() for _, p in named], shards, index)
 
 
 class Hierarchy:
@@ -244,12 +127,10 @@ class Hierarchy:
         groups = horovod_nodes(hvd) if spec == "node" else spec
         self.groups = check(groups, size, what)
         self._agree(hvd, rank, what)
-        self.node = next(j for j, g in enumerate(self.groups) if rank in g)
-        self.local = self.groups[self.node].index(rank)
+        self.node, self.local, cross = common.position(self.groups, rank)
         self.rank = rank
         sets = {ranks: _process_set(hvd, ranks, what) for ranks in set_lists(self.groups)}
         self.intra = sets[self.groups[self.node]]
-        cross = tuple(sorted(g[self.local] for g in self.groups))
         self.state = NodeState(sbc.config, ProcessSetTransport(sets[cross]), sbc.manager)
         sbc.manager.config.update(hierarchy=[list(g) for g in self.groups])
         self._buffers: Dict[str, torch.Tensor] = {}
@@ -257,13 +138,10 @@ class Hierarchy:
 
     def _agree(self, hvd, rank: int, what: str) -> None:
         """Every rank must have been given the same grouping (one allgather of a checksum)."""
-        crc = zlib.crc32(repr(self.groups).encode())
+        crc = common.checksum(self.groups)
         got = hvd.allgather(torch.tensor([crc], dtype=torch.int64),
                             name="sbc.hierarchy.agree").tolist()
-        odd = [r for r, c in enumerate(got) if c != got[0]]
-        if odd:
-            raise ValueError(f"{what}: rank(s) {odd} were given another grouping than rank 0; "
-                             "build the optimizer with the same hierarchy on every rank")
+        common.check_agreement(got, what, "the optimizer")
 
     @property
     def local_size(self) -> int:

@@ -77,7 +77,13 @@ class StockHook:
             return "gradients"
         if id(opt) in self._modes:
             return self._modes[id(opt)]
-        choice = policy.choose(family(opt), delay=self.state.config.delay, api="stock")
+        cfg = self.state.config
+        choice = policy.choose(family(opt), delay=cfg.delay, api="stock",
+                               local_residual=cfg.local_residual)
+        if choice.exchange == "gradients":
+            policy.refuse_weight_knobs(
+                cfg, f"{type(opt).__name__} through stock Horovod at delay 1 exchanges gradients "
+                "(pass local_residual=True or delay > 1 to exchange weight changes)")
         if choice.exchange == "weights":
             if getattr(self, "hierarchy", None) is not None or \
                     self.state.config.topology == "server":

@@ -31,7 +31,8 @@ from ..config import OPTIMIZER_STATE_KEY
 from .adam import check_freeze, family, frozen_step
 from .hierarchy import Hierarchy
 from .momentum import folded, guard_of
-from .outer import Plain, check_kind, resolve_outer
+from ..outer import Plain
+from .outer import check_kind, make as make_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
 from .sync import named_parameters as checked_named_parameters
@@ -51,28 +52,23 @@ class _SBCOptimizer:
     #: can be stacked on top, as the stock hook's weight exchange does)
     _sbc_base = torch.optim.Optimizer
 
-    def __init__(self, params, named_parameters, compression,
-                 local_residual: Optional[bool] = None, outer=None,
-                 freeze_variance_after="auto"):
+    def __init__(self, params, named_parameters, compression):
         self._sbc_base.__init__(self, params)
-        self._sbc_setup(named_parameters, compression, local_residual, outer,
-                        freeze_variance_after, "dropin")
+        self._sbc_setup(named_parameters, compression, "dropin")
 
-    def _sbc_setup(self, named_parameters, compression, local_residual, outer,
-                   freeze_variance_after, api: str) -> None:
+    def _sbc_setup(self, named_parameters, compression, api: str) -> None:
         """Everything of the drop-in but the user's optimizer (which ``self`` already is)."""
-        self._sbc_freeze = check_freeze(freeze_variance_after, self)
+        cfg = compression.config
+        self._sbc_freeze = check_freeze(cfg.freeze_variance_after, self)
         self._sbc_pending_load = None
         _refuse_stock_knobs(compression, api, type(self).__name__)
-        if local_residual is not None and not isinstance(local_residual, bool):
-            raise ValueError(f"local_residual must be None, True or False, got "
-                             f"{local_residual!r}")
         choice = policy.choose(family(self), delay=compression.delay, api=api,
-                               local_residual=local_residual)
+                               local_residual=cfg.local_residual)
         local_residual = self._sbc_local_residual = choice.local_residual
+        outer = cfg.outer
         if outer is None and choice.sqrt_n_outer:
             outer = Plain(lr=math.sqrt(_world_size(compression)))
-        self._sbc_outer = resolve_outer(outer)
+        self._sbc_outer = make_outer(outer)
         self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
         if named_parameters is None:
             named_parameters = [(f"param.{gi}.{i}", p) for gi, g in enumerate(self.param_groups)
@@ -518,7 +514,7 @@ def adopt(horovod_optimizer, compression, named_parameters=None) -> None:
         names.setdefault(id(p), n)
     named = [(names[id(p)], p) for g in horovod_optimizer.param_groups for p in g["params"]
              if id(p) in names]
-    horovod_optimizer._sbc_setup(named, compression, None, None, "auto", "stock")
+    horovod_optimizer._sbc_setup(named, compression, "stock")
     # a checkpoint given to SBC.load_state_dict before (the weights are not touched inside
     # backward, where the hook runs: the first step() applies it)
     horovod_optimizer._sbc_pending_load = compression.take_optimizer_state()

@@ -59,7 +59,8 @@ def run(api: str, fixed: bool):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         stats = comp.stats
     else:
-        opt = sbc.DistributedOptimizer(base, named, compression=comp, local_residual=False)
+        comp = sbc.SBC(density=0.05, fixed_size=fixed, local_residual=False)
+        opt = sbc.DistributedOptimizer(base, named, compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
         stats = opt.stats
     SENT["bytes"], SENT["sizes"] = 0, {}

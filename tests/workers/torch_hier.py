@@ -78,8 +78,9 @@ def build_teacher(hierarchy, local_residual, outer, nonfinite="raise"):
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = sbc.DistributedOptimizer(
-        base, model.named_parameters(), local_residual=local_residual, outer=outer,
-        compression=sbc.SBC(density=0.05, delay=DELAY, hierarchy=hierarchy, nonfinite=nonfinite))
+        base, model.named_parameters(),
+        compression=sbc.SBC(density=0.05, delay=DELAY, hierarchy=hierarchy, nonfinite=nonfinite,
+                            local_residual=local_residual, outer=outer))
     sbc.broadcast_state(model, opt)
     return model, opt
 

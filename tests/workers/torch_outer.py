@@ -52,8 +52,8 @@ def build(outer):
         model[0].weight.add_(0.01 * RANK)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = sbc.DistributedOptimizer(base, model.named_parameters(),
-                                   compression=sbc.SBC(density=0.05, delay=DELAY),
-                                   outer=OUTERS[outer]())
+                                   compression=sbc.SBC(density=0.05, delay=DELAY,
+                                                       outer=OUTERS[outer]()))
     sbc.broadcast_state(model, opt)
     return model, opt
 

@@ -62,8 +62,8 @@ def run_broadcasts():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     opt = sbc.DistributedOptimizer(opt, model.named_parameters(),
-                                   compression=sbc.SBC(density=0.05, delay=4),
-                                   local_residual=LOCAL_RESIDUAL)
+                                   compression=sbc.SBC(density=0.05, delay=4,
+                                                       local_residual=LOCAL_RESIDUAL))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=40, gamma=0.5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -86,8 +86,8 @@ def run_amp():
     model = mlp()
     opt = sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    model.named_parameters(),
-                                   compression=sbc.SBC(density=0.1, delay=2),
-                                   local_residual=LOCAL_RESIDUAL)
+                                   compression=sbc.SBC(density=0.1, delay=2,
+                                                       local_residual=LOCAL_RESIDUAL))
     sbc.broadcast_state(model, opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     digests, skipped = [digest(model)], []
@@ -204,8 +204,8 @@ def train_noniid(exchange: bool):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if exchange:
         opt = sbc.DistributedOptimizer(opt, model.named_parameters(),
-                                       compression=sbc.SBC(density=0.05, delay=1),
-                                       local_residual=LOCAL_RESIDUAL)
+                                       compression=sbc.SBC(density=0.05, delay=1,
+                                                           local_residual=LOCAL_RESIDUAL))
         sbc.broadcast_state(model, opt)
     else:  # the negative control: same start, same data, no communication at all
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -224,8 +224,8 @@ def run_kill_in_sync():
     from horovod_sbc.torch.sync import transport as ex
     model = mlp()
     opt = sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   model.named_parameters(), compression=sbc.SBC(density=0.1),
-                                   local_residual=LOCAL_RESIDUAL)
+                                   model.named_parameters(),
+                                   compression=sbc.SBC(density=0.1, local_residual=LOCAL_RESIDUAL))
     sbc.broadcast_state(model, opt)
     real = ex.allgather
     calls = {"n": 0}

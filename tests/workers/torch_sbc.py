@@ -108,7 +108,7 @@ def build(api, density, delay, momentum=0.9, mode="sbc", lr=0.05, comp=None):
         stats = None
     else:
         opt = sbc.DistributedOptimizer(base, named, compression=comp or sbc.SBC(
-            density=density, delay=delay, mode=mode), local_residual=LOCAL_RESIDUAL)
+            density=density, delay=delay, mode=mode, local_residual=LOCAL_RESIDUAL))
         sbc.broadcast_state(model, opt, root_rank=0)
         opt.zero_grad()
         stats = opt.stats
@@ -135,12 +135,14 @@ def run_train():
     if "topology" in KW:
         down = KW.get("downlink")
         comp = sbc.SBC(density=density, delay=delay, topology=KW["topology"],
-                       downlink_density=None if down in (None, "none") else float(down))
+                       downlink_density=None if down in (None, "none") else float(down),
+                       local_residual=LOCAL_RESIDUAL)
     if "mode" in KW:  # another compressor; "stc" is tests/stc_compressor.py's
         if KW["mode"] == "stc":
             sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             import stc_compressor  # noqa: F401 (registers "stc")
-        comp = sbc.SBC(density=density, delay=delay, mode=KW["mode"])
+        comp = sbc.SBC(density=density, delay=delay, mode=KW["mode"],
+                       local_residual=LOCAL_RESIDUAL)
     model, opt, stats = build(api, density, delay, comp=comp)
     digests = [digest(model)]
     losses = []
@@ -179,9 +181,10 @@ def run_save_load():
     density, delay = 0.05, 3
     comp = None
     if KW.get("topology") == "server":
-        comp = sbc.SBC(density=density, delay=delay, topology="server", downlink_density=0.1)
+        comp = sbc.SBC(density=density, delay=delay, topology="server", downlink_density=0.1,
+                       local_residual=LOCAL_RESIDUAL)
     if KW.get("method") == "terngrad":  # stochastic: resuming needs its generator state
-        comp = sbc.TernGrad(delay=delay, seed=3)
+        comp = sbc.TernGrad(delay=delay, seed=3, local_residual=LOCAL_RESIDUAL)
     model, opt, stats = build("dropin", density, delay, comp=comp)
     first = int(KW.get("first", 7))
     if MODE == "save":
@@ -225,7 +228,7 @@ def run_errors():
     opt = sbc.DistributedOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05),
         [(n, p) for n, p in model.named_parameters() if p.requires_grad],
-        compression=sbc.SBC(density=0.1, nonfinite="skip"), local_residual=LOCAL_RESIDUAL)
+        compression=sbc.SBC(density=0.1, nonfinite="skip", local_residual=LOCAL_RESIDUAL))
     sbc.broadcast_state(model, opt)
     before = digest(model)
     import warnings
@@ -271,8 +274,8 @@ def run_many():
     if KW["api"] == "stock":
         opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=sbc.SBC(0.05))
     else:
-        opt = sbc.DistributedOptimizer(base, named, compression=sbc.SBC(0.05, delay=1),
-                                       local_residual=True)
+        opt = sbc.DistributedOptimizer(base, named,
+                                       compression=sbc.SBC(0.05, delay=1, local_residual=True))
     g = torch.Generator().manual_seed(RANK)
     for _ in range(4):
         opt.zero_grad()
@@ -292,8 +295,10 @@ def run_many():
 def run_baselines():
     """Every baseline compressor through the drop-in optimizer: identical ranks, real bits."""
     out = {}
-    comps = {"topk": lambda: sbc.TopK(density=0.05), "fedavg": lambda: sbc.FedAvg(delay=3),
-             "signsgd": lambda: sbc.SignSGD(), "terngrad": lambda: sbc.TernGrad(seed=1)}
+    lr = dict(local_residual=LOCAL_RESIDUAL)
+    comps = {"topk": lambda: sbc.TopK(density=0.05, **lr),
+             "fedavg": lambda: sbc.FedAvg(delay=3, **lr),
+             "signsgd": lambda: sbc.SignSGD(**lr), "terngrad": lambda: sbc.TernGrad(seed=1, **lr)}
     for name, make in comps.items():
         GATHERED.update(sent=0, received=0)
         comp = make()
@@ -340,8 +345,8 @@ def run_odd():
     # must leave those alone (and keep them out of the layout)
     named = list(model.named_parameters())
     opt = sbc.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named,
-                                   compression=sbc.SBC(density=0.3, delay=2),
-                                   local_residual=LOCAL_RESIDUAL)
+                                   compression=sbc.SBC(density=0.3, delay=2,
+                                                       local_residual=LOCAL_RESIDUAL))
     sbc.broadcast_state(model, opt)
     digests, shared = [], []
     for s in range(6):
@@ -381,8 +386,7 @@ def run_mismatch():
         ps = [("a", torch.nn.Parameter(torch.ones(6))), ("b", torch.nn.Parameter(torch.ones(2)))]
         named = ps if RANK == 0 else ps[::-1]
     opt = sbc.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named,
-                                   compression=sbc.SBC(density=0.5),
-                                   local_residual=LOCAL_RESIDUAL)
+                                   compression=sbc.SBC(density=0.5, local_residual=LOCAL_RESIDUAL))
     for _, p in named:
         p.grad = torch.full_like(p, 1.0 + RANK)
     out["error"] = catch(opt.step)

@@ -80,7 +80,7 @@ def digest(model):
     return h.hexdigest()
 
 
-def build(api, comp, momentum=0.9, local_residual=False):
+def build(api, comp, momentum=0.9):
     torch.manual_seed(0)
     model = Net()
     with torch.no_grad():  # ranks start apart: the broadcast must make them equal
@@ -91,8 +91,7 @@ def build(api, comp, momentum=0.9, local_residual=False):
         opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=comp)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     else:
-        opt = sbc.DistributedOptimizer(base, named, compression=comp,
-                                       local_residual=local_residual)
+        opt = sbc.DistributedOptimizer(base, named, compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
     return model, opt
 
@@ -117,7 +116,8 @@ def train_step(model, opt, step, nan=False):
 
 def compressor(**over):
     kw = dict(density=float(KW.get("density", 0.05)), delay=int(KW.get("delay", 1)),
-              mode=KW.get("mode", "sbc"), topology=KW.get("topology", "reduce_scatter"))
+              mode=KW.get("mode", "sbc"), topology=KW.get("topology", "reduce_scatter"),
+              local_residual=False)  # the drop-in's shared weights: bit-identical everywhere
     if KW.get("hier") == "1":
         kw["hierarchy"] = [[0, 1], [2, 3]]
     kw.update(over)
@@ -125,9 +125,8 @@ def compressor(**over):
 
 
 def run_train():
-    comp = compressor()
-    model, opt = build(KW.get("api", "dropin"), comp,
-                       local_residual=KW.get("local_residual") == "1")
+    comp = compressor(local_residual=KW.get("local_residual") == "1")
+    model, opt = build(KW.get("api", "dropin"), comp)
     digests, losses = [shared_digest(model, opt)], []
     for s in range(int(KW.get("steps", 8))):
         losses.append(train_step(model, opt, s))
@@ -139,7 +138,7 @@ def run_train():
 def run_equiv():
     worst, models = 0.0, []
     for topo in ("allgather", "reduce_scatter"):
-        comp = sbc.SBC(density=1.0, mode="values", topology=topo)
+        comp = sbc.SBC(density=1.0, mode="values", topology=topo, local_residual=False)
         models.append(build("dropin", comp, momentum=0.0))
     for s in range(6):
         for m, o in models:

@@ -53,7 +53,9 @@ def make_opt(cfg, params):
 
 def make_comp(cfg):
     cls = {"sbc": sbc.SBC, "topk": sbc.TopK}[cfg.get("method", "sbc")]
-    return cls(density=cfg["density"], delay=cfg.get("delay", 1), **cfg.get("compressor", {}))
+    kw = {"local_residual": cfg["local_residual"]} if "local_residual" in cfg else {}
+    return cls(density=cfg["density"], delay=cfg.get("delay", 1), **cfg.get("compressor", {}),
+               **kw)
 
 
 def digest(tensors):
@@ -90,8 +92,7 @@ def run(cfg, data):
     comp = None
     if api == "dropin":
         comp = make_comp(cfg)
-        kw = {"local_residual": cfg["local_residual"]} if "local_residual" in cfg else {}
-        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp, **kw)
+        opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
     elif api in ("stock", "dense"):
         comp = make_comp(cfg) if api == "stock" else hvd.Compression.none
