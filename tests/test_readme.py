@@ -28,7 +28,10 @@ HEADER = "| you have | pass | SBC | dense | ratio | measured in |"
 HISTORY = ("before the fold", "before the momentum fold", "the default before",
            "releases ago", "used to be", "the former behaviour", "two releases",
            "the former drop-in", "the old drop-in", "before the fused encoder",
-           "before the avx-512", "has it since", "the previous stop", "what changed in this round")
+           "before the avx-512", "has it since", "the previous stop", "what changed in this round",
+           "before the backend split", "after the backend split", "around the backend split",
+           "rerun after the merge", "the previous commit", "before -> after", "after = now",
+           "new in this version", "the previous validation")
 #: a figure: 94.8 ± 0.2 %, 7.16, ×2,360, 338x, 592
 FIGURE = re.compile(r"×?\d[\d,]*(?:\.\d+)?(?: ± \d[\d,]*(?:\.\d+)?)?(?: %|x\b)?")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -13,8 +13,8 @@ the change of the weights since the shared weights ``W_ref``. The user's loop st
     grads = tape.gradient(loss, variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))   # steps, then syncs
 
-:func:`adopt` mixes :class:`_StockWeights` into the optimizer instance (once; as
-:func:`horovod_sbc.tensorflow.adam.freeze_variance_after` mixes its frozen step): its ``apply``
+:func:`adopt` mixes :class:`_StockWeights` into the optimizer instance (once; as the variance
+freeze of :mod:`horovod_sbc.tensorflow.adam` mixes its frozen step): its ``apply``
 (Keras 3: ``apply_gradients`` calls it) runs the original step, then ``sbc.step(variables,
 self)``; eagerly and inside ``tf.function``.
 
