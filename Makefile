@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: install demo test bench fuzz clean
+.PHONY: install demo test bench fuzz coverage clean
 
 install:
 	bash scripts/install.sh
@@ -33,6 +33,9 @@ bench: install
 	$(PY) -m benchmarks.quality --study oneline --parts lm_docs,lm_iid --resume --json benchmarks/results/quality_oneline.json
 	$(PY) -m benchmarks.quality --study optimizers --parts opt_iid --resume --json benchmarks/results/quality_optimizers.json
 	$(PY) -m benchmarks.bench gpu --device cpu --json benchmarks/results/gpu_check_cpu.json
+
+coverage: install
+	bash scripts/coverage.sh
 
 fuzz: install
 	FUZZ_CASES=$${FUZZ_CASES:-1000000} DIFF_CASES=$${DIFF_CASES:-1000000} DIFF_TF_EVERY=10 \
