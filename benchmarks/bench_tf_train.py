@@ -21,10 +21,16 @@ batch 64 per rank, 500 steps unless ``--steps``):
                  broadcasts at the start and calls ``finish()`` at the end itself);
 ``torch_alone``  no communication: each rank trains on its shard alone (the floor a compressed
                  run must beat);
-``torch_stock_sbc`` / ``tf_stock_sbc``  the one-line changes to stock Horovod, delay 1 only:
-                 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=SBC(density))``
-                 and ``hvd.DistributedGradientTape(tape, compression=SBC(density, optimizer=opt),
-                 groups=1)`` (both fold SGD's momentum).
+``torch_stock_sbc`` / ``tf_stock_sbc``  the one-line changes to stock Horovod:
+                 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=SBC(density,
+                 delay))`` and ``hvd.DistributedGradientTape(tape, compression=SBC(density, delay,
+                 optimizer=opt), groups=1)``, the initial weights broadcast before the first step.
+                 What they exchange is :func:`horovod_sbc.policy.choose`'s: SGD at delay 1 the
+                 gradients (SGD's momentum folded; no ``finish()``), AdamW or any delay > 1 the
+                 weight changes as the drop-ins do (Adam's second moment frozen by SBC's
+                 default ``freeze_variance_after="auto"``), then ``finish()`` as the drop-in rows.
+                 In the default list at ``--delay 1`` and with ``--optimizer adamw``; with SGD at
+                 a delay > 1 ask for them with ``--methods``.
 
 The torch side is :func:`benchmarks.bench_train.run_task_jobs` (the ``task-worker`` of the
 ``tasks`` sweep, unchanged). The TF side (:func:`tf_worker_main`) builds the *same* model: the
@@ -39,18 +45,26 @@ the two frameworks start equal and see the same data; only the framework and its
 
 ``--optimizer adamw`` trains every method with AdamW instead (lr ``--lr``, default 1e-3,
 betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.01: torch's ``AdamW`` and Keras'
-``AdamW(epsilon=1e-8)``; no stock methods, whose hooks warn for Adam), and ``--freeze K`` freezes
-Adam's second moment after K steps in every method of both frameworks: the torch drop-in's
-``SBC(freeze_variance_after=K)``, ``horovod_sbc.tensorflow.adam.freeze_variance_after(opt, K)`` for
-the TF tape and the Keras callback, and the same frozen optimizer for the dense and no-communication
-rows.
+``AdamW(epsilon=1e-8)``), the stock methods included. Without ``--freeze`` every row is what a
+user gets: the dense and no-communication rows plain AdamW, the SBC rows SBC's defaults, which
+freeze Adam's second moment automatically (``freeze_variance_after="auto"``: after
+:func:`horovod_sbc.policy.auto_freeze_step`, 100 steps at beta2 0.999 and a constant learning
+rate). With AdamW the TF drop-in tape gets ``SBC(..., optimizer=opt)`` (the documented way to
+freeze an optimizer whose step a ``tf.function`` traces), the Keras callback freezes the model's
+optimizer itself. ``--freeze K`` instead freezes Adam's second moment after K steps in every
+method of both frameworks, dense included (a different comparison from the defaults): the torch
+SBC rows' ``SBC(freeze_variance_after=K)``,
+``horovod_sbc.tensorflow.adam.freeze_variance_after(opt, K)`` for every TF row, and the same
+frozen optimizer for the torch dense and no-communication rows.
 
 SBC settings: density 0.01, delay 4 (``bench_train.HEADLINE`` and the ``sbc p=0.01 n=4`` row of
 the mnist1d task sweep; ``--delay 1`` for the other default), every other knob at each
 framework's default (both: selection "paper", ``local_residual=None``, which is the residual in
 the weights at delay 4 and, for SGD at delay 1, beside the shared weights with the momentum
 folded; plain outer step, ``nonfinite="raise"``, no fixed size). The TF drop-in tape passes its
-optimizer to ``sbc.step``, the Keras callback passes the model's.
+optimizer to ``sbc.step``, the Keras callback passes the model's. Every SBC row's accuracy,
+stock rows in weight mode included, is that of the model after ``finish()``; ``score_shared`` in
+the JSON is the shared weights' before it.
 
 Reported per method: test accuracy (fraction) of the final model (after ``finish()`` for SBC)
 mean ± std over seeds (population std, as the other tables), the upstream compression ratio
@@ -84,7 +98,7 @@ DENSITY, DELAY = 0.01, 4                 # bench_train.HEADLINE; the mnist1d swe
 TORCH_METHODS = ("torch_dense", "torch_alone", "torch_sbc", "torch_stock_sbc")
 TF_METHODS = ("tf_dense", "tf_tape_sbc", "keras_sbc", "tf_stock_sbc")
 METHODS = TORCH_METHODS + TF_METHODS
-#: the one-line changes to stock Horovod: gradients, so delay 1 only
+#: the one-line changes to stock Horovod (in the default list at delay 1 and with AdamW)
 STOCK_METHODS = ("torch_stock_sbc", "tf_stock_sbc")
 #: the torch counterpart each TF method is compared with
 COUNTERPART = {"tf_dense": "torch_dense", "tf_tape_sbc": "torch_sbc", "keras_sbc": "torch_sbc",
@@ -211,11 +225,15 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
                   callbacks=[cb, Timer()])      # the timer after the SBC callback: sync counted
     else:
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        adam = (cfg.get("optimizer") or {}).get("optimizer", "sgd") != "sgd"
         if method == "tf_tape_sbc":
-            sbc = hsbc.SBC(density=cfg["density"], delay=cfg["delay"])
+            # with AdamW the optimizer given: SBC freezes its variance before the step is traced
+            sbc = hsbc.SBC(density=cfg["density"], delay=cfg["delay"],
+                           **({"optimizer": opt} if adam else {}))
         elif method == "tf_stock_sbc":
-            sbc = hsbc.SBC(density=cfg["density"], optimizer=opt)
+            sbc = hsbc.SBC(density=cfg["density"], delay=cfg["delay"], optimizer=opt)
             opt.build(variables)  # its momentum exists before the traced step folds it
+        # before the first step: the stock tape's weight exchange checks that ranks start equal
         hsbc.broadcast_variables(model.variables, root_rank=0)
 
         @tf.function
@@ -241,10 +259,11 @@ def _tf_train_once(method: str, task, cfg: dict, seed: int) -> dict:
             train_step(tf.constant(xs[b]), tf.constant(ys[b]))
             times.append(time.perf_counter() - t0)
     score_shared = None
-    # weight mode (the tape and the callback) keeps shared reference weights and ends with
-    # finish(); results saved before the tape became weight mode at delay 1 show "gradients"
+    # weight mode (the tape, the callback, and the stock tape with AdamW or at a delay > 1)
+    # keeps shared reference weights and ends with finish(); results saved before the tape
+    # became weight mode at delay 1 show "gradients"
     weight_mode = sbc is not None and len(sbc.reference) > 0
-    if method == "tf_tape_sbc" and weight_mode:
+    if method in ("tf_tape_sbc", "tf_stock_sbc") and weight_mode:
         if int(sbc.local_steps.numpy()):      # a partial window: synchronize it (counted)
             sbc.synchronize(variables)
         own = [v.numpy() for v in variables]  # the shared weights W_ref, before finish()
@@ -502,12 +521,16 @@ def parse_args(argv=None):
                     help="the shards: IID (default) or label-skewed, each rank its own classes")
     ap.add_argument("--methods", type=lambda v: [m for m in v.split(",") if m],
                     help="comma-separated subset of " + ",".join(METHODS) + " (default: all; "
-                    "the stock ones at --delay 1 only)")
+                    "the stock ones at --delay 1 or with --optimizer adamw)")
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                    help="sgd: the recipe's SGD momentum (default); adamw: AdamW in every method")
+                    help="sgd: the recipe's SGD momentum (default); adamw: AdamW in every "
+                    "method, the stock ones included (SBC rows: SBC's defaults, Adam's variance "
+                    "frozen automatically; dense rows: plain AdamW)")
     ap.add_argument("--lr", type=float, help=f"AdamW's learning rate (default {ADAMW_LR})")
     ap.add_argument("--freeze", type=int, help="AdamW only: freeze Adam's second moment after "
-                                               "this many steps, in every method")
+                                               "this many steps in every method, dense included "
+                                               "(default: SBC's automatic freeze in the SBC rows "
+                                               "only)")
     ap.add_argument("--json", help="write the results here (and FILE.md, FILE.partial)")
     ap.add_argument("--resume", action="store_true", help="reuse the jobs saved in JSON.partial")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
@@ -517,18 +540,14 @@ def parse_args(argv=None):
         ap.error("--lr and --freeze go with --optimizer adamw (SGD keeps the recipe's)")
     if args.freeze is not None and args.freeze < 1:
         ap.error("--freeze needs a number of steps >= 1")
-    stock_ok = args.delay == 1 and args.optimizer == "sgd"
+    stock_default = args.delay == 1 or args.optimizer != "sgd"
     if args.methods is None:
-        args.methods = [m for m in METHODS if stock_ok or m not in STOCK_METHODS]
+        args.methods = [m for m in METHODS if stock_default or m not in STOCK_METHODS]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"unknown method(s) {','.join(bad)}; choose from {','.join(METHODS)}")
     if not args.seeds:
         ap.error("--seeds needs at least one seed")
-    if args.delay != 1 and set(args.methods) & set(STOCK_METHODS):
-        ap.error("the stock methods exchange gradients: they run at --delay 1 only")
-    if args.optimizer != "sgd" and set(args.methods) & set(STOCK_METHODS):
-        ap.error("the stock methods run with SGD only (their hooks warn for Adam)")
     if args.workers < 1 or args.delay < 1 or not 0 < args.density <= 1:
         ap.error("--workers and --delay must be >= 1, --density in (0, 1]")
     return args
@@ -569,7 +588,8 @@ def torch_specs(methods: Sequence[str], args) -> List[dict]:
     """The ``benchmarks.bench_train`` spec of each torch method."""
     steps, extra = _steps(args), optimizer_spec(args)
     return [dict({"torch_dense": _s("none", steps=steps), "torch_alone": _s("local", steps=steps),
-                  "torch_stock_sbc": _s("sbc", args.density, 1, api="stock", steps=steps)}.get(
+                  "torch_stock_sbc": _s("sbc", args.density, args.delay, api="stock",
+                                        steps=steps)}.get(
                       m, _s("sbc", args.density, args.delay, steps=steps)), **extra)
             for m in methods]
 
@@ -608,7 +628,12 @@ def report(rows: List[dict], args, wall_s: float, command: str) -> dict:
                    "optimizer": optimizer_spec(args) or {"optimizer": "sgd", "lr": 0.05,
                                                           "momentum": 0.9},
                    "sbc_other_knobs": "each framework's defaults (selection 'paper', "
-                                      "local_residual=None, plain outer step)"},
+                                      "local_residual=None, plain outer step)",
+                   **({"adam_variance_freeze": (
+                       f"after {args.freeze} steps in every row, dense included" if args.freeze
+                       else "SBC rows: SBC's default freeze_variance_after='auto'; dense and "
+                            "no-communication rows: plain AdamW")}
+                      if args.optimizer != "sgd" else {})},
         "rows": rows, "summary": summ, "gaps": g, "verdict": verdict(g),
         "tf_ranks_identical": all(r.get("ranks_identical") for r in tf_rows) if tf_rows
         else None,

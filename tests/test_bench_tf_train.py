@@ -149,12 +149,15 @@ def test_torch_rows_split_seeds():
 def test_parse_args_and_jobs():
     a = bt.parse_args(["--workers", "4", "--seeds", "0,1,2", "--json", "x.json"])
     assert (a.workers, a.seeds, a.density, a.delay, a.json) == (4, [0, 1, 2], 0.01, 4, "x.json")
-    # at delay 4 every method but the stock ones (gradients: delay 1 only)
+    # SGD at delay 4: every method but the stock ones (asked for by --methods)
     assert a.methods == [m for m in bt.METHODS if m not in bt.STOCK_METHODS]
     assert "torch_alone" in a.methods and bt._steps(a) == 500
     assert bt.parse_args(["--delay", "1"]).methods == list(bt.METHODS)
-    with pytest.raises(SystemExit):
-        bt.parse_args(["--delay", "4", "--methods", "tf_stock_sbc"])
+    # the stock paths exchange weight changes at a delay > 1: the stock rows take it
+    d4 = bt.parse_args(["--delay", "4", "--methods", "tf_stock_sbc,torch_stock_sbc"])
+    assert d4.methods == ["tf_stock_sbc", "torch_stock_sbc"]
+    assert [(s["api"], s["delay"]) for s in bt.torch_specs(["torch_stock_sbc"], d4)] == \
+        [("stock", 4)]
     js = bt.jobs(a)
     assert [(j["framework"], j["seed"]) for j in js] == [
         ("torch", 0), ("tf", 0), ("torch", 1), ("tf", 1), ("torch", 2), ("tf", 2)]
@@ -210,12 +213,12 @@ def test_table_marks_the_tapes_gradient_mode():
 
 def test_adamw_with_the_freeze_reaches_every_method_of_both_frameworks():
     a = bt.parse_args(["--optimizer", "adamw", "--freeze", "100", "--delay", "1"])
-    assert not set(a.methods) & set(bt.STOCK_METHODS)  # the stock hooks warn for Adam
+    assert a.methods == list(bt.METHODS)  # the stock ones exchange weight changes with Adam
     spec = bt.optimizer_spec(a)
     assert spec == {"optimizer": "adamw", "lr": bt.ADAMW_LR,
                     "weight_decay": bt.ADAMW_WEIGHT_DECAY, "freeze_variance_after": 100}
-    specs = bt.torch_specs(["torch_dense", "torch_alone", "torch_sbc"], a)
-    assert [s["method"] for s in specs] == ["none", "local", "sbc"]
+    specs = bt.torch_specs(["torch_dense", "torch_alone", "torch_sbc", "torch_stock_sbc"], a)
+    assert [s["method"] for s in specs] == ["none", "local", "sbc", "sbc"]
     assert all({k: s[k] for k in spec} == spec for s in specs)
     # an SGD run and an AdamW run of the same seed are different jobs for --resume
     sgd = bt.parse_args(["--delay", "1", "--methods", ",".join(a.methods)])
@@ -223,10 +226,17 @@ def test_adamw_with_the_freeze_reaches_every_method_of_both_frameworks():
     assert not {j["key"] for j in bt.jobs(a)} & {j["key"] for j in bt.jobs(sgd)}
     assert bt.optimizer_spec(bt.parse_args(["--optimizer", "adamw", "--lr", "0.003"]))["lr"] \
         == 0.003
-    for bad in (["--freeze", "100"], ["--lr", "0.1"], ["--optimizer", "adamw", "--freeze", "0"],
-                ["--optimizer", "adamw", "--delay", "1", "--methods", "tf_stock_sbc"]):
+    for bad in (["--freeze", "100"], ["--lr", "0.1"], ["--optimizer", "adamw", "--freeze", "0"]):
         with pytest.raises(SystemExit):
             bt.parse_args(bad)
+    # AdamW without --freeze at the default delay: every method, stock ones at that delay, and
+    # no freeze in any spec (SBC's automatic one in the SBC rows, plain AdamW in the dense ones)
+    auto = bt.parse_args(["--optimizer", "adamw"])
+    assert auto.methods == list(bt.METHODS)
+    assert "freeze_variance_after" not in bt.optimizer_spec(auto)
+    stock = bt.torch_specs(["torch_stock_sbc"], auto)[0]
+    assert (stock["api"], stock["delay"], stock["optimizer"]) == ("stock", bt.DELAY, "adamw")
+    assert "freeze_variance_after" not in stock
 
 
 def test_the_keras_optimizer_of_a_spec():
