@@ -13,7 +13,13 @@ The ranks of a node act as one SBC worker. Per sync (graph pieces: eagerly and i
    crossing the shard, named ``"name[a:b]"``, flat residual variables in ``SBC.residuals``:
    checkpointed under torch's names) and allgathers the step message with the local ranks
    ``i`` of the other nodes (``"sbc.hierarchy.cross.<i>"``); a node whose update is not finite
-   sends the ERROR/SKIP step naming its first failing rank and tensor instead;
+   sends the ERROR/SKIP step naming its first failing rank and tensor instead. With
+   ``topology="reduce_scatter"`` the shard goes through torch's sparse reduce-scatter among
+   those ranks instead (:func:`horovod_sbc.tensorflow.sync.topology.through_regions` on the
+   cross-node process set: the shard's pieces cut into one region per node, parts by
+   ``alltoall`` ``"sbc.hierarchy.cross.<i>.parts"``, each owner re-compressing its region with
+   its downlink residual, ``SBC.server_residuals`` keyed by torch's piece names and
+   checkpointed, the region messages allgathered, ``"sbc.hierarchy.cross.<i>.regions"``);
 3. the decoded average of shard ``i`` (and, ``local_residual=True``, shard ``i`` of the node's
    residual, moved out of the residual variables) is shared inside the node by one dense
    ``allgather`` (``"sbc.hierarchy.share"``) with an outcome flag; every rank applies the same
@@ -23,8 +29,8 @@ The ranks of a node act as one SBC worker. Per sync (graph pieces: eagerly and i
 ``local_residual=True``: every rank of a node continues from ``W_ref + R_node``; ``False``: from
 ``W_ref``, the residual of shard ``i`` kept by local rank ``i``. ``outer=`` acts on the whole
 average, identically on every rank. Refused with ``ValueError``: variables other than
-float32/float64 or of several dtypes, ``topology="reduce_scatter"`` (not available in
-TensorFlow yet) and ``"server"`` (by :class:`horovod_sbc.config.SBCConfig`).
+float32/float64 or of several dtypes, and ``topology="server"`` (by
+:class:`horovod_sbc.config.SBCConfig`).
 
 The process sets must exist on every rank: declared at initialisation
 (``hvd.init(process_sets=horovod_sbc.tensorflow.hierarchy_process_sets(groups))``) or added at
@@ -35,6 +41,7 @@ names are torch's: :mod:`horovod_sbc.hierarchy` (framework-free) holds them for 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -46,7 +53,8 @@ from ..hierarchy import (Groups, Layout, check, describe, layout, parse,  # noqa
                          piece_name, set_lists)
 from .backend.host import nonfinite_step
 from .owner import tf_variable
-from .sync.exchange import COMMIT, collective_name, encode_step, tf_name
+from .sync import scatter, topology
+from .sync.exchange import COMMIT, allgather, collective_name, encode_step, tf_name
 from .sync.state import state_variable, static_shape
 
 _SETS: Dict[Tuple[int, ...], object] = {}  # ranks -> the hvd.ProcessSet made for them here
@@ -123,10 +131,6 @@ class Hierarchy:
         import horovod.tensorflow as hvd
         spec = sbc.config.hierarchy
         what = what or describe(spec)
-        if sbc.config.topology != "allgather":
-            raise ValueError(f"{what} with topology={sbc.config.topology!r} is not available "
-                             "in TensorFlow yet: its nodes exchange by allgather (the default "
-                             "topology)")
         size, rank = sbc._world()
         groups = horovod_nodes(hvd) if spec == "node" else spec
         self.groups = check(groups, size, what)
@@ -334,22 +338,33 @@ class Hierarchy:
 
     def _cross(self, sbc, lay: Layout, pieces, res, avg, status, dtype):
         """This rank's shard of the node's average, SBC-compressed with its residual and
-        exchanged with the same shard of every other node: ``(code, decoded shard, ops)``."""
+        exchanged with the same shard of every other node (an allgather, or torch's sparse
+        reduce-scatter among them with ``topology="reduce_scatter"``): ``(code, decoded
+        shard, ops)``."""
         cfg = sbc.config
         skip = cfg.nonfinite == "skip"
         shapes = [(b - a,) for _, a, b in lay.pieces]
         lo = self.local * lay.shard
         spans = [(lay.offsets[i] + a - lo, lay.offsets[i] + b - lo) for i, a, b in lay.pieces]
         updates = [avg[a:b] for a, b in spans]
+        reads = [r.read_value() for r in res]
         playout = [(p, sh) for p, sh in zip(pieces, shapes)]
-        fp = wire.layout_fingerprint(playout)
-        capacity = reference.step_capacity([b - a for _, a, b in lay.pieces], cfg.density,
-                                           cfg.mode) if cfg.fixed_size else None
         backend = sbc._backend_of(res)
-        up = encode_step(backend, pieces, shapes, updates, [r.read_value() for r in res],
-                         density=cfg.density, mode=cfg.mode, skip=skip, rank=self.cross_rank,
-                         selection=cfg.selection, seeds=sbc._seeds(self.cross_rank, len(pieces)),
-                         capacity=capacity)
+        knobs = dict(density=cfg.density, mode=cfg.mode, skip=skip, rank=self.cross_rank,
+                     selection=cfg.selection)
+        if cfg.topology == "reduce_scatter":  # the shard's pieces cut into the nodes' regions
+            plan = scatter.plan(tuple(playout), self.nodes)
+            sent, capacity = plan.layout, None
+            up = encode_step(backend, [n for n, _ in sent], [sh for _, sh in sent],
+                             scatter.pieces(plan, updates), scatter.pieces(plan, reads),
+                             seeds=sbc._seeds(self.cross_rank, len(sent)), **knobs)
+        else:
+            plan, sent = None, playout
+            capacity = reference.step_capacity([b - a for _, a, b in lay.pieces], cfg.density,
+                                               cfg.mode) if cfg.fixed_size else None
+            up = encode_step(backend, pieces, shapes, updates, reads, capacity=capacity,
+                             seeds=sbc._seeds(self.cross_rank, len(pieces)), **knobs)
+        fp = wire.layout_fingerprint(sent)
         # the node's first failing rank and tensor, as every rank of the node sees them
         failing = status >= 0
         node_bad = tf.reduce_any(failing)
@@ -361,14 +376,27 @@ class Hierarchy:
         step, padding = tf.cond(node_bad,
                                 lambda: (tf.constant(raw)[begin:end], tf.gather(pads, which)),
                                 lambda: (up.step, up.padding))
-        gathered = _collective("allgather", f"sbc.hierarchy.cross.{self.local}", step,
-                               self.cross)
-        with tf.control_dependencies(sbc._count_traffic(step, gathered, padding)):
-            gathered = tf.identity(gathered)
-        code, decoded = backend.decode(gathered, playout, self.nodes, scale=1.0 / self.nodes,
-                                       out_dtypes=[dtype] * len(pieces),
-                                       failed=tf.logical_or(up.failed, node_bad), strict=False)
-        ops = [sbc._commit(res, updates, code, up.new_residuals, up.positions)]
+        failed = tf.logical_or(up.failed, node_bad)
+        tag = f"sbc.hierarchy.cross.{self.local}"
+        if plan is None:
+            gathered = allgather(step, tag, self.cross)
+            with tf.control_dependencies(sbc._count_traffic(step, gathered, padding)):
+                gathered = tf.identity(gathered)
+            code, decoded = backend.decode(gathered, playout, self.nodes,
+                                           scale=1.0 / self.nodes,
+                                           out_dtypes=[dtype] * len(pieces), failed=failed,
+                                           strict=False)
+            new_res = up.new_residuals
+        else:  # this rank owns region `cross_rank` of the shard: its downlink residuals
+            code, flat = topology.through_regions(
+                sbc, backend, plan, dataclasses.replace(up, step=step, failed=failed),
+                rank=self.cross_rank, scale=1.0 / self.nodes, tag=tag, outs=None,
+                out_dtypes=[dtype] * len(sent), acc_dtype=dtype,
+                count=lambda **bits: [sbc.counters[k].assign_add(v) for k, v in bits.items()],
+                variable=state_variable, process_set=self.cross)
+            decoded = scatter.tensors(plan, flat, shapes)
+            new_res = scatter.tensors(plan, up.new_residuals, shapes)
+        ops = [sbc._commit(res, updates, code, new_res, up.positions)]
         covered = sum(b - a for a, b in spans)
         u = tf.pad(tf.concat([tf.reshape(t, [-1]) for t in decoded], 0)
                    if decoded else tf.zeros([0], dtype), [[0, lay.shard - covered]])

@@ -9,16 +9,23 @@ Parts (each recorded under its own key):
             checkpoint's keys; a tf.train.Checkpoint mid-delay, restored into a fresh model,
             optimizer and SBC, which take the same steps
   in_weights  ``local_residual=True`` in tf.function, delay 2 (no checkpoint)
+  scatter   as ``stored`` with ``topology="reduce_scatter"`` across the nodes, in tf.function:
+            also the downlink residuals' names and norms at the checkpoint, their sha256 at
+            the end of the run and of the resumed run
             each then ends with ``finish`` right after a sync (``average_residuals=True``):
             the weights' sha256, their distance to torch's rule computed here from the state
             before (``W_ref`` + the mean over ranks of ``W - W_ref`` with the residual in the
             weights, else of the residual pieces times the node size)
   nonfinite a NaN on rank 3 (``nonfinite="raise"``: every rank's error) and on rank 1
-            (``"skip"``: every rank skips, then syncs again)
+            (``"skip"``: every rank skips, then syncs again); ``nonfinite_rs`` the same with
+            ``topology="reduce_scatter"``
   fit       Keras fit with SBCCallback: the shared weights' sha256 after every batch
 
 ``mixed`` (argv[2]): even ranks TensorFlow, odd ranks torch's drop-in, one job: 3 syncs of
-deterministic updates through the hierarchy, the shared weights' sha256 after each.
+deterministic updates through the hierarchy, the shared weights' sha256 after each; then the
+same with ``topology="reduce_scatter"`` across the nodes [[0, 3], [1, 2]], whose cross-node
+sets (0, 1) and (2, 3) pair a TensorFlow rank with a torch rank (key ``scatter``: also the
+downlink residuals' names).
 """
 import hashlib
 import os
@@ -32,6 +39,7 @@ from common import catch, write_result  # noqa: E402
 import numpy as np  # noqa: E402
 
 GROUPS = [[0, 1], [2, 3]]
+MIXED_RS = [[0, 3], [1, 2]]  # the mixed job's reduce-scatter: every cross-node set is TF + torch
 DELAY, FIRST, MORE = 2, 3, 4  # the checkpoint falls mid-delay (syncs after steps 2, 4, 6)
 N_IN, N_HID, N_OUT = 12, 16, 4
 RANK_ENV = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))
@@ -53,24 +61,42 @@ def update(rank, s):
     return {n: rng.standard_normal(sh).astype(np.float32) for n, sh in SHAPES.items()}
 
 
+def declared(hierarchy_process_sets):
+    """Every process set of both groupings, once each, in the same order on every rank."""
+    out = []
+    for ps in hierarchy_process_sets(GROUPS) + hierarchy_process_sets(MIXED_RS):
+        if all(ps is not q for q in out):
+            out.append(ps)
+    return out
+
+
 def mixed_tf():
     import tensorflow as tf
     import horovod.tensorflow as hvd
     import horovod_sbc.tensorflow as hsbc
     from horovod_sbc.tensorflow.hierarchy import hierarchy_process_sets
-    hvd.init(process_sets=hierarchy_process_sets(GROUPS))
+    hvd.init(process_sets=declared(hierarchy_process_sets))
     rank = hvd.rank()
-    ws = {n: tf.Variable(tf.zeros(sh), name=n) for n, sh in SHAPES.items()}
-    sbc = hsbc.SBC(density=0.05, local_residual=False, hierarchy=GROUPS, outer=hsbc.Plain())
-    sbc.build(list(ws.values()))
-    out = {"framework": "tf", "digests": []}
-    for s in range(3):
-        for n, u in update(rank, s).items():
-            ws[n].assign_add(u)
-        sbc.synchronize(list(ws.values()))
-        out["digests"].append(sha([sbc.reference[n].numpy() for n in sorted(SHAPES)]))
-        out.setdefault("weights", []).append(sha([ws[n].numpy() for n in sorted(SHAPES)]))
-    out["stats"] = sbc.stats()
+    out = {"framework": "tf"}
+    for key, groups, topology in (("allgather", GROUPS, "allgather"),
+                                  ("scatter", MIXED_RS, "reduce_scatter")):
+        ws = {n: tf.Variable(tf.zeros(sh), name=n) for n, sh in SHAPES.items()}
+        sbc = hsbc.SBC(density=0.05, local_residual=False, hierarchy=groups,
+                       outer=hsbc.Plain(), topology=topology)
+        sbc.build(list(ws.values()))
+        rec = {"digests": [], "weights": []}
+        for s in range(3):
+            for n, u in update(rank, s).items():
+                ws[n].assign_add(u)
+            sbc.synchronize(list(ws.values()))
+            rec["digests"].append(sha([sbc.reference[n].numpy() for n in sorted(SHAPES)]))
+            rec["weights"].append(sha([ws[n].numpy() for n in sorted(SHAPES)]))
+        rec["stats"] = sbc.stats()
+        rec["downlink"] = sorted(sbc.server_residuals.keys())
+        if key == "allgather":
+            out.update(rec)
+        else:
+            out["scatter"] = rec
     return rank, out
 
 
@@ -78,28 +104,56 @@ def mixed_torch():
     import torch
     import horovod.torch as hvd
     import horovod_sbc.torch as sbc
-    hvd.init(process_sets=sbc.hierarchy_process_sets(GROUPS))
+    hvd.init(process_sets=declared(sbc.hierarchy_process_sets))
     torch.set_num_threads(1)
     rank = hvd.rank()
-    ps = {n: torch.nn.Parameter(torch.zeros(sh)) for n, sh in SHAPES.items()}
-    opt = sbc.DistributedOptimizer(
-        torch.optim.SGD(list(ps.values()), lr=1.0), list(ps.items()),
-        compression=sbc.SBC(density=0.05, local_residual=False, hierarchy=GROUPS,
-                            outer=sbc.Plain()))
-    out = {"framework": "torch", "digests": []}
-    ref = opt.compression.manager.reference
-    for s in range(3):
-        for n, u in update(rank, s).items():
-            ps[n].grad = -torch.from_numpy(u)  # SGD(lr=1): W + u, as TF's assign_add
-        opt.step()
-        out["digests"].append(sha([ref[n].numpy() for n in sorted(SHAPES)]))
-        out.setdefault("weights", []).append(sha([ps[n].detach().numpy() for n in sorted(SHAPES)]))
-    out["stats"] = opt.stats()
+    out = {"framework": "torch"}
+    for key, groups, topology in (("allgather", GROUPS, "allgather"),
+                                  ("scatter", MIXED_RS, "reduce_scatter")):
+        ps = {n: torch.nn.Parameter(torch.zeros(sh)) for n, sh in SHAPES.items()}
+        opt = sbc.DistributedOptimizer(
+            torch.optim.SGD(list(ps.values()), lr=1.0), list(ps.items()),
+            compression=sbc.SBC(density=0.05, local_residual=False, hierarchy=groups,
+                                outer=sbc.Plain(), topology=topology))
+        rec = {"digests": [], "weights": []}
+        ref = opt.compression.manager.reference
+        for s in range(3):
+            for n, u in update(rank, s).items():
+                ps[n].grad = -torch.from_numpy(u)  # SGD(lr=1): W + u, as TF's assign_add
+            opt.step()
+            rec["digests"].append(sha([ref[n].numpy() for n in sorted(SHAPES)]))
+            rec["weights"].append(sha([ps[n].detach().numpy() for n in sorted(SHAPES)]))
+        rec["stats"] = opt.stats()
+        rec["downlink"] = sorted(opt.compression.manager.server_residuals.keys())
+        if key == "allgather":
+            out.update(rec)
+        else:
+            out["scatter"] = rec
     return rank, out
 
 
+def done_tf():
+    """Every rank waits for every other before exiting: a sync ends with a collective inside
+    the node, and a node that exits first shuts Horovod down under the other's last one."""
+    import tensorflow as tf
+    from horovod_sbc.tensorflow.sync.exchange import allgather
+    allgather(tf.zeros([1], tf.uint8), "test.done")
+
+
+def done_torch():
+    import torch
+    import horovod.torch as hvd
+    hvd.allgather(torch.zeros(1, dtype=torch.uint8), name="test.done")
+
+
 if len(sys.argv) > 2 and sys.argv[2] == "mixed":
-    write_result(*(mixed_tf() if RANK_ENV % 2 == 0 else mixed_torch()))
+    if RANK_ENV % 2 == 0:
+        mixed = mixed_tf()
+        done_tf()
+    else:
+        mixed = mixed_torch()
+        done_torch()
+    write_result(*mixed)
     sys.exit(0)
 
 # -- the TensorFlow job ----------------------------------------------------------------------
@@ -196,14 +250,17 @@ def part_errors():
             "twice": attempt([[0, 1], [1, 2, 3]]),
             "node": attempt("node"),
             "server": attempt(GROUPS, topology="server"),
-            "scatter": attempt(GROUPS, topology="reduce_scatter"),
             "disagree": attempt(mine),
             "fp16": attempt(GROUPS, dtype="float16"),
             "undeclared": attempt([[0, 3], [1, 2]])}
 
 
-def run_config(local_residual, fn, checkpoint):
-    model, opt, sbc = build(local_residual=local_residual)
+def downlink(sbc):
+    return sha([sbc.server_residuals[k].numpy() for k in sorted(sbc.server_residuals.keys())])
+
+
+def run_config(local_residual, fn, checkpoint, **kw):
+    model, opt, sbc = build(local_residual=local_residual, **kw)
     step = make_step(model, opt, sbc, fn)
     rec = new_rec()
     train(model, sbc, step, 0, FIRST, rec)
@@ -211,23 +268,27 @@ def run_config(local_residual, fn, checkpoint):
         path = tf.train.Checkpoint(model=model, optimizer=opt, sbc=sbc).write(
             os.path.join(CKPT, "ckpt"))
     rec["residuals"] = {k: float(np.abs(v.numpy()).sum()) for k, v in sbc.residuals.items()}
+    rec["downlink"] = {k: float(np.abs(v.numpy()).sum())
+                       for k, v in sbc.server_residuals.items()}
     train(model, sbc, step, FIRST, MORE, rec)
     rec["stats"] = sbc.stats()
+    rec["downlink_end"] = downlink(sbc)
     rec["numel"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     rec["local_residual"] = sbc.local_residual
     if checkpoint:
         rec["keys"] = sorted(k for k, _ in tf.train.list_variables(path)
                              if k.startswith("sbc/"))
-        m2, o2, s2 = build(local_residual=local_residual, broadcast=False)
+        m2, o2, s2 = build(local_residual=local_residual, broadcast=False, **kw)
         tf.train.Checkpoint(model=m2, optimizer=o2, sbc=s2).read(path).assert_nontrivial_match()
         again = new_rec()
         again["local_steps"] = int(s2.local_steps.numpy())
         train(m2, s2, make_step(m2, o2, s2, fn), FIRST, MORE, again)
         again["stats"] = s2.stats()
+        again["downlink_end"] = downlink(s2)
         rec["resumed"] = again
         # the same state under another grouping is refused
         m3, o3, s3 = build(hierarchy=[[0, 2], [1, 3]], broadcast=False,
-                           local_residual=local_residual)
+                           local_residual=local_residual, **kw)
         tf.train.Checkpoint(model=m3, optimizer=o3, sbc=s3).read(path).expect_partial()
         rec["regrouped"] = catch(lambda: make_step(m3, o3, s3)(*batch(0)))
     rec["finish"] = finish_after_sync(model, sbc)
@@ -263,11 +324,11 @@ def finish_after_sync(model, sbc):
             "residuals": {k: float(np.abs(r.numpy()).sum()) for k, r in sbc.residuals.items()}}
 
 
-def part_nonfinite():
+def part_nonfinite(**kw):
     """A NaN written into a weight after the optimizer's step (its velocity stays finite)."""
     out = {}
     for mode, bad_rank in (("raise", 3), ("skip", 1)):
-        model, opt, sbc = build(nonfinite=mode, delay=1, local_residual=True)
+        model, opt, sbc = build(nonfinite=mode, delay=1, local_residual=True, **kw)
 
         def step(s, nan=False):
             x, y = batch(s)
@@ -321,8 +382,12 @@ result = {"rank": RANK, "size": SIZE, "path": hsbc.__file__, "seconds": {}}
 for key, fn in (("errors", part_errors),
                 ("stored", lambda: run_config(False, False, True)),
                 ("in_weights", lambda: run_config(True, True, False)),
-                ("nonfinite", part_nonfinite), ("fit", part_fit)):
+                ("scatter", lambda: run_config(False, True, True, topology="reduce_scatter")),
+                ("nonfinite", part_nonfinite),
+                ("nonfinite_rs", lambda: part_nonfinite(topology="reduce_scatter")),
+                ("fit", part_fit)):
     t0 = time.time()
     result[key] = fn()
     result["seconds"][key] = round(time.time() - t0, 2)
+done_tf()
 write_result(RANK, result)

@@ -59,36 +59,52 @@ def collective_name(kind: str, tag: str) -> str:
     return kind + "." + re.sub(r"[^A-Za-z0-9_.]", "_", tag)
 
 
-def _eager(name: str, op, signature):
-    """``op`` run inside a small ``tf.function`` (one trace per name): an eager TensorFlow op
-    loses its name (Horovod would see ``HorovodAllgather``)."""
-    fn = _EAGER.get(name)
+def _eager(key, op, signature):
+    """``op`` run inside a small ``tf.function`` (one trace per name and process set): an eager
+    TensorFlow op loses its name (Horovod would see ``HorovodAllgather``)."""
+    fn = _EAGER.get(key)
     if fn is None:
-        fn = _EAGER[name] = tf.function(op, input_signature=signature)
+        fn = _EAGER[key] = tf.function(op, input_signature=signature)
     return fn
 
 
-def allgather(step: tf.Tensor, tag: str) -> tf.Tensor:
+def _among(process_set) -> Tuple[dict, object]:
+    """Horovod's keyword arguments for a collective among ``process_set`` (None: the global
+    set, the flat exchange's collectives unchanged) and the key of its eager function. Among a
+    process set the name ignores TensorFlow's name scope, as the hierarchy's collectives do:
+    torch ranks of the set meet the bare ``"<kind>.<tag>"``."""
+    if process_set is None:
+        return {}, None
+    return {"process_set": process_set, "ignore_name_scope": True}, process_set.process_set_id
+
+
+def allgather(step: tf.Tensor, tag: str, process_set=None) -> tf.Tensor:
     """Every rank's step message, concatenated in rank order (``horovod.tensorflow.allgather``),
-    the collective named ``"allgather.<tag>"`` (:func:`collective_name`)."""
+    the collective named ``"allgather.<tag>"`` (:func:`collective_name`); among the ranks of the
+    Horovod ``process_set`` (in its rank order) if given, else among every rank."""
     import horovod.tensorflow as hvd
     name = collective_name("allgather", tag)
+    kw, key = _among(process_set)
     if not tf.executing_eagerly():
-        return hvd.allgather(step, name=name)
-    return _eager(name, lambda t: hvd.allgather(t, name=name),
+        return hvd.allgather(step, name=name, **kw)
+    return _eager(name if key is None else (name, key),
+                  lambda t: hvd.allgather(t, name=name, **kw),
                   [tf.TensorSpec([None], tf.uint8)])(step)
 
 
-def alltoall(buf: tf.Tensor, splits: tf.Tensor, tag: str) -> tf.Tensor:
+def alltoall(buf: tf.Tensor, splits: tf.Tensor, tag: str, process_set=None) -> tf.Tensor:
     """``buf`` (uint8) cut into ``splits[r]`` bytes for each rank r, in rank order; returns what
     every rank sent this one, concatenated in rank order (``horovod.tensorflow.alltoall``,
-    named ``"alltoall.<tag>"`` as ``horovod.torch`` names its alltoall of the same tag)."""
+    named ``"alltoall.<tag>"`` as ``horovod.torch`` names its alltoall of the same tag). With
+    ``process_set`` the ranks are that Horovod process set's (``r`` its rank in the set)."""
     import horovod.tensorflow as hvd
     name = collective_name("alltoall", tag)
+    kw, key = _among(process_set)
     splits = tf.cast(splits, tf.int32)
     if not tf.executing_eagerly():
-        return hvd.alltoall(buf, splits=splits, name=name)[0]
-    return _eager(name, lambda t, s: hvd.alltoall(t, splits=s, name=name)[0],
+        return hvd.alltoall(buf, splits=splits, name=name, **kw)[0]
+    return _eager(name if key is None else (name, key),
+                  lambda t, s: hvd.alltoall(t, splits=s, name=name, **kw)[0],
                   [tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.int32)])(buf, splits)
 
 

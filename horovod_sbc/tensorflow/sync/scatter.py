@@ -84,21 +84,26 @@ def _join_host(gathered: np.ndarray, p: regions.Plan, graph: bool) -> np.ndarray
 def exchange_regions(backend: Backend, p: regions.Plan, up: exchange.Uplink, *, rank: int,
                      scale: float, tag: str, downlink: Downlink,
                      downlink_residuals: Sequence[tf.Tensor], acc_dtype: tf.DType,
-                     count: Callable[..., list]) -> Tuple[tf.Tensor, List[tf.Tensor]]:
+                     count: Callable[..., list],
+                     process_set=None) -> Tuple[tf.Tensor, List[tf.Tensor]]:
     """This rank's uplink (``up``: a step of ``p.layout``) through the regions: ``(whole,
     new downlink residuals)``, ``whole`` the joined step of every region (decode it as one
     rank's step of ``p.layout``). ``count(upstream_bits=, downstream_bits=)`` returns the ops
-    that count the traffic, as torch counts it (each collective a direct exchange)."""
+    that count the traffic, as torch counts it (each collective a direct exchange).
+    ``process_set``: the Horovod process set of the ``p.size`` ranks (``rank`` this one's rank
+    in it; the hierarchy's cross-node set), None for every rank of the job."""
     graph = not tf.executing_eagerly()
     parts, splits = tf.numpy_function(lambda s: _parts_host(s, p, rank, graph), [up.step],
                                       [tf.uint8, tf.int32], stateful=True, name="sbc_regions")
     parts.set_shape([None])
     splits.set_shape([p.size])
-    received = exchange.alltoall(parts, splits, tag + ".parts")
+    # among every rank the collectives are called as the flat path always called them
+    among = {} if process_set is None else {"process_set": process_set}
+    received = exchange.alltoall(parts, splits, tag + ".parts", **among)
     mine, new = reencode(backend, received, p.regions[rank], p.size, scale, downlink_residuals,
                          downlink, rank, f"region owner rank {rank} rejected an uplink",
                          acc_dtype)
-    gathered = exchange.allgather(mine, tag + ".regions")
+    gathered = exchange.allgather(mine, tag + ".regions", **among)
     size_of = lambda t: tf.size(t, out_type=tf.int64)  # noqa: E731
     own = tf.cast(splits[rank], tf.int64)
     ops = count(upstream_bits=8 * (tf.reduce_sum(tf.cast(splits, tf.int64)) - own

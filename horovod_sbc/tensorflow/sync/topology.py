@@ -12,7 +12,7 @@ before ``code`` can be read.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -47,36 +47,57 @@ def exchange(state, names: Sequence[str], shapes, updates: Sequence[tf.Tensor],
 
     if cfg.topology == "reduce_scatter":
         p = scatter.plan(layout, size)
-        srv = [_server_residual(state, n, wire.layout_numel(s), acc, variable)
-               for n, s in p.regions[rank]]
         up = _exchange.encode_step(backend, [n for n, _ in p.layout], [s for _, s in p.layout],
                                    scatter.pieces(p, updates), scatter.pieces(p, reads),
                                    seeds=seeds_of(len(p.pieces)), **knobs)
-        whole, new_srv = scatter.exchange_regions(
-            backend, p, up, rank=rank, scale=scale, tag=tag, downlink=down,
-            downlink_residuals=[v.read_value() for v in srv], acc_dtype=acc, count=count)
-        code, flat = backend.decode(whole, p.layout, 1, scale=1.0,
-                                    outs=None if outs is None else scatter.pieces(p, outs),
-                                    out_dtypes=[out_dtypes[pc.tensor] for pc in p.pieces],
-                                    failed=up.failed, strict=False)
+        code, flat = through_regions(
+            state, backend, p, up, rank=rank, scale=scale, tag=tag,
+            outs=None if outs is None else scatter.pieces(p, outs),
+            out_dtypes=[out_dtypes[pc.tensor] for pc in p.pieces], acc_dtype=acc, count=count,
+            variable=variable)
         results = scatter.tensors(p, flat, shapes)
         new_res = [tf.reshape(t, tf.shape(r)) for t, r in
                    zip(scatter.tensors(p, up.new_residuals, shapes), reads)]
-    else:
-        mine = rank == server.ROOT and down.density is not None  # the server's residuals
-        srv = [_server_residual(state, n, wire.layout_numel(s), acc, variable)
-               for n, s in layout] if mine else []
-        up = _exchange.encode_step(backend, names, shapes, updates, reads,
-                                   seeds=seeds_of(len(names)), **knobs)
-        down_step, new_srv = server.exchange_server(
-            backend, up.step, layout, rank=rank, size=size, scale=scale, downlink=down,
-            server_residuals=[v.read_value() for v in srv], acc_dtype=acc, count=count)
-        code, flat = backend.decode(down_step, layout, 1, scale=1.0,
-                                    outs=None if outs is None else list(outs),
-                                    out_dtypes=out_dtypes, failed=up.failed, strict=False)
-        results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
-        new_res = up.new_residuals
-    return _commit_downlink(code, srv, new_srv), results, new_res, up.positions
+        return code, results, new_res, up.positions
+    mine = rank == server.ROOT and down.density is not None  # the server's residuals
+    srv = [_server_residual(state, n, wire.layout_numel(s), acc, variable)
+           for n, s in layout] if mine else []
+    up = _exchange.encode_step(backend, names, shapes, updates, reads,
+                               seeds=seeds_of(len(names)), **knobs)
+    down_step, new_srv = server.exchange_server(
+        backend, up.step, layout, rank=rank, size=size, scale=scale, downlink=down,
+        server_residuals=[v.read_value() for v in srv], acc_dtype=acc, count=count)
+    code, flat = backend.decode(down_step, layout, 1, scale=1.0,
+                                outs=None if outs is None else list(outs),
+                                out_dtypes=out_dtypes, failed=up.failed, strict=False)
+    results = [tf.reshape(t, s) for t, s in zip(flat, shapes)]
+    return _commit_downlink(code, srv, new_srv), results, up.new_residuals, up.positions
+
+
+def through_regions(state, backend, p, up: _exchange.Uplink, *, rank: int, scale: float,
+                    tag: str, outs: Optional[Sequence[tf.Tensor]], out_dtypes,
+                    acc_dtype: tf.DType, count: Callable[..., list], variable: Callable,
+                    process_set=None) -> Tuple[tf.Tensor, List[tf.Tensor]]:
+    """The ``"reduce_scatter"`` topology's sync of ``up`` (this rank's step of ``p.layout``,
+    :func:`horovod_sbc.tensorflow.sync.scatter.plan` over ``p.size`` ranks) and its decode:
+    ``(code, flat results per piece)`` (``outs`` per piece, or zeros of ``out_dtypes``, plus
+    the average). This rank owns region ``rank``: its downlink residuals (``state``'s
+    ``server_residuals`` of the region's piece names, ``acc_dtype``) are committed when the
+    verdict is COMMIT, before ``code`` can be read. ``process_set``: the Horovod process set
+    of the ``p.size`` ranks, ``rank`` this one's rank in it (the hierarchy's cross-node set);
+    None: every rank of the job. ``up.failed``: this rank sent its ERROR/SKIP."""
+    cfg = state.config
+    srv = [_server_residual(state, n, wire.layout_numel(s), acc_dtype, variable)
+           for n, s in p.regions[rank]]
+    down = Downlink(cfg.downlink_fraction, cfg.downlink_mode, cfg.selection)
+    whole, new_srv = scatter.exchange_regions(
+        backend, p, up, rank=rank, scale=scale, tag=tag, downlink=down,
+        downlink_residuals=[v.read_value() for v in srv], acc_dtype=acc_dtype, count=count,
+        process_set=process_set)
+    code, flat = backend.decode(whole, p.layout, 1, scale=1.0,
+                                outs=None if outs is None else list(outs),
+                                out_dtypes=out_dtypes, failed=up.failed, strict=False)
+    return _commit_downlink(code, srv, new_srv), flat
 
 
 def _commit_downlink(code: tf.Tensor, srv: List[tf.Variable], new: List[tf.Tensor]):
