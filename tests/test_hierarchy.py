@@ -233,3 +233,15 @@ def test_mnist1d_accuracy_within_one_point_of_flat_sbc(job):
     up_flat = sum(r["mnist1d"]["flat"]["stats"]["upstream_bits"] for r in job)
     up_hier = sum(r["mnist1d"]["hier"]["stats"]["upstream_bits"] for r in job)
     assert up_hier < 0.7 * up_flat
+
+
+@pytest.mark.multirank
+def test_finish_averages_the_nodes_residual_pieces_into_every_rank(job):
+    """``finish(average_residuals=True)`` with the residual beside the shared weights: every
+    rank ends on the same weights, W_ref + the average of the ranks' pieces times the node size
+    (computed in the worker from the pieces), the pieces cleared."""
+    runs = [r["res_stored"]["finish"] for r in job]
+    assert len({f["digest"] for f in runs}) == 1
+    assert all(f["max_diff"] < 1e-6 for f in runs), [f["max_diff"] for f in runs]
+    assert all(f["moved"] > 1e-4 for f in runs), runs  # the residuals were not zero
+    assert all(f["pieces_zero"] and f["on_shared"] for f in runs), runs

@@ -135,7 +135,35 @@ def run_teacher(hierarchy, local_residual, outer):
         train(m2, o2, FIRST, MORE, r2)
         resumed[str(src)] = r2
     rec["resumed"] = resumed
+    if not local_residual:
+        rec["finish"] = finish_check(model, opt)
     return rec
+
+
+def finish_check(model, opt):
+    """``finish(average_residuals=True)`` with the residual beside the shared weights: every
+    rank ends on W_ref + the average over ranks of its node's residual pieces times the node
+    size (each piece is one local rank's share of its node's residual), computed here from
+    the pieces themselves."""
+    opt.synchronize()  # the pending window: the expectation sees the final residuals
+    local_size = len(GROUPS[0])
+    share = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
+    pieces = opt.compression.manager.residuals
+    for key, t in pieces.items():
+        name, span = key.rsplit("[", 1)
+        a, b = (int(x) for x in span[:-1].split(":"))
+        share[name][a:b] = t.double() * local_size
+    with opt.shared_weights():
+        ref = {n: p.detach().double().reshape(-1).clone() for n, p in model.named_parameters()}
+    want = {n: ref[n] + hvd.allreduce(v, op=hvd.Average, name=f"test.finish.{n}")
+            for n, v in share.items()}
+    opt.finish(average_residuals=True)
+    got = {n: p.detach().double().reshape(-1) for n, p in model.named_parameters()}
+    return {"max_diff": max(float((got[n] - want[n]).abs().max()) for n in got),
+            "moved": max(float((want[n] - ref[n]).abs().max()) for n in got),
+            "digest": digest(model.parameters()),
+            "pieces_zero": all(float(t.abs().sum()) == 0.0 for t in pieces.values()),
+            "on_shared": shared(opt) == digest([p for _, p in opt._sbc_params])}
 
 
 def part_nonfinite():
