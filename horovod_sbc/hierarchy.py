@@ -158,3 +158,12 @@ def piece_name(lay: Layout, piece: Tuple[int, int, int]) -> str:
     """A piece's tensor name, ``"name[a:b]"``: its residual's name and its message's."""
     i, a, b = piece
     return f"{lay.names[i]}[{a}:{b}]"
+
+
+def refuse_elastic(groups) -> None:
+    """Elastic ``SBCState`` (torch and TF): a hierarchy cannot follow an elastic job, whose
+    ranks change, because its Horovod process sets are declared at ``hvd.init``."""
+    if groups is not None:
+        raise ValueError(f"SBCState: {describe(groups)} cannot follow an elastic job: its "
+                         "Horovod process sets are declared at hvd.init for a fixed set of "
+                         "ranks; use the flat exchange")

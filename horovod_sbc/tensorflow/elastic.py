@@ -33,7 +33,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState, run_fn
 from horovod.common.exceptions import HorovodInternalError
 
-from ..config import describe_hierarchy
+from ..hierarchy import refuse_elastic
 from .compressor import SBC
 from .owner import entries, tf_variable, variable_name
 from .sync.exchange import tf_name
@@ -142,10 +142,7 @@ class SBCHandler:
             raise ValueError("SBCState needs the SBC object of the drop-in tape or SBCCallback "
                              "(horovod_sbc.tensorflow.SBC(..., delay=n)); for training without "
                              "SBC use hvd.elastic.TensorFlowKerasState")
-        if self.sbc.config.hierarchy is not None:  # its process sets are fixed at hvd.init
-            raise ValueError(f"SBCState: {describe_hierarchy(self.sbc.config.hierarchy)} cannot "
-                             "follow an elastic job: its Horovod process sets are declared at "
-                             "hvd.init for a fixed set of ranks; use the flat exchange")
+        refuse_elastic(self.sbc.config.hierarchy)
         self._check_mode()
         if optimizer is None:
             raise ValueError("SBCState: pass the optimizer (or compile the model with one)")

@@ -34,7 +34,7 @@ import torch
 from horovod.torch.elastic.state import TorchState
 from horovod.torch.functions import broadcast_object
 
-from ..config import describe_hierarchy
+from ..hierarchy import refuse_elastic
 from .compressor import SBC
 from .optimizer import _broadcast_tensors
 
@@ -97,10 +97,7 @@ class SBCHandler:
             raise ValueError("SBCState: the optimizer has no SBC compression; pass "
                              "horovod_sbc.torch.DistributedOptimizer(...) or "
                              "hvd.DistributedOptimizer(..., compression=SBC(...))")
-        if self.sbc.config.hierarchy is not None:  # its process sets are fixed at hvd.init
-            raise ValueError(f"SBCState: {describe_hierarchy(self.sbc.config.hierarchy)} cannot "
-                             "follow an elastic job: its Horovod process sets are declared at "
-                             "hvd.init for a fixed set of ranks; use the flat exchange")
+        refuse_elastic(self.sbc.config.hierarchy)
         self.value = optimizer
         self.models = list(models)
         self.drop_in = _is_drop_in(optimizer)
