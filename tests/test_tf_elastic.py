@@ -1,7 +1,10 @@
 """Elastic Horovod with SBC for TensorFlow (``horovod_sbc.tensorflow.elastic.SBCState``) on one
 real ``horovodrun`` elastic job on localhost (Gloo), as tests/test_elastic.py runs torch's: 3
-ranks shrink to 2, grow to 3 again, and then the third rank dies inside SBC's allgather (a
-drop-in tape sync, ``delay=2``) and its host is blacklisted; the job ends on 2 ranks.
+ranks shrink to 2 and grow to 3 again training through the drop-in tape; from the grow on
+they train through Keras ``model.fit`` with ``SBCCallback`` and Horovod's Keras
+``CommitStateCallback``, and the third rank dies inside SBC's allgather (a sync the callback
+runs, ``delay=2``) and its host is blacklisted; the job ends on 2 ranks, ``fit``'s end calling
+``finish()``.
 
 The discovery script is a file this test rewrites whenever rank 0 reports that it waits for a
 host change ("localhost" holds 2 slots; "127.0.0.1", a second name for this machine, is the
@@ -92,6 +95,7 @@ def test_a_sync_a_dying_peer_interrupts_commits_nothing(job):
     fails = [e for e in job[0] if e["ev"] == "fail"]
     assert len(fails) == 2 and {e["host"] for e in fails} == {"localhost"}, fails
     for e in fails:
+        assert e["where"] == "fit" and e["step"] >= KILL, e  # inside SBCCallback's sync
         assert e["unchanged"], e
         assert e["before"]["res_max"] > 0
         # an error Horovod 0.28.1's hvd.elastic.run would swallow (it looks for the op type in

@@ -1,10 +1,14 @@
 """Elastic Horovod with SBC (TensorFlow) on a real ``horovodrun`` elastic job (Gloo). argv: [k=v].
 
 Every rank trains a small Keras model (one Dense layer) on one linear-regression task (each rank
-draws its own samples) through the drop-in ``horovod_sbc.tensorflow.DistributedGradientTape``
-(SGD momentum 0.9, ``SBC(density=0.1, delay=2)``, weight mode with the residual in the weights),
-eagerly, in one ``horovod_sbc.tensorflow.elastic.SBCState`` committed after every step. Every
-worker starts from its own random weights.
+draws its own samples), SGD momentum 0.9, ``SBC(density=0.1, delay=2)`` (weight mode with the
+residual in the weights), in one ``horovod_sbc.tensorflow.elastic.SBCState`` committed after
+every step. Before step ``fit`` (default 16) each step runs the drop-in
+``horovod_sbc.tensorflow.DistributedGradientTape`` eagerly; from step ``fit`` on, the rest of the
+run is one ``model.fit`` per entry of the training function, with ``SBCCallback(sbc)`` (the sync
+after every batch, ``finish()`` at the end of ``fit``) and Horovod's own
+``horovod.tensorflow.keras.elastic.CommitStateCallback(state)`` (a commit after every batch),
+so the kill below lands in a sync ``fit`` runs. Every worker starts from its own random weights.
 
 The schedule, by the step counter that ``SBCState`` carries across resets (the job starts on
 3 ranks): at step ``shrink`` with 3 ranks and ``grow`` with 2, rank 0 prints a ``ready`` event
@@ -29,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
 
 import horovod_sbc
 import horovod_sbc.tensorflow as hsbc
@@ -36,7 +41,7 @@ from horovod_sbc.tensorflow import elastic
 from horovod_sbc.tensorflow.sync import exchange
 
 KW = dict(a.split("=", 1) for a in __import__("sys").argv[1:])
-STEPS, KILL = int(KW.get("steps", 32)), int(KW.get("kill", 24))
+STEPS, KILL, FIT = int(KW.get("steps", 32)), int(KW.get("kill", 24)), int(KW.get("fit", 16))
 WAITS = {int(KW.get("shrink", 8)): ("shrink", 3), int(KW.get("grow", 16)): ("grow", 2)}
 WAIT_S = float(KW.get("wait", 60))
 HOST, WID = os.environ.get("HOROVOD_HOSTNAME"), os.getpid()
@@ -68,6 +73,7 @@ def batch(step):
 keras.utils.set_random_seed(WID % 100000)  # every worker starts apart: the first sync agrees
 model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
 opt = keras.optimizers.SGD(0.05, momentum=0.9)
+model.compile(optimizer=opt, loss="mse")  # the tape steps and fit's steps: one optimizer
 sbc = hsbc.SBC(density=0.1, delay=2)
 state = elastic.SBCState(model, opt, sbc, step=0)
 VARS = model.trainable_variables
@@ -131,6 +137,15 @@ def wait_for_hosts(state, name):
     raise RuntimeError(f"rank {hvd.rank()}: no host update within {WAIT_S:.0f} s ({name})")
 
 
+def failed(e: tf.errors.OpError, where: str) -> None:
+    """A survivor's error out of a sync: report it (Horovod's ``hvd.elastic.run`` checks for
+    the op's type in the message)."""
+    horovod_sees = any(f"Horovod{op}" in e.message for op in ("Allreduce", "Allgather",
+                                                              "Broadcast"))
+    emit("fail", step=state.step, unchanged=before == snapshot(), before=before, where=where,
+         error=f"{type(e).__name__}: {e.message}", horovod_sees=horovod_sees)
+
+
 def one_step(state):
     x, y = batch(state.step)
     with tf.GradientTape() as tape:
@@ -139,11 +154,30 @@ def one_step(state):
     opt.apply_gradients(zip(grads, VARS))
     try:
         sbc.step(VARS, opt)
-    except tf.errors.OpError as e:  # Horovod's hvd.elastic.run checks for the op's type:
-        horovod_sees = any(f"Horovod{op}" in e.message for op in ("Allreduce", "Allgather",
-                                                                  "Broadcast"))
-        emit("fail", step=state.step, unchanged=before == snapshot(), before=before,
-             error=f"{type(e).__name__}: {e.message}", horovod_sees=horovod_sees)
+    except tf.errors.OpError as e:
+        failed(e, "tape")
+        raise
+
+
+class Steps(keras.callbacks.Callback):
+    """The step counter ``SBCState`` carries, after ``SBCCallback``'s sync and before the
+    commit callback's commit (Keras calls the callbacks in list order)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        global last_commit
+        state.step += 1
+        last_commit = snapshot()
+
+
+def fit_rest(state):
+    """Steps ``state.step`` .. ``STEPS`` as one ``model.fit`` (the batches in step order)."""
+    xs, ys = zip(*(batch(s) for s in range(state.step, STEPS)))
+    callbacks = [hsbc.SBCCallback(sbc), Steps(), hvd_keras.elastic.CommitStateCallback(state)]
+    try:
+        model.fit(tf.concat(xs, 0), tf.concat(ys, 0), batch_size=32, epochs=1, shuffle=False,
+                  callbacks=callbacks, verbose=0)
+    except tf.errors.OpError as e:
+        failed(e, "fit")
         raise
 
 
@@ -156,11 +190,15 @@ def train(state):
         wait = WAITS.get(state.step)
         if wait and hvd.size() == wait[1]:
             wait_for_hosts(state, wait[0])
+        if state.step >= FIT:
+            fit_rest(state)  # SBCCallback calls finish() at the end of fit
+            break
         one_step(state)
         state.step += 1
         last_commit = snapshot()
         state.commit()
-    sbc.finish(VARS)
+    else:
+        sbc.finish(VARS)
     emit("done", step=state.step, loss=loss_of_shared(), weights=digest(VARS),
          stats=sbc.stats())
 
