@@ -11,7 +11,10 @@ steps it stands for: through the gradient exchange it trains worse than no commu
 (docs/recipes.md). So:
 
 * SGD at delay 1: the gradients (stock hook), or in the drop-in the weight change with the
-  residual beside the shared weights; the momentum folded into the learning rate.
+  residual beside the shared weights; the momentum folded into the learning rate. An SGD whose
+  momentum the package cannot fold (a Keras SGD with decoupled ``weight_decay`` in the weight
+  exchange, or with gradient accumulation) is exchanged as the next item says, its velocity
+  kept local and nothing scaled.
 * everything else, and any optimizer with a delay: the weight change, the residual kept in
   each rank's weights; Adam and AdamW with their second moment frozen automatically
   (:func:`auto_freeze_step`), which makes their steps linear as SGD's are. Other adaptive
@@ -32,8 +35,9 @@ from typing import Optional
 #: an optimizer's family, as the adapters describe it: ``"sgd"`` (step linear in the gradient,
 #: with or without momentum), ``"adam"`` (Adam/AdamW, whose variance the package can freeze),
 #: ``"adaptive"`` (any other optimizer with per-coordinate state: RMSprop, Adagrad, Adamax,
-#: NAdam, RAdam, LAMB-style, ...)
-FAMILIES = ("sgd", "adam", "adaptive")
+#: NAdam, RAdam, LAMB-style, ...), ``"unknown"`` (an optimizer the adapter was not given: TF's
+#: ``sbc.step(variables)`` without one, or its stock tape without ``SBC(optimizer=)``)
+FAMILIES = ("sgd", "adam", "adaptive", "unknown")
 
 #: the automatic freeze waits this many variance time constants ``1 / (1 - beta2)`` after the
 #: warm-up: the moving average has then forgotten the warm-up's gradients (the weight left on
@@ -55,15 +59,20 @@ class Choice:
 
 
 def choose(family: str, *, delay: int = 1, api: str = "stock",
-           local_residual: Optional[bool] = None) -> Choice:
+           local_residual: Optional[bool] = None, foldable: bool = True) -> Choice:
     """The algorithm for an optimizer of ``family`` at ``delay``, through ``api`` (``"stock"``:
     Horovod's optimizer or tape with ``compression=SBC``; ``"dropin"``: the package's own).
-    ``local_residual`` is the user's override (None: chosen here)."""
+    ``local_residual`` is the user's override (None: chosen here). ``foldable``: whether the
+    adapter can fold this SGD's momentum (true of every ``torch.optim.SGD`` and of any SGD
+    without momentum; see the module docstring). An ``"unknown"`` optimizer exchanges gradients
+    through the stock API (there is no step to wrap) and weight changes in the drop-in."""
     if family not in FAMILIES:
         raise ValueError(f"optimizer family must be one of {FAMILIES}, got {family!r}")
     if api not in ("stock", "dropin"):
         raise ValueError(f"api must be 'stock' or 'dropin', got {api!r}")
-    if family == "sgd" and delay == 1:
+    if family == "unknown" and api == "stock":
+        return Choice("gradients", False, False, False)
+    if family == "sgd" and delay == 1 and foldable:
         if api == "stock" and not local_residual:
             return Choice("gradients", False, True, False)
         lr = False if local_residual is None else local_residual

@@ -142,6 +142,23 @@ def test_the_stock_hook_picks_the_exchange_from_the_optimizer(make, fam, at1, at
     assert dropin.exchange == "weights" and dropin.local_residual == (fam != "sgd")
 
 
+def test_an_sgd_whose_momentum_cannot_be_folded_and_an_optimizer_not_given():
+    """policy.choose: an SGD the adapter cannot fold exchanges weight changes with the residual
+    in the weights, nothing scaled (its velocity stays local); an optimizer the adapter was not
+    given exchanges gradients through the stock API and weight changes in the drop-in."""
+    from horovod_sbc import policy
+    for api in ("stock", "dropin"):
+        c = policy.choose("sgd", delay=1, api=api, foldable=False)
+        assert c == policy.Choice("weights", True, False, False, sqrt_n_outer=False), api
+        assert policy.choose("sgd", delay=1, api=api).fold_momentum  # the foldable one folds
+    beside = policy.choose("sgd", delay=1, api="dropin", foldable=False, local_residual=False)
+    assert beside == policy.Choice("weights", False, False, False)
+    assert policy.choose("unknown", api="stock") == policy.Choice("gradients", False, False, False)
+    assert policy.choose("unknown", api="dropin") == policy.Choice("weights", True, False, False)
+    with pytest.raises(ValueError, match="family must be one of"):
+        policy.choose("lamb")
+
+
 def test_the_automatic_freeze_waits_for_the_warm_up_and_the_variance():
     """policy.auto_freeze_step and torch's AutoFreeze: three time constants of the variance's
     average after the last rising learning rate, at most 100 steps; never during a warm-up."""

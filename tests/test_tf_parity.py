@@ -74,10 +74,16 @@ def test_the_default_residual_placement_is_torchs():
         assert dist._sbc_local_residual is local and sbc.local_residual is local, what
         assert (sbc._fold is not None) is fold, what
     # without the optimizer, and with Keras' decoupled weight decay: in the weights, unfolded
-    for kopt in (None, keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4)):
+    # (and at 4 ranks only a known adaptive optimizer has its average scaled by sqrt(4))
+    for kopt, scaled in ((None, False),
+                         (keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4), False),
+                         (keras.optimizers.RMSprop(1e-3), True)):
         sbc = hsbc_tf.SBC(density=0.01)
+        sbc._world_size = lambda: 4
+        outer = sbc.outer
         sbc._settle(kopt)
-        assert sbc.local_residual is True and sbc._fold is None
+        assert sbc.local_residual is True and sbc._fold is None, kopt
+        assert (sbc.outer is not outer) is scaled, kopt
     # an explicit choice stands; False with a foldable SGD folds
     sbc = hsbc_tf.SBC(density=0.01, local_residual=True)
     sbc._settle(keras.optimizers.SGD(0.1, momentum=0.9))

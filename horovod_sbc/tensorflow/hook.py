@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from .. import policy, wire
 from . import stock
-from .momentum import Fold, Mask, family, foldable, momentum_free, stock_family
+from .momentum import Fold, Mask, family, foldable, linear, momentum_free
 from .owner import identify
 from .sync.exchange import tf_name
 from .sync.state import SyncState, no_autograph, state_variable, static_shape
@@ -86,9 +86,10 @@ class StockHook(SyncState):
     def __init__(self, optimizer):
         momentum = self.config.momentum or "fold"
         # what the known optimizer's steps exchange (None: not known, the gradients)
-        self._stock_choice = None if optimizer is None else policy.choose(
-            stock_family(optimizer), delay=self.delay, api="stock",
-            local_residual=self.config.local_residual)
+        self._stock_choice = policy.choose(
+            family(optimizer), delay=self.delay, api="stock",
+            local_residual=self.config.local_residual,
+            foldable=linear(optimizer, decay_apart=True))
         grads = not self._stock_weights()
         # the stock tape's fold: the gradient alone is scaled, Keras' decoupled decay is apart
         self._stock_fold = Fold(optimizer, decay_apart=True) \
@@ -104,7 +105,7 @@ class StockHook(SyncState):
     def _stock_weights(self) -> bool:
         """Whether the stock tape exchanges weight changes (:func:`horovod_sbc.policy.choose`
         for the optimizer given as ``SBC(optimizer=...)``)."""
-        return self._stock_choice is not None and self._stock_choice.exchange == "weights"
+        return self._stock_choice.exchange == "weights"
 
     @no_autograph
     def compress(self, tensor):
@@ -264,7 +265,7 @@ class StockHook(SyncState):
                       "step (or SBCCallback for Keras), which runs the optimizer on each rank's "
                       "own gradients and compresses the weight change, as torch's one-line "
                       "change does.")
-        elif stock_family(opt) == "sgd":  # its velocity kept or masked ("keep", "mask")
+        elif family(opt) == "sgd":  # its velocity kept or masked ("keep", "mask")
             which = f"{type(opt).__name__} and SBC(momentum={self.config.momentum!r})"
             advice = (" SBC(momentum='fold') (the default) runs SGD without its velocity at the "
                       "learning rate the velocity converges to, lr / (1 - momentum); "

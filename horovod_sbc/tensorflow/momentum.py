@@ -48,38 +48,30 @@ def foldable(optimizer, decay_apart: bool = False) -> bool:
             and not getattr(optimizer, "gradient_accumulation_steps", None))
 
 
-def is_adaptive(optimizer) -> bool:
-    """A known optimizer other than Keras SGD and Adam/AdamW (RMSprop, Adagrad, ...): the one
-    whose average :func:`horovod_sbc.policy.choose` scales by sqrt(N) at delay 1. :func:`family`
-    calls a Keras SGD that cannot be folded ``"adaptive"`` too, for its residual placement."""
-    import keras
-    return optimizer is not None and not isinstance(optimizer, keras.optimizers.SGD) and \
-        family(optimizer) == "adaptive"
-
-
 def momentum_free(optimizer) -> bool:
     """Whether ``optimizer`` is a Keras SGD without momentum (nothing to fold)."""
     import keras
     return isinstance(optimizer, keras.optimizers.SGD) and float(optimizer.momentum) == 0
 
 
+def linear(optimizer, decay_apart: bool = False) -> bool:
+    """``policy.choose``'s ``foldable``: a Keras SGD without momentum, or one :class:`Fold`
+    applies to (``decay_apart`` as there)."""
+    return momentum_free(optimizer) or foldable(optimizer, decay_apart)
+
+
 def family(optimizer) -> str:
     """The optimizer's family for :func:`horovod_sbc.policy.choose`: ``"sgd"`` for a Keras SGD
-    whose step the package keeps linear (no momentum, or a momentum it folds), ``"adam"`` for
-    Keras Adam/AdamW, ``"adaptive"`` for anything else (None: not known yet)."""
-    if optimizer is not None and (momentum_free(optimizer) or foldable(optimizer)):
+    (whether its momentum can be folded is :func:`foldable`'s), ``"adam"`` for Keras
+    Adam/AdamW, ``"unknown"`` for None (not given), ``"adaptive"`` for anything else."""
+    import keras
+    if optimizer is None:
+        return "unknown"
+    if isinstance(optimizer, keras.optimizers.SGD):
         return "sgd"
-    if optimizer is not None and is_keras_adam(optimizer) and not optimizer.amsgrad:
+    if is_keras_adam(optimizer) and not optimizer.amsgrad:
         return "adam"
     return "adaptive"
-
-
-def stock_family(optimizer) -> str:
-    """:func:`family` for the stock tape, whose fold scales the gradient alone: a Keras SGD with
-    momentum and ``weight_decay`` is ``"sgd"`` there too (its gradients are exchanged)."""
-    if optimizer is not None and foldable(optimizer, decay_apart=True):
-        return "sgd"
-    return family(optimizer)
 
 
 class Mask:

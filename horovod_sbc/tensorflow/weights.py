@@ -29,7 +29,7 @@ from .. import policy
 from ..config import describe_hierarchy
 from ..outer import Plain
 from .adam import apply_freeze, is_frozen
-from .momentum import Fold, family, foldable, is_adaptive
+from .momentum import Fold, family, foldable, linear
 from .outer import make as make_outer
 from .owner import entries, tf_variable
 from .sync import synchronize_weights
@@ -65,9 +65,10 @@ class WeightMode(SyncState):
             from . import hierarchy
             hierarchy.of(self, describe_hierarchy(self.config.hierarchy))
         choice = policy.choose(family(optimizer), delay=self.delay, api="dropin",
-                               local_residual=self._local_residual)
+                               local_residual=self._local_residual,
+                               foldable=linear(optimizer))
         self._local_residual = choice.local_residual
-        if self.config.outer is None and choice.sqrt_n_outer and is_adaptive(optimizer):
+        if self.config.outer is None and choice.sqrt_n_outer:
             self.outer = make_outer(Plain(lr=math.sqrt(self._world_size())))
         if tf.inside_function() and family(optimizer) == "adam" and not is_frozen(optimizer) \
                 and self.config.freeze_variance_after is not None:
@@ -79,7 +80,7 @@ class WeightMode(SyncState):
                 stacklevel=4)
         elif not tf.inside_function():
             apply_freeze(optimizer, self.config.freeze_variance_after)
-        if self.delay == 1 and not self._local_residual and foldable(optimizer):
+        if choice.fold_momentum and foldable(optimizer):  # nothing to fold without momentum
             self._fold = Fold(optimizer)
 
     def _world_size(self) -> int:
