@@ -63,10 +63,12 @@ def test_layout_splits_the_flat_update_in_equal_shards():
     assert odd.shard == 3 and odd.pieces == [(0, 3, 5)]  # the padding is in no piece
 
 
-def test_stock_hook_and_ddp_refuse_a_hierarchy():
-    comp = SBC(hierarchy=[[0, 1], [2, 3]])
-    with pytest.raises(ValueError, match="needs the per-sync exchange of horovod_sbc"):
-        comp.compress(torch.zeros(4))
+def test_stock_hook_gradient_exchange_and_ddp_refuse_a_hierarchy():
+    w = torch.nn.Parameter(torch.zeros(4))
+    w.grad = torch.ones(4)
+    comp = SBC(hierarchy=[[0, 1], [2, 3]], named_parameters=[("w", w)])
+    with pytest.raises(ValueError, match="needs the per-sync exchange of weight changes"):
+        comp.compress(w.grad)  # no optimizer found: gradients
     from horovod_sbc.torch import ddp
     with pytest.raises(ValueError, match="needs the drop-in"):
         ddp._make_compression(comp, None, "sbc_hook")
@@ -140,6 +142,19 @@ def test_shared_weights_identical_on_every_rank_after_every_sync(job, config):
             assert runs[0]["weights"][s] != runs[2]["weights"][s]
         # between syncs every rank's own local steps
         assert len({r["weights"][0] for r in runs}) == 4
+
+
+@pytest.mark.multirank
+def test_the_one_line_change_runs_the_hierarchy_as_the_drop_in_does(job):
+    """Stock hvd.DistributedOptimizer with SBC(delay=2, hierarchy=...) and SGD exchanges weight
+    changes through the hierarchy: every step's weights and the counts equal the drop-in's,
+    the bits up plus Horovod's 1-float allreduce per gradient and step."""
+    for r in job:
+        assert r["stock"]["weights"] == r["res_in_weights"]["weights"][:FIRST + MORE], r["rank"]
+        stock, dropin = dict(r["stock"]["stats"]), dict(r["res_in_weights"]["stats"])
+        dummies = 32 * len(TEACHER) * (FIRST + MORE)
+        assert stock.pop("upstream_bits") == dropin.pop("upstream_bits") + dummies
+        assert stock == dropin, r["rank"]
 
 
 @pytest.mark.multirank

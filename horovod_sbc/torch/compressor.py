@@ -44,9 +44,10 @@ class SBC(StockHook):
             knobs of :class:`horovod_sbc.config.SBCConfig`, documented there once and the same
             in TensorFlow; each applies where :func:`horovod_sbc.policy.choose` says (a knob
             that does not apply raises ValueError when the optimizer is known).
-            ``topology="server"`` and ``hierarchy`` need the drop-in
-            :func:`horovod_sbc.torch.DistributedOptimizer` (the server Horovod's MPI
-            controller: ``horovodrun --mpi``, ``mpirun``).
+            ``topology="server"`` needs the drop-in
+            :func:`horovod_sbc.torch.DistributedOptimizer` (and Horovod's MPI controller:
+            ``horovodrun --mpi``, ``mpirun``); ``hierarchy`` an exchange of weight changes
+            (the drop-in, or the stock hook where the policy chooses it).
         named_parameters: optional ``model.named_parameters()`` for stock Horovod, which passes
             no name to ``compress()``; these names are looked up first, then the name Horovod's
             optimizer gives the parameter (:mod:`horovod_sbc.torch.hook`). The drop-in takes

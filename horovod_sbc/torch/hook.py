@@ -85,12 +85,11 @@ class StockHook:
                 cfg, f"{type(opt).__name__} through stock Horovod at delay 1 exchanges gradients "
                 "(pass local_residual=True or delay > 1 to exchange weight changes)")
         if choice.exchange == "weights":
-            if getattr(self, "hierarchy", None) is not None or \
-                    self.state.config.topology == "server":
+            if self.state.config.topology == "server":
                 raise ValueError(
                     f"SBC through stock hvd.DistributedOptimizer with "
-                    f"{type(opt).__name__} exchanges weight changes; its hierarchy= and "
-                    "topology='server' need horovod_sbc.torch.DistributedOptimizer(optimizer, "
+                    f"{type(opt).__name__} exchanges weight changes; its topology='server' "
+                    "needs horovod_sbc.torch.DistributedOptimizer(optimizer, "
                     "named_parameters, compression=SBC(...))")
             if owner.op_sum:
                 raise ValueError(
@@ -105,8 +104,11 @@ class StockHook:
         cfg = self.state.config
         if getattr(self, "hierarchy", None) is not None:
             raise ValueError(f"SBC(hierarchy={self.hierarchy!r}) needs the per-sync exchange of "
-                             "horovod_sbc.torch.DistributedOptimizer; stock "
-                             "hvd.DistributedOptimizer sends one message per tensor")
+                             "weight changes: stock hvd.DistributedOptimizer sends one message "
+                             "per gradient, and runs that exchange only where it finds the "
+                             "optimizer (named_parameters=) and it is not SGD at delay 1 "
+                             "(local_residual=True makes it so); or use "
+                             "horovod_sbc.torch.DistributedOptimizer")
         if cfg.delay != 1:
             raise ValueError(
                 f"SBC(delay={cfg.delay}) needs local steps between syncs: through stock "
@@ -130,8 +132,6 @@ class StockHook:
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, StockContext]:
         """Horovod hook: record this gradient for the step's exchange; returns a 1-element
         dummy for Horovod's allreduce (the real data travels by allgather) and the context."""
-        if getattr(self, "hierarchy", None) is not None:  # in either exchange
-            self._check_stock()
         owner = identify(tensor, self._named)
         name = owner.name
         if tensor.is_sparse:

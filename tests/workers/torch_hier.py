@@ -10,6 +10,8 @@ Parts (each recorded under its own key):
              the stored residuals' names and norms, ``stats()``; a checkpoint mid-delay, and
              two resumes in fresh optimizers (this rank's file, rank 0's file)
   flat       the same teacher run with flat SBC (for the bits comparison)
+  stock      the ``res_in_weights`` teacher run through stock ``hvd.DistributedOptimizer`` with
+             ``compression=SBC(density=0.05, delay=2, hierarchy=...)`` (weights per step)
   nonfinite  a NaN on rank 3 (``nonfinite="raise"``: every rank's error) and on rank 1
              (``"skip"``: every rank skips, then syncs again)
   mnist1d    test accuracy after ``steps`` steps of flat and of hierarchical SBC on mnist1d
@@ -221,6 +223,27 @@ def part_mnist1d():
     return out
 
 
+def part_stock():
+    """The one-line change, ``hvd.DistributedOptimizer(..., compression=SBC(hierarchy=...))``:
+    SGD at delay 2 exchanges weight changes (horovod_sbc.policy), the hierarchy's exchange."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   compression=sbc.SBC(density=0.05, delay=DELAY,
+                                                       hierarchy=GROUPS))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    rec = new_rec()
+    for s in range(FIRST + MORE):
+        x, y = teacher_batch(s)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        rec["weights"].append(digest(model.parameters()))
+    rec["stats"] = opt.stats()
+    return rec
+
+
 def part_flat():
     model, opt = build_teacher(None, True, None)
     train(model, opt, 0, FIRST + MORE, new_rec())
@@ -232,7 +255,7 @@ result = {"rank": RANK, "size": SIZE, "path": sbc.__file__, "seconds": {}}
 parts = [("errors", part_errors),
          ("res_in_weights", lambda: run_teacher(GROUPS, True, lambda: None)),
          ("res_stored", lambda: run_teacher(GROUPS, False, lambda: Nesterov(0.7, 0.9))),
-         ("flat", part_flat), ("nonfinite", part_nonfinite)]
+         ("flat", part_flat), ("stock", part_stock), ("nonfinite", part_nonfinite)]
 if "data" in KW:
     parts.append(("mnist1d", part_mnist1d))
 for key, fn in parts:
