@@ -337,10 +337,18 @@ TOPOLOGY: Dict[str, List[tuple]] = {
 TOPOLOGY["lm_docs"] += [(_s("sbc", 0.01, 1, api="stock", downlink_binarize=False, **RS), S0),
                         (_s("sbc", 0.01, 1, api="stock", downlink_density=0.02, **RS), S0)]
 # the reduce-scatter's owners at a higher downlink density than the uplink's (``--study
-# downlink``; the topology study's rows and baselines are its reference)
+# downlink``; the topology study's rows and baselines are its reference): at 4 workers four
+# times the uplink's density holds up to the union of the 4 uplinks' positions, binarized or
+# as values
 DOWNLINK: Dict[str, List[tuple]] = {
-    "skewed": [(_s("sbc", 0.01, 1, downlink_density=0.02, **RS), S3)],
-    "lm_docs": [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **RS), S0)]}
+    "skewed": [(_s("sbc", 0.01, 1, downlink_density=0.02, **RS), S3),
+               (_s("sbc", 0.01, 1, downlink_density=0.04, **RS), S3),
+               (_s("sbc", 0.01, 1, downlink_density=0.04, downlink_binarize=False, **RS), S3)],
+    "lm_docs": [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **RS), S0),
+                (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, downlink_binarize=False,
+                    **RS), S0),
+                (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, downlink_binarize=False,
+                    **RS), S12)]}
 
 
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
