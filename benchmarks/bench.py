@@ -25,8 +25,9 @@ gpu     the GPU check: the device codec (tensor ops, fused) against the numpy re
 fixed   fixed-size messages: padding per density on ResNet-50's shapes, and Horovod's
         negotiation time with varying vs constant allgather sizes under MPI and Gloo
         (:mod:`benchmarks.bench_fixed`)
-tf-train  TF drop-in tape and Keras SBCCallback vs the torch drop-in on mnist1d, dense baselines
-        of both, 4 workers, 3 seeds: accuracy, ratio, TF - torch gap
+tf-train  TF drop-in tape, Keras SBCCallback and stock tape vs torch on mnist1d (accuracy) or
+        the transformer (``--task transformer``, perplexity), dense baselines of both, 4
+        workers, 3 seeds: score, ratio, TF - torch gap
         (:mod:`benchmarks.bench_tf_train`)
 scatter  topology="reduce_scatter" vs the allgather, N ranks simulated in one process:
         re-compression error and region skew on digits gradients, bytes and codec time per rank

@@ -251,3 +251,156 @@ def test_the_keras_optimizer_of_a_spec():
     assert (opt.weight_decay, opt.epsilon, opt.beta_2) == (0.01, 1e-8, recipe.betas[1])
     assert not hasattr(bt._keras_optimizer(bt.optimizer_spec(
         bt.parse_args(["--optimizer", "adamw"])), recipe), "_sbc_freeze_after")
+
+
+# -- the transformer task (issue 49) --------------------------------------------------------------
+def test_transformer_recipe_is_the_tasks():
+    from benchmarks.tasks import make_task
+    task = make_task("transformer", 0, seq_len=8, width=16, layers=1, train_windows=64)
+    r, want = task.recipe, bt.TASK_RECIPES["transformer"]
+    assert task.metric == want["metric"] == "perplexity"
+    assert (r.lr, r.betas, r.weight_decay, r.warmup, r.schedule, r.batch_size, r.steps) == (
+        want["lr"], want["betas"], want["weight_decay"], want["warmup"], want["schedule"],
+        want["batch_size"], want["steps"])
+    # --optimizer adamw on the transformer: the recipe's lr and weight decay, not mnist1d's
+    a = bt.parse_args(["--task", "transformer", "--delay", "1"])
+    assert a.optimizer == "adamw" and bt._steps(a) == 600
+    assert bt.optimizer_spec(a) == {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1}
+    assert bt.optimizer_spec(bt.parse_args(["--task", "transformer", "--optimizer", "adamw"])) \
+        == bt.optimizer_spec(a)
+    assert bt.torch_specs(["torch_sbc"], a)[0]["lr"] == 3e-3
+    # mnist1d unchanged: SGD by default, AdamW lr 1e-3 / weight decay 0.01
+    m = bt.parse_args([])
+    assert (m.task, m.optimizer, bt._steps(m)) == ("mnist1d", "sgd", 500)
+    assert bt.optimizer_spec(bt.parse_args(["--optimizer", "adamw"]))["lr"] == bt.ADAMW_LR
+    # a transformer job is never a mnist1d job for --resume
+    mk = {j["key"] for j in bt.jobs(bt.parse_args(["--optimizer", "adamw", "--delay", "1",
+                                                   "--seeds", "0"]))}
+    tk = {j["key"] for j in bt.jobs(bt.parse_args(["--task", "transformer", "--delay", "1",
+                                                   "--seeds", "0"]))}
+    assert len(tk) == 2 and not mk & tk
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--task", "transformer", "--optimizer", "sgd"])
+
+
+def test_keras_transformer_port_computes_the_torch_model():
+    pytest.importorskip("keras")
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    import tensorflow as tf
+    from benchmarks.tasks import char_transformer
+    torch.manual_seed(5)
+    tm = char_transformer(11, 8, width=16, heads=4, layers=1)
+    km = bt.keras_transformer_from_torch(tm)
+    assert sum(int(v.numpy().size) for v in km.trainable_variables) == \
+        sum(p.numel() for p in tm.parameters())
+    # larger weights than the init's std 0.02: every part of the model shows in the logits
+    with torch.no_grad():
+        for p in tm.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    km = bt.keras_transformer_from_torch(tm)
+    x = torch.randint(0, 11, (6, 8))
+    with torch.no_grad():
+        want = tm(x).numpy()
+    got = km(x.numpy(), training=False).numpy()
+    assert got.shape == want.shape == (6, 8, 11)
+    assert np.abs(got - want).max() < 1e-5
+    # causal: changing the last token changes no earlier position's logits
+    x2 = x.clone()
+    x2[:, -1] = (x2[:, -1] + 1) % 11
+    got2 = km(x2.numpy(), training=False).numpy()
+    assert np.abs(got2[:, :-1] - got[:, :-1]).max() < 1e-6
+    assert np.abs(got2[:, -1] - got[:, -1]).max() > 1e-3
+    # the tied embedding's gradient: dense (as torch's) and equal to torch's
+    y = torch.randint(0, 11, (6, 8))
+    tm.zero_grad()
+    torch.nn.functional.cross_entropy(tm(x).reshape(-1, 11), y.reshape(-1)).backward()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y.numpy(), logits=km(x.numpy())))
+    grads = dict(zip(km.w, tape.gradient(loss, list(km.w.values()))))
+    assert isinstance(grads["embed"], tf.Tensor)  # not IndexedSlices
+    assert np.abs(grads["embed"].numpy() - tm.embed.weight.grad.numpy()).max() < 1e-5
+    assert np.abs(grads["b0_in_proj_w"].numpy()
+                  - tm.blocks.layers[0].self_attn.in_proj_weight.grad.numpy()).max() < 1e-5
+
+
+def test_keras_schedule_is_the_recipes_lr_factor():
+    keras = pytest.importorskip("keras")
+    from benchmarks.tasks import make_task
+    recipe = make_task("transformer", 0, seq_len=8, width=16, layers=1, train_windows=64).recipe
+    spec = bt.optimizer_spec(bt.parse_args(["--task", "transformer"]))
+    opt = bt._keras_optimizer(spec, recipe, 600)
+    assert isinstance(opt, keras.optimizers.AdamW)
+    assert (opt.beta_1, opt.beta_2, opt.epsilon, opt.weight_decay) == (0.9, 0.95, 1e-8, 0.1)
+    sched = opt._learning_rate
+    for step in (0, 1, 15, 29, 30, 31, 100, 314, 599):
+        want = 3e-3 * recipe.lr_factor(step, 600)
+        assert float(sched(step)) == pytest.approx(want, rel=1e-5, abs=1e-10), step
+    # over 40 steps (a short run) the cosine ends at the 40th, as the torch worker's LambdaLR
+    short = bt._keras_optimizer(spec, recipe, 40)._learning_rate
+    assert float(short(35)) == pytest.approx(3e-3 * recipe.lr_factor(35, 40), rel=1e-5)
+    assert float(short(35)) != pytest.approx(float(sched(35)), rel=1e-3)
+    # the optimizer applies it per step: the learning rate it uses at its step 10
+    opt.iterations.assign(10)
+    assert float(opt.learning_rate) == pytest.approx(3e-3 * 11 / 30, rel=1e-6)
+    # mnist1d's constant recipe keeps a constant learning rate
+    mn = bt._keras_optimizer(bt.optimizer_spec(bt.parse_args(["--optimizer", "adamw"])),
+                             make_task("transformer", 0, seq_len=8, width=16, layers=1,
+                                       train_windows=64, warmup=0, schedule="constant").recipe)
+    assert not isinstance(mn._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
+
+
+def _ppl_rows(torch_ppl, tf_ppl):
+    rows = []
+    for seed, (a, b) in enumerate(zip(torch_ppl, tf_ppl)):
+        for m, v in (("torch_sbc", a), ("tf_tape_sbc", b), ("keras_sbc", b),
+                     ("torch_dense", a), ("tf_dense", 1.5 * b)):
+            r = _row(m, seed, None)
+            del r["accuracy"]
+            r["perplexity"] = v
+            rows.append(r)
+    return rows
+
+
+def test_perplexity_gap_is_relative_and_lower_is_better():
+    # torch 7.0, TF 7.14: +2 % (within 3 %), a 0.14 difference in "points" would say nothing
+    s = bt.summarize(_ppl_rows([6.9, 7.0, 7.1], [6.9 * 1.02, 7.0 * 1.02, 7.1 * 1.02]))
+    assert s["torch_sbc"]["metric"] == "perplexity" and "accuracy" not in s["torch_sbc"]
+    assert s["torch_sbc"]["perplexity"] == pytest.approx(7.0)
+    g = bt.gaps(s)
+    assert "gap_pt" not in g["tf_tape_sbc"]
+    assert g["tf_tape_sbc"]["gap_pct"] == pytest.approx(2.0)
+    assert g["tf_tape_sbc"]["paired_gap_pct"] == pytest.approx([2.0, 2.0, 2.0])
+    assert g["tf_tape_sbc"]["within"] is True
+    assert g["tf_dense"]["gap_pct"] == pytest.approx(53.0) and not g["tf_dense"]["within"]
+    v = bt.verdict(g)  # tf_dense is not part of the verdict
+    assert v.startswith("reached") and "+2.00 %" in v and "within 3 %" in v
+    # 4 % worse (higher perplexity): not within; 4 % better (lower): not within either
+    for f in (1.04, 0.96):
+        g = bt.gaps(bt.summarize(_ppl_rows([7.0] * 3, [7.0 * f] * 3)))
+        assert g["keras_sbc"]["gap_pct"] == pytest.approx(100 * (f - 1))
+        assert g["keras_sbc"]["within"] is False
+        assert bt.verdict(g).startswith("NOT reached")
+    # the relative gap, not a difference: perplexity 20 vs 20.5 is +2.5 %, within
+    g = bt.gaps(bt.summarize(_ppl_rows([20.0] * 3, [20.5] * 3)))
+    assert g["tf_tape_sbc"]["gap_pct"] == pytest.approx(2.5) and g["tf_tape_sbc"]["within"]
+    md = bt.markdown_table(bt.summarize(_ppl_rows([7.0] * 3, [7.14] * 3)), g)
+    assert "test perplexity" in md and "TF / torch − 1 (%)" in md
+    tape = next(x for x in md.splitlines() if x.startswith("| tf_tape_sbc"))
+    assert "7.140 ± 0.000" in tape and "+2.50 % (vs torch_sbc" in tape
+
+
+def test_tf_and_torch_rows_carry_perplexity():
+    ranks = [_rank(0.0, "a", "a"), _rank(0.0, "a", "a")]
+    for r in ranks:
+        del r["accuracy"]
+        r["perplexity"] = 7.25
+    row = bt.tf_row(ranks)
+    assert row["perplexity"] == 7.25 and "accuracy" not in row
+    assert row["perplexity_all_ranks"] == [7.25, 7.25]
+    run = {"method": "none", "metric": "perplexity", "seeds": [0], "score_seeds": [7.1],
+           "upstream_bits": 1.0, "downstream_bits": 1.0, "dense_bits": 1.0, "syncs": 1.0,
+           "ranks_identical": True, "params": 1, "steps": 1, "workers": 4, "step_time_s": 0.1}
+    (t,) = bt.torch_rows([run])
+    assert t["perplexity"] == 7.1 and "accuracy" not in t
