@@ -13,6 +13,7 @@ Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
              c mod 4 = r);
 ``lm_docs``  ``transformer`` (AdamW, warm-up + cosine, 600 steps), each worker its own documents;
 ``lm_iid``   the same, windows dealt round-robin;
+``lm_docs3k``  ``lm_docs`` over 3,000 steps (``--study long``);
 ``iid8``, ``skewed8``  ``iid`` and ``skewed`` on 8 workers (worker r: the classes c mod 8 = r).
 
 Every part measures dense allreduce and no communication (each worker alone) next to the
@@ -65,6 +66,9 @@ PARTS = {
     "opt_iid": {"task": "mnist1d", "partition": "iid",
                 "title": "mnist1d, IID shards, 1,000 steps, each torch optimizer at its default "
                          "settings (Adam-family and RMSprop learning rates as torch's defaults)"},
+    "lm_docs3k": {"task": "transformer", "partition": "by_class",
+                  "title": "transformer LM, AdamW (warm-up + cosine), documents by worker, "
+                           "3,000 steps"},
     "lm_iid8": {"task": "transformer", "partition": "iid", "workers": 8,
                 "title": "transformer LM, AdamW (warm-up + cosine), IID windows, 8 workers"},
     "iid8": {"task": "mnist1d_long", "partition": "iid", "workers": 8,
@@ -305,6 +309,15 @@ ONELINE_ROWS = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
 ONELINE: Dict[str, List[tuple]] = {
     part: [(r, S0) for r in ONELINE_ROWS] + [(r, S12) for r in ONELINE_ROWS]
     for part in ("lm_docs", "lm_iid")}
+# The one-line change over a run long enough for a delay (``--study long``): the transformer
+# recipe unchanged but for 3,000 steps (the cosine over all of them), so that delay 16 still
+# syncs 187 times; stock SBC(0.01) at delay 4 (x1,000) and 16 (x5,000). Seed 0 of every row
+# first, then seeds 1 and 2.
+LONG_ROWS = [_s("none", steps=3000), _s("local", steps=3000),
+             _s("sbc", 0.01, 4, api="stock", steps=3000),
+             _s("sbc", 0.01, 16, api="stock", steps=3000)]
+LONG: Dict[str, List[tuple]] = {"lm_docs3k": [(r, S0) for r in LONG_ROWS]
+                                 + [(r, S12) for r in LONG_ROWS]}
 # Every torch.optim optimizer through the one-line change (``--study optimizers``): dense,
 # no communication and stock SBC(0.01), each optimizer with torch's default learning rate
 # (SGD: the task's 0.05 with momentum 0.9), 1,000 steps, seed 0.
@@ -353,7 +366,7 @@ DOWNLINK: Dict[str, List[tuple]] = {
 
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
-           "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK}
+           "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
@@ -599,7 +612,11 @@ def goals(res: dict) -> List[dict]:
         "lm_docs", 0.03, 1_000)
     row("transformer, AdamW, documents by worker: >= x5,000 within 8 % of dense perplexity",
         "lm_docs", 0.08, 5_000)
-    for part in ("iid", "skewed", "lm_docs", "lm_iid"):  # the stock hook: never below alone
+    row("transformer, AdamW, documents by worker, 3,000 steps: >= x1,000 within 3 % of dense "
+        "perplexity", "lm_docs3k", 0.03, 1_000)
+    row("transformer, AdamW, documents by worker, 3,000 steps: >= x5,000 within 8 % of dense "
+        "perplexity", "lm_docs3k", 0.08, 5_000)
+    for part in ("iid", "skewed", "lm_docs", "lm_iid", "lm_docs3k"):  # stock: never below alone
         runs, dense, local = base(part)
         st = _find(runs, "sbc", api="stock")
         if st is None or dense is None or local is None:
