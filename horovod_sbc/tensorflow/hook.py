@@ -85,7 +85,7 @@ class StockHook(SyncState):
 
     def __init__(self, optimizer):
         momentum = self.config.momentum or "fold"
-        # what the known optimizer's steps exchange (None: not known, the gradients)
+        # what the optimizer's steps exchange (not given: the gradients, policy's "unknown")
         self._stock_choice = policy.choose(
             family(optimizer), delay=self.delay, api="stock",
             local_residual=self.config.local_residual,
