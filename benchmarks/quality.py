@@ -13,7 +13,7 @@ Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
              c mod 4 = r);
 ``lm_docs``  ``transformer`` (AdamW, warm-up + cosine, 600 steps), each worker its own documents;
 ``lm_iid``   the same, windows dealt round-robin;
-``lm_docs3k``  ``lm_docs`` over 3,000 steps (``--study long``);
+``lm_docs3k``, ``lm_iid3k``  ``lm_docs`` and ``lm_iid`` over 3,000 steps (``--study long``);
 ``iid8``, ``skewed8``  ``iid`` and ``skewed`` on 8 workers (worker r: the classes c mod 8 = r).
 
 Every part measures dense allreduce and no communication (each worker alone) next to the
@@ -69,6 +69,8 @@ PARTS = {
     "lm_docs3k": {"task": "transformer", "partition": "by_class",
                   "title": "transformer LM, AdamW (warm-up + cosine), documents by worker, "
                            "3,000 steps"},
+    "lm_iid3k": {"task": "transformer", "partition": "iid",
+                 "title": "transformer LM, AdamW (warm-up + cosine), IID windows, 3,000 steps"},
     "lm_iid8": {"task": "transformer", "partition": "iid", "workers": 8,
                 "title": "transformer LM, AdamW (warm-up + cosine), IID windows, 8 workers"},
     "iid8": {"task": "mnist1d_long", "partition": "iid", "workers": 8,
@@ -316,8 +318,8 @@ ONELINE: Dict[str, List[tuple]] = {
 LONG_ROWS = [_s("none", steps=3000), _s("local", steps=3000),
              _s("sbc", 0.01, 4, api="stock", steps=3000),
              _s("sbc", 0.01, 16, api="stock", steps=3000)]
-LONG: Dict[str, List[tuple]] = {"lm_docs3k": [(r, S0) for r in LONG_ROWS]
-                                 + [(r, S12) for r in LONG_ROWS]}
+LONG: Dict[str, List[tuple]] = {part: [(r, S0) for r in LONG_ROWS] + [(r, S12) for r in LONG_ROWS]
+                                 for part in ("lm_docs3k", "lm_iid3k")}
 # Every torch.optim optimizer through the one-line change (``--study optimizers``): dense,
 # no communication and stock SBC(0.01), each optimizer with torch's default learning rate
 # (SGD: the task's 0.05 with momentum 0.9), 1,000 steps, seed 0.
