@@ -14,6 +14,24 @@ def write_result(rank, result):
     os.replace(tmp, os.path.join(out, f"rank{rank}.json"))
 
 
+def end_job(rank, result, framework):
+    """Write ``result`` once every rank of the job got here (a uint8 allgather through
+    ``framework``'s Horovod, "torch" or "tensorflow", named as torch names it, so that the ranks
+    of a mixed job meet in it). No rank
+    leaves while another is still in the job's last collective: seen under load, the server
+    topology's root stayed in its last MPI Bcast after the receivers had exited, and a node
+    that finished first shut Horovod down under the other's last in-node collective."""
+    if framework == "torch":
+        import torch
+        import horovod.torch as hvd
+        hvd.allgather(torch.zeros(1, dtype=torch.uint8), name="test.end")
+    else:
+        import tensorflow as tf
+        from horovod_sbc.tensorflow.sync.exchange import allgather
+        allgather(tf.zeros([1], tf.uint8), "test.end")
+    write_result(rank, result)
+
+
 def catch(fn):
     """What a user sees when ``fn()`` fails (``"Type: message"``), or None."""
     try:

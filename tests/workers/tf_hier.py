@@ -34,7 +34,7 @@ import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import catch, write_result  # noqa: E402
+from common import catch, end_job  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -132,28 +132,11 @@ def mixed_torch():
     return rank, out
 
 
-def done_tf():
-    """Every rank waits for every other before exiting: a sync ends with a collective inside
-    the node, and a node that exits first shuts Horovod down under the other's last one."""
-    import tensorflow as tf
-    from horovod_sbc.tensorflow.sync.exchange import allgather
-    allgather(tf.zeros([1], tf.uint8), "test.done")
-
-
-def done_torch():
-    import torch
-    import horovod.torch as hvd
-    hvd.allgather(torch.zeros(1, dtype=torch.uint8), name="test.done")
-
-
 if len(sys.argv) > 2 and sys.argv[2] == "mixed":
     if RANK_ENV % 2 == 0:
-        mixed = mixed_tf()
-        done_tf()
+        end_job(*mixed_tf(), "tensorflow")
     else:
-        mixed = mixed_torch()
-        done_torch()
-    write_result(*mixed)
+        end_job(*mixed_torch(), "torch")
     sys.exit(0)
 
 # -- the TensorFlow job ----------------------------------------------------------------------
@@ -389,5 +372,4 @@ for key, fn in (("errors", part_errors),
     t0 = time.time()
     result[key] = fn()
     result["seconds"][key] = round(time.time() - t0, 2)
-done_tf()
-write_result(RANK, result)
+end_job(RANK, result, "tensorflow")

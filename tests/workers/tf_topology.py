@@ -22,7 +22,7 @@ import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import catch, scenarios, write_result  # noqa: E402
+from common import catch, end_job, scenarios  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -251,7 +251,4 @@ def run_scenario(mode, kw):
 
 
 RESULT = scenarios(sys.argv, run_scenario)
-# no rank leaves while another is still in the job's last collective (the server's root in its
-# last MPI Bcast: seen in the torch worker under load)
-hvd.allreduce(tf.zeros([1]), name="test.end")
-write_result(RANK, RESULT)
+end_job(RANK, RESULT, "tensorflow")
