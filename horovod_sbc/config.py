@@ -26,6 +26,12 @@ TOPOLOGIES = ("allgather", "server", "reduce_scatter")
 #: cannot divide a later gradient by ``eps`` alone; its steps stay within ``1 / sqrt(floor)``
 #: (about 32x) of a typical coordinate's at the same gradient
 ADAM_VARIANCE_FLOOR = 1e-3
+#: what the stock hooks give Horovod's allreduce per gradient and step while SBC's messages
+#: travel by allgather: one element of this dtype (Horovod's optimizer and tape allreduce whatever
+#: ``compress()`` returns; float16 is the narrowest dtype Horovod averages), counted in
+#: ``stats()["upstream_bits"]``
+PLACEHOLDER_DTYPE = "float16"
+PLACEHOLDER_BITS = 16
 #: the key of the drop-in's state in ``optimizer.state_dict()`` (torch)
 OPTIMIZER_STATE_KEY = "horovod_sbc"
 

@@ -107,9 +107,9 @@ def test_bits_are_counted_exactly_and_download_stays_below_the_allgather(np_):
     job = JOBS[np_]
     for key in list(TRAIN) + ["allgather"]:
         for r in job[key]:
-            # the stock hook also counts Horovod's allreduce of a 1-float placeholder per
+            # the stock hook also counts Horovod's allreduce of a float16 placeholder per
             # gradient and step (6 gradients, 8 steps)
-            dummies = 32 * 6 * 8 if key[0] == "stock" else 0
+            dummies = 16 * 6 * 8 if key[0] == "stock" else 0
             assert r["stats"]["upstream_bits"] == 8 * r["moved"]["sent"] + dummies, key
             assert r["stats"]["downstream_bits"] == 8 * r["moved"]["received"], key
     down = lambda key: sum(r["stats"]["downstream_bits"] for r in job[key])  # noqa: E731

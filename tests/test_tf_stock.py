@@ -39,8 +39,8 @@ def test_stock_tape_exchanges_weight_changes_as_the_dropin_does(key):
         assert stock["local_residual"] is True and stock["iterations"] == steps
         assert stock["stats"]["syncs"] == dropin["stats"]["syncs"] == steps // delay
         assert stock["stats"]["steps"] == steps
-        # Horovod's placeholder allreduce: 4 bytes per gradient and step, on top of the messages
-        assert stock["stats"]["upstream_bits"] == dropin["stats"]["upstream_bits"] + 32 * 4 * steps
+        # Horovod's placeholder allreduce: a float16 per gradient and step, on top of the messages
+        assert stock["stats"]["upstream_bits"] == dropin["stats"]["upstream_bits"] + 16 * 4 * steps
         assert stock["warnings"] == [], stock["warnings"]
     # the shared weights move at every sync (step s syncs when s + 1 is a multiple of delay) only
     refs = res[0]["stock"]["refs"]

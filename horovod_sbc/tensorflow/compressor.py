@@ -143,7 +143,7 @@ class SBC(StockHook, WeightMode, tf.Module):
         """Cumulative figures of this rank (eager), as in PyTorch:
 
         upstream_bits   bits this rank sent (real step message sizes, headers included; in stock
-                        mode plus Horovod's 1-element dummy allreduce per gradient)
+                        mode plus Horovod's allreduce of a float16 placeholder per gradient)
         downstream_bits bits this rank received from the other ranks
         dense_bits      32 x element count x steps: an uncompressed fp32 upload at every step
         syncs           number of exchanges that went through

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from .. import policy, wire
+from ..config import PLACEHOLDER_BITS, PLACEHOLDER_DTYPE
 from . import stock
 from .momentum import Fold, Mask, family, foldable, linear, momentum_free
 from .owner import identify
@@ -175,7 +176,7 @@ class StockHook(SyncState):
             raise ValueError(f"SBC: {name!r} is reduced with another op than the gradients "
                              "grouped with it")
         batch.add(name, shape, tensor.dtype, res, upd)
-        return tf.zeros([1], tensor.dtype), (batch, len(batch.names) - 1)
+        return _placeholder(), (batch, len(batch.names) - 1)
 
     @no_autograph
     def decompress(self, tensor, ctx):
@@ -240,10 +241,9 @@ class StockHook(SyncState):
         if self._stock_first is None:
             self._stock_first = name
         mark = stock.mark_gradient(self, name == self._stock_first, what)
-        dummy = tf.zeros([1], tensor.dtype)
         with tf.control_dependencies([mark]):  # Horovod allreduces the placeholder
-            counted = self.counters["upstream_bits"].assign_add(8 * tensor.dtype.size)
-        return dummy, _Own(tensor, counted)
+            counted = self.counters["upstream_bits"].assign_add(PLACEHOLDER_BITS)
+        return _placeholder(), _Own(tensor, counted)
 
     def _warn_stock(self) -> None:
         """Once per object, where the stock tape exchanges sparse gradients (the optimizer not
@@ -305,10 +305,10 @@ class StockHook(SyncState):
         size, _ = self._world()
         first = tf_name(batch.names[0])
         tag = f"sbc_{first}" if len(batch.names) == 1 else f"sbc_{first}_x{len(batch.names)}"
-        dummies = sum(dt.size for dt in batch.dtypes)  # Horovod's allreduce of the dummies
+        dummies = PLACEHOLDER_BITS * len(batch.names)  # Horovod's allreduce of placeholders
         code, avg, new_res, sent = self._exchange(
             batch.names, batch.shapes, batch.updates, batch.residuals,
-            1.0 if batch.op_sum else 1.0 / size, tag, extra_up_bits=8 * dummies)
+            1.0 if batch.op_sum else 1.0 / size, tag, extra_up_bits=dummies)
         fold = self._stock_fold
         if fold is not None:  # compress() counted this step: the fold's step is one less
             k = fold.scale(self.calls[batch.names[0]].read_value() - 1)
@@ -322,3 +322,8 @@ class StockHook(SyncState):
         batch.avg = avg
         batch.committed = self._commit(batch.residuals, batch.updates, code, new_res, sent)
         batch.done = True
+
+
+def _placeholder() -> tf.Tensor:
+    """What Horovod allreduces in a gradient's stead (``stats()`` counts it as sent)."""
+    return tf.zeros([1], getattr(tf, PLACEHOLDER_DTYPE))

@@ -15,7 +15,8 @@ optimizer. :func:`horovod_sbc.policy.choose` then says what that optimizer's ste
   each local gradient back as it is, the user's optimizer steps on it, and every ``delay``
   steps the change of the weights is exchanged (Adam's variance frozen automatically).
 
-Horovod still allreduces a 1-float placeholder per gradient and step (counted in ``stats()``).
+Horovod still allreduces a one-element float16 placeholder per gradient and step (counted in
+``stats()``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import wire
+from ..config import PLACEHOLDER_BITS, PLACEHOLDER_DTYPE
 from .. import policy
 from .adam import family
 from .backend import Accumulate, Targets, frame
@@ -139,8 +141,7 @@ class StockHook:
                              "hvd.DistributedOptimizer")
         if self._exchange_of(owner) == "weights":  # the optimizer's step() syncs
             ctx = StockContext(name, tensor, 0, owner, out=tensor, done=True)
-            self.state.manager.add(upstream_bits=32)  # Horovod allreduces the 1-float dummy
-            return tensor.new_zeros(1), ctx
+            return self._placeholder(tensor), ctx
         self._check_stock()
         warn_momentum(self, owner)
         size, _ = self.state.world()
@@ -150,10 +151,13 @@ class StockHook:
             self.state.manager.add(steps=1, syncs=1)
         ctx = StockContext(name, tensor, size, owner)
         self._pending.append(ctx)
-        dummy = tensor.new_zeros(1)
-        self.state.manager.add(upstream_bits=8 * dummy.numel() * dummy.element_size(),
-                               dense_bits=32 * tensor.numel())
-        return dummy, ctx
+        self.state.manager.add(dense_bits=32 * tensor.numel())
+        return self._placeholder(tensor), ctx
+
+    def _placeholder(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What Horovod allreduces in the gradient's stead (counted as sent)."""
+        self.state.manager.add(upstream_bits=PLACEHOLDER_BITS)
+        return tensor.new_zeros(1, dtype=getattr(torch, PLACEHOLDER_DTYPE))
 
     def decompress(self, output: torch.Tensor, ctx: StockContext) -> torch.Tensor:
         """Horovod hook: the first call of a step exchanges every pending gradient; each call
