@@ -37,10 +37,11 @@ class Plain(OuterStep):
 
     Args:
         lr: in (0, 16]. ``Plain()`` (lr 1) is the default, decoded straight into ``W_ref``.
-            Left at None, ``SBC(outer=None)`` picks ``Plain(lr=sqrt(N))`` for N ranks where
-            :func:`horovod_sbc.policy.choose` says so: an adaptive optimizer other than Adam at
+            Left at None, ``SBC(outer=None)`` picks :func:`horovod_sbc.policy.outer_step`:
+            ``Plain(lr=sqrt(N))`` for N ranks for an adaptive optimizer other than Adam at
             delay 1, whose per-rank normalised steps average to up to sqrt(N) shorter than
-            one step on the averaged gradient.
+            one step on the averaged gradient; ``Nesterov(1.0, 0.5)`` for Adam/AdamW with a
+            delay.
     """
     lr: float = 1.0
     kind = "plain"

@@ -33,7 +33,7 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-_OUTERS = {"plain": lambda: None, "nesterov": lambda: Nesterov(lr=0.7, momentum=0.9),
+_OUTERS = {"plain": Plain, "nesterov": lambda: Nesterov(lr=0.7, momentum=0.9),
            "nesterov_0.5_0.8": lambda: Nesterov(lr=0.5, momentum=0.8),
            "decay": lambda: ErrorDecay(decay=0.5), "plain_2": lambda: Plain(lr=2.0)}
 _COMPS = {"dense": lambda **kw: sbc.SBC(density=1.0, mode="values", delay=2, **kw),
@@ -195,7 +195,7 @@ def test_nesterov_on_two_ranks_matches_the_hand_computation(runs):
 
 
 def test_plain_outer_step_is_the_plain_average(runs):
-    """Negative control: the same run with outer=None (plain W_ref += U) follows the plain
+    """Negative control: the same run with outer=Plain() (W_ref += U) follows the plain
     hand computation and ends elsewhere than Nesterov's."""
     plain, _ = runs[("dense", "plain", 6, True)]
     nest, _ = runs[("dense", "nesterov", 6, True)]

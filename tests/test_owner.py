@@ -132,7 +132,16 @@ def test_the_stock_hook_picks_the_exchange_from_the_optimizer(make, fam, at1, at
     assert family(opt) == fam
     one, four = (policy.choose(fam, delay=d, api="stock") for d in (1, 4))
     assert (one.exchange, four.exchange) == (at1, at4)
-    assert one.sqrt_n_outer == (fam == "adaptive") and not four.sqrt_n_outer
+    # the outer step left to the package: sqrt(N) x the average for the other adaptive ones at
+    # delay 1, DiLoCo's Nesterov (momentum 0.5) for Adam with a delay
+    assert one.outer == ("sqrt_n" if fam == "adaptive" else "plain")
+    assert four.outer == ("nesterov" if fam == "adam" else "plain")
+    assert repr(policy.outer_step(one, 4)) == ("Plain(lr=2.0)" if fam == "adaptive" else "Plain()")
+    assert (repr(policy.outer_step(four, 4)) ==
+            ("Nesterov(lr=1.0, momentum=0.5)" if fam == "adam" else "Plain()"))
+    # ... and the plain average where the residual is beside the shared weights (Nesterov's
+    # momentum and the ranks' own compound there: docs/recipes.md)
+    assert policy.choose(fam, delay=4, api="stock", local_residual=False).outer == "plain"
     for c in (one, four):
         assert c.auto_freeze == (fam == "adam")
         assert c.fold_momentum == (c.exchange == "gradients")
@@ -149,7 +158,7 @@ def test_an_sgd_whose_momentum_cannot_be_folded_and_an_optimizer_not_given():
     from horovod_sbc import policy
     for api in ("stock", "dropin"):
         c = policy.choose("sgd", delay=1, api=api, foldable=False)
-        assert c == policy.Choice("weights", True, False, False, sqrt_n_outer=False), api
+        assert c == policy.Choice("weights", True, False, False, outer="plain"), api
         assert policy.choose("sgd", delay=1, api=api).fold_momentum  # the foldable one folds
     beside = policy.choose("sgd", delay=1, api="dropin", foldable=False, local_residual=False)
     assert beside == policy.Choice("weights", False, False, False)

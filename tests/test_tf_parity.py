@@ -83,7 +83,13 @@ def test_the_default_residual_placement_is_torchs():
         outer = sbc.outer
         sbc._settle(kopt)
         assert sbc.local_residual is True and sbc._fold is None, kopt
-        assert (sbc.outer is not outer) is scaled, kopt
+        # the same runner (a checkpoint restored before the first step finds it), its spec set
+        assert sbc.outer is outer and repr(outer) == ("Plain(lr=2.0)" if scaled else "Plain()")
+    # Adam with a delay: DiLoCo's Nesterov with momentum 0.5, as torch's policy.outer_step
+    for delay, want in ((1, "Plain()"), (4, "Nesterov(lr=1.0, momentum=0.5)")):
+        sbc = hsbc_tf.SBC(density=0.01, delay=delay)
+        sbc._settle(keras.optimizers.AdamW(1e-3))
+        assert repr(sbc.outer) == want, delay
     # an explicit choice stands; False with a foldable SGD folds
     sbc = hsbc_tf.SBC(density=0.01, local_residual=True)
     sbc._settle(keras.optimizers.SGD(0.1, momentum=0.9))

@@ -52,9 +52,12 @@ def test_stock_tape_exchanges_weight_changes_as_the_dropin_does(key):
 
 def test_stock_weight_exchange_resumes_exactly_from_a_checkpoint():
     """4 steps straight == 2 steps, tf.train.Checkpoint(model, opt, sbc), a fresh process state
-    restored without sbc.build(), 2 more steps (delay 2, tf.function, local residuals)."""
+    restored without sbc.build(), 2 more steps (delay 2, tf.function, local residuals). Adam with
+    a delay gets the Nesterov outer step once its first step shows the optimizer, after the
+    restore: its momentum buffers are restored too (the same runner, its spec set)."""
     for r in TWO["resume"]:
         assert r["resumed"] == r["straight"]
+        assert r["straight"]["outer"] == "Nesterov(lr=1.0, momentum=0.5)"
         assert r["straight"]["stats"]["syncs"] == 2 and r["straight"]["iterations"] == 4
     assert TWO["resume"][0]["straight"]["refs"] == TWO["resume"][1]["straight"]["refs"]
 

@@ -105,7 +105,7 @@ class SBC(StockHook, WeightMode, tf.Module):
         self.binarize, self.selection = self.config.binarize, self.config.selection
         self.nonfinite = self.config.nonfinite
         self.topology, self.downlink_density = self.config.topology, self.config.downlink_density
-        self.outer = make_outer(outer)  # Plain(lr=sqrt(N)) may replace it (weights._settle)
+        self.outer = make_outer(outer)  # its spec set by policy.outer_step (weights._settle)
         self._optimizer = _Held(optimizer)
         if optimizer is not None and family(optimizer) == "adam":
             # before a tf.function traces its step (weight mode freezes it at the first sync)

@@ -152,6 +152,9 @@ class SBCHandler:
         self._variables = model.trainable_variables if variables is None else variables
         if not optimizer.built:  # its variables exist from now on, on every worker alike
             optimizer.build(self._variables)
+        # the outer step and freeze chosen now, as on every worker alike: a new worker's outer
+        # state is created and broadcast at its first reset, before its first step
+        self.sbc._settle(optimizer)
         self.joined = False  # did this worker train in this job (is its state worth keeping)?
         self.save()
 

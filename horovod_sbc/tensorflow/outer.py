@@ -16,13 +16,29 @@ import tensorflow as tf
 from ..outer import OuterStep, Plain
 
 
-class PlainStep(tf.Module):
-    """``W_ref += lr * U`` (:class:`horovod_sbc.outer.Plain`); no state."""
+class OuterRunner(tf.Module):
+    """The outer step ``spec`` (:mod:`horovod_sbc.outer`) on TensorFlow variables: ``Plain``
+    (``W_ref += lr * U``, no state), ``Nesterov`` (``v <- m v + U``, ``D = lr (U + m v)``, one
+    buffer per tensor) or ``ErrorDecay`` (``D = lr * U``, then every residual times ``decay``).
+
+    One object for the life of its ``SBC``, whose spec :meth:`set_spec` may change before the
+    first sync (``policy.outer_step``'s choice, made once the optimizer is known): a
+    ``tf.train.Checkpoint`` restored before that matches ``outer/buffers/<name>`` to this
+    object's ``buffers``, created at the first sync."""
 
     def __init__(self, spec: OuterStep):
         super().__init__(name="outer")
+        self.buffers = {}
+        self.set_spec(spec)
+
+    def set_spec(self, spec: OuterStep) -> None:
+        """Run ``spec`` from now on (before any state was created, or the same kind)."""
+        if self.buffers and spec.kind != "nesterov":
+            raise ValueError(f"the outer step holds Nesterov buffers; it cannot become {spec!r}")
         self.spec = spec
         self.kind, self.lr = spec.kind, spec.lr
+        self.momentum = getattr(spec, "momentum", 0.0)
+        self.decay = getattr(spec, "decay", 1.0)
 
     def __repr__(self) -> str:
         return repr(self.spec)
@@ -33,29 +49,10 @@ class PlainStep(tf.Module):
         return self.spec.decodes_into_reference
 
     def build(self, names: Sequence[str], likes: List[tf.Tensor], make) -> None:
-        """Create the state of every tensor not holding one yet; ``make(initial, name)``
-        creates a state variable eagerly."""
-
-    def delta(self, names: Sequence[str], updates: List[tf.Tensor],
-              committed: tf.Tensor) -> List[tf.Tensor]:
-        """The change of the shared weights for the averaged ``updates``; the state moves only
-        where ``committed`` (a scalar bool tensor) is true."""
-        return [self.lr * u for u in updates] if self.lr != 1.0 else list(updates)
-
-    def after_commit(self, residuals: List[tf.Variable], committed: tf.Tensor) -> List:
-        """Ops acting on this rank's residuals once the sync's error feedback is committed."""
-        return []
-
-
-class NesterovStep(PlainStep):
-    """:class:`horovod_sbc.outer.Nesterov`: ``v <- m v + U``, ``D = lr (U + m v)``."""
-
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.momentum = spec.momentum
-        self.buffers = {}
-
-    def build(self, names, likes, make) -> None:
+        """Create the state of every tensor not holding one yet (Nesterov's buffers);
+        ``make(initial, name)`` creates a state variable eagerly."""
+        if self.kind != "nesterov":
+            return
         for name, u in zip(names, likes):
             v = self.buffers.get(name)
             if v is None:
@@ -65,7 +62,12 @@ class NesterovStep(PlainStep):
                                  f"{tuple(v.shape)} but its update {tuple(u.shape)}; did the "
                                  "model change shape?")
 
-    def delta(self, names, updates, committed):
+    def delta(self, names: Sequence[str], updates: List[tf.Tensor],
+              committed: tf.Tensor) -> List[tf.Tensor]:
+        """The change of the shared weights for the averaged ``updates``; the state moves only
+        where ``committed`` (a scalar bool tensor) is true."""
+        if self.kind != "nesterov":
+            return [self.lr * u for u in updates] if self.lr != 1.0 else list(updates)
         out = []
         for name, u in zip(names, updates):
             v = self.buffers[name]
@@ -75,26 +77,14 @@ class NesterovStep(PlainStep):
                 out.append(self.lr * (u + self.momentum * new_v))
         return out
 
-
-class ErrorDecayStep(PlainStep):
-    """:class:`horovod_sbc.outer.ErrorDecay`: ``D = lr * U``, then every residual times
-    ``decay``."""
-
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.decay = spec.decay
-
-    def after_commit(self, residuals, committed):
-        if self.decay == 1.0:
+    def after_commit(self, residuals: List[tf.Variable], committed: tf.Tensor) -> List:
+        """Ops acting on this rank's residuals once the sync's error feedback is committed."""
+        if self.kind != "error_decay" or self.decay == 1.0:
             return []
         return [r.assign(tf.where(committed, self.decay * r.read_value(), r.read_value()))
                 for r in residuals]
 
 
-_RUNNERS = {"plain": PlainStep, "nesterov": NesterovStep, "error_decay": ErrorDecayStep}
-
-
-def make(spec: Optional[OuterStep]) -> PlainStep:
+def make(spec: Optional[OuterStep]) -> OuterRunner:
     """The runner of ``spec`` (None: ``Plain()``), with fresh state."""
-    spec = Plain() if spec is None else spec
-    return _RUNNERS[spec.kind](spec)
+    return OuterRunner(Plain() if spec is None else spec)

@@ -18,7 +18,6 @@ Adam's second moment (:mod:`horovod_sbc.tensorflow.adam`), as :mod:`horovod_sbc.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional
 
@@ -27,10 +26,8 @@ import tensorflow as tf
 from .. import wire
 from .. import policy
 from ..config import describe_hierarchy
-from ..outer import Plain
 from .adam import apply_freeze, is_frozen
 from .momentum import Fold, family, foldable, linear
-from .outer import make as make_outer
 from .owner import entries, tf_variable
 from .sync import synchronize_weights
 from .sync.exchange import tf_name
@@ -68,8 +65,8 @@ class WeightMode(SyncState):
                                local_residual=self._local_residual,
                                foldable=linear(optimizer))
         self._local_residual = choice.local_residual
-        if self.config.outer is None and choice.sqrt_n_outer:
-            self.outer = make_outer(Plain(lr=math.sqrt(self._world_size())))
+        if self.config.outer is None:  # the same runner: a restored checkpoint finds it
+            self.outer.set_spec(policy.outer_step(choice, self._world_size()))
         if tf.inside_function() and family(optimizer) == "adam" and not is_frozen(optimizer) \
                 and self.config.freeze_variance_after is not None:
             # its step is traced already: say how to freeze it

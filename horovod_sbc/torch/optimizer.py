@@ -21,7 +21,6 @@ stock hook's weight exchange). Parameters without gradient on some step contribu
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
@@ -31,7 +30,6 @@ from ..config import OPTIMIZER_STATE_KEY
 from .adam import check_freeze, family, frozen_step
 from .hierarchy import Hierarchy
 from .momentum import folded, guard_of
-from ..outer import Plain
 from .outer import check_kind, make as make_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
@@ -66,8 +64,8 @@ class _SBCOptimizer:
                                local_residual=cfg.local_residual)
         local_residual = self._sbc_local_residual = choice.local_residual
         outer = cfg.outer
-        if outer is None and choice.sqrt_n_outer:
-            outer = Plain(lr=math.sqrt(_world_size(compression)))
+        if outer is None:
+            outer = policy.outer_step(choice, _world_size(compression))
         self._sbc_outer = make_outer(outer)
         self._sbc_outer_scratch = {}  # name -> dense buffer of the average U (not saved)
         if named_parameters is None:

@@ -426,7 +426,7 @@ def run_save_load():
     return out
 
 
-OUTERS = {"plain": lambda: None, "nesterov": lambda: hsbc.Nesterov(1.0, 0.5),
+OUTERS = {"plain": hsbc.Plain, "nesterov": lambda: hsbc.Nesterov(1.0, 0.5),
           "decay": lambda: hsbc.ErrorDecay(decay=0.5, lr=0.8), "plain2": lambda: hsbc.Plain(2.0)}
 
 

@@ -154,7 +154,9 @@ def run_resume():
             ckpt.write(path)
             continue
         got = {"weights": digest(model.trainable_variables), "refs": ref_digest(sbc),
-               "stats": sbc.stats(), "iterations": int(opt.iterations.numpy())}
+               "stats": sbc.stats(), "iterations": int(opt.iterations.numpy()),
+               "outer": repr(sbc.outer),
+               "outer_buffers": digest(sbc.outer.buffers[k] for k in sorted(sbc.outer.buffers))}
         if phase == "straight":
             straight = got
     return {"straight": straight, "resumed": got}

@@ -25,14 +25,14 @@ import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import horovod_sbc.torch as sbc  # noqa: E402
-from horovod_sbc.torch.outer import Nesterov  # noqa: E402
+from horovod_sbc.torch.outer import Nesterov, Plain  # noqa: E402
 
 KW = {}  # of the scenario running
 hvd.init()
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
 DELAY = 3
-OUTERS = {"plain": lambda: None, "nesterov": lambda: Nesterov(lr=0.7, momentum=0.9)}
+OUTERS = {"plain": Plain, "nesterov": lambda: Nesterov(lr=0.7, momentum=0.9)}
 
 
 def teacher():
