@@ -49,7 +49,8 @@ from .bench_train import _s, job_key, merge_seed_runs, run_task_jobs
 
 S0, S12, S3 = [0], [1, 2], [0, 1, 2]
 NESTEROV = ["nesterov", 0.7, 0.9]   # DiLoCo's outer lr and momentum
-MILD = ["nesterov", 1.0, 0.5]
+MILD = ["nesterov", 1.0, 0.5]   # policy.outer_step's default with a delay
+PLAIN = ["plain", 1.0]
 STRONG = ["nesterov", 1.0, 0.7]
 BOLD = ["nesterov", 1.5, 0.5]
 DECAY = ["error_decay", 0.9, 1.0]   # SparseLoCo-style: the residual times 0.9 after each sync
@@ -316,10 +317,20 @@ ONELINE: Dict[str, List[tuple]] = {
 # syncs 187 times; stock SBC(0.01) at delay 4 (x1,000) and 16 (x5,000). Seed 0 of every row
 # first, then seeds 1 and 2.
 LONG_ROWS = [_s("none", steps=3000), _s("local", steps=3000),
+             # the defaults (with a delay, policy.outer_step's Nesterov(1.0, 0.5))...
              _s("sbc", 0.01, 4, api="stock", steps=3000),
-             _s("sbc", 0.01, 16, api="stock", steps=3000)]
+             _s("sbc", 0.01, 16, api="stock", steps=3000),
+             # ...and the plain average, the default before it (measured with Horovod's
+             # placeholder in the gradient's dtype: 32 bits per gradient and step, not 16)
+             _s("sbc", 0.01, 4, api="stock", steps=3000, outer=PLAIN),
+             _s("sbc", 0.01, 16, api="stock", steps=3000, outer=PLAIN)]
 LONG: Dict[str, List[tuple]] = {part: [(r, S0) for r in LONG_ROWS] + [(r, S12) for r in LONG_ROWS]
                                  for part in ("lm_docs3k", "lm_iid3k")}
+# where the delay-4 row's gap comes from (seed 0, documents by worker): the variance frozen where
+# "auto" freezes it in this recipe (step 90: 30 warm-up steps + 3 / (1 - 0.95)), without any
+# exchange; and the exchange at delay 1
+LONG["lm_docs3k"] += [(_s("none", steps=3000, freeze_variance_after=90), S0),
+                      (_s("sbc", 0.01, 1, api="stock", steps=3000), S0)]
 # Every torch.optim optimizer through the one-line change (``--study optimizers``): dense,
 # no communication and stock SBC(0.01), each optimizer with torch's default learning rate
 # (SGD: the task's 0.05 with momentum 0.9), 1,000 steps, seed 0.
@@ -467,10 +478,10 @@ def _describe(r: dict) -> str:
     if r.get("api") == "stock":
         m = f", momentum={r['stock_momentum']!r}" if "stock_momentum" in r else ""
         d = f", delay={r['delay']}" if r.get("delay", 1) != 1 else ""
-        opt = f" with {r['optimizer']}" if r.get("optimizer") else ""
-        return f"stock hook `SBC({r['density']:g}{d}{m}{_topology(r)})`{opt}"
-    s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']}{_topology(r)})`",
-         "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r.get("label", m))
+        s = f"stock hook `SBC({r['density']:g}{d}{m}{_topology(r)})`"
+    else:
+        s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']}{_topology(r)})`",
+             "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r.get("label", m))
     if r.get("outer"):
         kind, *a = r["outer"]
         if kind == "nesterov" and a[1] == 0:  # W_ref += lr U: Plain(lr)'s arithmetic, bit for bit
