@@ -206,7 +206,8 @@ class SBCConfig:
     outer: the weight exchange: the outer step that turns each sync's average into the change
         of the shared weights (:mod:`horovod_sbc.outer`: ``Plain``, ``Nesterov``,
         ``ErrorDecay``). None (default): :func:`horovod_sbc.policy.outer_step`: ``Plain()``;
-        ``Nesterov(1.0, 0.5)`` for Adam/AdamW with a delay and the residual in the weights; ``Plain(lr=sqrt(N))`` for other adaptive optimizers at delay 1.
+        ``Nesterov(1.0, 0.5)`` for Adam/AdamW with a delay and the residual in the weights;
+        ``Plain(lr=sqrt(N))`` for other adaptive optimizers at delay 1.
     freeze_variance_after: the weight exchange with Adam/AdamW: when every rank's second moment
         is frozen so that its steps are linear in the gradients (1-bit Adam, arXiv 2102.02888).
         ``"auto"`` (default): :func:`horovod_sbc.policy.auto_freeze_step`, from the run's
