@@ -67,6 +67,12 @@ PARTS = {
     "opt_iid": {"task": "mnist1d", "partition": "iid",
                 "title": "mnist1d, IID shards, 1,000 steps, each torch optimizer at its default "
                          "settings (Adam-family and RMSprop learning rates as torch's defaults)"},
+    "code_docs": {"task": "transformer_code", "partition": "by_class",
+                  "title": "transformer LM on the standard library's source, AdamW (warm-up + "
+                           "cosine), modules by worker"},
+    "code_iid": {"task": "transformer_code", "partition": "iid",
+                 "title": "transformer LM on the standard library's source, AdamW (warm-up + "
+                          "cosine), IID windows"},
     "lm_docs3k": {"task": "transformer", "partition": "by_class",
                   "title": "transformer LM, AdamW (warm-up + cosine), documents by worker, "
                            "3,000 steps"},
@@ -331,6 +337,12 @@ LONG: Dict[str, List[tuple]] = {part: [(r, S0) for r in LONG_ROWS] + [(r, S12) f
 # exchange; and the exchange at delay 1
 LONG["lm_docs3k"] += [(_s("none", steps=3000, freeze_variance_after=90), S0),
                       (_s("sbc", 0.01, 1, api="stock", steps=3000), S0)]
+# The second language-model task (``--study code``): the transformer recipe on the standard
+# library's source, the one line with no knob (seed 0 of every row first, then seeds 1 and 2)
+CODE_ROWS = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
+             _s("sbc", 0.01, 4, api="stock")]
+CODE: Dict[str, List[tuple]] = {part: [(r, S0) for r in CODE_ROWS] + [(r, S12) for r in CODE_ROWS]
+                                 for part in ("code_docs", "code_iid")}
 # Every torch.optim optimizer through the one-line change (``--study optimizers``): dense,
 # no communication and stock SBC(0.01), each optimizer with torch's default learning rate
 # (SGD: the task's 0.05 with momentum 0.9), 1,000 steps, seed 0.
@@ -379,7 +391,8 @@ DOWNLINK: Dict[str, List[tuple]] = {
 
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
-           "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG}
+           "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG,
+           "code": CODE}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:

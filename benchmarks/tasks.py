@@ -42,6 +42,12 @@ Every task is generated or read offline and deterministically: nothing is downlo
     600 steps, batch 16. Each topic is a document: the ``by_class`` partition gives every
     worker its own documents (contiguous text), ``iid`` deals the windows round-robin. Metric:
     test perplexity per character.
+``transformer_code``
+    The second language-model task: the same model and recipe as ``transformer``, another
+    corpus every CPython has: the source of its standard library's top-level modules
+    (``sysconfig.get_paths()["stdlib"]/*.py`` in sorted name order, each cut to its first
+    20,000 characters, until 480,000 characters; each module a document). Python code instead
+    of English prose; ``info`` records the modules, ``sys.version`` and the sha256.
 ``digits_conv``
     scikit-learn's digits (shipped with scikit-learn) as 8x8 images and a conv + BatchNorm +
     linear net; the quick one the tests use.
@@ -64,7 +70,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import numpy as np
 
 PARTITIONS = ("iid", "by_class")
-TASKS = ("mnist1d", "mnist1d_long", "text", "transformer", "digits_conv")
+TASKS = ("mnist1d", "mnist1d_long", "text", "transformer", "transformer_code", "digits_conv")
 
 
 @dataclass(frozen=True)
@@ -244,10 +250,34 @@ def char_lstm(vocab: int, embed: int = 32, hidden: int = 128):
     return _CharLSTM()
 
 
+def stdlib_corpus(per_module: int = 20_000, total: int = 480_000
+                  ) -> Tuple[Dict[str, str], Dict[str, object]]:
+    """The source of CPython's top-level standard-library modules (see ``transformer_code``)
+    and its provenance."""
+    import glob
+    import os
+    import sysconfig
+    docs: Dict[str, str] = {}
+    size = 0
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            body = f.read(per_module)
+        docs[os.path.basename(path)[:-3]] = body
+        size += len(body)
+        if size >= total:
+            break
+    joined = "\n".join(docs.values())
+    info = {"source": "the sources of CPython's top-level standard-library modules "
+                      f"(first {per_module:,} characters each)",
+            "python": sys.version, "topics": len(docs), "modules": list(docs),
+            "chars": len(joined), "sha256": hashlib.sha256(joined.encode()).hexdigest()}
+    return docs, info
+
+
 def _text(seed: int, seq_len: int = 32, test_frac: float = 0.1, hidden: int = 96,
-          min_count: int = 20, train_windows: int = 800, **_) -> Task:
+          min_count: int = 20, train_windows: int = 800, corpus=None, **_) -> Task:
     import torch
-    topics, info = pydoc_corpus()
+    topics, info = (corpus or pydoc_corpus)()
     text = "".join(topics.values())
     counts: Dict[str, int] = {}
     for ch in text:
@@ -312,10 +342,10 @@ def char_transformer(vocab: int, seq_len: int, width: int = 64, heads: int = 4,
 
 
 def _transformer(seed: int, seq_len: int = 64, width: int = 64, layers: int = 2,
-                 train_windows: int = 0, **_) -> Task:
-    t = _text(seed, seq_len=seq_len, train_windows=train_windows)
+                 train_windows: int = 0, corpus=None, name: str = "transformer", **_) -> Task:
+    t = _text(seed, seq_len=seq_len, train_windows=train_windows, corpus=corpus)
     vocab = t.info["vocab"]
-    return replace(t, name="transformer",
+    return replace(t, name=name,
                    build_model=lambda: char_transformer(vocab, seq_len, width, layers=layers),
                    recipe=Recipe(lr=3e-3, momentum=0.0, batch_size=16, steps=600,
                                  optimizer="adamw", betas=(0.9, 0.95), weight_decay=0.1,
@@ -349,8 +379,13 @@ def _mnist1d_long(seed: int, num_samples: int = 12000, width: int = 32, **_) -> 
                    recipe=Recipe(lr=0.05, momentum=0.9, batch_size=32, steps=1500))
 
 
+def _transformer_code(seed: int, **kw) -> Task:
+    return _transformer(seed, corpus=stdlib_corpus, name="transformer_code", **kw)
+
+
 _BUILDERS = {"mnist1d": _mnist1d, "mnist1d_long": _mnist1d_long, "text": _text,
-             "transformer": _transformer, "digits_conv": _digits_conv}
+             "transformer": _transformer, "transformer_code": _transformer_code,
+             "digits_conv": _digits_conv}
 _CACHE: Dict[tuple, Task] = {}
 
 

@@ -1,10 +1,11 @@
 """benchmarks/tasks.py: offline, deterministic data; partitions; models and metrics."""
 import hashlib
+import os
 
 import pytest
 import torch
 
-from benchmarks.tasks import PARTITIONS, make_task
+from benchmarks.tasks import PARTITIONS, make_task, stdlib_corpus
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -57,6 +58,28 @@ def test_text_records_its_corpus():
     assert t.info["python"] == sys.version and len(t.info["sha256"]) == 64
     assert t.metric == "perplexity" and not t.higher_is_better
     assert int(t.groups.max()) + 1 <= t.info["topics"]
+
+
+def test_the_second_lm_task_is_the_transformer_on_the_standard_librarys_source():
+    """transformer_code: the transformer's model and recipe on another corpus, modules of the
+    standard library as documents (each module's windows one group, its last 10 % the test
+    text), the same on every call (its sha256 and module list recorded)."""
+    import sys
+    import sysconfig
+    t, lm = make_task("transformer_code"), make_task("transformer")
+    assert t.name == "transformer_code" and t.recipe == lm.recipe
+    assert t.info["sha256"] != lm.info["sha256"] and t.info["python"] == sys.version
+    mods = t.info["modules"]
+    assert mods == sorted(mods) and len(mods) == t.info["topics"] == int(t.groups.max()) + 1
+    docs, info = stdlib_corpus()
+    assert info["sha256"] == t.info["sha256"] and list(docs) == mods  # deterministic
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], mods[-1] + ".py"),
+              encoding="utf-8", errors="replace") as f:
+        assert docs[mods[-1]] == f.read(20_000)  # each document: its module's first characters
+    assert 480_000 <= t.info["chars"] <= 480_000 + 20_000 + len(mods)
+    assert all(int((t.groups == g).sum()) > 0 for g in range(len(mods)))
+    model = t.build_model()
+    assert model.embed.weight.shape[0] == t.info["vocab"]
 
 
 def test_transformer_is_causal_and_its_recipe_warms_up_then_decays():
