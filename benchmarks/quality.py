@@ -14,6 +14,8 @@ Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
 ``lm_docs``  ``transformer`` (AdamW, warm-up + cosine, 600 steps), each worker its own documents;
 ``lm_iid``   the same, windows dealt round-robin;
 ``lm_docs3k``, ``lm_iid3k``  ``lm_docs`` and ``lm_iid`` over 3,000 steps (``--study long``);
+``code_docs``, ``code_iid``  ``transformer_code`` (the transformer on the standard library's
+             source), each worker its own modules / windows round-robin (``--study code``);
 ``iid8``, ``skewed8``  ``iid`` and ``skewed`` on 8 workers (worker r: the classes c mod 8 = r).
 
 Every part measures dense allreduce and no communication (each worker alone) next to the
