@@ -122,6 +122,15 @@ def test_crc32_device_is_zlibs(n):
     assert int(fused.crc32_device(x)) == zlib.crc32(x.numpy().tobytes())
 
 
+@pytest.mark.parametrize("lens", [[0], [1025], [0, 0, 3], [3000, 1, 2048, 0, 70], [7] * 9])
+def test_crc32_segments_is_zlibs_per_slice(lens):
+    x = torch.randint(0, 256, (sum(lens),), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(len(lens)))
+    ends = np.cumsum([0] + lens)
+    want = [zlib.crc32(x[a:b].numpy().tobytes()) for a, b in zip(ends[:-1], ends[1:])]
+    assert fused.crc32_segments(x, lens).tolist() == want
+
+
 def test_stock_compress_reads_nothing_and_matches_the_variable_path():
     shapes = [("w", (30, 40)), ("b", (7,)), ("c", (3, 3, 4, 4))]
     named = {}

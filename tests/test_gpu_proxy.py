@@ -93,6 +93,18 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_tensors():
         assert _counts(path, 100, ranks=8)["syncs"] == many["syncs"]
 
 
+def test_the_reduce_scatter_syncs_a_fixed_number_of_times_whatever_the_tensors_and_ranks():
+    # 8: the uplink encoder's two reads; the owner's parse of the parts and its verdict; the
+    # owner's encoder's two; the parse of the region messages and their verdict. The parts are
+    # framed on the device from the encoding (a ninth read before: the step's bytes re-framed
+    # on the host and uploaded again)
+    for path in ("dropin-rs", "stock-rs"):
+        few, many = _counts(path, 10), _counts(path, 100)
+        assert few["syncs"] == many["syncs"] == _counts(path, 100, ranks=8)["syncs"] == 8, (
+            path, few["reads_by_kind"], many["reads_by_kind"])
+        assert many["uploads"] == 0, (path, many["uploads"])
+
+
 def test_uploads_keep_bytes_arrays_and_dtypes():
     from horovod_sbc.torch.backend.transfer import upload
     assert upload(b"\x01\xff", "cpu").tolist() == [1, 255]

@@ -66,6 +66,28 @@ def test_plan_views_write_through_to_the_tensors():
     assert len(p.pieces) > 2 and all(bool((o > 0).all()) for o in outs)
 
 
+@pytest.mark.parametrize("size", [1, 3, 4, 9])
+def test_parts_framed_on_the_device_are_the_host_reframing_byte_for_byte(size):
+    """The tensor-op codec's parts (region messages built from the whole sync's encoding, no
+    host read) are the bytes the host re-framing of the step message gives."""
+    from horovod_sbc.torch.backend.base import Accumulate
+    from horovod_sbc.torch.backend.ops import OpsBackend
+    layout = (("w", (60, 50)), ("b", (7,)), ("c", (3, 3, 4, 4)), ("e", (1,)), ("z", (900,)))
+    p = scatter.Plan(layout, size)
+    g = torch.Generator().manual_seed(size)
+    flats = [torch.randn(wire.layout_numel(s), generator=g) for _, s in layout]
+    flats[-1].zero_()  # a piece with nothing to send
+    srcs = [Accumulate(f[pc.start:pc.stop], torch.zeros(pc.stop - pc.start))
+            for pc in p.pieces for f in (flats[pc.tensor],)]
+    fp = wire.layout_fingerprint(p.layout)
+    whole = OpsBackend().encode_many(srcs, 0.05, "sbc", "paper", [n for n, _ in p.layout], fp)
+    step = whole.frame(fp)
+    host, splits = scatter.region_parts(step, p, 0)
+    dev, dev_splits = scatter.region_parts(step, p, 0, whole)
+    assert dev_splits == splits and sum(splits) == dev.numel()
+    assert dev.numpy().tobytes() == host.numpy().tobytes()
+
+
 def test_config_says_what_the_topology_takes():
     cfg = SBCConfig(density=0.02, topology="reduce_scatter")
     assert cfg.downlink_fraction == 0.02 and cfg.downlink_mode == "sbc"

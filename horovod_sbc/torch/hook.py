@@ -220,7 +220,7 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
         commit_down = exchange(state, uplink.step, regions or layout, targets, "sbc.stock",
                                torch.float64 if any(c.grad.dtype == torch.float64
                                                     for c in ctxs) else torch.float32,
-                               scales.pop())
+                               scales.pop(), uplink.whole())
     except wire.PeerError as e:
         if e.skip:
             names = ", ".join(repr(c.name) for c in ctxs[:3]) + ("..." if len(ctxs) > 3 else "")

@@ -31,6 +31,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ... import crc, registry, wire
@@ -510,6 +511,72 @@ def frame_device(body: torch.Tensor, layout_crc: int, n_tensors: int, padded: bo
                                     layout_crc, n_tensors, 0)[:20]
         head = _HEADS[key] = transfer.upload(raw, body.device)
     return torch.cat([head, crc_bytes(body), body])
+
+
+def frame_segments(body: torch.Tensor, lens: Sequence[int], layout_crcs: Sequence[int],
+                   n_tensors: Sequence[int]) -> torch.Tensor:
+    """Step messages of the consecutive slices of ``body`` (uint8 on its device; slice ``s``
+    the ``lens[s]`` bytes after the previous ones, under ``layout_crcs[s]`` with
+    ``n_tensors[s]`` tensor messages) back to back, with no host read: the reduce-scatter's
+    parts of one encoded sync, one per region. The headers and the slices' offsets come in
+    one upload, the CRCs are :func:`crc32_segments`: a fixed number of tensor ops whatever the
+    number of slices."""
+    n, size = len(lens), body.numel()
+    if sum(lens) != size:
+        raise AssertionError(f"horovod_sbc: slices of {sum(lens)} bytes framing a body of "
+                             f"{size}")
+    dev, hs = body.device, wire.STEP_HEADER_SIZE
+    heads = b"".join(wire.STEP_HEADER.pack(wire.STEP_MAGIC, wire.VERSION, 0, 0, ln, fp, nt, 0)
+                     for ln, fp, nt in zip(lens, layout_crcs, n_tensors))
+    starts = np.concatenate([[0], np.cumsum(lens[:-1], dtype=np.int64)]) if n else \
+        np.zeros(0, np.int64)
+    up = transfer.upload(np.concatenate([np.frombuffer(heads, np.int64),  # 3 words a header
+                                         starts + hs * np.arange(n), np.asarray(lens, np.int64)]),
+                         dev)
+    head = up[:3 * n].view(torch.uint8).view(n, hs).clone()
+    seg = torch.repeat_interleave(torch.arange(n, device=dev), up[4 * n:], output_size=size)
+    crcs = crc32_segments(body, lens, seg)
+    head[:, 20:24] = ((crcs[:, None] >> (8 * torch.arange(4, device=dev))) & 255).to(torch.uint8)
+    out = torch.empty(size + hs * n, dtype=torch.uint8, device=dev)
+    out.index_copy_(0, (up[3 * n:4 * n, None] + torch.arange(hs, device=dev)).view(-1),
+                    head.view(-1))
+    out.index_copy_(0, torch.arange(size, device=dev) + hs * (seg + 1), body)
+    return out
+
+
+def crc32_segments(data: torch.Tensor, lens: Sequence[int],
+                   seg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """zlib's CRC-32 of each consecutive slice of 1-D uint8 ``data`` (slice ``s``: ``lens[s]``
+    bytes; ``seg``, if given: the slice of every byte, int64 on the device) as int64
+    ``[len(lens)]`` on its device: :func:`crc32_device` of every slice at once (each front
+    padded to whole chunks, every chunk moved past the chunks after it in its own slice), in a
+    fixed number of tensor ops, one upload and no host read."""
+    dev, n, size = data.device, len(lens), data.numel()
+    chunks = [max(1, -(-ln // crc.CHUNK)) for ln in lens]
+    first, second = _crc_tables(max(chunks, default=1), dev)
+    c_max, total = second.shape[0] // 32, sum(chunks)
+    shift, seg_of_chunk, block, lo, c0 = [], [], [], 0, 0
+    for s, (ln, c) in enumerate(zip(lens, chunks)):
+        shift.append(c0 * crc.CHUNK + (c * crc.CHUNK - ln) - lo)  # byte -> its padded place
+        seg_of_chunk += [s] * c
+        block += range(c_max - c, c_max)  # chunk k of c: moved past the c - 1 - k after it
+        lo, c0 = lo + ln, c0 + c
+    plan = transfer.upload(np.array(
+        [*lens, *shift, *(_zero_crc(ln) for ln in lens), *seg_of_chunk, *block], np.int64), dev)
+    x = torch.zeros(total * crc.CHUNK, dtype=torch.uint8, device=dev)
+    if size:
+        if seg is None:
+            seg = torch.repeat_interleave(torch.arange(n, device=dev), plan[:n],
+                                          output_size=size)
+        x.index_copy_(0, torch.arange(size, device=dev) + plan[n:2 * n].gather(0, seg), data)
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    bits = ((x.view(total, crc.CHUNK, 1) >> shifts) & 1).view(total, -1).float()
+    per_chunk = torch.remainder(bits @ first, 2.0)
+    moved = torch.bmm(per_chunk[:, None, :], second.view(c_max, 32, 32).index_select(
+        0, plan[3 * n + total:]))[:, 0]
+    lin = torch.zeros(n, 32, device=dev).index_add_(0, plan[3 * n:3 * n + total], moved)
+    weights = torch.ones(32, dtype=torch.int64, device=dev) << torch.arange(32, device=dev)
+    return (torch.remainder(lin, 2.0).long() * weights).sum(1) ^ plan[2 * n:3 * n]
 
 
 def crc_bytes(body: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from . import batch, frame
 from .base import (Accumulate, Backend, DecodeJob, Difference, Encoded, InPlace,
                    NonFiniteError, Source, as_source, check_request, reset_nonfinite_,
                    restore_, scratch)
-from .fused import FusedEncoding, crc_bytes, encode_fused, frame_device
+from .fused import FusedEncoding, crc_bytes, encode_fused, frame_device, frame_segments
 from .select import binarize_sides, select_sides, select_topk
 from .streams import empty_positions, encode_positions
 
@@ -244,6 +244,18 @@ class FusedSync:
             raise AssertionError(f"horovod_sbc: a step body of {body.numel()} bytes exceeds "
                                  f"its capacity of {capacity - wire.STEP_HEADER_SIZE}")
         return frame_device(torch.cat([body, body.new_zeros(pad)]), layout_crc, n, padded=True)
+
+    def frame_groups(self, groups: Sequence[int], layout_crcs: Sequence[int]
+                     ) -> Tuple[torch.Tensor, List[int]]:
+        """One step message per group of consecutive tensors (group ``g``: tensors
+        ``groups[g]`` to ``groups[g + 1]``, under ``layout_crcs[g]``; the reduce-scatter's
+        regions), back to back, and their lengths: built on the device, no host read."""
+        bounds = self.encoding.bounds
+        lens = [bounds[b - 1][1] - bounds[a][0] if b > a else 0
+                for a, b in zip(groups[:-1], groups[1:])]
+        n_tensors = [b - a for a, b in zip(groups[:-1], groups[1:])]
+        parts = frame_segments(self.encoding.body, lens, layout_crcs, n_tensors)
+        return parts, [wire.STEP_HEADER_SIZE + ln for ln in lens]
 
     def commit(self) -> None:
         """What was sent leaves the targets: ``t[pos] -= mu`` (``t - 0`` elsewhere, exact)."""

@@ -151,7 +151,7 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
         targets = Targets.new(layout, sum_dtype(updates), dev)
     try:
         commit_down = exchange(state, uplink.step, regions or layout, targets, tag,
-                               sum_dtype(updates), 1.0 / size)
+                               sum_dtype(updates), 1.0 / size, uplink.whole())
     except wire.PeerError as e:
         if not e.skip:
             raise ValueError(f"SBC: {e}") from None
@@ -183,6 +183,14 @@ class Uplink:
 
     def positions_sent(self) -> int:
         return sum(enc.positions.numel() for _, enc in self.encoded)
+
+    def whole(self):
+        """The encoding of the whole sync at once, which frames groups of its tensors on the
+        device (``frame_groups``: the reduce-scatter's regions), or None."""
+        if self.failed or len(self.encoded) != 1 or self.encoded[0][0] is not None:
+            return None
+        enc = self.encoded[0][1]
+        return enc if hasattr(enc, "frame_groups") else None
 
 
 @dataclass(frozen=True)
@@ -325,16 +333,18 @@ def _pieces(state: SyncState, regions: scatter.Plan, updates: List[Update]) -> L
 
 
 def exchange(state: SyncState, step: torch.Tensor, layout, targets: Targets, tag: str,
-             acc_dtype, scale: float) -> Callable[[], None]:
+             acc_dtype, scale: float, whole=None) -> Callable[[], None]:
     """Every rank's step message (``layout``: the tensors', or a
     :class:`~horovod_sbc.torch.sync.scatter.Plan` whose pieces the step holds) exchanged by the
     configured topology and ``scale`` x their sum decoded into ``targets`` (per tensor; the
     server keeps its average in ``acc_dtype``). Returns the commit of the topology's own error
-    feedback (the reduce-scatter's downlink residual), to call once the step is accepted."""
+    feedback (the reduce-scatter's downlink residual), to call once the step is accepted.
+    ``whole``: :meth:`Uplink.whole` of the step (the reduce-scatter frames its parts from it
+    on the device)."""
     size, rank = state.world()
     if isinstance(layout, scatter.Plan):
         return scatter.exchange(state, step, layout, rank, layout.targets(targets), scale,
-                                tag, acc_dtype)
+                                tag, acc_dtype, whole)
     if state.config.topology == "server":
         from . import server
         server.exchange(state, step, layout, size, rank, targets, acc_dtype)
