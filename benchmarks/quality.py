@@ -16,6 +16,7 @@ Parts (``benchmarks/tasks.py``; 4 workers, the task's own recipe):
 ``lm_docs3k``, ``lm_iid3k``  ``lm_docs`` and ``lm_iid`` over 3,000 steps (``--study long``);
 ``code_docs``, ``code_iid``  ``transformer_code`` (the transformer on the standard library's
              source), each worker its own modules / windows round-robin (``--study code``);
+``code_docs3k``, ``code_iid3k``  the same over 3,000 steps (``--study code_long``);
 ``iid8``, ``skewed8``  ``iid`` and ``skewed`` on 8 workers (worker r: the classes c mod 8 = r).
 
 Every part measures dense allreduce and no communication (each worker alone) next to the
@@ -75,6 +76,12 @@ PARTS = {
     "code_iid": {"task": "transformer_code", "partition": "iid",
                  "title": "transformer LM on the standard library's source, AdamW (warm-up + "
                           "cosine), IID windows"},
+    "code_docs3k": {"task": "transformer_code", "partition": "by_class",
+                    "title": "transformer LM on the standard library's source, AdamW (warm-up + "
+                             "cosine), modules by worker, 3,000 steps"},
+    "code_iid3k": {"task": "transformer_code", "partition": "iid",
+                   "title": "transformer LM on the standard library's source, AdamW (warm-up + "
+                            "cosine), IID windows, 3,000 steps"},
     "lm_docs3k": {"task": "transformer", "partition": "by_class",
                   "title": "transformer LM, AdamW (warm-up + cosine), documents by worker, "
                            "3,000 steps"},
@@ -345,6 +352,14 @@ CODE_ROWS = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
              _s("sbc", 0.01, 4, api="stock")]
 CODE: Dict[str, List[tuple]] = {part: [(r, S0) for r in CODE_ROWS] + [(r, S12) for r in CODE_ROWS]
                                  for part in ("code_docs", "code_iid")}
+# The second task over 3,000 steps (``--study code_long``), the rows the targets name: delay 1
+# (x250), delay 4 (x1,000) and delay 16 (x5,000), the one line with no knob; all seeds per job
+CODE_LONG_ROWS = [_s("none", steps=3000), _s("local", steps=3000),
+                  _s("sbc", 0.01, 1, api="stock", steps=3000),
+                  _s("sbc", 0.01, 4, api="stock", steps=3000),
+                  _s("sbc", 0.01, 16, api="stock", steps=3000)]
+CODE_LONG: Dict[str, List[tuple]] = {part: [(r, S3) for r in CODE_LONG_ROWS]
+                                      for part in ("code_docs3k", "code_iid3k")}
 # Every torch.optim optimizer through the one-line change (``--study optimizers``): dense,
 # no communication and stock SBC(0.01), each optimizer with torch's default learning rate
 # (SGD: the task's 0.05 with momentum 0.9), 1,000 steps, seed 0.
@@ -394,7 +409,7 @@ DOWNLINK: Dict[str, List[tuple]] = {
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
            "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG,
-           "code": CODE}
+           "code": CODE, "code_long": CODE_LONG}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
@@ -640,11 +655,13 @@ def goals(res: dict) -> List[dict]:
         "lm_docs", 0.03, 1_000)
     row("transformer, AdamW, documents by worker: >= x5,000 within 8 % of dense perplexity",
         "lm_docs", 0.08, 5_000)
-    row("transformer, AdamW, documents by worker, 3,000 steps: >= x1,000 within 3 % of dense "
-        "perplexity", "lm_docs3k", 0.03, 1_000)
-    row("transformer, AdamW, documents by worker, 3,000 steps: >= x5,000 within 8 % of dense "
-        "perplexity", "lm_docs3k", 0.08, 5_000)
-    for part in ("iid", "skewed", "lm_docs", "lm_iid", "lm_docs3k"):  # stock: never below alone
+    for part in ("lm_docs3k", "lm_iid3k", "code_docs3k", "code_iid3k"):
+        title = PARTS[part]["title"].replace("transformer LM", "transformer")
+        for tol, min_ratio in ((0.03, 250), (0.03, 1_000), (0.08, 5_000)):
+            row(f"{title}: >= x{min_ratio:,} within {tol:.0%} of dense perplexity".replace(
+                "%", " %"), part, tol, min_ratio)
+    for part in ("iid", "skewed", "lm_docs", "lm_iid", "lm_docs3k", "lm_iid3k", "code_docs",
+                 "code_iid", "code_docs3k", "code_iid3k"):  # stock: never below alone
         runs, dense, local = base(part)
         st = _find(runs, "sbc", api="stock")
         if st is None or dense is None or local is None:
