@@ -9,8 +9,10 @@ C kernels are off throughout, so the CPU runs the codec CUDA tensors take (tenso
   8 ranks' messages decoded on the device equal to the reference decode; mutated gathered
   buffers (flipped bytes, truncations, streams corrupted under a fixed CRC) reaching the
   reference's verdict; float16/bfloat16, non-contiguous and channels-last tensors through the
-  sync driver; the drop-in optimizer's step message;
-* host synchronisations per sync step (drop-in and stock hook): CUDA's own count
+  sync driver; the drop-in optimizer's step message; the reduce-scatter's parts framed on the
+  device equal to the host's re-framing;
+* host synchronisations per sync step (drop-in and stock hook, each also with the
+  reduce-scatter over the proxy's fake Horovod transport): CUDA's own count
   (``torch.cuda.set_sync_debug_mode("warn")``) on cuda, the CPU proxy's counter
   (:mod:`benchmarks.bench_gpu_proxy`) on cpu; CUDA kernels per sync step (``torch.profiler``,
   cuda only);
@@ -51,8 +53,9 @@ DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
 SPEED_DENSITIES = (0.01, 0.05)
 RANKS = 8
 SUMMARY_KEYS = ("encode_bytes_equal", "decode_ranks_equal", "mutation_verdicts_equal",
-                "tensor_kinds_equal", "dropin_step_equal", "host_syncs_dropin",
-                "host_syncs_stock", "kernels_dropin", "encode_ms_p01", "encode_ms_p05",
+                "tensor_kinds_equal", "dropin_step_equal", "regions_parts_equal",
+                "host_syncs_dropin", "host_syncs_stock", "host_syncs_dropin_rs",
+                "host_syncs_stock_rs", "kernels_dropin", "encode_ms_p01", "encode_ms_p05",
                 "decode_ms_8", "decode_ms_64", "sync_ms", "fwd_bwd_ms", "sync_over_fwd_bwd",
                 "memory_syncs", "memory_max_allocated", "memory_flat")
 
@@ -354,13 +357,24 @@ class DeviceNoise:
         return list(torch.split(self.pool.roll(7919 * step + 1), self.numels))
 
 
-def setup_dropin(layout: Layout, density: float, size: int, device: str, noise: DeviceNoise):
+def _transport(comp, layout: Layout, size: int, topology: str):
+    """The loopback (allgather), or for the reduce-scatter the proxy's fake Horovod transport
+    (every rank's parts equal to this one's; the other owners' region messages built aside)."""
+    if topology == "allgather":
+        comp.transport = Loopback(size)
+    else:
+        gp._fake_transport(comp, layout, size)
+    return comp.transport
+
+
+def setup_dropin(layout: Layout, density: float, size: int, device: str, noise: DeviceNoise,
+                 topology: str = "allgather"):
     """The drop-in optimizer (residual in the weights), a local step moving every weight;
     returns (perturb(step), sync(), transport, params)."""
     from horovod_sbc.torch import SBC, DistributedOptimizer
     named = [(n, torch.nn.Parameter(torch.zeros(s, device=device))) for n, s in layout]
-    comp = SBC(density=density, local_residual=True)
-    comp.transport = tr = Loopback(size)
+    comp = SBC(density=density, local_residual=True, topology=topology)
+    tr = _transport(comp, layout, size, topology)
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
                                named_parameters=named, compression=comp)
     opt._capture_reference()
@@ -372,15 +386,16 @@ def setup_dropin(layout: Layout, density: float, size: int, device: str, noise: 
     return perturb, opt.synchronize, tr, named
 
 
-def setup_stock(layout: Layout, density: float, size: int, device: str, noise: DeviceNoise):
+def setup_stock(layout: Layout, density: float, size: int, device: str, noise: DeviceNoise,
+                topology: str = "allgather"):
     """Stock ``hvd.DistributedOptimizer``'s calls: ``compress`` per gradient, ``decompress``
     per gradient, Horovod's allgather replaced by the loopback."""
     from horovod_sbc.torch import SBC
     named = [(n, torch.nn.Parameter(torch.zeros(s, device=device))) for n, s in layout]
     for _, p in named:
         p.grad = torch.zeros_like(p)
-    comp = SBC(density=density, named_parameters=named)
-    comp.transport = Loopback(size)
+    comp = SBC(density=density, named_parameters=named, topology=topology)
+    _transport(comp, layout, size, topology)
 
     def perturb(step: int) -> None:
         for (_, p), x in zip(named, noise.segments(step)):
@@ -392,7 +407,32 @@ def setup_stock(layout: Layout, density: float, size: int, device: str, noise: D
     return perturb, sync, comp.transport, named
 
 
-SETUPS = {"dropin": setup_dropin, "stock": setup_stock}
+RS = "reduce_scatter"
+SETUPS = {"dropin": setup_dropin, "stock": setup_stock,
+          "dropin-rs": lambda *a: setup_dropin(*a, topology=RS),
+          "stock-rs": lambda *a: setup_stock(*a, topology=RS)}
+
+
+def check_regions(name: str, layout: Layout, device: str, density: float = 0.01):
+    """The reduce-scatter's parts (one step message per region, framed on the device from the
+    encoding of the whole sync) against the host's re-framing of the step message."""
+    from horovod_sbc.torch.sync import scatter
+    p = scatter.plan(tuple((n, tuple(s)) for n, s in layout), RANKS)
+    flats = [x.clone() for x in DeviceNoise(layout, device, seed=9).segments(0)]
+    srcs = [Accumulate(flats[pc.tensor][pc.start:pc.stop],
+                       torch.zeros(pc.stop - pc.start, device=device)) for pc in p.pieces]
+    fp = wire.layout_fingerprint(p.layout)
+    whole = OpsBackend().encode_many(srcs, density, "sbc", "paper", [n for n, _ in p.layout],
+                                     fp)
+    detail = "not encoded at once" if whole is None else None
+    if whole is not None:
+        step = whole.frame(fp)
+        host, splits = scatter.region_parts(step, p, 0)
+        dev, dev_splits = scatter.region_parts(step, p, 0, whole)
+        detail = diff_bytes(_bytes(host), _bytes(dev)) or (
+            None if dev_splits == splits else f"splits {dev_splits} != {splits}")
+    return {"layout": name, "density": density, "regions": RANKS, "ok": detail is None,
+            "detail": detail}
 
 
 def check_dropin(name: str, layout: Layout, device: str, density: float = 0.01):
@@ -598,7 +638,7 @@ def run(device: str, quick: bool = False, progress: bool = True) -> Dict[str, ob
     lays = layouts(device)
     first_name = next(iter(lays))
     corr: Dict[str, list] = {"encode": [], "decode_ranks": [], "mutations": [],
-                             "tensor_kinds": [], "dropin": []}
+                             "tensor_kinds": [], "dropin": [], "regions": []}
     rank_densities = (1e-3, 1e-2) if device == "cuda" else DENSITIES
     for name, layout in lays.items():
         ups = host_updates(layout, 0)
@@ -611,6 +651,7 @@ def run(device: str, quick: bool = False, progress: bool = True) -> Dict[str, ob
                 f"{'ok' if corr['decode_ranks'][-1]['ok'] else 'DIFFERS'}")
         del ups
         corr["dropin"].append(check_dropin(name, layout, device))
+        corr["regions"].append(check_regions(name, layout, device))
     small = layouts("cpu")
     corr["mutations"] = check_mutations(backend, "resnet50-small", small["resnet50-small"], device)
     corr["tensor_kinds"] = check_tensor_kinds(device)
@@ -638,6 +679,8 @@ def run(device: str, quick: bool = False, progress: bool = True) -> Dict[str, ob
     failures += [f"{r['case']}: {r['detail']}" for r in corr["tensor_kinds"] if not r["ok"]]
     failures += [f"drop-in step {r['layout']}: {r['detail']}" for r in corr["dropin"]
                  if not r["ok"]]
+    failures += [f"reduce-scatter parts {r['layout']}: {r['detail']}" for r in corr["regions"]
+                 if not r["ok"]]
     if mem["flat"] is False:
         failures.append(f"device memory grew over {mem['syncs']} syncs: {mem['max_allocated']}")
     corr["all_ok"] = not failures
@@ -650,8 +693,11 @@ def run(device: str, quick: bool = False, progress: bool = True) -> Dict[str, ob
         "mutation_verdicts_equal": all(r["ok"] for r in corr["mutations"]),
         "tensor_kinds_equal": all(r["ok"] for r in corr["tensor_kinds"]),
         "dropin_step_equal": all(r["ok"] for r in corr["dropin"]),
+        "regions_parts_equal": all(r["ok"] for r in corr["regions"]),
         "host_syncs_dropin": h0[f"dropin/{first_name}"]["max"],
         "host_syncs_stock": h0[f"stock/{first_name}"]["max"],
+        "host_syncs_dropin_rs": h0[f"dropin-rs/{first_name}"]["max"],
+        "host_syncs_stock_rs": h0[f"stock-rs/{first_name}"]["max"],
         "kernels_dropin": h0[f"dropin/{first_name}"]["kernels"],
         "encode_ms_p01": s0["encode_ms"]["0.01"], "encode_ms_p05": s0["encode_ms"]["0.05"],
         "decode_ms_8": s0["decode_ms"]["8"], "decode_ms_64": s0["decode_ms"]["64"],

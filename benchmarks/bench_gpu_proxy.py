@@ -296,7 +296,7 @@ class FakeHorovodTransport:
         counter = self._counter()
         if counter is not None:
             counter.collectives += 1
-        with counter.paused() if counter is not None else contextlib.nullcontext():
+        with _uncounted(counter):
             return buf[:splits[0]].repeat(self.size)
 
     def _regions(self, mine: torch.Tensor) -> torch.Tensor:
@@ -306,7 +306,7 @@ class FakeHorovodTransport:
         counter = self._counter()
         if counter is not None:
             counter.collectives += 1
-        with counter.paused() if counter is not None else contextlib.nullcontext():
+        with _uncounted(counter):
             buf, splits = self._parts
             offs = [sum(splits[:r]) for r in range(self.size + 1)]
             if not hasattr(self, "_owners"):
@@ -318,6 +318,21 @@ class FakeHorovodTransport:
                 out.append(scatter.owner_step(st, parts, self.plan, r, 1.0 / self.size,
                                               torch.float32, buf.device).step)
             return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _uncounted(counter):
+    """The fake collective's own work: paused in ``counter`` (if any) and, where the GPU check
+    counts CUDA's synchronisation warnings, with those warnings off."""
+    cuda_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    with counter.paused() if counter is not None else contextlib.nullcontext():
+        if cuda_mode:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            yield
+        finally:
+            if cuda_mode:
+                torch.cuda.set_sync_debug_mode(cuda_mode)
 
 
 def fake_gather(counter, step: torch.Tensor, size: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ TOP = {"device", "device_name", "torch", "numpy", "quick", "backend", "layouts",
        "correctness", "host_syncs", "kernels_per_sync", "speed", "fwd_bwd", "memory",
        "failures", "ok", "wall_s", "command"}
 SUMMARY = {"encode_bytes_equal", "decode_ranks_equal", "mutation_verdicts_equal",
-           "tensor_kinds_equal", "dropin_step_equal", "host_syncs_dropin", "host_syncs_stock",
+           "tensor_kinds_equal", "dropin_step_equal", "regions_parts_equal",
+           "host_syncs_dropin", "host_syncs_stock", "host_syncs_dropin_rs", "host_syncs_stock_rs",
            "kernels_dropin", "encode_ms_p01", "encode_ms_p05", "decode_ms_8", "decode_ms_64",
            "sync_ms", "fwd_bwd_ms", "sync_over_fwd_bwd", "memory_syncs",
            "memory_max_allocated", "memory_flat"}
@@ -37,13 +38,15 @@ def test_gpu_check_on_the_cpu_agrees_and_writes_every_field(tmp_path):
     s = res["summary"]
     assert res["device"] == "cpu" and res["ok"] and res["failures"] == []
     for key in ("encode_bytes_equal", "decode_ranks_equal", "mutation_verdicts_equal",
-                "tensor_kinds_equal", "dropin_step_equal"):
+                "tensor_kinds_equal", "dropin_step_equal", "regions_parts_equal"):
         assert s[key] is True, key
     for key in ("encode_ms_p01", "encode_ms_p05", "decode_ms_8", "decode_ms_64", "sync_ms",
                 "fwd_bwd_ms", "sync_over_fwd_bwd"):
         assert s[key] > 0, key
     # the CPU proxy's count: a handful of host syncs per sync step, whatever the layout
     assert 0 < s["host_syncs_dropin"] <= 8 and 0 < s["host_syncs_stock"] <= 8, s
+    assert s["host_syncs_dropin_rs"] == s["host_syncs_stock_rs"] == 8, s  # two rounds of 4
+    assert [r["regions"] for r in res["correctness"]["regions"]] == [8, 8]
     assert s["kernels_dropin"] is None and s["memory_max_allocated"] is None
     assert s["memory_flat"] is None and res["memory"]["flat"] is None
     corr = res["correctness"]
