@@ -399,7 +399,10 @@ TOPOLOGY8: Dict[str, List[tuple]] = {part: [(r, S0) for r in TOPOLOGY_LM]
 # compression, and would the sqrt(N) outer step of the other adaptive optimizers recover it?
 TOPOLOGY8["lm_iid8"] += [(_s("fedavg", 1.0, 1), S0),
                          (_s("fedavg", 1.0, 1, outer=["plain", 2.828]), S0),
-                         (_s("sbc", 0.01, 1, api="stock", outer=["plain", 2.828]), S0)]
+                         (_s("sbc", 0.01, 1, api="stock", outer=["plain", 2.828]), S0),
+                         # every rank continuing from the shared weights (error feedback beside
+                         # them) instead of from its own residual
+                         (_s("sbc", 0.01, 1, local_residual=False), S0)]
 # the transformer lost perplexity with the owners' binarized re-compression at the uplink's
 # density: the owners' downlink as values, or at twice the density (seed 0)
 TOPOLOGY["lm_docs"] += [(_s("sbc", 0.01, 1, api="stock", downlink_binarize=False, **RS), S0),
