@@ -103,6 +103,31 @@ def test_the_reduce_scatter_syncs_a_fixed_number_of_times_whatever_the_tensors_a
         assert few["syncs"] == many["syncs"] == _counts(path, 100, ranks=8)["syncs"] == 8, (
             path, few["reads_by_kind"], many["reads_by_kind"])
         assert many["uploads"] == 0, (path, many["uploads"])
+        # the encoder's, the parts' headers with their CRCs' plan, the owner's encoder's...
+        assert few["async_uploads"] == many["async_uploads"] <= (9 if path == "dropin-rs"
+                                                                 else 8), (path, many)
+
+
+def test_the_reduce_scatter_never_frames_the_whole_step(monkeypatch):
+    # its parts are framed from the encoding: the whole sync's step message (its CRC over the
+    # whole body) would be work for nothing. Frames are counted by the tensors they hold: the
+    # owners frame their region messages (part of the pieces), the allgather every tensor
+    from horovod_sbc.torch.backend import ops
+    from horovod_sbc.torch.sync import scatter
+    framed = []
+    real = ops.FusedSync.frame
+    monkeypatch.setattr(ops.FusedSync, "frame",
+                        lambda self, *a, **k: framed.append(len(self.targets))
+                        or real(self, *a, **k))
+    shapes = gp.synthetic_layout(10, 1000)
+    pieces = len(scatter.plan(tuple((n, tuple(s)) for n, s in shapes), 2).pieces)
+    for path in ("dropin-rs", "stock-rs", "dropin", "stock"):
+        framed.clear()
+        _counts(path, 10)  # one step after one warm-up step, one rank encoding
+        if path.endswith("-rs"):
+            assert len(framed) == 4 and max(framed) < pieces, (path, framed, pieces)
+        else:
+            assert framed == [10] * 2, (path, framed)
 
 
 def test_uploads_keep_bytes_arrays_and_dtypes():

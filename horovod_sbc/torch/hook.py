@@ -217,10 +217,10 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
         raise ValueError("SBC: the gradients of one step must all be averaged or all summed "
                          "(op=hvd.Average or op=hvd.Sum)")
     try:
-        commit_down = exchange(state, uplink.step, regions or layout, targets, "sbc.stock",
+        commit_down = exchange(state, uplink, regions or layout, targets, "sbc.stock",
                                torch.float64 if any(c.grad.dtype == torch.float64
                                                     for c in ctxs) else torch.float32,
-                               scales.pop(), uplink.whole())
+                               scales.pop())
     except wire.PeerError as e:
         if e.skip:
             names = ", ".join(repr(c.name) for c in ctxs[:3]) + ("..." if len(ctxs) > 3 else "")

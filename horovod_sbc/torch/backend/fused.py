@@ -518,9 +518,9 @@ def frame_segments(body: torch.Tensor, lens: Sequence[int], layout_crcs: Sequenc
     """Step messages of the consecutive slices of ``body`` (uint8 on its device; slice ``s``
     the ``lens[s]`` bytes after the previous ones, under ``layout_crcs[s]`` with
     ``n_tensors[s]`` tensor messages) back to back, with no host read: the reduce-scatter's
-    parts of one encoded sync, one per region. The headers and the slices' offsets come in
-    one upload, the CRCs are :func:`crc32_segments`: a fixed number of tensor ops whatever the
-    number of slices."""
+    parts of one encoded sync, one per region. The headers, the slices' offsets and the CRCs'
+    plan come in one upload, the CRCs are :func:`crc32_segments`: a fixed number of tensor ops
+    whatever the number of slices."""
     n, size = len(lens), body.numel()
     if sum(lens) != size:
         raise AssertionError(f"horovod_sbc: slices of {sum(lens)} bytes framing a body of "
@@ -530,12 +530,13 @@ def frame_segments(body: torch.Tensor, lens: Sequence[int], layout_crcs: Sequenc
                      for ln, fp, nt in zip(lens, layout_crcs, n_tensors))
     starts = np.concatenate([[0], np.cumsum(lens[:-1], dtype=np.int64)]) if n else \
         np.zeros(0, np.int64)
+    crc_plan = _segments_plan(lens)
     up = transfer.upload(np.concatenate([np.frombuffer(heads, np.int64),  # 3 words a header
-                                         starts + hs * np.arange(n), np.asarray(lens, np.int64)]),
-                         dev)
+                                         starts + hs * np.arange(n), crc_plan[0]]), dev)
     head = up[:3 * n].view(torch.uint8).view(n, hs).clone()
-    seg = torch.repeat_interleave(torch.arange(n, device=dev), up[4 * n:], output_size=size)
-    crcs = crc32_segments(body, lens, seg)
+    seg = torch.repeat_interleave(torch.arange(n, device=dev), up[4 * n:5 * n],
+                                  output_size=size)  # the CRC plan begins with the lengths
+    crcs = _crc32_segments(body, lens, crc_plan, up[4 * n:], seg)
     head[:, 20:24] = ((crcs[:, None] >> (8 * torch.arange(4, device=dev))) & 255).to(torch.uint8)
     out = torch.empty(size + hs * n, dtype=torch.uint8, device=dev)
     out.index_copy_(0, (up[3 * n:4 * n, None] + torch.arange(hs, device=dev)).view(-1),
@@ -544,39 +545,53 @@ def frame_segments(body: torch.Tensor, lens: Sequence[int], layout_crcs: Sequenc
     return out
 
 
-def crc32_segments(data: torch.Tensor, lens: Sequence[int],
-                   seg: Optional[torch.Tensor] = None) -> torch.Tensor:
+def crc32_segments(data: torch.Tensor, lens: Sequence[int]) -> torch.Tensor:
     """zlib's CRC-32 of each consecutive slice of 1-D uint8 ``data`` (slice ``s``: ``lens[s]``
-    bytes; ``seg``, if given: the slice of every byte, int64 on the device) as int64
-    ``[len(lens)]`` on its device: :func:`crc32_device` of every slice at once (each front
-    padded to whole chunks, every chunk moved past the chunks after it in its own slice), in a
-    fixed number of tensor ops, one upload and no host read."""
-    dev, n, size = data.device, len(lens), data.numel()
+    bytes) as int64 ``[len(lens)]`` on its device: :func:`crc32_device` of every slice at once
+    (each front padded to whole chunks, every chunk moved past the chunks after it in its own
+    slice), in a fixed number of tensor ops, one upload and no host read."""
+    dev, n = data.device, len(lens)
+    plan = _segments_plan(lens)
+    up = transfer.upload(plan[0], dev)
+    seg = torch.repeat_interleave(torch.arange(n, device=dev), up[:n], output_size=data.numel())
+    return _crc32_segments(data, lens, plan, up, seg)
+
+
+def _segments_plan(lens: Sequence[int]) -> Tuple[np.ndarray, int, int]:
+    """The host side of :func:`crc32_segments`: its plan to upload (per slice its length, its
+    bytes' shift to their padded place and the CRC of that many zero bytes; per chunk its
+    slice and its shift block), the total number of chunks and the shift table's chunks."""
     chunks = [max(1, -(-ln // crc.CHUNK)) for ln in lens]
-    first, second = _crc_tables(max(chunks, default=1), dev)
-    c_max, total = second.shape[0] // 32, sum(chunks)
+    c_max = max(chunks, default=1)  # the shift table's rows :func:`_crc_tables` gives
     shift, seg_of_chunk, block, lo, c0 = [], [], [], 0, 0
     for s, (ln, c) in enumerate(zip(lens, chunks)):
         shift.append(c0 * crc.CHUNK + (c * crc.CHUNK - ln) - lo)  # byte -> its padded place
         seg_of_chunk += [s] * c
         block += range(c_max - c, c_max)  # chunk k of c: moved past the c - 1 - k after it
         lo, c0 = lo + ln, c0 + c
-    plan = transfer.upload(np.array(
-        [*lens, *shift, *(_zero_crc(ln) for ln in lens), *seg_of_chunk, *block], np.int64), dev)
+    plan = np.array([*lens, *shift, *(_zero_crc(ln) for ln in lens), *seg_of_chunk, *block],
+                    np.int64)
+    return plan, sum(chunks), c_max
+
+
+def _crc32_segments(data: torch.Tensor, lens: Sequence[int], plan, up: torch.Tensor,
+                    seg: torch.Tensor) -> torch.Tensor:
+    """:func:`crc32_segments` on the device: ``plan`` from :func:`_segments_plan`, ``up`` its
+    array uploaded, ``seg`` the slice of every byte (int64 on the device)."""
+    dev, n, size = data.device, len(lens), data.numel()
+    _, total, c_max = plan
+    first, second = _crc_tables(c_max, dev)
     x = torch.zeros(total * crc.CHUNK, dtype=torch.uint8, device=dev)
     if size:
-        if seg is None:
-            seg = torch.repeat_interleave(torch.arange(n, device=dev), plan[:n],
-                                          output_size=size)
-        x.index_copy_(0, torch.arange(size, device=dev) + plan[n:2 * n].gather(0, seg), data)
+        x.index_copy_(0, torch.arange(size, device=dev) + up[n:2 * n].gather(0, seg), data)
     shifts = torch.arange(8, dtype=torch.uint8, device=dev)
     bits = ((x.view(total, crc.CHUNK, 1) >> shifts) & 1).view(total, -1).float()
     per_chunk = torch.remainder(bits @ first, 2.0)
     moved = torch.bmm(per_chunk[:, None, :], second.view(c_max, 32, 32).index_select(
-        0, plan[3 * n + total:]))[:, 0]
-    lin = torch.zeros(n, 32, device=dev).index_add_(0, plan[3 * n:3 * n + total], moved)
+        0, up[3 * n + total:]))[:, 0]
+    lin = torch.zeros(n, 32, device=dev).index_add_(0, up[3 * n:3 * n + total], moved)
     weights = torch.ones(32, dtype=torch.int64, device=dev) << torch.arange(32, device=dev)
-    return (torch.remainder(lin, 2.0).long() * weights).sum(1) ^ plan[2 * n:3 * n]
+    return (torch.remainder(lin, 2.0).long() * weights).sum(1) ^ up[2 * n:3 * n]
 
 
 def crc_bytes(body: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ healthy ranks' residuals.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -150,8 +151,8 @@ def synchronize(state: SyncState, items, out: Optional[List[torch.Tensor]] = Non
     else:
         targets = Targets.new(layout, sum_dtype(updates), dev)
     try:
-        commit_down = exchange(state, uplink.step, regions or layout, targets, tag,
-                               sum_dtype(updates), 1.0 / size, uplink.whole())
+        commit_down = exchange(state, uplink, regions or layout, targets, tag,
+                               sum_dtype(updates), 1.0 / size)
     except wire.PeerError as e:
         if not e.skip:
             raise ValueError(f"SBC: {e}") from None
@@ -176,10 +177,18 @@ class Uplink:
     """This rank's part of a sync: its step message, and the encodings to commit once every
     rank's message decoded (``(update, encoding)``: one per update, or one for the whole sync
     when the backend encoded it at once); ``failed``: this rank sent ERROR/SKIP, after
-    encoding the first ``len(encoded)`` updates."""
-    step: torch.Tensor
+    encoding the first ``len(encoded)`` updates. ``framed``: the step message, or what frames
+    it when first asked for (:attr:`step`; the reduce-scatter's parts framed from
+    :meth:`whole` never ask)."""
+    framed: Union[torch.Tensor, Callable[[], torch.Tensor]]
     encoded: List[Tuple[object, object]]
     failed: bool = False
+
+    @property
+    def step(self) -> torch.Tensor:
+        if callable(self.framed):
+            self.framed = self.framed()
+        return self.framed
 
     def positions_sent(self) -> int:
         return sum(enc.positions.numel() for _, enc in self.encoded)
@@ -219,7 +228,7 @@ def encode_uplink(state: SyncState, out: Outgoing, source_of: Callable[[int], ob
                                 fp if cap is None else None) if whole else None
     if fused is not None:
         _count_padding(state, cap, fused.body_bytes)
-        return Uplink(fused.frame(fp, cap), [(None, fused)])
+        return Uplink(functools.partial(fused.frame, fp, cap), [(None, fused)])
     encoded = []
     for i, (key, name) in enumerate(zip(out.names if keys is None else keys, out.names)):
         try:
@@ -332,19 +341,19 @@ def _pieces(state: SyncState, regions: scatter.Plan, updates: List[Update]) -> L
             for p in regions.pieces for u in (updates[p.tensor],)]
 
 
-def exchange(state: SyncState, step: torch.Tensor, layout, targets: Targets, tag: str,
-             acc_dtype, scale: float, whole=None) -> Callable[[], None]:
-    """Every rank's step message (``layout``: the tensors', or a
+def exchange(state: SyncState, uplink: Uplink, layout, targets: Targets, tag: str,
+             acc_dtype, scale: float) -> Callable[[], None]:
+    """Every rank's step message (this rank's: ``uplink``; ``layout``: the tensors', or a
     :class:`~horovod_sbc.torch.sync.scatter.Plan` whose pieces the step holds) exchanged by the
     configured topology and ``scale`` x their sum decoded into ``targets`` (per tensor; the
     server keeps its average in ``acc_dtype``). Returns the commit of the topology's own error
-    feedback (the reduce-scatter's downlink residual), to call once the step is accepted.
-    ``whole``: :meth:`Uplink.whole` of the step (the reduce-scatter frames its parts from it
-    on the device)."""
+    feedback (the reduce-scatter's downlink residual), to call once the step is accepted."""
     size, rank = state.world()
     if isinstance(layout, scatter.Plan):
-        return scatter.exchange(state, step, layout, rank, layout.targets(targets), scale,
-                                tag, acc_dtype, whole)
+        whole = uplink.whole()  # its parts framed on the device, the whole step never framed
+        return scatter.exchange(state, None if whole else uplink.step, layout, rank,
+                                layout.targets(targets), scale, tag, acc_dtype, whole)
+    step = uplink.step
     if state.config.topology == "server":
         from . import server
         server.exchange(state, step, layout, size, rank, targets, acc_dtype)

@@ -58,13 +58,13 @@ def plan(layout: Layout, size: int) -> Plan:
     return Plan(layout, size)
 
 
-def region_parts(step: torch.Tensor, p: Plan, rank: int,
+def region_parts(step: Optional[torch.Tensor], p: Plan, rank: int,
                  whole=None) -> Tuple[torch.Tensor, List[int]]:
     """This rank's step message (of ``p.layout``) re-framed as one step message per region,
     concatenated in rank order, and their lengths (the alltoall's splits). An ERROR/SKIP step
     goes to every owner. ``whole``: the step's encoding of every piece at once, which frames
-    the regions on the device (no host read); else host work: the step's bytes (one read)
-    and every piece's header."""
+    the regions on the device (no host read; ``step`` is not read and may be None); else host
+    work: the step's bytes (one read) and every piece's header."""
     if whole is not None:
         return whole.frame_groups(p.bounds, p.fingerprints)
     host = frame.host_bytes(step)
@@ -154,8 +154,8 @@ def decode_regions(state, gathered: torch.Tensor, p: Plan, targets: Targets) -> 
         raise ValueError(f"a region message: {err}") from None
 
 
-def exchange(state, step: torch.Tensor, p: Plan, rank: int, targets: Targets, scale: float,
-             tag: str, acc_dtype, whole=None) -> Callable[[], None]:
+def exchange(state, step: Optional[torch.Tensor], p: Plan, rank: int, targets: Targets,
+             scale: float, tag: str, acc_dtype, whole=None) -> Callable[[], None]:
     """One sync (see the module docstring) into the per-piece ``targets``; returns the
     commit of this rank's downlink error feedback. ``stats()``: ``upstream_bits`` the parts
     sent to the other owners plus this rank's region message, ``downstream_bits`` the parts
@@ -166,7 +166,7 @@ def exchange(state, step: torch.Tensor, p: Plan, rank: int, targets: Targets, sc
                          f"transport ({type(state.transport).__name__}) has none")
     parts, splits = region_parts(step, p, rank, whole)
     received = state.transport.alltoall(parts, splits, tag + ".parts")
-    down = owner_step(state, received, p, rank, scale, acc_dtype, step.device)
+    down = owner_step(state, received, p, rank, scale, acc_dtype, parts.device)
     gathered = state.transport.allgather(down.step, tag + ".regions")
     mine = down.step.numel()
     state.manager.add(upstream_bits=8 * (sum(splits) - splits[rank] + mine),
