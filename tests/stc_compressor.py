@@ -3,11 +3,14 @@
 package changes; ``tests/test_registry.py`` holds it to every backend and decoder.
 
 Sparse Ternary Compression (Sattler, Wiedemann, Müller, Samek, "Robust and
-Communication-Efficient Federated Learning from Non-IID Data", arXiv 1903.02891): the ``k``
-entries of largest ``|A|`` (ties: lower index), each sent as ``sign(A_i) * mu`` with ``mu`` the
-mean of their magnitudes (the fixed-order tree sum of :mod:`horovod_sbc.reference`, rounded
-once to float32). The message is positions + one sign bit each + ``mu``: flags the wire already
-has, so every decoder reads it; nothing is sent when ``mu`` is 0.
+Communication-Efficient Federated Learning from Non-IID Data", arXiv 1903.02891): the non-zero
+entries among the ``k`` of largest ``|A|`` (ties: lower index), each sent as ``sign(A_i) * mu``
+with ``mu`` their mean magnitude (the fixed-order tree sum of :mod:`horovod_sbc.reference` over
+the ``k``, whose zeros add nothing, divided by the count sent, rounded once to float32). A zero
+is never sent: a sparse ``A`` (the sum of a few sparse messages, which the reduce-scatter's
+owners compress again) would otherwise send ``+mu`` where there is nothing. The message is
+positions + one sign bit each + ``mu``: flags the wire already has, so every decoder reads it;
+nothing is sent when ``mu`` is 0.
 """
 from __future__ import annotations
 
@@ -33,9 +36,12 @@ class STC(registry.Compressor):
         return wire.tensor_capacity(numel, reference.keep_count(numel, density), signs=True)
 
     def encode_np(self, a, density, selection, uniform=None):
-        idx = reference.select_np(np.abs(a), reference.keep_count(a.size, density))
-        mu = reference.mean_f32(np.abs(a[idx]))
-        if mu == 0.0:
+        top = reference.select_np(np.abs(a), reference.keep_count(a.size, density))
+        idx = top[a[top] != 0]
+        if not idx.size:
+            return reference.encode_tensor_np(idx, a.size), idx, np.zeros(0, a.dtype)
+        mu = float(np.float32(reference.tree_sum_np(np.abs(a[top])) / idx.size))
+        if mu == 0.0:  # subnormal magnitudes whose mean rounds to 0
             return reference.encode_tensor_np(idx[:0], a.size), idx[:0], np.zeros(0, a.dtype)
         neg = a[idx] < 0
         sent = np.where(neg, a.dtype.type(-mu), a.dtype.type(mu)).astype(a.dtype)
@@ -46,11 +52,14 @@ class STC(registry.Compressor):
         from horovod_sbc.torch import backend as tb
         n = a.numel()
         k = reference.keep_count(n, density)
-        idx = tb.select_topk(a, k, name)
-        total = tb.tree_sum(a[idx].abs()).item()
+        top = tb.select_topk(a, k, name)
+        nz = a[top] != 0
+        total, count = torch.stack([tb.tree_sum(a[top].abs()),
+                                    nz.sum().to(torch.float64)]).tolist()
         if not math.isfinite(total):
             raise tb.NonFiniteError(f"the update of {name!r} contains NaN or Inf")
-        mu = float(np.float32(total / k))
+        idx = top[nz]
+        mu = float(np.float32(total / count)) if count else 0.0
         if mu == 0.0:
             empty = idx[:0]
             return tb.encode_positions(empty, n), empty, a.new_zeros(0)
@@ -63,9 +72,12 @@ class STC(registry.Compressor):
         from horovod_sbc.tensorflow.backend import codec
         n = int(a.shape[0])
         k = reference.keep_count(n, density)
-        idx, finite = codec.top_k_abs(a, k)
-        mbits = codec.f64_to_f32_bits(codec.tree_sum(tf.abs(tf.gather(a, idx)), k) / float(k))
-        take = tf.where(tf.equal(mbits, 0), tf.constant(0, tf.int64), tf.size(idx, out_type=tf.int64))
+        top, finite = codec.top_k_abs(a, k)
+        idx = tf.boolean_mask(top, tf.not_equal(tf.gather(a, top), 0))  # never a zero
+        count = tf.size(idx, out_type=tf.int64)
+        mbits = codec.f64_to_f32_bits(codec.tree_sum(tf.abs(tf.gather(a, top)), k)
+                                      / tf.cast(tf.maximum(count, 1), tf.float64))
+        take = tf.where(tf.equal(mbits, 0), tf.constant(0, tf.int64), count)
         pos = idx[:take]  # mu == 0: nothing is sent
         neg = tf.gather(a, pos) < 0
         mu = codec.value_in(mbits, a.dtype)
@@ -79,14 +91,18 @@ registry.register(STC())
 
 def golden_cases():
     """(name, update, density) of the vectors: ties, zeros, both signs, float64, a tensor whose
-    top-k is all zero (nothing sent)."""
+    top-k is all zero (nothing sent), a sparse one with fewer non-zeros than k (only they are
+    sent)."""
     rng = np.random.default_rng(1903)
+    sparse = np.zeros(100, np.float32)
+    sparse[[3, 17, 18, 60, 99]] = [0.5, -2.0, 0.25, -0.125, 1.0]
     return [("normal", rng.standard_normal(500).astype(np.float32), 0.02),
             ("ties", np.round(rng.standard_normal(300) * 2).astype(np.float32), 0.1),
             ("negative", -np.abs(rng.standard_normal(64)).astype(np.float32), 0.25),
             ("float64", rng.standard_normal(200), 0.05),
             ("zeros", np.zeros(40, np.float32), 0.1),
-            ("dense", rng.standard_normal(33).astype(np.float32), 1.0)]
+            ("dense", rng.standard_normal(33).astype(np.float32), 1.0),
+            ("sparse", sparse, 0.2)]
 
 
 def golden_vectors():
