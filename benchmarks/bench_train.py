@@ -754,9 +754,14 @@ def _frozen_class(cls, after: int):
 def _task_compressor(spec: dict, seed: int):
     """The compressor of a spec: drop-in and stock SBC/top-K with their extra knobs."""
     import horovod_sbc.torch as sbc
+    if "stc" in (spec.get("mode"), spec.get("downlink_mode")):  # a compressor added as a user
+        sys.path.insert(0, str(ROOT / "tests"))                  # adds one (docs/compressors.md)
+        import stc_compressor  # noqa: F401 (registers "stc")
     m = spec["method"]
-    extra = {k: spec[k] for k in ("topology", "downlink_density", "downlink_binarize", "mode")
+    extra = {k: spec[k] for k in ("topology", "downlink_density", "downlink_mode", "mode")
              if k in spec}
+    if "downlink_binarize" in spec:  # the rows of before SBC(downlink_mode=...)
+        extra["downlink_mode"] = "sbc" if spec["downlink_binarize"] else "values"
     if "stock_momentum" in spec:  # SBC(momentum=...); "momentum" is the optimizer's
         extra["momentum"] = spec["stock_momentum"]
     if "momentum_masking" in spec:  # the results of before SBC(momentum=...)
@@ -989,8 +994,10 @@ def spec_label(s: dict) -> str:
     elif s.get("topology") == "reduce_scatter":  # downlink_density None: the uplink's density
         dd = s.get("downlink_density")
         lab += " reduce_scatter" + (f" down={dd:g}" if dd is not None else "")
-        if s.get("downlink_binarize") is False:
+        if s.get("downlink_binarize") is False or s.get("downlink_mode") == "values":
             lab += " down_values"
+        elif s.get("downlink_mode") not in (None, "sbc"):
+            lab += f" down_{s['downlink_mode']}"
     if s.get("local_residual") is False:
         lab += " shared"
     elif s.get("local_residual") is True:

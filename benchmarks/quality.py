@@ -420,6 +420,23 @@ DOWNLINK: Dict[str, List[tuple]] = {
                     **RS), S0),
                 (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, downlink_binarize=False,
                     **RS), S12)]}
+# the owners' downlink ternary (STC of tests/stc_compressor.py: the top-k non-zero entries'
+# signs and mean magnitude, both signs at one bit more per position than SBC's one side), at
+# the uplink's density and at two and four times it
+STC = {"downlink_mode": "stc"}
+DOWNLINK["lm_docs"] += [(_s("sbc", 0.01, 1, api="stock", **STC, **RS), S0),
+                        (_s("sbc", 0.01, 1, api="stock", downlink_density=0.02, **STC, **RS), S0),
+                        (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS),
+                         S3)]
+DOWNLINK["skewed"] += [(_s("sbc", 0.01, 1, downlink_density=0.04, **STC, **RS), S3)]
+TOPOLOGY8["lm_docs8"] += [(_s("sbc", 0.01, 1, api="stock", **STC, **RS), S0),
+                          (_s("sbc", 0.01, 1, api="stock", downlink_density=0.02, **STC, **RS),
+                           S0),
+                          (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS),
+                           S0),
+                          (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **RS), S0)]
+TOPOLOGY8["lm_iid8"] += [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS),
+                          S0)]
 
 
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
@@ -447,7 +464,8 @@ def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
             if x.get("topology") != "reduce_scatter":
                 continue
             twin = {k: v for k, v in x.items()
-                    if k not in ("topology", "downlink_density", "downlink_binarize")}
+                    if k not in ("topology", "downlink_density", "downlink_mode",
+                                 "downlink_binarize")}
             key = json.dumps(twin, sort_keys=True)
             if key not in seeds:
                 raise ValueError(f"topology study, {part}: {x} has no allgather twin")
@@ -509,8 +527,11 @@ def _topology(r: dict) -> str:
     s = f", topology=\"{r['topology']}\""
     if r.get("downlink_density") is not None:
         s += f", downlink_density={r['downlink_density']:g}"
-    if r.get("downlink_binarize") is not None:
-        s += f", downlink_binarize={r['downlink_binarize']}"
+    mode = r.get("downlink_mode")
+    if r.get("downlink_binarize") is not None:  # the rows of before SBC(downlink_mode=...)
+        mode = "sbc" if r["downlink_binarize"] else "values"
+    if mode is not None:
+        s += f", downlink_mode=\"{mode}\""
     return s
 
 

@@ -50,7 +50,7 @@ def train(method: str, args, data, progress: bool):
     else:
         comp = sbc.SBC(density=args.density, delay=args.delay, topology=args.topology,
                        downlink_density=args.downlink_density,
-                       downlink_binarize=args.downlink_binarize or None)
+                       downlink_mode="sbc" if args.downlink_binarize else None)
         opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
         sbc.broadcast_state(model, opt, root_rank=0)
     # each rank trains on its own shard of the training set

@@ -7,6 +7,7 @@ configuration (the compressors of :mod:`horovod_sbc.registry`), not separate cla
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
@@ -165,9 +166,12 @@ class SBCConfig:
         messages' worth, at any N.
     downlink_density: the re-compressed average's fraction of positions (``"server"``:
         ``None`` is a dense downlink; ``"reduce_scatter"``: ``None`` is ``density``).
-    downlink_binarize: the re-compressed average is binarized like SBC instead of sending
-        values (``None``: ``"server"`` sends values, ``"reduce_scatter"`` does what the
-        uplink's ``mode`` does).
+    downlink_mode: the re-compressed average's compressor, a registered ``mode`` name
+        (:mod:`horovod_sbc.registry`): ``"sbc"`` binarized, ``"values"`` top-k with float32
+        values, or any other (a ternary one, e.g. STC of ``tests/stc_compressor.py``, sends
+        both signs for one more bit per position). ``None``: ``"server"`` sends values,
+        ``"reduce_scatter"`` binarizes when the uplink's ``mode`` does. ``downlink_binarize``
+        (True / False) is its deprecated older spelling (``"sbc"`` / ``"values"``).
     seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
     fixed_size: every step message of a tensor layout is padded to one capacity known from the
         layout, ``density`` and ``mode`` (the PADDED step messages of :mod:`horovod_sbc.wire`),
@@ -224,6 +228,7 @@ class SBCConfig:
     nonfinite: str = "raise"
     topology: str = "allgather"
     downlink_density: Optional[float] = None
+    downlink_mode: Optional[str] = None
     downlink_binarize: Optional[bool] = None
     seed: int = field(default=0)
     fixed_size: Optional[bool] = None
@@ -243,14 +248,23 @@ class SBCConfig:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, "
                              f"got {self.topology!r}")
-        for knob in ("downlink_density", "downlink_binarize"):
+        for knob in ("downlink_density", "downlink_mode", "downlink_binarize"):
             if getattr(self, knob) is not None and self.topology == "allgather":
                 raise ValueError(f"{knob} applies to topology='server' or 'reduce_scatter' "
                                  "(the allgather has no downlink message)")
         if self.downlink_density is not None:
             set_("downlink_density", validate_density(self.downlink_density))
         if self.downlink_binarize is not None:
-            set_("downlink_binarize", bool(self.downlink_binarize))
+            said = "sbc" if self.downlink_binarize else "values"
+            if self.downlink_mode is not None:
+                raise ValueError(f"give downlink_mode={self.downlink_mode!r} alone: "
+                                 f"downlink_binarize is its older spelling")
+            warnings.warn(f"SBC(downlink_binarize={bool(self.downlink_binarize)}) is deprecated: "
+                          f"use downlink_mode={said!r}", DeprecationWarning, stacklevel=4)
+            set_("downlink_mode", said)
+            set_("downlink_binarize", None)
+        if self.downlink_mode is not None:
+            registry.get(self.downlink_mode)  # ValueError naming the registered compressors
         set_("seed", int(self.seed))
         if self.fixed_size is not None and not isinstance(self.fixed_size, bool):
             raise ValueError(f"fixed_size must be True, False or None, got "
@@ -280,13 +294,12 @@ class SBCConfig:
         return registry.get(self.mode).binarize
 
     @property
-    def downlink_mode(self) -> str:
-        """The re-compressed average's compressor: ``"sbc"`` (binarized) or ``"values"``
-        (``downlink_binarize``; None: ``"server"`` sends values, ``"reduce_scatter"`` does
-        what the uplink's ``mode`` does)."""
-        binarize = self.downlink_binarize
-        if binarize is None:
-            binarize = self.topology == "reduce_scatter" and registry.get(self.mode).binarize
+    def downlink_compressor(self) -> str:
+        """The re-compressed average's compressor: ``downlink_mode``, or when it is None
+        ``"sbc"`` for the reduce-scatter of a binarized uplink, else ``"values"``."""
+        if self.downlink_mode is not None:
+            return self.downlink_mode
+        binarize = self.topology == "reduce_scatter" and registry.get(self.mode).binarize
         return "sbc" if binarize else "values"
 
     @property

@@ -60,7 +60,7 @@ class SBC(StockHook, WeightMode, tf.Module):
 
     Args:
         density, delay: the paper's p and n, the two knobs to tune (docs/recipes.md).
-        nonfinite, topology, downlink_density, downlink_binarize, selection, mode, seed,
+        nonfinite, topology, downlink_density, downlink_mode, selection, mode, seed,
         fixed_size, momentum, hierarchy, local_residual, outer, freeze_variance_after: the
             knobs of :class:`horovod_sbc.config.SBCConfig`, documented there once and the same
             as torch's. Weight mode (the drop-in tape, :class:`SBCCallback`, and the stock tape
@@ -83,6 +83,7 @@ class SBC(StockHook, WeightMode, tf.Module):
 
     def __init__(self, density: float = 0.01, delay: int = 1, *, nonfinite: str = "raise",
                  topology: str = "allgather", downlink_density: Optional[float] = None,
+                 downlink_mode: Optional[str] = None,
                  downlink_binarize: Optional[bool] = None, selection: str = "paper",
                  mode: str = "sbc", seed: int = 0, fixed_size: Optional[bool] = None,
                  momentum: Optional[str] = None, hierarchy=None,
@@ -93,6 +94,7 @@ class SBC(StockHook, WeightMode, tf.Module):
         self.config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                                 nonfinite=nonfinite, topology=topology,
                                 downlink_density=downlink_density,
+                                downlink_mode=downlink_mode,
                                 downlink_binarize=downlink_binarize, seed=seed,
                                 fixed_size=fixed_size, momentum=momentum, hierarchy=hierarchy,
                                 local_residual=local_residual, outer=outer,
@@ -132,7 +134,7 @@ class SBC(StockHook, WeightMode, tf.Module):
         self.manager.config.update(density=self.density, delay=delay, binarize=self.binarize,
                                    selection=self.selection, topology=self.topology,
                                    downlink_density=self.downlink_density,
-                                   downlink_binarize=self.config.downlink_binarize)
+                                   downlink_mode=self.config.downlink_compressor)
 
     def __repr__(self) -> str:
         topo = "" if self.topology == "allgather" else f", topology={self.topology!r}"

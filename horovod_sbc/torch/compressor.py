@@ -39,7 +39,7 @@ class SBC(StockHook):
 
     Args:
         density, delay: the paper's p and n, the two knobs to tune (docs/recipes.md).
-        nonfinite, topology, downlink_density, downlink_binarize, selection, mode, seed,
+        nonfinite, topology, downlink_density, downlink_mode, selection, mode, seed,
         fixed_size, momentum, hierarchy, local_residual, outer, freeze_variance_after: the
             knobs of :class:`horovod_sbc.config.SBCConfig`, documented there once and the same
             in TensorFlow; each applies where :func:`horovod_sbc.policy.choose` says (a knob
@@ -61,6 +61,7 @@ class SBC(StockHook):
 
     def __init__(self, density: float = 0.01, delay: int = 1, *, nonfinite: str = "raise",
                  topology: str = "allgather", downlink_density: Optional[float] = None,
+                 downlink_mode: Optional[str] = None,
                  downlink_binarize: Optional[bool] = None, selection: str = "paper",
                  mode: str = "sbc", seed: int = 0, fixed_size: Optional[bool] = None,
                  momentum: Optional[str] = None, hierarchy=None,
@@ -69,7 +70,8 @@ class SBC(StockHook):
         config = SBCConfig(density=density, delay=delay, mode=mode, selection=selection,
                            nonfinite=nonfinite, topology=topology,
                            downlink_density=downlink_density,
-                           downlink_binarize=downlink_binarize, seed=seed, fixed_size=fixed_size,
+                           downlink_mode=downlink_mode, downlink_binarize=downlink_binarize,
+                           seed=seed, fixed_size=fixed_size,
                            momentum=momentum, hierarchy=hierarchy, local_residual=local_residual,
                            outer=outer, freeze_variance_after=freeze_variance_after)
         self.hierarchy = config.hierarchy

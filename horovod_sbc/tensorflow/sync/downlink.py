@@ -25,7 +25,7 @@ from ..backend import Backend, codec, frame
 class Downlink:
     """How the aggregate is compressed again: ``density`` (None: dense, the exact average and
     no residual: the server's ``downlink_density=None``), ``mode`` (``"sbc"`` or ``"values"``,
-    :attr:`horovod_sbc.config.SBCConfig.downlink_mode`) and the ``selection``."""
+    :attr:`horovod_sbc.config.SBCConfig.downlink_compressor`) and the ``selection``."""
     density: Optional[float]
     mode: str
     selection: str = "paper"

@@ -35,7 +35,7 @@ def exchange(state, names: Sequence[str], shapes, updates: Sequence[tf.Tensor],
     cfg = state.config
     reads = [r.read_value() for r in residuals]
     acc = tf.float64 if any(r.dtype == tf.float64 for r in residuals) else tf.float32
-    down = Downlink(cfg.downlink_fraction, cfg.downlink_mode, cfg.selection)
+    down = Downlink(cfg.downlink_fraction, cfg.downlink_compressor, cfg.selection)
     knobs = dict(density=cfg.density, mode=cfg.mode, selection=cfg.selection, rank=rank,
                  skip=cfg.nonfinite == "skip")
     layout = tuple((n, tuple(int(d) for d in s)) for n, s in zip(names, shapes))
@@ -89,7 +89,7 @@ def through_regions(state, backend, p, up: _exchange.Uplink, *, rank: int, scale
     cfg = state.config
     srv = [_server_residual(state, n, wire.layout_numel(s), acc_dtype, variable)
            for n, s in p.regions[rank]]
-    down = Downlink(cfg.downlink_fraction, cfg.downlink_mode, cfg.selection)
+    down = Downlink(cfg.downlink_fraction, cfg.downlink_compressor, cfg.selection)
     whole, new_srv = scatter.exchange_regions(
         backend, p, up, rank=rank, scale=scale, tag=tag, downlink=down,
         downlink_residuals=[v.read_value() for v in srv], acc_dtype=acc_dtype, count=count,

@@ -119,7 +119,7 @@ def owner_step(state, parts: torch.Tensor, p: Plan, rank: int, scale: float, acc
 def _encode_region(state, backend, srcs, names, fp: int, dev):
     """The region message of ``srcs`` at the downlink's density and mode, and its encodings."""
     cfg = state.config
-    density, mode = cfg.downlink_fraction, cfg.downlink_mode
+    density, mode = cfg.downlink_fraction, cfg.downlink_compressor
     if mode != "values":  # a binarized side never holds a zero, so no position is wasted
         fused = backend.encode_many(srcs, density, mode, cfg.selection, names, fp)
         if fused is not None:

@@ -97,7 +97,7 @@ def server_step(state, gathered: torch.Tensor, layout, size: int, acc_dtype,
         if r is None or r.numel() != a.numel():
             r = srv[name] = torch.zeros_like(a)
         r.add_(a)  # server-side error feedback
-        enc = encode_downlink(backend, r, cfg.downlink_density, cfg.downlink_mode, name,
+        enc = encode_downlink(backend, r, cfg.downlink_density, cfg.downlink_compressor, name,
                               cfg.selection)
         enc.commit()
         msgs.append(enc.message)
