@@ -17,7 +17,8 @@ TRAIN = {(api, delay, lr): ["train", f"api={api}", f"delay={delay}", f"local_res
          for api, delay, lr in (("stock", 1, 0), ("dropin", 1, 0), ("dropin", 2, 1))}
 THREE = SharedJob("torch_scatter.py", 3, {
     **TRAIN, "allgather": ["train", "api=dropin", "topology=allgather"],
-    "values": ["train", "api=dropin", "mode=values"], "equiv": ["equiv"], "nan": ["nan"]},
+    "values": ["train", "api=dropin", "mode=values"], "equiv": ["equiv"], "nan": ["nan"],
+    "stc": ["train", "api=stock", "downlink_mode=stc", "downlink_density=0.1"]},
     timeout=300, env={"HOROVOD_SBC_KERNELS": "0"})  # the tensor-op codec CUDA tensors take
 FOUR = SharedJob("torch_scatter.py", 4, {
     **TRAIN, "allgather": ["train", "api=dropin", "topology=allgather"],
@@ -90,16 +91,27 @@ def test_parts_framed_on_the_device_are_the_host_reframing_byte_for_byte(size):
 
 def test_config_says_what_the_topology_takes():
     cfg = SBCConfig(density=0.02, topology="reduce_scatter")
-    assert cfg.downlink_fraction == 0.02 and cfg.downlink_mode == "sbc"
+    assert cfg.downlink_fraction == 0.02 and cfg.downlink_compressor == "sbc"
     # a copy with another density (the density warm-up) re-validates, and follows it
     warm = dataclasses.replace(cfg, density=0.1)
     assert warm.downlink_fraction == 0.1 and warm.downlink_density is None
-    assert dataclasses.replace(SBCConfig(), density=0.1).downlink_mode == "values"
+    assert dataclasses.replace(SBCConfig(), density=0.1).downlink_compressor == "values"
     assert SBCConfig(topology="server").downlink_fraction is None  # dense
-    assert SBCConfig(topology="reduce_scatter", mode="values").downlink_mode == "values"
-    assert SBCConfig(topology="server").downlink_mode == "values"
-    with pytest.raises(ValueError, match="downlink_binarize applies to topology='server' or"):
-        SBCConfig(downlink_binarize=True)
+    assert SBCConfig(topology="reduce_scatter", mode="values").downlink_compressor == "values"
+    assert SBCConfig(topology="server").downlink_compressor == "values"
+    assert SBCConfig(topology="server", downlink_mode="sbc").downlink_compressor == "sbc"
+    for knob in ("downlink_binarize", "downlink_mode"):
+        with pytest.raises(ValueError, match=f"{knob} applies to topology='server' or"):
+            SBCConfig(**{knob: True if knob == "downlink_binarize" else "sbc"})
+    with pytest.raises(ValueError, match=r"mode must be one of \('sbc', 'values'.*got 'tern'"):
+        SBCConfig(topology="reduce_scatter", downlink_mode="tern")
+    # the older spelling still works, says what replaces it, and is not said twice
+    for binarize, mode in ((True, "sbc"), (False, "values")):
+        with pytest.warns(DeprecationWarning, match=f"use downlink_mode='{mode}'"):
+            old = SBCConfig(topology="reduce_scatter", mode="values", downlink_binarize=binarize)
+        assert old.downlink_compressor == mode and old.downlink_binarize is None
+    with pytest.raises(ValueError, match="give downlink_mode='sbc' alone"):
+        SBCConfig(topology="server", downlink_mode="sbc", downlink_binarize=True)
     with pytest.raises(ValueError, match="fixed_size applies to topology='allgather'"):
         SBCConfig(topology="reduce_scatter", fixed_size=True)
     with pytest.raises(ValueError, match="topology must be one of"):
@@ -137,6 +149,22 @@ def test_bits_are_counted_exactly_and_download_stays_below_the_allgather(np_):
     down = lambda key: sum(r["stats"]["downstream_bits"] for r in job[key])  # noqa: E731
     # allgather: N - 1 messages per rank; reduce-scatter: about (N - 1) / N of two messages
     assert down(("dropin", 1, 0)) < (0.75 if np_ == 4 else 0.9) * down("allgather")
+
+
+@pytest.mark.multirank
+def test_a_ternary_downlink_keeps_ranks_identical_and_counts_its_bits():
+    # the owners re-compress with a registered compressor (STC: signs + one magnitude) at
+    # twice the uplink's density: every rank applies the same decoded regions
+    res, base = THREE["stc"], THREE[("stock", 1, 0)]
+    for s in range(len(res[0]["digests"])):
+        assert len({r["digests"][s] for r in res}) == 1, f"ranks differ after step {s}"
+    assert len(set(res[0]["digests"])) == len(res[0]["digests"])  # every sync moves them
+    for r in res:
+        assert r["stats"]["upstream_bits"] == 8 * r["moved"]["sent"] + 16 * 6 * 8
+        assert r["stats"]["downstream_bits"] == 8 * r["moved"]["received"]
+    # the region messages are ternary (SIGNS), the default's binarized
+    assert all(r["moved"]["ternary"] > 0 for r in res), [r["moved"] for r in res]
+    assert all(r["moved"]["ternary"] == 0 for r in base), [r["moved"] for r in base]
 
 
 @pytest.mark.multirank

@@ -35,11 +35,12 @@ def test_tf_sbc_takes_torch_topology_knobs_with_the_same_defaults_and_checks():
     import horovod_sbc.torch as tsbc
     tf_params = inspect.signature(hsbc.SBC.__init__).parameters
     torch_params = inspect.signature(tsbc.SBC.__init__).parameters
-    for knob in ("topology", "downlink_density", "downlink_binarize"):
+    for knob in ("topology", "downlink_density", "downlink_mode", "downlink_binarize"):
         assert tf_params[knob].default == torch_params[knob].default
     s = hsbc.SBC(0.02, topology="reduce_scatter")
-    assert (s.topology, s.config.downlink_fraction, s.config.downlink_mode) == \
+    assert (s.topology, s.config.downlink_fraction, s.config.downlink_compressor) == \
         ("reduce_scatter", 0.02, "sbc")
+    assert hsbc.SBC(topology="server", downlink_mode="sbc").config.downlink_compressor == "sbc"
     assert "topology='reduce_scatter'" in repr(s)
     for bad, match in ((dict(downlink_density=0.1), "downlink_density applies to topology="),
                        (dict(topology="ring"), "topology must be one of"),

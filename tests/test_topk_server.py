@@ -29,7 +29,7 @@ def test_downlink_never_sends_zero_valued_positions(cls, nonzeros):
     idx = torch.randperm(n, generator=g)[:nonzeros]
     r[idx] = torch.randn(nonzeros, generator=g)
     enc = encode_downlink(backend_for("cpu"), r.clone(), comp.downlink_density,
-                          comp.config.downlink_mode, "w", comp.selection)
+                          comp.config.downlink_compressor, "w", comp.selection)
     msg, pos, sent = enc.message, enc.positions, enc.sent
     assert bool((r[pos] != 0).all()) and bool((sent != 0).all())
     if cls is TopK:

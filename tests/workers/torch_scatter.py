@@ -3,7 +3,8 @@ argv: OUT --scenarios JSON (tests/workers/common.py); writes OUT/rank<R>.json.
 
 Scenarios:
   train   train `steps` steps through api=stock|dropin (delay, density, mode, topology,
-          hier=1: dense inside [[0,1],[2,3]], local_residual); record the digest of the shared
+          hier=1: dense inside [[0,1],[2,3]], local_residual, downlink_mode, downlink_density);
+          record the digest of the shared
           weights after every step, stats, and the bytes the collectives actually moved.
   equiv   dense top-k (density 1, values) through both topologies from the same start:
           the largest difference of their weights after 6 steps.
@@ -29,7 +30,7 @@ hvd.init(process_sets="dynamic")
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
 KW = {}
-MOVED = {"sent": 0, "received": 0, "alltoalls": 0}
+MOVED = {"sent": 0, "received": 0, "alltoalls": 0, "ternary": 0}
 _a2a, _ag = transport.alltoall, transport.allgather
 
 
@@ -47,6 +48,8 @@ def _rec_allgather(step, name):
     out = _ag(step, name)
     MOVED["sent"] += step.numel()
     MOVED["received"] += out.numel() - step.numel()
+    if name.endswith(".regions"):  # the owners' tensor messages with sign bits (wire flag 4)
+        MOVED["ternary"] += bytes(out.cpu().numpy()).count(b"SB\x01\x04")
     return out
 
 
@@ -120,6 +123,12 @@ def compressor(**over):
               local_residual=False)  # the drop-in's shared weights: bit-identical everywhere
     if KW.get("hier") == "1":
         kw["hierarchy"] = [[0, 1], [2, 3]]
+    if "downlink_mode" in KW:  # "stc": tests/stc_compressor.py, registered as a user would
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import stc_compressor  # noqa: F401
+        kw["downlink_mode"] = KW["downlink_mode"]
+    if "downlink_density" in KW:
+        kw["downlink_density"] = float(KW["downlink_density"])
     kw.update(over)
     return sbc.SBC(**kw)
 
@@ -203,7 +212,7 @@ MODES = {"train": run_train, "equiv": run_equiv, "nan": run_nan, "kill": run_kil
 def run_scenario(mode, kw):
     KW.clear()
     KW.update(kw, _kill=mode == "kill")
-    MOVED.update(sent=0, received=0, alltoalls=0)
+    MOVED.update(sent=0, received=0, alltoalls=0, ternary=0)
     result = MODES[mode]()
     result.update(rank=RANK, size=SIZE)
     return result

@@ -24,7 +24,7 @@ from ..backend import Backend, codec, frame
 @dataclass(frozen=True)
 class Downlink:
     """How the aggregate is compressed again: ``density`` (None: dense, the exact average and
-    no residual: the server's ``downlink_density=None``), ``mode`` (``"sbc"`` or ``"values"``,
+    no residual: the server's ``downlink_density=None``), ``mode`` (a registered compressor,
     :attr:`horovod_sbc.config.SBCConfig.downlink_compressor`) and the ``selection``."""
     density: Optional[float]
     mode: str
