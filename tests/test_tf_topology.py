@@ -15,6 +15,8 @@ THREE = SharedJob("tf_topology.py", 3, {
     "rs-fn": ["train", "topology=reduce_scatter", "fn=1", "delay=2"],
     "rs-values": ["train", "topology=reduce_scatter", "mode=values"],
     "rs-stock": ["train", "topology=reduce_scatter", "api=stock", "steps=3"],
+    "rs-stc": ["train", "topology=reduce_scatter", "fn=1", "downlink_mode=stc",
+               "downlink_density=0.1"],
     "rs-nan": ["nan", "topology=reduce_scatter"],
     "rs-callback": ["callback"],
     "rs-equiv": ["equiv"],
@@ -24,7 +26,7 @@ THREE = SharedJob("tf_topology.py", 3, {
     "server-nan": ["nan", "topology=server", "downlink_density=0.05"],
     "server-delay": ["train", "topology=server", "downlink_density=0.05", "fn=1", "delay=2"],
     "refuse": ["refuse", "api=stock"]}, timeout=480)
-TRAIN = ["rs-eager", "rs-fn", "rs-values", "rs-stock", "server", "server-fn-dense",
+TRAIN = ["rs-eager", "rs-fn", "rs-values", "rs-stock", "rs-stc", "server", "server-fn-dense",
          "server-values"]
 NUMEL = 20 * 32 + 32 + 32 * 5 + 5
 
@@ -125,7 +127,7 @@ def test_shared_weights_bit_identical_on_every_rank_after_every_sync(key):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["rs-eager", "rs-fn", "rs-values", "rs-stock"])
+@pytest.mark.parametrize("key", ["rs-eager", "rs-fn", "rs-values", "rs-stock", "rs-stc"])
 def test_reduce_scatter_counts_the_bytes_it_moved_and_keeps_its_region_residuals(key):
     res = THREE[key]
     dummies = 16 * 4 * 3 if key == "rs-stock" else 0  # Horovod's placeholder allreduces
