@@ -437,6 +437,10 @@ TOPOLOGY8["lm_docs8"] += [(_s("sbc", 0.01, 1, api="stock", **STC, **RS), S0),
                           (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **RS), S0)]
 TOPOLOGY8["lm_iid8"] += [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS),
                           S0)]
+# the allgather's own gap at 8 workers: is it the binarization (one sign per tensor and sync)?
+# The ternary uplink sends both signs at one bit more per position
+for part in ("lm_docs8", "lm_iid8"):
+    TOPOLOGY8[part] += [(_s("sbc", 0.01, 1, api="stock", mode="stc"), S0)]
 
 
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
