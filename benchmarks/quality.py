@@ -728,7 +728,7 @@ TOPOLOGY_TOL = {"accuracy": 0.01, "perplexity": 0.03}  # 1 point; 3 % of the all
 def _allgather_twin(runs: List[dict], r: dict) -> Optional[dict]:
     """The run of ``runs`` with ``r``'s setting but the default allgather."""
     import re
-    want = re.sub(r" reduce_scatter( down=\S+)?( down_values)?", "", r["label"])
+    want = re.sub(r" reduce_scatter( down=\S+)?( down_\S+)?", "", r["label"])
     return next((a for a in runs if a["label"] == want and not _topology(a)), None)
 
 
