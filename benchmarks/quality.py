@@ -539,6 +539,11 @@ def _topology(r: dict) -> str:
     return s
 
 
+def _mode(r: dict) -> str:
+    """The compressor when it is not SBC's, as its argument."""
+    return f", mode=\"{r['mode']}\"" if r.get("mode", "sbc") != "sbc" else ""
+
+
 def _describe(r: dict) -> str:
     m = r["method"]
     opt = f" with {r['optimizer']}" if r.get("optimizer") else ""
@@ -549,9 +554,10 @@ def _describe(r: dict) -> str:
     if r.get("api") == "stock":
         m = f", momentum={r['stock_momentum']!r}" if "stock_momentum" in r else ""
         d = f", delay={r['delay']}" if r.get("delay", 1) != 1 else ""
-        s = f"stock hook `SBC({r['density']:g}{d}{m}{_topology(r)})`"
+        s = f"stock hook `SBC({r['density']:g}{d}{_mode(r)}{m}{_topology(r)})`"
     else:
-        s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']}{_topology(r)})`",
+        s = {"sbc": f"drop-in `SBC({r['density']:g}, delay={r['delay']}{_mode(r)}"
+                    f"{_topology(r)})`",
              "fedavg": f"drop-in `FedAvg(delay={r['delay']})`"}.get(m, r.get("label", m))
     if r.get("outer"):
         kind, *a = r["outer"]
