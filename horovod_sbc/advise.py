@@ -26,7 +26,10 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import registry
 
 Layout = List[Tuple[str, Tuple[int, ...]]]
 WORKERS = tuple(2 ** i for i in range(1, 11))  # 2 ... 1024
@@ -131,6 +134,12 @@ class CodecCost:
     decode_per_step_s: float = 0.0
     frame_per_step_s: float = 0.0
     tensor_header_bits: float = 0.0
+    # the reduce-scatter's owners re-encoding at another setting than the uplink's
+    # (``downlink_mode`` / ``downlink_density``): the whole layout's step message at that
+    # setting (bits), its encode, and its decode as one more message; 0: the uplink's figures
+    rs_down_bits: int = 0
+    rs_down_encode_s: float = 0.0
+    rs_down_decode_per_message_s: float = 0.0
 
     def decode_s(self, n_messages: int) -> float:
         return self.decode_fixed_s + n_messages * self.decode_per_message_s
@@ -220,6 +229,28 @@ def _time_sync_overhead(layout: Layout, density: float, reps: int, codec_s: floa
     return max(0.0, t_sync - t_base - codec_s)
 
 
+def _rs_downlink(layout: Layout, mode: str, density: float, reps: int
+                 ) -> Tuple[float, float, int]:
+    """Reduce-scatter: (encode s, decode s of one more message, bits) of the owners' downlink
+    at ``mode`` and ``density``, from the whole layout's message of a random average."""
+    import torch
+    from horovod_sbc import wire
+    from horovod_sbc.torch.backend import backend_for, frame
+    fp = wire.layout_fingerprint(layout)
+
+    def encoder(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        avg = [torch.randn(_numel(s), generator=g) for _, s in layout]
+        backend = backend_for(avg[0].device)
+        return lambda: frame.frame([backend.encode_tensor(a.clone(), density, mode, n).message
+                                    for (n, _), a in zip(layout, avg)], fp, avg[0].device)
+    enc = encoder(11)
+    t_enc = min_time(enc, reps)
+    steps = [enc(), encoder(12)()]
+    t_dec = max(0.0, _time_decode(layout, steps, reps) - _time_decode(layout, steps[:1], reps))
+    return t_enc, t_dec, 8 * int(steps[0].numel())
+
+
 def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[float, float, int]:
     """Server: (encode s, decode s, bits) of the downlink for an average of ``layout``: dense
     fp32 values (``density`` None, the package's default) or top-k with values."""
@@ -241,11 +272,13 @@ def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[floa
 
 
 def measure_codec(layout: Layout, density: float, downlink_density: Optional[float] = None,
-                  reps: int = 3, decode_ranks: int = 4, sync_overhead: bool = True) -> CodecCost:
+                  reps: int = 3, decode_ranks: int = 4, sync_overhead: bool = True,
+                  rs_downlink: Optional[Tuple[str, float]] = None) -> CodecCost:
     """Encode one sync, decode 1 and ``decode_ranks`` ranks' messages (the difference gives the
     cost per message), on this machine with the torch codec as configured (C kernels on the CPU
     unless HOROVOD_SBC_KERNELS=0); with ``sync_overhead`` also the drop-in's sync work outside
-    the codec (:func:`_time_sync_overhead`; else 0)."""
+    the codec (:func:`_time_sync_overhead`; else 0). ``rs_downlink``: the reduce-scatter's
+    owners' ``(mode, density)`` where it is not SBC at ``density`` (:func:`_rs_downlink`)."""
     enc = _encoder(layout, density, 0)
     t_enc = min_time(enc, reps)
     steps = [_encoder(layout, density, 100 + r)() for r in range(decode_ranks)]
@@ -259,6 +292,9 @@ def measure_codec(layout: Layout, density: float, downlink_density: Optional[flo
     if sync_overhead:
         cost.sync_overhead_s = _time_sync_overhead(layout, density, reps, t_enc + t1)
     cost.tensor_header_bits = _mean_tensor_header_bits(steps[0])
+    if rs_downlink is not None and tuple(rs_downlink) != ("sbc", density):
+        cost.rs_down_encode_s, cost.rs_down_decode_per_message_s, cost.rs_down_bits = \
+            _rs_downlink(layout, rs_downlink[0], rs_downlink[1], reps)
     return _per_step(_split_per_tensor(cost, density, reps), density, reps)
 
 
@@ -395,29 +431,33 @@ def hierarchical_step(c: CodecCost, n: int, g: int, net: Net, delay: int = 1,
 STEP_HEADER_BITS = 8 * 24  # horovod_sbc.wire.STEP_HEADER_SIZE
 
 
-def reduce_scatter_region_bits(c: CodecCost, n: int) -> float:
+def reduce_scatter_region_bits(c: CodecCost, n: int, down: bool = False) -> float:
     """One region's step message: a step header and 1/n of the message's body (its positions
-    and tensor headers) plus 1/n of the n - 1 tensor headers the region cuts add."""
-    body = c.message_bits - STEP_HEADER_BITS + (n - 1) * c.tensor_header_bits
+    and tensor headers) plus 1/n of the n - 1 tensor headers the region cuts add; ``down``: the
+    owners' region message (:attr:`CodecCost.rs_down_bits` where they re-encode at another
+    setting)."""
+    message = c.rs_down_bits if down and c.rs_down_bits else c.message_bits
+    body = message - STEP_HEADER_BITS + (n - 1) * c.tensor_header_bits
     return STEP_HEADER_BITS + body / n
 
 
 def reduce_scatter_download_bits(c: CodecCost, n: int) -> float:
     """What a rank receives per sync: n - 1 region messages in the alltoall, n - 1 in the
     allgather."""
-    return 2 * (n - 1) * reduce_scatter_region_bits(c, n)
+    return (n - 1) * (reduce_scatter_region_bits(c, n) + reduce_scatter_region_bits(c, n, True))
 
 
 def reduce_scatter_decode_s(c: CodecCost, n: int) -> float:
     """Decode of one sync: the owner's n parts of its region (one job: a pass over numel / n)
     and every rank's n region messages (their headers checked, then one job of the whole
-    piece layout: a pass over numel); each is one message's positions in T + n - 1 pieces and
-    n step messages. One rank: its own message, as the allgather."""
+    piece layout: a pass over numel); each is one message's positions (the region messages'
+    at the owners' setting) in T + n - 1 pieces and n step messages. One rank: its own
+    message, as the allgather."""
     if n <= 1:
         return c.decode_s(1)
-    spread = (c.decode_per_message_s + (n - 1) * c.decode_per_tensor_s
-              + (n - 1) * c.decode_per_step_s)
-    return c.decode_fixed_s * (1 + 1 / n) + 2 * spread
+    spread = (n - 1) * c.decode_per_tensor_s + (n - 1) * c.decode_per_step_s
+    down = c.rs_down_decode_per_message_s if c.rs_down_bits else c.decode_per_message_s
+    return c.decode_fixed_s * (1 + 1 / n) + 2 * spread + c.decode_per_message_s + down
 
 
 def sbc_reduce_scatter_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> Cost:
@@ -428,8 +468,9 @@ def sbc_reduce_scatter_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> C
        n - 1 more pieces' per-tensor share, n step messages framed: n - 1 more than one) and
        sends region r's step message to rank r in one pairwise alltoall: n - 1 messages of
        :func:`reduce_scatter_region_bits` out and in, (n - 1) latencies;
-    2. the owner decodes its region's n parts and re-encodes its region with SBC at the same p
-       (its downlink residual added): the encode of E/n elements and (T + n - 1)/n pieces;
+    2. the owner decodes its region's n parts and re-encodes its region (its downlink residual
+       added) with SBC at the same p, or at the setting :attr:`CodecCost.rs_down_bits` was
+       measured at: the encode of E/n elements and (T + n - 1)/n pieces;
     3. the owners' region messages (the same size) are ring-allgathered, (n - 1) latencies,
        and every rank decodes all n as one job (:func:`reduce_scatter_decode_s` holds both
        decodes).
@@ -438,12 +479,13 @@ def sbc_reduce_scatter_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> C
     drop-in's sync work outside the codec is added once; once per ``delay`` steps."""
     if n <= 1:
         return sbc_allgather_step(c, n, net, delay)
-    region = reduce_scatter_region_bits(c, n)
+    region, down = reduce_scatter_region_bits(c, n), reduce_scatter_region_bits(c, n, True)
     encode = c.encode_s + (n - 1) * (c.encode_per_tensor_s + c.frame_per_step_s)
-    reencode = (c.encode_s + (n - 1) * c.encode_per_tensor_s) / n
+    reencode = ((c.rs_down_encode_s if c.rs_down_bits else c.encode_s)
+                + (n - 1) * c.encode_per_tensor_s) / n
     work = Cost(0.0, encode + reencode + reduce_scatter_decode_s(c, n) + c.sync_overhead_s)
     alltoall = Cost((n - 1) * region, (n - 1) * net.latency_s)
-    return (work + alltoall + ring_allgather(region, n, net.latency_s)).scaled(1 / delay)
+    return (work + alltoall + ring_allgather(down, n, net.latency_s)).scaled(1 / delay)
 
 
 def crossover_bps(a: Cost, b: Cost) -> Tuple[Optional[float], str]:
@@ -566,7 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--density", type=float, default=0.01, help="SBC's p (default 0.01)")
     ap.add_argument("--delay", type=int, default=1, help="steps between syncs (default 1)")
     ap.add_argument("--downlink-density", type=float, default=None,
-                    help="server topology: top-k density of the downlink (default dense)")
+                    help="server topology: top-k density of the downlink (default dense); "
+                         "reduce-scatter: the owners' density (default --density)")
+    ap.add_argument("--downlink-mode", default="sbc",
+                    help="reduce-scatter: the owners' compressor, a registered mode (default "
+                         "sbc)")
+    ap.add_argument("--register", action="append", default=[], metavar="FILE",
+                    help="a Python file that registers a compressor (e.g. "
+                         "tests/stc_compressor.py); may be repeated")
     ap.add_argument("--bandwidth", type=parse_bps, default=parse_bps("10gbit"),
                     help="each rank's (node's) link, e.g. 10gbit (default)")
     ap.add_argument("--latency", type=parse_seconds, default=parse_seconds("20us"),
@@ -593,7 +642,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layout = parse_layout(args.layout)
     workers = [int(x) for x in args.workers.split(",") if x]
     net = Net(args.bandwidth, args.latency, args.intra_bandwidth, args.intra_latency)
-    cost = measure_codec(layout, args.density, args.downlink_density, args.reps)
+    for path in args.register:  # a compressor file registers itself when imported
+        sys.path.insert(0, str(Path(path).resolve().parent))
+        importlib.import_module(Path(path).stem)
+    registry.get(args.downlink_mode)  # ValueError naming the registered compressors
+    rs_down = (args.downlink_mode, args.downlink_density or args.density)
+    cost = measure_codec(layout, args.density, args.downlink_density, args.reps,
+                         rs_downlink=rs_down)
     rows = predict(cost, net, args.compute_ms / 1e3, workers, args.gpus_per_node, args.delay)
     print(f"layout {args.layout}: {cost.tensors} tensors, {cost.numel:,} elements; SBC p="
           f"{args.density:g}, delay {args.delay}; message {cost.message_bits / 8e3:.1f} kB "
@@ -606,6 +661,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{1e6 * cost.frame_per_step_s:.1f} us to frame; one more piece "
           f"{1e6 * cost.encode_per_tensor_s:.1f} us to encode; tensor headers "
           f"{cost.tensor_header_bits / 8:.1f} B")
+    if cost.rs_down_bits:
+        print(f"reduce-scatter owners: {args.downlink_mode} at {rs_down[1]:g}, the whole "
+              f"layout's message {cost.rs_down_bits / 8e3:.1f} kB, encode "
+              f"{1e3 * cost.rs_down_encode_s:.2f} ms, decode "
+              f"{1e3 * cost.rs_down_decode_per_message_s:.3f} ms per message")
     print(f"link {args.bandwidth / 1e9:g} Gbit/s, latency {1e6 * args.latency:g} us; compute "
           f"{args.compute_ms:g} ms; hierarchical: {args.gpus_per_node} ranks per node at "
           f"{args.intra_bandwidth / 1e9:g} Gbit/s\n")

@@ -120,6 +120,27 @@ def test_reduce_scatter_by_hand():
     assert hier == ad.hierarchical_step(c, 8, 8, net) + ad.sbc_reduce_scatter_step(c, 2, net)
 
 
+def test_reduce_scatter_with_the_owners_at_another_setting_by_hand():
+    """Owners re-encoding at another setting (e.g. a ternary downlink at 4x the density): the
+    allgathered region messages, their decode and the re-encode take its measured figures; the
+    alltoall's parts keep the uplink's."""
+    c, net = rs_codec(rs_down_bits=200_000, rs_down_encode_s=0.030,
+                      rs_down_decode_per_message_s=0.005), Net(bps=1e9, latency_s=1e-3)
+    up, down = 192 + (64_000 - 192 + 3 * 96) / 4, 192 + (200_000 - 192 + 3 * 96) / 4
+    assert ad.reduce_scatter_region_bits(c, 4) == pytest.approx(up)
+    assert ad.reduce_scatter_region_bits(c, 4, down=True) == pytest.approx(down)
+    assert ad.reduce_scatter_download_bits(c, 4) == pytest.approx(3 * (up + down))
+    decode = 0.0025 + 2 * 3 * 12e-6 + 0.001 + 0.005
+    assert ad.reduce_scatter_decode_s(c, 4) == pytest.approx(decode)
+    encode, reencode = 0.010 + 3 * 13e-6, (0.030 + 3e-5) / 4
+    assert close(ad.sbc_reduce_scatter_step(c, 4, net), 3 * up + 3 * down,
+                 encode + reencode + decode + 6e-3)
+    # unset (0), the uplink's figures: the model of the default reduce-scatter
+    same = rs_codec()
+    assert ad.reduce_scatter_region_bits(same, 4, down=True) == \
+        ad.reduce_scatter_region_bits(same, 4)
+
+
 def test_reduce_scatter_download_does_not_grow_with_n():
     """A ResNet-50-sized message (2.09 Mbit, 14-byte tensor headers): what a rank receives is
     2 (n-1)/n of the message body plus 2 (n-1) step headers and the region cuts' piece headers;
@@ -223,6 +244,13 @@ def test_measure_codec_accounts_real_messages():
     # (magic 2, version, flags, b, 3 varints, value 4: 12 to 30 bytes)
     assert c.decode_per_step_s >= 0 and c.frame_per_step_s > 0
     assert 8 * 12 <= c.tensor_header_bits <= 8 * 30
+    assert c.rs_down_bits == 0  # the owners at the uplink's setting: its figures
+    # the owners as top-k values at 4x the density: the layout's message at that setting
+    v = ad.measure_codec(layout, 0.01, reps=1, decode_ranks=2, sync_overhead=False,
+                         rs_downlink=("values", 0.04))
+    k = 30 + 1  # keep_count of 3,000 and 50 elements at 0.04 (at least one)
+    assert 8 * 4 * k < v.rs_down_bits - v.message_bits  # float32 values at 4x the positions
+    assert v.rs_down_encode_s > 0 and v.rs_down_decode_per_message_s >= 0
 
 
 def test_the_sync_overhead_runs_the_drop_in_through_a_one_rank_transport(monkeypatch):
@@ -265,6 +293,21 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
         2 * 1023 * ad.reduce_scatter_region_bits(c, 1024))
     assert set(res["rows"][2]["step_s"]) >= {"sbc_reduce_scatter", "hierarchical_rs"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_models_owners_with_a_registered_compressor(tmp_path, capsys):
+    from pathlib import Path
+    stc = Path(__file__).resolve().parent / "stc_compressor.py"
+    out = tmp_path / "a.json"
+    assert ad.main(["--layout", "2000,30", "--workers", "8,1024", "--reps", "1",
+                    "--register", str(stc), "--downlink-mode", "stc",
+                    "--downlink-density", "0.04", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reduce-scatter owners: stc at 0.04" in text
+    c = ad.CodecCost(**json.loads(out.read_text())["codec"])
+    assert c.rs_down_bits > c.message_bits  # 4x the positions, a sign bit each
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ad.main(["--layout", "2000,30", "--downlink-mode", "nope"])
 
 
 def test_validation_rows_from_a_committed_benchmark_run():
