@@ -437,6 +437,12 @@ TOPOLOGY8["lm_docs8"] += [(_s("sbc", 0.01, 1, api="stock", **STC, **RS), S0),
                           (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **RS), S0)]
 TOPOLOGY8["lm_iid8"] += [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS),
                           S0)]
+# seeds 1 and 2 of the ternary downlink at four times the density and of its allgather twin
+# (``--study topology8_seeds``, its own file; seed 0 and the baselines are topology8's)
+TOPOLOGY8_SEEDS: Dict[str, List[tuple]] = {
+    part: [(_s("sbc", 0.01, 1, api="stock"), S12),
+           (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS), S12)]
+    for part in ("lm_docs8", "lm_iid8")}
 # the allgather's own gap at 8 workers: is it the binarization (one sign per tensor and sync)?
 # The ternary uplink sends both signs at one bit more per position
 for part in ("lm_docs8", "lm_iid8"):
@@ -446,7 +452,8 @@ for part in ("lm_docs8", "lm_iid8"):
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
            "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG,
-           "code": CODE, "code_long": CODE_LONG, "topology8": TOPOLOGY8}
+           "code": CODE, "code_long": CODE_LONG, "topology8": TOPOLOGY8,
+           "topology8_seeds": TOPOLOGY8_SEEDS}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
