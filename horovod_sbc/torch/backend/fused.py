@@ -480,13 +480,24 @@ def crc32_device(data: torch.Tensor) -> torch.Tensor:
     first, second = _crc_tables(n_chunks, data.device)
     pad = n_chunks * crc.CHUNK - n
     x = torch.cat([data.new_zeros(pad), data]) if pad else data
-    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    lin = (_chunk_crcs(x, n_chunks, first).view(1, -1) @ second).view(32)
+    return _crc_words(lin) ^ _zero_crc(n)
+
+
+def _chunk_crcs(x: torch.Tensor, n_chunks: int, first: torch.Tensor) -> torch.Tensor:
+    """float ``[n_chunks, 32]``: the linear CRC bits of each ``crc.CHUNK``-byte chunk of
+    ``x`` (0/1 floats: one matrix product of the chunks' bits, taken mod 2)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
     bits = ((x.view(n_chunks, crc.CHUNK, 1) >> shifts) & 1).view(n_chunks, -1).float()
-    per_chunk = torch.remainder(bits @ first, 2.0)
-    lin = torch.remainder(per_chunk.view(1, -1) @ second, 2.0).view(32).long()
-    weights = torch.ones(32, dtype=torch.int64, device=data.device) << torch.arange(
-        32, device=data.device)
-    return (lin * weights).sum() ^ _zero_crc(n)
+    return torch.remainder(bits @ first, 2.0)
+
+
+def _crc_words(lin: torch.Tensor) -> torch.Tensor:
+    """int64 ``lin.shape[:-1]``: each last-axis row of 32 summed CRC bits (float, taken mod
+    2) as a word."""
+    weights = torch.ones(32, dtype=torch.int64, device=lin.device) << torch.arange(
+        32, device=lin.device)
+    return (torch.remainder(lin, 2.0).long() * weights).sum(-1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -584,14 +595,10 @@ def _crc32_segments(data: torch.Tensor, lens: Sequence[int], plan, up: torch.Ten
     x = torch.zeros(total * crc.CHUNK, dtype=torch.uint8, device=dev)
     if size:
         x.index_copy_(0, torch.arange(size, device=dev) + up[n:2 * n].gather(0, seg), data)
-    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
-    bits = ((x.view(total, crc.CHUNK, 1) >> shifts) & 1).view(total, -1).float()
-    per_chunk = torch.remainder(bits @ first, 2.0)
-    moved = torch.bmm(per_chunk[:, None, :], second.view(c_max, 32, 32).index_select(
-        0, up[3 * n + total:]))[:, 0]
+    moved = torch.bmm(_chunk_crcs(x, total, first)[:, None, :], second.view(
+        c_max, 32, 32).index_select(0, up[3 * n + total:]))[:, 0]
     lin = torch.zeros(n, 32, device=dev).index_add_(0, up[3 * n:3 * n + total], moved)
-    weights = torch.ones(32, dtype=torch.int64, device=dev) << torch.arange(32, device=dev)
-    return (torch.remainder(lin, 2.0).long() * weights).sum(1) ^ up[2 * n:3 * n]
+    return _crc_words(lin) ^ up[2 * n:3 * n]
 
 
 def crc_bytes(body: torch.Tensor) -> torch.Tensor:
