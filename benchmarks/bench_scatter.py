@@ -38,6 +38,7 @@ Parts of the report:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -101,8 +102,13 @@ class FakeTransport:
         return self.size, self.rank
 
 
+#: the owners' re-encode of the reduce-scatter (``--downlink-mode``, ``--downlink-density``)
+DOWNLINK: Dict[str, object] = {}
+
+
 def make_states(n: int, density: float, topology: str = "reduce_scatter") -> List[SyncState]:
-    cfg = SBCConfig(density=density, topology=topology)
+    cfg = SBCConfig(density=density, topology=topology,
+                    **(DOWNLINK if topology == "reduce_scatter" else {}))
     return [SyncState(cfg, FakeTransport(n, r)) for r in range(n)]
 
 
@@ -465,9 +471,11 @@ def tables(res: Dict[str, object]) -> List[Tuple[str, str]]:
                  f"{r['downlink_identity_gap_max']:.1e}"]
                 for r in res["error"]]
         cfg = res["config"]
+        owners = "".join(f", {k} {cfg[k]}" for k in ("downlink_mode", "downlink_density")
+                         if cfg.get(k) is not None)
         out.append((f"re-compression error and region skew: digits CNN "
                     f"({res['error'][0]['elements']:,} parameters), {cfg['syncs']} syncs, "
-                    f"batch {cfg['batch']} per rank", _table(head, rows)))
+                    f"batch {cfg['batch']} per rank{owners}", _table(head, rows)))
     if res.get("codec"):
         head = ["N", "pieces", "down KB AG", "down KB RS", "RS/AG down", "RS/AG encode",
                 "AG encode ms", "RS region_parts ms", "RS/AG decode", "AG decode ms", "RS owner max (mean) ms",
@@ -556,6 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=None, help="timing reps (default 3; --quick 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("error", "codec"), default=None)
+    ap.add_argument("--downlink-mode", default=None,
+                    help="the owners' compressor, a registered mode (default: SBC's)")
+    ap.add_argument("--downlink-density", type=float, default=None,
+                    help="the owners' density (default: the uplink's)")
+    ap.add_argument("--register", action="append", default=[], metavar="FILE",
+                    help="a Python file that registers a compressor (tests/stc_compressor.py)")
     ap.add_argument("--json", default=None, help="write JSON here and markdown beside it")
     ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     return ap
@@ -575,6 +589,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     _defaults(a)
+    for path in a.register:  # a compressor file registers itself when imported
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        importlib.import_module(os.path.splitext(os.path.basename(path))[0])
+    DOWNLINK.clear()
+    DOWNLINK.update({k: v for k, v in (("downlink_mode", a.downlink_mode),
+                                       ("downlink_density", a.downlink_density)) if v is not None})
     t0 = time.monotonic()
     res: Dict[str, object] = {
         "command": " ".join(["python -m benchmarks.bench scatter"] + argv),
