@@ -430,6 +430,7 @@ DOWNLINK["lm_docs"] += [(_s("sbc", 0.01, 1, api="stock", **STC, **RS), S0),
                          S3)]
 DOWNLINK["skewed"] += [(_s("sbc", 0.01, 1, downlink_density=0.04, **STC, **RS), S3)]
 DOWNLINK["iid"] = [(_s("sbc", 0.01, 1, downlink_density=0.04, **STC, **RS), S3)]
+DOWNLINK["lm_iid"] = [(_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS), S3)]
 TOPOLOGY8["lm_docs8"] += [(_s("sbc", 0.01, 1, api="stock", **STC, **RS), S0),
                           (_s("sbc", 0.01, 1, api="stock", downlink_density=0.02, **STC, **RS),
                            S0),
