@@ -38,7 +38,6 @@ Parts of the report:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -49,7 +48,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from horovod_sbc import advise, wire
+from horovod_sbc import advise, registry, wire
 from horovod_sbc.config import SBCConfig
 from horovod_sbc.torch.backend import Accumulate, Targets, frame
 from horovod_sbc.torch.sync import Outgoing, encode_uplink, scatter
@@ -589,9 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     _defaults(a)
-    for path in a.register:  # a compressor file registers itself when imported
-        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-        importlib.import_module(os.path.splitext(os.path.basename(path))[0])
+    for path in a.register:
+        registry.load_file(path)
     DOWNLINK.clear()
     DOWNLINK.update({k: v for k, v in (("downlink_mode", a.downlink_mode),
                                        ("downlink_density", a.downlink_density)) if v is not None})

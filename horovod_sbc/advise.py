@@ -26,7 +26,6 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import registry
@@ -642,9 +641,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layout = parse_layout(args.layout)
     workers = [int(x) for x in args.workers.split(",") if x]
     net = Net(args.bandwidth, args.latency, args.intra_bandwidth, args.intra_latency)
-    for path in args.register:  # a compressor file registers itself when imported
-        sys.path.insert(0, str(Path(path).resolve().parent))
-        importlib.import_module(Path(path).stem)
+    for path in args.register:
+        registry.load_file(path)
     registry.get(args.downlink_mode)  # ValueError naming the registered compressors
     rs_down = (args.downlink_mode, args.downlink_density or args.density)
     cost = measure_codec(layout, args.density, args.downlink_density, args.reps,

@@ -142,5 +142,17 @@ def get(name) -> Compressor:
     return c
 
 
+def load_file(path: str) -> None:
+    """Import the compressor file at ``path`` (e.g. ``tests/stc_compressor.py``), which
+    registers its compressor; a file imported before (by its module name) is not run again."""
+    import importlib
+    import os
+    import sys
+    folder, stem = os.path.split(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    importlib.import_module(os.path.splitext(stem)[0])
+
+
 def names() -> Tuple[str, ...]:
     return tuple(_REGISTRY)
