@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--downlink-density", type=float, default=None,
                     help="the owners' density (default: the uplink's)")
     ap.add_argument("--register", action="append", default=[], metavar="FILE",
-                    help="a Python file that registers a compressor (tests/stc_compressor.py)")
+                    help="a Python file that registers a compressor (tests/user_compressor.py)")
     ap.add_argument("--json", default=None, help="write JSON here and markdown beside it")
     ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     return ap

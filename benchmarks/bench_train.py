@@ -754,9 +754,6 @@ def _frozen_class(cls, after: int):
 def _task_compressor(spec: dict, seed: int):
     """The compressor of a spec: drop-in and stock SBC/top-K with their extra knobs."""
     import horovod_sbc.torch as sbc
-    if "stc" in (spec.get("mode"), spec.get("downlink_mode")):  # a compressor added as a user
-        sys.path.insert(0, str(ROOT / "tests"))                  # adds one (docs/compressors.md)
-        import stc_compressor  # noqa: F401 (registers "stc")
     m = spec["method"]
     extra = {k: spec[k] for k in ("topology", "downlink_density", "downlink_mode", "mode")
              if k in spec}

@@ -382,6 +382,8 @@ OPTIMIZERS: Dict[str, List[tuple]] = {"opt_iid": [
 # mnist1d through the drop-in at its defaults for SGD (4 and 8 workers; seed 0 of every row
 # first, then seeds 1 and 2, the two SBC rows before the baselines), on the transformer
 # through the one-line stock hook (seed 0).
+# rows without downlink_* ran when the owners' default was binarized SBC at p (their stored
+# results); a rerun measures today's default, STC at 4p (SBCConfig.downlink_fraction)
 RS = {"topology": "reduce_scatter"}
 TOPOLOGY_MNIST = [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 1, **RS)]
 TOPOLOGY_LM = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
@@ -420,7 +422,7 @@ DOWNLINK: Dict[str, List[tuple]] = {
                     **RS), S0),
                 (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, downlink_binarize=False,
                     **RS), S12)]}
-# the owners' downlink ternary (STC of tests/stc_compressor.py: the top-k non-zero entries'
+# the owners' downlink ternary (STC, horovod_sbc/compressors/stc.py: the top-k non-zero entries'
 # signs and mean magnitude, both signs at one bit more per position than SBC's one side), at
 # the uplink's density and at two and four times it
 STC = {"downlink_mode": "stc"}

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import registry
+from .config import SBCConfig
 
 Layout = List[Tuple[str, Tuple[int, ...]]]
 WORKERS = tuple(2 ** i for i in range(1, 11))  # 2 ... 1024
@@ -468,8 +469,9 @@ def sbc_reduce_scatter_step(c: CodecCost, n: int, net: Net, delay: int = 1) -> C
        sends region r's step message to rank r in one pairwise alltoall: n - 1 messages of
        :func:`reduce_scatter_region_bits` out and in, (n - 1) latencies;
     2. the owner decodes its region's n parts and re-encodes its region (its downlink residual
-       added) with SBC at the same p, or at the setting :attr:`CodecCost.rs_down_bits` was
-       measured at: the encode of E/n elements and (T + n - 1)/n pieces;
+       added) at the owners' setting (the package's default: STC at 4p; SBC at p where
+       :attr:`CodecCost.rs_down_bits` is 0): the encode of E/n elements and (T + n - 1)/n
+       pieces;
     3. the owners' region messages (the same size) are ring-allgathered, (n - 1) latencies,
        and every rank decodes all n as one job (:func:`reduce_scatter_decode_s` holds both
        decodes).
@@ -608,13 +610,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay", type=int, default=1, help="steps between syncs (default 1)")
     ap.add_argument("--downlink-density", type=float, default=None,
                     help="server topology: top-k density of the downlink (default dense); "
-                         "reduce-scatter: the owners' density (default --density)")
-    ap.add_argument("--downlink-mode", default="sbc",
+                         "reduce-scatter: the owners' density (default SBCConfig's: 4 x "
+                         "--density)")
+    ap.add_argument("--downlink-mode", default=None,
                     help="reduce-scatter: the owners' compressor, a registered mode (default "
-                         "sbc)")
+                         "SBCConfig's: stc)")
     ap.add_argument("--register", action="append", default=[], metavar="FILE",
                     help="a Python file that registers a compressor (e.g. "
-                         "tests/stc_compressor.py); may be repeated")
+                         "tests/user_compressor.py); may be repeated")
     ap.add_argument("--bandwidth", type=parse_bps, default=parse_bps("10gbit"),
                     help="each rank's (node's) link, e.g. 10gbit (default)")
     ap.add_argument("--latency", type=parse_seconds, default=parse_seconds("20us"),
@@ -643,8 +646,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     net = Net(args.bandwidth, args.latency, args.intra_bandwidth, args.intra_latency)
     for path in args.register:
         registry.load_file(path)
-    registry.get(args.downlink_mode)  # ValueError naming the registered compressors
-    rs_down = (args.downlink_mode, args.downlink_density or args.density)
+    rs = SBCConfig(density=args.density, topology="reduce_scatter",  # the package's defaults
+                   downlink_mode=args.downlink_mode, downlink_density=args.downlink_density)
+    rs_down = (rs.downlink_compressor, rs.downlink_fraction)
     cost = measure_codec(layout, args.density, args.downlink_density, args.reps,
                          rs_downlink=rs_down)
     rows = predict(cost, net, args.compute_ms / 1e3, workers, args.gpus_per_node, args.delay)
@@ -660,7 +664,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{1e6 * cost.encode_per_tensor_s:.1f} us to encode; tensor headers "
           f"{cost.tensor_header_bits / 8:.1f} B")
     if cost.rs_down_bits:
-        print(f"reduce-scatter owners: {args.downlink_mode} at {rs_down[1]:g}, the whole "
+        print(f"reduce-scatter owners: {rs_down[0]} at {rs_down[1]:g}, the whole "
               f"layout's message {cost.rs_down_bits / 8e3:.1f} kB, encode "
               f"{1e3 * cost.rs_down_encode_s:.2f} ms, decode "
               f"{1e3 * cost.rs_down_decode_per_message_s:.3f} ms per message")

@@ -22,6 +22,8 @@ OUTER_KINDS = ("plain", "nesterov", "error_decay")
 #: the knobs of training with SBC (below the codec's in :class:`SBCConfig`)
 TRAINING_KNOBS = ("momentum", "hierarchy", "local_residual", "outer", "freeze_variance_after")
 TOPOLOGIES = ("allgather", "server", "reduce_scatter")
+#: the reduce-scatter owners' default downlink density, as a multiple of the uplink's ``density``
+RS_DOWNLINK_FACTOR = 4
 #: ``freeze_variance_after`` (torch and TF): the frozen second moment is raised to this fraction
 #: of its tensor's mean, so a coordinate whose gradient was (almost) zero through the warm-up
 #: cannot divide a later gradient by ``eps`` alone; its steps stay within ``1 / sqrt(floor)``
@@ -165,13 +167,17 @@ class SBCConfig:
         messages: upload per rank stays about one message, download and decode about two
         messages' worth, at any N.
     downlink_density: the re-compressed average's fraction of positions (``"server"``:
-        ``None`` is a dense downlink; ``"reduce_scatter"``: ``None`` is ``density``).
+        ``None`` is a dense downlink; ``"reduce_scatter"``: ``None`` is
+        ``RS_DOWNLINK_FACTOR`` (4) x ``density``, at most 1: an owner's region sums N parts,
+        whose positions mostly differ, and at 1x the re-compression loses 9-11 % perplexity
+        on the transformer study, at 4x 0.3-1.5 %; docs/topologies.md).
     downlink_mode: the re-compressed average's compressor, a registered ``mode`` name
         (:mod:`horovod_sbc.registry`): ``"sbc"`` binarized, ``"values"`` top-k with float32
-        values, or any other (a ternary one, e.g. STC of ``tests/stc_compressor.py``, sends
-        both signs for one more bit per position). ``None``: ``"server"`` sends values,
-        ``"reduce_scatter"`` binarizes when the uplink's ``mode`` does. ``downlink_binarize``
-        (True / False) is its deprecated older spelling (``"sbc"`` / ``"values"``).
+        values, ``"stc"`` ternary (both signs, one more bit per position), or one you
+        register. ``None``: ``"server"`` sends values; ``"reduce_scatter"`` sends ``"stc"``
+        when the uplink's ``mode`` is binarized (two signs lose less of a sum than one side),
+        else ``"values"``. ``downlink_binarize`` (True / False) is its deprecated older
+        spelling (``"sbc"`` / ``"values"``).
     seed: TernGrad's random stream (``seed`` and the rank); its state is checkpointed.
     fixed_size: every step message of a tensor layout is padded to one capacity known from the
         layout, ``density`` and ``mode`` (the PADDED step messages of :mod:`horovod_sbc.wire`),
@@ -296,19 +302,19 @@ class SBCConfig:
     @property
     def downlink_compressor(self) -> str:
         """The re-compressed average's compressor: ``downlink_mode``, or when it is None
-        ``"sbc"`` for the reduce-scatter of a binarized uplink, else ``"values"``."""
+        ``"stc"`` for the reduce-scatter of a binarized uplink, else ``"values"``."""
         if self.downlink_mode is not None:
             return self.downlink_mode
         binarize = self.topology == "reduce_scatter" and registry.get(self.mode).binarize
-        return "sbc" if binarize else "values"
+        return "stc" if binarize else "values"
 
     @property
     def downlink_fraction(self) -> Optional[float]:
         """The re-compressed average's fraction of positions: ``downlink_density``, or when
-        it is None the uplink's ``density`` (``"reduce_scatter"``) or a dense downlink
-        (``"server"``: None)."""
+        it is None ``RS_DOWNLINK_FACTOR`` x the uplink's ``density``, at most 1
+        (``"reduce_scatter"``), or a dense downlink (``"server"``: None)."""
         if self.downlink_density is None and self.topology == "reduce_scatter":
-            return self.density
+            return min(1.0, RS_DOWNLINK_FACTOR * self.density)
         return self.downlink_density
 
     def padded(self, collective_needs_equal_sizes: bool = False) -> bool:

@@ -39,6 +39,10 @@ class Message(enum.Enum):
 #: the (message, sides) pairs the backends' own encoders implement (``native_kernel=True``):
 #: SBC's binarized top-k of two candidate sides, and top-k of ``|A|`` with float32 values
 NATIVE_FORMS = ((Message.BINARY, 2), (Message.VALUES, 1))
+#: the (message, sides) pairs the torch fused device codec implements (``fused=True``): the
+#: native ones, and the non-zero entries among the top k of ``|A|`` sent as ``sign * mu``, mu
+#: their mean magnitude (STC)
+FUSED_FORMS = NATIVE_FORMS + ((Message.SIGNS, 1),)
 
 
 class Compressor:
@@ -68,6 +72,12 @@ class Compressor:
     #: ``(message, sides)`` of :data:`NATIVE_FORMS`, and then ``encode_torch``/``encode_tf`` are
     #: never called; ``False`` (a new compressor): its own encoders run in every backend
     native_kernel: bool = False
+    #: the torch fused device codec encodes every tensor of a sync at once (a fixed number of
+    #: ops and host reads, what a GPU needs): for the ``(message, sides)`` of
+    #: :data:`FUSED_FORMS`, exactly as its ``encode_np`` (golden vectors hold the two equal);
+    #: every ``native_kernel`` compressor is ``fused``; the others' ``encode_torch`` still
+    #: runs where the fused codec does not (the C kernels, a single tensor)
+    fused: bool = False
 
     def capacity(self, numel: int, density: float) -> int:
         """The most bytes a tensor message of ``numel`` elements (> 0) may take at ``density``
@@ -127,6 +137,14 @@ def _check_declarations(c: Compressor) -> None:
                          f"message {c.message.name} (binarize: one value for the message)")
     if c.sides not in (1, 2):
         raise ValueError(f"compressor {c.name!r}: sides must be 1 or 2, got {c.sides!r}")
+    if c.fused and ((c.message, c.sides) not in FUSED_FORMS or c.random):
+        raise ValueError(f"compressor {c.name!r}: the fused codec implements only "
+                         f"{[(m.name, k) for m, k in FUSED_FORMS]} (message, sides), without "
+                         f"random draws, not ({c.message.name}, {c.sides}"
+                         f"{', random' if c.random else ''}); declare fused=False")
+    if c.native_kernel and not c.fused:
+        raise ValueError(f"compressor {c.name!r}: native_kernel=True needs fused=True (the "
+                         f"fused codec is one of the backends' own encoders)")
     if c.native_kernel and (c.message, c.sides) not in NATIVE_FORMS:
         raise ValueError(f"compressor {c.name!r}: the backends' own encoders implement only "
                          f"{[(m.name, k) for m, k in NATIVE_FORMS]} (message, sides), not "
@@ -143,7 +161,7 @@ def get(name) -> Compressor:
 
 
 def load_file(path: str) -> None:
-    """Import the compressor file at ``path`` (e.g. ``tests/stc_compressor.py``), which
+    """Import the compressor file at ``path`` (e.g. ``tests/user_compressor.py``), which
     registers its compressor; a file imported before (by its module name) is not run again."""
     import importlib
     import os

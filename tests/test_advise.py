@@ -289,21 +289,24 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     assert dense == pytest.approx(0.005 + 2 * 7 / 8 * 32 * 2030 / 1e9 + 14 * 1e-5)
     assert res["rows"][2]["allgather_download_bits"] == 1023 * c.message_bits
     assert "sbc r-scatter" in text and "rs download" in text
+    # the default owners (STC at 4x the density): their region messages are the larger
+    assert c.rs_down_bits > c.message_bits and "owners: stc at 0.04" in text
     assert res["rows"][2]["reduce_scatter_download_bits"] == pytest.approx(
-        2 * 1023 * ad.reduce_scatter_region_bits(c, 1024))
+        1023 * (ad.reduce_scatter_region_bits(c, 1024)
+                + ad.reduce_scatter_region_bits(c, 1024, down=True)))
     assert set(res["rows"][2]["step_s"]) >= {"sbc_reduce_scatter", "hierarchical_rs"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_models_owners_with_a_registered_compressor(tmp_path, capsys):
     from pathlib import Path
-    stc = Path(__file__).resolve().parent / "stc_compressor.py"
+    user = Path(__file__).resolve().parent / "user_compressor.py"
     out = tmp_path / "a.json"
     assert ad.main(["--layout", "2000,30", "--workers", "8,1024", "--reps", "1",
-                    "--register", str(stc), "--downlink-mode", "stc",
+                    "--register", str(user), "--downlink-mode", "stc_user",
                     "--downlink-density", "0.04", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "reduce-scatter owners: stc at 0.04" in text
+    assert "reduce-scatter owners: stc_user at 0.04" in text
     c = ad.CodecCost(**json.loads(out.read_text())["codec"])
     assert c.rs_down_bits > c.message_bits  # 4x the positions, a sign bit each
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -52,7 +52,11 @@ def test_quick_run_writes_json_markdown_and_plot():
         # the downlink error feedback loses nothing: sum avg_rs = sum avg_exact - R_down
         assert err["downlink_identity_gap_max"] < 1e-5
         assert [r["ranks"] for r in res["codec"]] == [4, 8]
-        for r in res["codec"]:
-            assert r["rs_down_bytes"] < r["ag_down_bytes"]
+        # the allgather's download grows as N - 1, the reduce-scatter's as (N - 1) / N: with
+        # the default owners (STC at 4x the density) it is the smaller from 8 ranks on
+        four, eight = res["codec"]
+        assert eight["rs_down_bytes"] < eight["ag_down_bytes"]
+        assert eight["rs_down_bytes"] / four["rs_down_bytes"] < 1.4 < \
+            eight["ag_down_bytes"] / four["ag_down_bytes"]
         assert os.path.exists(os.path.join(d, "scatter.md"))
         assert os.path.exists(os.path.join(d, "scatter_error.png"))

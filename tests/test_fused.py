@@ -92,6 +92,39 @@ def test_values_mode_matches_the_per_tensor_encoder():
             _check_against_per_tensor(xs, density, mode="values")
 
 
+def test_stc_mode_matches_the_per_tensor_encoder_and_its_golden_vectors():
+    """STC (the built-in ternary compressor, ``fused``): the fused codec writes the bytes and
+    leaves the residual of STC's own per-tensor encoder (both torch backends), zeros never
+    sent, and the golden vectors in one call."""
+    rng = np.random.default_rng(5)
+    for trial in range(25):
+        xs = _random_layout(rng, int(rng.integers(1, 10)))
+        density = float(rng.choice([1e-3, 1e-2, 5e-2, 0.5, 1.0]))
+        _check_against_per_tensor(xs, density, ("tensor-op",) if trial % 2 else
+                                  ("tensor-op", "kernels"), mode="stc")
+    sparse = torch.zeros(300)
+    sparse[[3, 17, 18, 160, 299]] = torch.tensor([0.5, -2.0, 0.25, -0.125, 1.0])
+    for xs in ([torch.zeros(0)], [torch.zeros(1), torch.zeros(5), torch.ones(3)],
+               [torch.full((40,), -1.5), torch.tensor([0.0, -0.0, 2.0])],
+               [sparse, torch.zeros(7), sparse.flip(0)]):
+        for density in (0.01, 0.1, 0.3, 1.0):  # k beyond the non-zeros: only they are sent
+            _check_against_per_tensor(xs, density, mode="stc")
+    import stc_golden
+    for density in sorted({d for _, _, d in stc_golden.golden_cases()}):
+        cases = [(n, u) for n, u, d in stc_golden.golden_cases()
+                 if d == density and u.dtype == np.float32]
+        if not cases:
+            continue
+        want = {v["name"]: v for v in json.load(open(stc_golden.GOLDEN))}
+        flat = torch.cat([torch.from_numpy(u) for _, u in cases])
+        enc = fused.encode_fused(flat, [u.size for _, u in cases], density, mode="stc")
+        enc.commit()
+        for i, ((name, u), after) in enumerate(zip(cases, torch.split(flat, [u.size for _, u
+                                                                             in cases]))):
+            assert enc.message(i).numpy().tobytes().hex() == want[name]["message_hex"], name
+            assert after.numpy().tobytes().hex() == want[name]["residual_hex"], name
+
+
 def test_edge_layouts():
     rng = np.random.default_rng(2)
     cases = [

@@ -1,7 +1,8 @@
-"""The compressor registry: a compressor is one file (``tests/stc_compressor.py`` is a new one,
-added the way a user would add it) and every backend and every decoder takes it unchanged.
+"""The compressor registry: a compressor is one file (``horovod_sbc/compressors/stc.py``, STC,
+is the newest; ``tests/user_compressor.py`` is one a user loads from outside the package) and
+every backend and every decoder takes it unchanged.
 
-For the new compressor: the numpy reference reproduces its golden vectors; the torch encoder
+For STC: the numpy reference reproduces its golden vectors; the torch encoder
 (kernels on and off) and the TensorFlow encoder (eager and inside ``tf.function``) write the
 same bytes and leave the same residual; valid and mutated step messages of it reach the same
 verdict and values in every decoder. Its multi-rank runs (drop-in and stock hook in torch, the
@@ -16,21 +17,21 @@ import numpy as np
 import pytest
 import torch
 
-import stc_compressor
+import stc_golden
 import torch_codec
 from horovod_sbc import kernels, reference, registry, wire
 from horovod_sbc.config import SBCConfig
 from horovod_sbc.torch import backend as tcodec
 from test_differential import TFDecoders, _mutate_bytes, _step, decode_numpy, decode_torch
 
-BUILTIN = ("sbc", "values", "sign", "terngrad")
+BUILTIN = ("sbc", "values", "sign", "terngrad", "stc")
 
 
 def test_builtin_compressors_are_registered_and_unknown_modes_are_named():
-    assert registry.names()[:4] == BUILTIN
+    assert registry.names()[:5] == BUILTIN
     assert registry.get("stc").summary.startswith("top-k positions + their signs")
     with pytest.raises(ValueError, match=r"mode must be one of \('sbc', 'values', 'sign', "
-                                         r"'terngrad'.*got 'nope'"):
+                                         r"'terngrad', 'stc'.*got 'nope'"):
         SBCConfig(mode="nope")
     assert SBCConfig(mode="stc").binarize
     assert not SBCConfig(mode="values").binarize
@@ -42,11 +43,11 @@ def test_a_second_compressor_of_the_same_name_is_refused():
     with pytest.raises(ValueError, match="a compressor named 'sbc' is already registered"):
         registry.register(Other())
     with pytest.raises(TypeError, match="takes a Compressor instance"):
-        registry.register(stc_compressor.STC)
+        registry.register(stc_golden.STC)
 
 
 def _golden():
-    for v in json.loads(stc_compressor.GOLDEN.read_text()):
+    for v in json.loads(stc_golden.GOLDEN.read_text()):
         u = np.frombuffer(bytes.fromhex(v["update_hex"]), v["dtype"]).copy()
         yield v["name"], u, v["density"], bytes.fromhex(v["message_hex"]), \
             np.frombuffer(bytes.fromhex(v["residual_hex"]), "f8" if v["dtype"] == "float64"
@@ -55,7 +56,7 @@ def _golden():
 
 def test_stc_golden_vectors_numpy():
     vectors = list(_golden())
-    assert [v[0] for v in vectors] == [c[0] for c in stc_compressor.golden_cases()]
+    assert [v[0] for v in vectors] == [c[0] for c in stc_golden.golden_cases()]
     for name, u, density, msg, res in vectors:
         got, got_res = reference.compress_np(u, None, density, mode="stc")
         assert got == msg, name
@@ -235,12 +236,12 @@ def test_no_backend_compares_a_mode_with_a_compressors_name():
 
 def test_what_the_builtin_compressors_declare():
     m = registry.Message
-    got = {n: (registry.get(n).message, registry.get(n).sides, registry.get(n).native_kernel)
-           for n in BUILTIN + ("stc",)}
-    assert got == {"sbc": (m.BINARY, 2, True), "values": (m.VALUES, 1, True),
-                   "sign": (m.SIGNS, 1, False), "terngrad": (m.SIGNS, 1, False),
-                   "stc": (m.SIGNS, 1, False)}
-    for n in BUILTIN + ("stc",):  # the backends encode natively exactly what has no encoder
+    got = {n: (registry.get(n).message, registry.get(n).sides, registry.get(n).native_kernel,
+               registry.get(n).fused) for n in BUILTIN}
+    assert got == {"sbc": (m.BINARY, 2, True, True), "values": (m.VALUES, 1, True, True),
+                   "sign": (m.SIGNS, 1, False, False), "terngrad": (m.SIGNS, 1, False, False),
+                   "stc": (m.SIGNS, 1, False, True)}
+    for n in BUILTIN:  # the backends encode natively exactly what has no encoder
         c = type(registry.get(n))
         own = c.encode_torch is not registry.Compressor.encode_torch
         assert own == (c.encode_tf is not registry.Compressor.encode_tf) == \
@@ -257,11 +258,17 @@ def test_register_refuses_contradictory_declarations():
         registry.register(make(message=registry.Message.SIGNS))
     with pytest.raises(ValueError, match="sides must be 1 or 2"):
         registry.register(make(message=registry.Message.VALUES, sides=3))
-    with pytest.raises(ValueError, match=r"implement only.*not \(SIGNS, 1\)"):
+    with pytest.raises(ValueError, match=r"own encoders implement only.*not \(SIGNS, 1\)"):
         registry.register(make(message=registry.Message.SIGNS, binarize=True,
-                               native_kernel=True))
-    with pytest.raises(ValueError, match=r"not \(VALUES, 2\)"):
-        registry.register(make(message=registry.Message.VALUES, sides=2, native_kernel=True))
+                               native_kernel=True, fused=True))
+    with pytest.raises(ValueError, match="native_kernel=True needs fused=True"):
+        registry.register(make(message=registry.Message.VALUES, native_kernel=True))
+    with pytest.raises(ValueError, match=r"fused codec implements only.*not \(VALUES, 2\)"):
+        registry.register(make(message=registry.Message.VALUES, sides=2, native_kernel=True,
+                               fused=True))
+    with pytest.raises(ValueError, match=r"not \(SIGNS, 1, random\); declare fused=False"):
+        registry.register(make(message=registry.Message.SIGNS, binarize=True, random=True,
+                               fused=True))
     assert "bad-one" not in registry.names()
 
 
@@ -270,7 +277,7 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        cls = stc_compressor.STC
+        cls = stc_golden.STC
         for attr in ("encode_torch", "encode_tf"):
             real = getattr(cls, attr)
 
@@ -282,7 +289,8 @@ class _Spy:
             monkeypatch.setattr(cls, attr, spy)
 
 
-def test_a_user_compressor_without_native_kernel_runs_its_own_encoder_everywhere(monkeypatch):
+def test_a_compressor_without_native_kernel_runs_its_own_encoder_tensor_by_tensor(
+        monkeypatch):
     """STC declares ``native_kernel=False``: every torch backend (C kernels on and off, every
     kind of source) and every TF backend (kernel ops and TF ops, eager and in tf.function)
     calls its ``encode_torch`` / ``encode_tf`` by keyword, and writes its reference bytes."""
@@ -322,3 +330,27 @@ def test_a_user_compressor_without_native_kernel_runs_its_own_encoder_everywhere
             got = (tf.function(enc) if graph else enc)(tf.constant(u), tf.constant(r))
             assert got.numpy().tobytes() == want, (b, graph)
             assert spy.calls == [("encode_tf", "w")], (b, graph, spy.calls)
+
+
+def test_a_fused_compressor_is_encoded_by_the_fused_codec_for_a_whole_sync(monkeypatch):
+    """STC declares ``fused=True``: the tensor-op backend's ``encode_many`` (the device path)
+    encodes every tensor at once without calling ``encode_torch`` (whose per-tensor host reads
+    a GPU must not pay), with the reference's bytes and residuals; the C kernels' backend
+    leaves it to the per-tensor encoder."""
+    spy = _Spy(monkeypatch)
+    rng = np.random.default_rng(48)
+    us = [rng.standard_normal(n).astype(np.float32) for n in (500, 3, 1200)]
+    rs = [rng.standard_normal(n).astype(np.float32) for n in (500, 3, 1200)]
+    want = [reference.compress_np(u, r, 0.05, mode="stc") for u, r in zip(us, rs)]
+    with kernels.disabled():
+        backend = tcodec.backend_for("cpu")
+        res = [torch.from_numpy(r.copy()) for r in rs]
+        srcs = [tcodec.Accumulate(r, torch.from_numpy(u.copy())) for r, u in zip(res, us)]
+        sync = backend.encode_many(srcs, 0.05, "stc", "paper", ["a", "b", "c"])
+        assert sync is not None and spy.calls == []
+        sync.commit()
+        for i, (msg, residual) in enumerate(want):
+            assert sync.encoding.message(i).numpy().tobytes() == msg, i
+            assert res[i].numpy().tobytes() == residual.tobytes(), i
+    assert tcodec.backend_for("cpu").encode_many(
+        [tcodec.Accumulate(torch.zeros(5), torch.ones(5))], 0.05, "stc", "paper", ["a"]) is None

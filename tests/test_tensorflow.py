@@ -49,7 +49,7 @@ def check_run(results, spec, steps):
 
 
 RUNS_2 = ["stock-eager-1", "stock-fn-1", "dropin-eager-1", "dropin-fn-1", "dropin-fn-3"]
-# every compressor torch has, and tests/stc_compressor.py's, through the drop-in tape
+# every compressor torch has through the drop-in tape
 MODE_RUNS = ["sign-eager", "terngrad-eager", "values-eager", "stc-eager"]  # eager: tf.function
 # of these encoders is tests/test_registry.py's
 # SBC(fixed_size=True): the same runs with padded step messages

@@ -30,6 +30,15 @@ NP_DT = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
 _GRAPH = {}
 
 
+def _graph(fn):
+    """``fn`` as a ``tf.function`` without AutoGraph: the library's entry points run its code
+    unconverted (``do_not_convert``, ``graphs.shared``), so this is the graph production traces;
+    AutoGraph would only add conversion time to every trace (a tensor-dependent Python ``if``
+    in the codec would fail here instead of being turned into a ``tf.cond``). The cheap
+    single-trace tests below keep TensorFlow's default (AutoGraph on)."""
+    return tf.function(fn, autograph=False)
+
+
 def _compress(u, r, density, mode, selection, graph, stock=False):
     """tfb.compress; ``stock``: with the kernel ops disabled (the TF-ops backend)."""
     with (kernels.disabled() if stock else contextlib.nullcontext()):
@@ -39,7 +48,7 @@ def _compress(u, r, density, mode, selection, graph, stock=False):
         fn = _GRAPH.get(key)
         if fn is None:
             fn = _GRAPH[key] = tf.function(
-                lambda a, b: tfb.compress(a, b, density, mode, selection))
+                lambda a, b: tfb.compress(a, b, density, mode, selection), autograph=False)
         return fn(tf.constant(u), tf.constant(r))
 
 
@@ -306,7 +315,7 @@ def test_rank_mask_accumulation_edge_steps(graph, masks, monkeypatch):
         reference.accumulate_np(reference.decode_step_np(data, layout, n_ranks), ref, 1 / n_ranks)
         for b in backends:
             dec = lambda g: b.decode(g, layout, n_ranks, scale=1 / n_ranks)[1]  # noqa: E731
-            got = (tf.function(dec) if graph else dec)(tf.constant(np.frombuffer(data, np.uint8)))
+            got = (_graph(dec) if graph else dec)(tf.constant(np.frombuffer(data, np.uint8)))
             assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], \
                 (n_ranks, kind, b)
 
@@ -376,13 +385,13 @@ def test_an_empty_tensor_has_the_references_one_encoding(mode, graph):
                     (e,) = b.encode(["e"], [None], [r], density=0.1, mode=mode,
                                     seeds=_seeds(1) if mode == "terngrad" else None)
                     return e.message, e.new_residual, e.finite
-                msg, res, finite = (tf.function(enc) if graph else enc)(tf.zeros(shape, dt))
+                msg, res, finite = (_graph(enc) if graph else enc)(tf.zeros(shape, dt))
                 assert msg.numpy().tobytes() == want, (b, shape, dt)
                 assert res.numpy().size == 0 and bool(finite)
 
             def single(u, r):
                 return tfb.compress(u, r, 0.1, mode)
-            msg, res = (tf.function(single) if graph else single)(tf.zeros(shape, dt),
+            msg, res = (_graph(single) if graph else single)(tf.zeros(shape, dt),
                                                                    tf.zeros(shape, dt))
             assert msg.numpy().tobytes() == want and res.shape == shape
             if mode in ("sign", "terngrad"):  # the compressor's own encoder, called directly
@@ -390,7 +399,7 @@ def test_an_empty_tensor_has_the_references_one_encoding(mode, graph):
                 def own(a):
                     return registry.get(mode).encode_tf(a, density=0.1, selection="paper",
                                                         name="e", generator=_seeds(1)[0]).message
-                assert (tf.function(own) if graph else own)(
+                assert (_graph(own) if graph else own)(
                     tf.zeros([0], dt)).numpy().tobytes() == want
 
 
@@ -422,7 +431,7 @@ def test_empty_tensors_among_others_give_the_references_step(graph, capacity):
                 step, _ = b.frame(enc, names, numels, fp, 0, False, cap,
                                   tfframe.step_bound(tuple(numels), 0.1, mode))
                 return step, b.decode(tf.concat([step, step], 0), layout, 2, scale=0.5)[1]
-            step, got = (tf.function(run) if graph else run)(*[tf.constant(r) for r in rs])
+            step, got = (_graph(run) if graph else run)(*[tf.constant(r) for r in rs])
             assert step.numpy().tobytes() == want, (mode, b)
             assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], (mode, b)
 
@@ -457,7 +466,7 @@ def test_a_peer_reason_with_nul_bytes_keeps_its_verdict(graph):
                 def dec(x, b=b, strict=strict):
                     return b.decode(x, layout, 3, strict=strict)[1]
                 with pytest.raises((ValueError, tf.errors.InvalidArgumentError)) as err:
-                    (tf.function(dec) if graph else dec)(g)
+                    (_graph(dec) if graph else dec)(g)
                 e = host.original_error(err.value)
                 if strict:
                     assert type(e) is wire.PeerError, (b, reason, err.value)

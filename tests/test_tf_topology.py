@@ -15,7 +15,7 @@ THREE = SharedJob("tf_topology.py", 3, {
     "rs-fn": ["train", "topology=reduce_scatter", "fn=1", "delay=2"],
     "rs-values": ["train", "topology=reduce_scatter", "mode=values"],
     "rs-stock": ["train", "topology=reduce_scatter", "api=stock", "steps=3"],
-    "rs-stc": ["train", "topology=reduce_scatter", "fn=1", "downlink_mode=stc",
+    "rs-sbc": ["train", "topology=reduce_scatter", "fn=1", "downlink_mode=sbc",
                "downlink_density=0.1"],
     "rs-nan": ["nan", "topology=reduce_scatter"],
     "rs-callback": ["callback"],
@@ -26,7 +26,7 @@ THREE = SharedJob("tf_topology.py", 3, {
     "server-nan": ["nan", "topology=server", "downlink_density=0.05"],
     "server-delay": ["train", "topology=server", "downlink_density=0.05", "fn=1", "delay=2"],
     "refuse": ["refuse", "api=stock"]}, timeout=480)
-TRAIN = ["rs-eager", "rs-fn", "rs-values", "rs-stock", "rs-stc", "server", "server-fn-dense",
+TRAIN = ["rs-eager", "rs-fn", "rs-values", "rs-stock", "rs-sbc", "server", "server-fn-dense",
          "server-values"]
 NUMEL = 20 * 32 + 32 + 32 * 5 + 5
 
@@ -41,7 +41,7 @@ def test_tf_sbc_takes_torch_topology_knobs_with_the_same_defaults_and_checks():
         assert tf_params[knob].default == torch_params[knob].default
     s = hsbc.SBC(0.02, topology="reduce_scatter")
     assert (s.topology, s.config.downlink_fraction, s.config.downlink_compressor) == \
-        ("reduce_scatter", 0.02, "sbc")
+        ("reduce_scatter", 0.08, "stc")
     assert hsbc.SBC(topology="server", downlink_mode="sbc").config.downlink_compressor == "sbc"
     assert "topology='reduce_scatter'" in repr(s)
     for bad, match in ((dict(downlink_density=0.1), "downlink_density applies to topology="),
@@ -127,7 +127,7 @@ def test_shared_weights_bit_identical_on_every_rank_after_every_sync(key):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["rs-eager", "rs-fn", "rs-values", "rs-stock", "rs-stc"])
+@pytest.mark.parametrize("key", ["rs-eager", "rs-fn", "rs-values", "rs-stock", "rs-sbc"])
 def test_reduce_scatter_counts_the_bytes_it_moved_and_keeps_its_region_residuals(key):
     res = THREE[key]
     dummies = 16 * 4 * 3 if key == "rs-stock" else 0  # Horovod's placeholder allreduces

@@ -40,9 +40,10 @@ def test_a_model_of_hundreds_of_tensors_syncs_through_the_c_kernels(api):
 
 
 @pytest.mark.parametrize("api", ["stock", "dropin"])
-def test_a_compressor_registered_by_a_test_file_runs_through_both_paths(api):
-    """tests/stc_compressor.py (one file, nothing else changed) through the stock hook and
-    the drop-in: identical parameters after every sync, its bits counted exactly."""
+def test_a_compressor_with_its_own_encoders_runs_through_both_paths(api):
+    """STC (``native_kernel=False``: its own encoders on the C kernels' path) through the
+    stock hook and the drop-in: identical parameters after every sync, its bits counted
+    exactly."""
     results = JOBS[(2, "mpi")][("train", api, 1, "stc")]
     check_train(results, api, 2, 1)
     k = sum(max(1, round(0.05 * n)) for n in (20 * 64, 64, 64 * 5, 5, 64 * 5, 5))

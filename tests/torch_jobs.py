@@ -38,7 +38,7 @@ def _scenarios():
     two.update({("errors", lr): ["errors", f"local_residual={lr}"] for lr in (0, 1)})
     two[("baselines",)] = ["baselines"]
     two.update({("many", api): ["many", f"api={api}"] for api in ("stock", "dropin")})
-    # a compressor registered by a test file (tests/stc_compressor.py), both torch paths
+    # STC (built-in, its own per-tensor encoders on the C kernels), both torch paths
     two.update({("train", api, 1, "stc"): ["train", f"api={api}", "delay=1", f"steps={STEPS}",
                                            "density=0.05", "mode=stc"]
                 for api in ("stock", "dropin")})

@@ -11,4 +11,4 @@ mode       what a tensor message carries                           file
 ``terngrad`` random positions + their signs + one scale            :mod:`.terngrad`
 ========== ======================================================= ==========================
 """
-from . import sbc, topk, sign, terngrad  # noqa: F401,I001 (registration, in this order)
+from . import sbc, topk, sign, terngrad, stc  # noqa: F401,I001 (registration, in this order)

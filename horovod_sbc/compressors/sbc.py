@@ -22,7 +22,7 @@ class SBC(registry.Compressor):
     binarize = True
     message = registry.Message.BINARY
     sides = 2
-    native_kernel = True  # C kernels, fused device codec, TF ops and kernel op
+    native_kernel = fused = True  # C kernels, fused device codec, TF ops and kernel op
 
     def capacity(self, numel, density):
         return wire.tensor_capacity(numel, reference.keep_count(numel, density))

@@ -12,7 +12,7 @@ class TopK(registry.Compressor):
     name = "values"
     summary = "top-k positions + their float32 values"
     message = registry.Message.VALUES
-    native_kernel = True  # C kernels, fused device codec, TF ops (no framework encoders here)
+    native_kernel = fused = True  # C kernels, fused device codec, TF ops (no framework encoders)
 
     def capacity(self, numel, density):
         k = reference.keep_count(numel, density)

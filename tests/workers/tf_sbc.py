@@ -207,11 +207,8 @@ def run_train():
     if "interop" in KW:
         out["interop"] = run_interop()
     for spec in KW.get("modes", "").split(",") if KW.get("modes") else []:
-        # another compressor through the drop-in tape: "stc" is tests/stc_compressor.py's
+        # another compressor through the drop-in tape
         mode, how = spec.split("-")
-        if mode == "stc":
-            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            import stc_compressor  # noqa: F401 (registers "stc")
         _, out[f"{mode}:dropin-{how}-1"] = run_one("dropin", how == "fn", 1, MODE_STEPS,
                                                     mode=mode)
     return out

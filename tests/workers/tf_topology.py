@@ -124,9 +124,7 @@ def compressor(**over):
     if "downlink_density" in KW:
         kw["downlink_density"] = (None if KW["downlink_density"] == "none"
                                   else float(KW["downlink_density"]))
-    if "downlink_mode" in KW:  # "stc": tests/stc_compressor.py, registered as a user would
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import stc_compressor  # noqa: F401
+    if "downlink_mode" in KW:
         kw["downlink_mode"] = KW["downlink_mode"]
     kw.update(over)
     return hsbc.SBC(**kw)

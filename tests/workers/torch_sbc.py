@@ -137,10 +137,7 @@ def run_train():
         comp = sbc.SBC(density=density, delay=delay, topology=KW["topology"],
                        downlink_density=None if down in (None, "none") else float(down),
                        local_residual=LOCAL_RESIDUAL)
-    if "mode" in KW:  # another compressor; "stc" is tests/stc_compressor.py's
-        if KW["mode"] == "stc":
-            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            import stc_compressor  # noqa: F401 (registers "stc")
+    if "mode" in KW:  # another compressor
         comp = sbc.SBC(density=density, delay=delay, mode=KW["mode"],
                        local_residual=LOCAL_RESIDUAL)
     model, opt, stats = build(api, density, delay, comp=comp)

@@ -123,9 +123,7 @@ def compressor(**over):
               local_residual=False)  # the drop-in's shared weights: bit-identical everywhere
     if KW.get("hier") == "1":
         kw["hierarchy"] = [[0, 1], [2, 3]]
-    if "downlink_mode" in KW:  # "stc": tests/stc_compressor.py, registered as a user would
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import stc_compressor  # noqa: F401
+    if "downlink_mode" in KW:
         kw["downlink_mode"] = KW["downlink_mode"]
     if "downlink_density" in KW:
         kw["downlink_density"] = float(KW["downlink_density"])

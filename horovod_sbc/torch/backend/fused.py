@@ -20,7 +20,10 @@ Per sync, everything segmented, nothing per tensor in Python:
    as the per-tensor encoder does and builds every tensor header;
 5. **streams** after **one upload** of the body and the per-tensor plan.
 
-The residual update (``a[pos] -= mu``) is :meth:`FusedEncoding.commit`, one ``index_add_``, called
+The same stages encode top-k with values (one group per tensor, no means) and STC (one group
+per tensor; the mean magnitude over the top k, the zeros among them dropped from the streams,
+one sign bit per position sent). The residual update (``a[pos] -= mu``) is
+:meth:`FusedEncoding.commit`, one ``index_add_``, called
 once the exchange succeeded. Each stage in full: docs/design.md#encoding-every-tensor-at-once.
 """
 from __future__ import annotations
@@ -223,32 +226,48 @@ def _rice_range(c_host: List[int], lay: Layout, sides: int = 2) -> Tuple[int, in
     return (min(bs), max(bs)) if bs else (0, 0)
 
 
-def _gaps(pos: torch.Tensor, gsel: torch.Tensor, lay: Layout, sides: int = 2) -> torch.Tensor:
-    """Gaps ``p_i - p_{i-1} - 1`` of each group's local positions (``p_{-1} = -1``)."""
+def _gaps(pos: torch.Tensor, gsel: torch.Tensor, lay: Layout, sides: int = 2,
+          keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gaps ``p_i - p_{i-1} - 1`` of each group's local positions (``p_{-1} = -1``); with
+    ``keep``, of the kept positions only (``p_{i-1}`` the group's previous kept one; the gaps
+    of the others mean nothing)."""
     seg = gsel // sides
     start = torch.cumsum(lay.numel_dev, 0) - lay.numel_dev
     local = pos - start.gather(0, seg)
+    if keep is not None:  # the last kept local position before each entry, by a running max
+        base = gsel << _POS_SHIFT
+        mark = torch.cummax(base + torch.where(keep, local + 1, 0), 0).values
+        before = torch.cat([mark.new_zeros(1), mark[:-1]])
+        return local - (before - base).clamp(min=0)
     prev = torch.cat([local.new_full((1,), -1), local[:-1]])
     same = torch.cat([gsel.new_zeros(1, dtype=torch.bool), gsel[1:] == gsel[:-1]])
     return local - torch.where(same, prev, -1) - 1
 
 
-def _stats(vals, pos, gsel, c, c_host, lay: Layout, sides: int = 2):
+def _stats(vals, pos, gsel, c, c_host, lay: Layout, sides: int = 2,
+           keep: Optional[torch.Tensor] = None):
     """Steps 3 and 4 and host read 2: (sums per group, or () without ``vals``; {group: {b:
-    sum(gap >> b)}}; gaps)."""
+    sum(gap >> b)}}; gaps; kept count per group, or None). With ``keep`` the tables count the
+    kept positions only, and any b their count could ask for."""
     sums = _tree_sums(vals, gsel, c, c_host) if vals is not None else c[:0].double()
-    gaps = _gaps(pos, gsel, lay, sides)
+    gaps = _gaps(pos, gsel, lay, sides, keep)
     lo, hi = _rice_range(c_host, lay, sides)
+    if keep is not None:  # fewer kept than selected: a sparser tensor, a larger b
+        hi = max([hi] + [min(wire.rice_parameter(1 / lay.numels[g // sides]) + 1,
+                             wire.MAX_RICE_B) for g, n in enumerate(c_host) if n])
     shifts = torch.arange(lo, hi + 1, device=pos.device)
     table = torch.zeros(c.numel(), hi - lo + 1, dtype=torch.int64, device=pos.device)
-    table.index_add_(0, gsel, gaps[:, None] >> shifts[None, :])
-    row = torch.cat([sums.view(torch.int64), table.view(-1)]).tolist()  # host read 2
-    n_sums, n_groups = sums.numel(), c.numel()
+    shifted = gaps[:, None] >> shifts[None, :]
+    table.index_add_(0, gsel, shifted if keep is None else shifted * keep[:, None])
+    n_kept = c[:0] if keep is None else torch.zeros_like(c).index_add_(0, gsel, keep.long())
+    row = torch.cat([sums.view(torch.int64), n_kept, table.view(-1)]).tolist()  # host read 2
+    n_sums, n_groups, nk = sums.numel(), c.numel(), n_kept.numel()
     sums_host = struct.unpack(f"<{n_sums}d", struct.pack(f"<{n_sums}q", *row[:n_sums]))
     width = hi - lo + 1
-    tables = {g: {lo + i: row[n_sums + g * width + i] for i in range(width)}
+    at = n_sums + nk
+    tables = {g: {lo + i: row[at + g * width + i] for i in range(width)}
               for g in range(n_groups) if c_host[g]}
-    return sums_host, tables, gaps
+    return sums_host, tables, gaps, (row[n_sums:at] if keep is not None else None)
 
 
 @dataclass
@@ -274,6 +293,16 @@ class _Plan:
                    [], [0] * m, [0.0] * m, [False] * m, [1] * m, [0] * m)
 
 
+def _rice(i: int, count: int, numel: int, table: Dict[int, int]) -> Tuple[int, int, int]:
+    """Tensor ``i``'s Rice parameter (:func:`horovod_sbc.wire.choose_rice_b` on its ``{b:
+    sum(gap >> b)}`` table) and its unary and remainder streams' byte lengths."""
+    b = wire.choose_rice_b(count, numel, table.__getitem__)
+    if b > _MAX_FUSED_B:
+        raise ValueError(f"SBC: tensor {i} needs Rice parameter {b} > {_MAX_FUSED_B}, "
+                         "beyond the fused encoder")
+    return b, -(-(table[b] + count) // 8), -(-(count * b) // 8)
+
+
 def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
     """Binarization and Rice parameter per tensor, exactly as the per-tensor encoder decides
     (:func:`horovod_sbc.reference.choose_side`, :func:`horovod_sbc.wire.choose_rice_b`), and every
@@ -292,12 +321,8 @@ def _plan(c_host, sums, tables, lay: Layout) -> _Plan:
             p.bounds.append((at, len(p.template)))
             continue
         g = 2 * i + (side < 0)
-        count, table = c_host[g], tables[g]
-        b = wire.choose_rice_b(count, numel, table.__getitem__)
-        if b > _MAX_FUSED_B:
-            raise ValueError(f"SBC: tensor {i} needs Rice parameter {b} > {_MAX_FUSED_B}, "
-                             "beyond the fused encoder")
-        ubytes, rbytes = -(-(table[b] + count) // 8), -(-(count * b) // 8)
+        count = c_host[g]
+        b, ubytes, rbytes = _rice(i, count, numel, tables[g])
         head = wire.tensor_header(numel, count, b, ubytes, mu, side < 0)
         p.template += head + bytes(ubytes + rbytes)
         p.bounds.append((at, len(p.template)))
@@ -330,12 +355,7 @@ def _plan_values(c_host, tables, lay: Layout) -> _Plan:
             ubytes = rbytes = b = 0
             p.streams[i] = 0
         else:
-            table = tables[i]
-            b = wire.choose_rice_b(count, numel, table.__getitem__)
-            if b > _MAX_FUSED_B:
-                raise ValueError(f"SBC: tensor {i} needs Rice parameter {b} > {_MAX_FUSED_B}, "
-                                 "beyond the fused encoder")
-            ubytes, rbytes = -(-(table[b] + count) // 8), -(-(count * b) // 8)
+            b, ubytes, rbytes = _rice(i, count, numel, tables[i])
             head = wire.tensor_header(numel, count, b, ubytes, 0.0, False, True)
         p.template += head + bytes(ubytes + rbytes + 4 * count)
         p.bounds.append((at, len(p.template)))
@@ -344,6 +364,35 @@ def _plan_values(c_host, tables, lay: Layout) -> _Plan:
         p.unary_bit[i] = 8 * (at + len(head))
         p.rem_bit[i] = 8 * (at + len(head) + ubytes)
         p.value_byte[i] = at + len(head) + ubytes + rbytes
+        sent += count
+    return p
+
+
+def _plan_ternary(counts, sums, tables, lay: Layout) -> _Plan:
+    """Per tensor: the kept positions (``counts``), one sign bit each and their mean magnitude
+    ``float32(sums / count)`` (flag SIGNS; nothing when it rounds to 0), the headers as
+    :func:`horovod_sbc.torch.backend.streams.encode_positions` writes them."""
+    m = len(lay.numels)
+    p = _Plan.empty(m, m)
+    sent = 0
+    for i, numel in enumerate(lay.numels):
+        count = counts[i]
+        mu = f32(sums[i] / count) if count else 0.0
+        at = len(p.template)
+        p.start[i] = sent
+        if mu == 0.0:  # nothing kept, or subnormal magnitudes whose mean rounds to 0
+            p.template += wire.tensor_header(numel, 0, 0, 0, 0.0, False)
+            p.bounds.append((at, len(p.template)))
+            continue
+        b, ubytes, rbytes = _rice(i, count, numel, tables[i])
+        head = wire.tensor_header(numel, count, b, ubytes, mu, False, False, True)
+        p.template += head + bytes(ubytes + rbytes + -(-count // 8))
+        p.bounds.append((at, len(p.template)))
+        p.group_flag[i] = 1
+        p.b[i], p.counts[i], p.means[i], p.signed[i] = b, count, mu, mu
+        p.unary_bit[i] = 8 * (at + len(head))
+        p.rem_bit[i] = 8 * (at + len(head) + ubytes)
+        p.value_byte[i] = at + len(head) + ubytes + rbytes  # the sign stream
         sent += count
     return p
 
@@ -364,9 +413,10 @@ def _upload(p: _Plan, dev, head: bytes = b"") -> Tuple[torch.Tensor, torch.Tenso
 
 
 def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, gaps,
-             sides: int = 2):
+             sides: int = 2, keep: Optional[torch.Tensor] = None):
     """Step 5: write every sent tensor's unary and remainder streams into ``body``; returns
-    (flat positions sent, tensor of each, index of each within its tensor)."""
+    (flat positions sent, tensor of each, index of each within its tensor). ``keep``: only
+    those of the selected positions are sent."""
     m = len(p.b)
     n_groups = len(p.group_flag)
     dev = body.device
@@ -374,7 +424,8 @@ def _streams(body: torch.Tensor, plan_dev: torch.Tensor, p: _Plan, pos, gsel, ga
     b_t, ubit, rbit, start, streams = (plan_dev[n_groups + r * m:n_groups + (r + 1) * m]
                                        for r in range(5))
     n_sent = sum(p.counts)
-    take = compact(gflag.gather(0, gsel) != 0, n_sent)
+    sending = gflag.gather(0, gsel) != 0
+    take = compact(sending if keep is None else sending & keep, n_sent)
     wpos, t = pos.gather(0, take), gsel.gather(0, take) // sides
     gap = gaps.gather(0, take)
     b = b_t.gather(0, t)
@@ -402,8 +453,9 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
     """Messages of every tensor of ``flat`` (float32, contiguous; tensor ``i`` the
     ``numels[i]`` elements after the previous ones), byte for byte those of
     :meth:`OpsBackend.encode_tensor <horovod_sbc.torch.backend.ops.OpsBackend.encode_tensor>` per tensor
-    of a ``native_kernel`` compressor: ``"sbc"`` (selection ``"paper"``, ``sides`` 2) or
-    ``"values"`` (top-k by magnitude with float32 values, ``sides`` 1). ``flat`` is not
+    of a ``fused`` compressor: ``"sbc"`` (selection ``"paper"``, ``sides`` 2), ``"values"``
+    (top-k by magnitude with float32 values, ``sides`` 1) or ``"stc"`` (the non-zero among the
+    top k by magnitude, a sign bit each and their mean magnitude). ``flat`` is not
     changed; :meth:`FusedEncoding.commit` applies the error feedback. Raises
     :class:`~horovod_sbc.torch.backend.base.NonFiniteError` naming the first tensor with NaN/Inf
     (``names``, else its index). ``step_header(body bytes)``, if given, returns the bytes to
@@ -414,10 +466,10 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
         raise ValueError("encode_fused needs a contiguous 1-D float32 buffer, got "
                          f"{flat.dtype} of shape {tuple(flat.shape)}")
     comp = registry.get(mode)
-    if not comp.native_kernel:
-        native = [m for m in registry.names() if registry.get(m).native_kernel]
-        raise ValueError(f"encode_fused: mode must be one the backends encode natively "
-                         f"{native}, got {mode!r}")
+    if not comp.fused:
+        fused = [m for m in registry.names() if registry.get(m).fused]
+        raise ValueError(f"encode_fused: mode must be one the fused codec encodes {fused}, "
+                         f"got {mode!r}")
     lay = layout_for(numels, density, flat.device)
     if lay.total != flat.numel():
         raise ValueError(f"encode_fused: the layout has {lay.total} elements, the buffer "
@@ -426,22 +478,33 @@ def encode_fused(flat: torch.Tensor, numels: Sequence[int], density: float,
     cidx, cgrp, cmag, c, c_host = _candidates(flat, lay, names, sides)
     pos, gsel = _select(cidx, cgrp, cmag, c, c_host, lay)
     vals = flat.gather(0, pos)
+    ternary = comp.message is registry.Message.SIGNS
+    keep = vals != 0 if ternary else None
     if sides == 2:
         v64 = vals.to(torch.float64)
-        sums, tables, gaps = _stats(torch.where((gsel & 1) == 1, -v64, v64), pos, gsel, c,
-                                    c_host, lay)
+        sums, tables, gaps, _ = _stats(torch.where((gsel & 1) == 1, -v64, v64), pos, gsel, c,
+                                       c_host, lay)
         p = _plan(c_host, sums, tables, lay)
+    elif ternary:  # the mean magnitude over the top k (its zeros add nothing), the rest kept
+        sums, tables, gaps, kept = _stats(vals.abs().to(torch.float64), pos, gsel, c, c_host,
+                                          lay, 1, keep)
+        p = _plan_ternary(kept, sums, tables, lay)
     else:
-        _, tables, gaps = _stats(None, pos, gsel, c, c_host, lay, 1)
+        _, tables, gaps, _ = _stats(None, pos, gsel, c, c_host, lay, 1)
         p = _plan_values(c_host, tables, lay)
     head = b"" if step_header is None else step_header(len(p.template))
     plan_dev, body, whole = _upload(p, flat.device, head)
-    wpos, t, j = _streams(body, plan_dev, p, pos, gsel, gaps, sides)
+    wpos, t, j = _streams(body, plan_dev, p, pos, gsel, gaps, sides, keep)
     m, g0 = len(lay.numels), len(p.group_flag)  # the plan's rows: see _upload
-    if sides == 2:
+    if sides == 2 or ternary:
         sent = plan_dev[g0 + 6 * m:g0 + 7 * m].view(torch.float64).gather(0, t).to(
             torch.float32)
-    else:
+    if ternary:  # one sign bit per position sent, 1 meaning negative
+        neg = flat.gather(0, wpos) < 0
+        bit = 8 * plan_dev[g0 + 5 * m:g0 + 6 * m].gather(0, t) + j
+        body.index_add_(0, bit >> 3, torch.where(neg, 128 >> (bit & 7), 0).to(torch.uint8))
+        sent = torch.where(neg, -sent, sent)
+    elif sides == 1:
         sent = vals  # every entry of a values tensor is sent
         vbyte = plan_dev[g0 + 5 * m:g0 + 6 * m].gather(0, t) + 4 * j
         dest = (vbyte[:, None] + torch.arange(4, device=flat.device)).view(-1)

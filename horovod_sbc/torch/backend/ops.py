@@ -149,7 +149,7 @@ class OpsBackend(Backend):
             lambda size: frame.step_header_bytes(size, layout_crc, len(srcs)))
         try:
             enc = encode_fused(flat, [t.numel() for t in targets], density, list(names),
-                               step_header=head)
+                               mode, step_header=head)
         except NonFiniteError:
             return None
         if isinstance(srcs[0], Accumulate):  # R + dW becomes the residual, as R += dW would
@@ -192,13 +192,14 @@ class OpsBackend(Backend):
 
 
 def _fusable(srcs, mode: str, selection: str) -> bool:
-    """Sources the fused encoder takes: SBC with the paper's selection, float32 on one device,
+    """Sources the fused encoder takes: a ``fused`` one-value compressor (SBC with the
+    paper's selection, or a ternary one such as STC), float32 on one device,
     every update a :class:`Difference` (float32 weights and reference) or every one an
     :class:`Accumulate` of a float32 addend into a float32 residual of its size (consumed
     addends are zeroed once the encode succeeded)."""
     comp = registry.get(mode)
-    if not srcs or not comp.native_kernel or comp.message is not registry.Message.BINARY or \
-            selection != "paper":
+    if not srcs or not comp.fused or comp.message is registry.Message.VALUES or \
+            (comp.sides == 2 and selection != "paper"):
         return False
     kind = type(srcs[0])
     if kind is Difference:

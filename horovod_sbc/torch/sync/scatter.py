@@ -9,8 +9,9 @@ al., arXiv 1805.08768) and the downlink error feedback of Zou et al. (arXiv 2209
    carries its share of the positions whatever the gradients) and sends region r's step
    message to rank r, all in one ``alltoall``.
 2. Rank r decodes its region's N parts, averages them, adds its downlink residual, encodes the
-   average again (``downlink_density``; binarized when the uplink is) and keeps what it did
-   not send in that residual (``ResidualManager.server_residuals``, keyed by piece name).
+   average again (``SBCConfig.downlink_fraction`` and ``downlink_compressor``: by default STC
+   at 4x the density when the uplink is binarized) and keeps what it did not send in that
+   residual (``ResidualManager.server_residuals``, keyed by piece name).
 3. The N region messages are allgathered and every rank decodes them into the same average.
 
 Per rank and sync: upload about one message, download and decode about two messages' worth
@@ -120,7 +121,7 @@ def _encode_region(state, backend, srcs, names, fp: int, dev):
     """The region message of ``srcs`` at the downlink's density and mode, and its encodings."""
     cfg = state.config
     density, mode = cfg.downlink_fraction, cfg.downlink_compressor
-    if mode != "values":  # a binarized side never holds a zero, so no position is wasted
+    if mode != "values":  # SBC's side, STC's signs: never a zero, no position wasted
         fused = backend.encode_many(srcs, density, mode, cfg.selection, names, fp)
         if fused is not None:
             return fused.frame(fp, None), [fused]

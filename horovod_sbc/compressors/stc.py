@@ -1,36 +1,29 @@
-"""A compressor added the way a user adds one: this file, and its golden vectors
-(``tests/golden/stc.json``, written by ``python tests/stc_compressor.py``). Nothing else of the
-package changes; ``tests/test_registry.py`` holds it to every backend and decoder.
-
-Sparse Ternary Compression (Sattler, Wiedemann, Müller, Samek, "Robust and
+"""Sparse Ternary Compression (Sattler, Wiedemann, Müller, Samek, "Robust and
 Communication-Efficient Federated Learning from Non-IID Data", arXiv 1903.02891): the non-zero
 entries among the ``k`` of largest ``|A|`` (ties: lower index), each sent as ``sign(A_i) * mu``
 with ``mu`` their mean magnitude (the fixed-order tree sum of :mod:`horovod_sbc.reference` over
-the ``k``, whose zeros add nothing, divided by the count sent, rounded once to float32). A zero
-is never sent: a sparse ``A`` (the sum of a few sparse messages, which the reduce-scatter's
-owners compress again) would otherwise send ``+mu`` where there is nothing. The message is
-positions + one sign bit each + ``mu``: flags the wire already has, so every decoder reads it;
-nothing is sent when ``mu`` is 0.
+the ``k``, whose zeros add nothing, divided by the count sent, rounded once to float32).
+
+A zero is never sent: the reduce-scatter's owners compress a sum of a few sparse messages, where
+``+mu`` at a zero would be pure error; this is their default downlink (``SBCConfig``). The
+message is positions + one sign bit each + ``mu``; nothing is sent when ``mu`` is 0. Golden
+vectors: ``tests/golden/stc.json``.
 """
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
-from horovod_sbc import reference, registry, wire
-
-GOLDEN = Path(__file__).resolve().parent / "golden" / "stc.json"
+from .. import reference, registry, wire
 
 
 class STC(registry.Compressor):
     name = "stc"
     summary = "top-k positions + their signs + the mean magnitude (ternary top-k)"
     binarize = True
-    message = registry.Message.SIGNS  # native_kernel stays False: its own encoders run
+    message = registry.Message.SIGNS
+    fused = True  # the fused device codec; the C kernels and TF run the encoders below
 
     def capacity(self, numel, density):
         return wire.tensor_capacity(numel, reference.keep_count(numel, density), signs=True)
@@ -49,7 +42,7 @@ class STC(registry.Compressor):
 
     def encode_torch(self, a, *, density, selection, name, generator=None):
         import torch
-        from horovod_sbc.torch import backend as tb
+        from ..torch import backend as tb
         n = a.numel()
         k = reference.keep_count(n, density)
         top = tb.select_topk(a, k, name)
@@ -69,7 +62,7 @@ class STC(registry.Compressor):
 
     def encode_tf(self, a, *, density, selection, name, generator=None):
         import tensorflow as tf
-        from horovod_sbc.tensorflow.backend import codec
+        from ..tensorflow.backend import codec
         n = int(a.shape[0])
         k = reference.keep_count(n, density)
         top, finite = codec.top_k_abs(a, k)
@@ -87,34 +80,3 @@ class STC(registry.Compressor):
 
 
 registry.register(STC())
-
-
-def golden_cases():
-    """(name, update, density) of the vectors: ties, zeros, both signs, float64, a tensor whose
-    top-k is all zero (nothing sent), a sparse one with fewer non-zeros than k (only they are
-    sent)."""
-    rng = np.random.default_rng(1903)
-    sparse = np.zeros(100, np.float32)
-    sparse[[3, 17, 18, 60, 99]] = [0.5, -2.0, 0.25, -0.125, 1.0]
-    return [("normal", rng.standard_normal(500).astype(np.float32), 0.02),
-            ("ties", np.round(rng.standard_normal(300) * 2).astype(np.float32), 0.1),
-            ("negative", -np.abs(rng.standard_normal(64)).astype(np.float32), 0.25),
-            ("float64", rng.standard_normal(200), 0.05),
-            ("zeros", np.zeros(40, np.float32), 0.1),
-            ("dense", rng.standard_normal(33).astype(np.float32), 1.0),
-            ("sparse", sparse, 0.2)]
-
-
-def golden_vectors():
-    out = []
-    for name, u, density in golden_cases():
-        msg, residual = reference.compress_np(u, None, density, mode="stc")
-        out.append({"name": name, "density": density, "dtype": str(u.dtype),
-                    "update_hex": u.tobytes().hex(), "message_hex": msg.hex(),
-                    "residual_hex": residual.tobytes().hex()})
-    return out
-
-
-if __name__ == "__main__":
-    GOLDEN.write_text(json.dumps(golden_vectors(), indent=1) + "\n")
-    print(f"wrote {len(golden_vectors())} vectors to {GOLDEN}", file=sys.stderr)
