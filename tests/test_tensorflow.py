@@ -128,7 +128,7 @@ def test_grouped_stock_tape_exchanges_once_per_group_bit_identically(spec):
 
 @pytest.mark.parametrize("spec", MODE_RUNS)
 def test_every_compressor_keeps_ranks_identical_with_exact_accounting(spec):
-    """signSGD, TernGrad, top-k and a compressor registered by a test file (STC) through the
+    """signSGD, TernGrad, top-k and STC through the
     drop-in tape: identical variables after every sync, the bits on the wire counted."""
     mode, how = spec.split("-")
     runs = check_run(TWO["train"], f"{mode}:dropin-{how}-1", 4)
