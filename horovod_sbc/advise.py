@@ -229,24 +229,27 @@ def _time_sync_overhead(layout: Layout, density: float, reps: int, codec_s: floa
     return max(0.0, t_sync - t_base - codec_s)
 
 
+def _average_encoder(layout: Layout, mode: str, density: float, seed: int):
+    """A closure that encodes a random average of ``layout`` (seeded) at ``mode`` and
+    ``density``, every tensor (nothing committed: the average stays), and frames it as one
+    step message."""
+    import torch
+    from horovod_sbc import wire
+    from horovod_sbc.torch.backend import backend_for, frame
+    g = torch.Generator().manual_seed(seed)
+    avg = [torch.randn(_numel(s), generator=g) for _, s in layout]
+    fp, backend = wire.layout_fingerprint(layout), backend_for(avg[0].device)
+    return lambda: frame.frame([backend.encode_tensor(a, density, mode, n).message
+                                for (n, _), a in zip(layout, avg)], fp, avg[0].device)
+
+
 def _rs_downlink(layout: Layout, mode: str, density: float, reps: int
                  ) -> Tuple[float, float, int]:
     """Reduce-scatter: (encode s, decode s of one more message, bits) of the owners' downlink
     at ``mode`` and ``density``, from the whole layout's message of a random average."""
-    import torch
-    from horovod_sbc import wire
-    from horovod_sbc.torch.backend import backend_for, frame
-    fp = wire.layout_fingerprint(layout)
-
-    def encoder(seed: int):
-        g = torch.Generator().manual_seed(seed)
-        avg = [torch.randn(_numel(s), generator=g) for _, s in layout]
-        backend = backend_for(avg[0].device)
-        return lambda: frame.frame([backend.encode_tensor(a.clone(), density, mode, n).message
-                                    for (n, _), a in zip(layout, avg)], fp, avg[0].device)
-    enc = encoder(11)
+    enc = _average_encoder(layout, mode, density, 11)
     t_enc = min_time(enc, reps)
-    steps = [enc(), encoder(12)()]
+    steps = [enc(), _average_encoder(layout, mode, density, 12)()]
     t_dec = max(0.0, _time_decode(layout, steps, reps) - _time_decode(layout, steps[:1], reps))
     return t_enc, t_dec, 8 * int(steps[0].numel())
 
@@ -254,18 +257,7 @@ def _rs_downlink(layout: Layout, mode: str, density: float, reps: int
 def _downlink(layout: Layout, density: Optional[float], reps: int) -> Tuple[float, float, int]:
     """Server: (encode s, decode s, bits) of the downlink for an average of ``layout``: dense
     fp32 values (``density`` None, the package's default) or top-k with values."""
-    import torch
-    from horovod_sbc import wire
-    from horovod_sbc.torch.backend import backend_for, frame
-    g = torch.Generator().manual_seed(7)
-    avg = [torch.randn(_numel(s), generator=g) for _, s in layout]
-    fp = wire.layout_fingerprint(layout)
-    p = 1.0 if density is None else density
-
-    def enc():
-        backend = backend_for(avg[0].device)
-        return frame.frame([backend.encode_tensor(a, p, "values", n).message
-                            for (n, _), a in zip(layout, avg)], fp, avg[0].device)
+    enc = _average_encoder(layout, "values", 1.0 if density is None else density, 7)
     t_enc = min_time(enc, reps)
     msg = enc()
     return t_enc, _time_decode(layout, [msg], reps), 8 * int(msg.numel())
