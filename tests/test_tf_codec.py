@@ -35,7 +35,10 @@ def _graph(fn):
     unconverted (``do_not_convert``, ``graphs.shared``), so this is the graph production traces;
     AutoGraph would only add conversion time to every trace (a tensor-dependent Python ``if``
     in the codec would fail here instead of being turned into a ``tf.cond``). The cheap
-    single-trace tests below keep TensorFlow's default (AutoGraph on)."""
+    single-trace tests (test_nonfinite_update_is_reported, the bit helpers,
+    test_subnormal_mean_and_values_survive_graph_mode,
+    test_decoder_matches_numpy_and_rejects_like_it) keep TensorFlow's default (AutoGraph on),
+    as a user's own tf.function around the single-tensor API has it."""
     return tf.function(fn, autograph=False)
 
 
@@ -308,14 +311,21 @@ def test_rank_mask_accumulation_edge_steps(graph, masks, monkeypatch):
 
     backends = [tfb.OpsBackend(), tfb.backend_for("CPU")]
     assert isinstance(backends[1], tfb.KernelBackend)
+    decoders = {}  # (backend, ranks): inside tf.function traced once for the steps of both kinds
     for n_ranks, kind in [(3, "empty"), (8, "same"), (8, "subnormal"), (1, "same")]:
         data = b"".join(step_of(r, kind) for r in range(n_ranks))
         assert _masks_taken(data, layout, n_ranks)
         ref = [np.zeros(wire.layout_numel(s), np.float32) for _, s in layout]
         reference.accumulate_np(reference.decode_step_np(data, layout, n_ranks), ref, 1 / n_ranks)
-        for b in backends:
-            dec = lambda g: b.decode(g, layout, n_ranks, scale=1 / n_ranks)[1]  # noqa: E731
-            got = (_graph(dec) if graph else dec)(tf.constant(np.frombuffer(data, np.uint8)))
+        for i, b in enumerate(backends):
+            if (i, n_ranks) not in decoders:
+                def dec(g, b=b, n_ranks=n_ranks):
+                    return b.decode(g, layout, n_ranks, scale=1 / n_ranks)[1]
+                # the gathered length unknown while tracing, as an allgather's output
+                decoders[i, n_ranks] = tf.function(
+                    dec, input_signature=[tf.TensorSpec([None], tf.uint8)],
+                    autograph=False) if graph else dec
+            got = decoders[i, n_ranks](tf.constant(np.frombuffer(data, np.uint8)))
             assert [x.numpy().tobytes() for x in got] == [x.tobytes() for x in ref], \
                 (n_ranks, kind, b)
 
@@ -451,6 +461,7 @@ def test_a_peer_reason_with_nul_bytes_keeps_its_verdict(graph):
     fp = wire.layout_fingerprint(layout)
     good = wire.step_message_bytes(
         reference.compress_np(np.arange(8, dtype=np.float32), None, 0.25)[0], fp, 1)
+    decoders = {}  # (backend, strict): one decoder, inside tf.function traced once for all steps
     for reason, skip in _NUL_REASONS:
         data = good + wire.error_step_message(reason, fp, skip=skip, origin=1) + good
         with pytest.raises(wire.PeerError) as np_err:
@@ -458,15 +469,19 @@ def test_a_peer_reason_with_nul_bytes_keeps_its_verdict(graph):
         want = ("skip" if skip else "error", 1, reason)
         assert (np_err.value.rank, np_err.value.reason, np_err.value.skip) == (1, reason, skip)
         g = tf.constant(np.frombuffer(data, np.uint8))
-        for b in _backends():
+        for i, b in enumerate(_backends()):
             for strict in (True, False):
                 if skip and not strict:
                     continue  # a SKIP is no error when not strict
-
-                def dec(x, b=b, strict=strict):
-                    return b.decode(x, layout, 3, strict=strict)[1]
+                if (i, strict) not in decoders:
+                    def dec(x, b=b, strict=strict):
+                        return b.decode(x, layout, 3, strict=strict)[1]
+                    # the gathered length unknown while tracing, as an allgather's output
+                    decoders[i, strict] = tf.function(
+                        dec, input_signature=[tf.TensorSpec([None], tf.uint8)],
+                        autograph=False) if graph else dec
                 with pytest.raises((ValueError, tf.errors.InvalidArgumentError)) as err:
-                    (_graph(dec) if graph else dec)(g)
+                    decoders[i, strict](g)
                 e = host.original_error(err.value)
                 if strict:
                     assert type(e) is wire.PeerError, (b, reason, err.value)

@@ -51,6 +51,16 @@ def _paths():
     return [("ops", contextlib.nullcontext), ("stock", kernels.disabled)]
 
 
+def _graph(fn):
+    """``fn`` as a ``tf.function`` without AutoGraph: the library's entry points run its code
+    unconverted (``do_not_convert``, ``graphs.shared``), so this is the graph production traces
+    (the graph the op-type checks below inspect); AutoGraph would only add conversion time to
+    every trace. test_subnormals_survive_the_ops and
+    test_nonfinite_update_is_rejected_naming_the_tensor keep TensorFlow's default (AutoGraph
+    on), as a user's own tf.function around the single-tensor API has it."""
+    return tf.function(fn, autograph=False)
+
+
 def test_ops_are_used_in_graphs_and_not_when_disabled():
     u = tf.constant(np.random.default_rng(0).standard_normal(50_000).astype(np.float32))
     r = tf.zeros([50_000])
@@ -60,8 +70,8 @@ def test_ops_are_used_in_graphs_and_not_when_disabled():
     got = {}
     for path, ctx in _paths():
         with ctx():
-            comp = tf.function(lambda a, b: tfb.compress(a, b, 0.01))
-            dec = tf.function(lambda x: tfb.decode_gathered(x, layout, 1, 0.5))
+            comp = _graph(lambda a, b: tfb.compress(a, b, 0.01))
+            dec = _graph(lambda x: tfb.decode_gathered(x, layout, 1, 0.5))
             used = _op_types(comp, u, r) | _op_types(dec, g)
             got[path] = (comp(u, r)[0].numpy().tobytes(), comp(u, r)[1].numpy().tobytes(),
                          dec(g)[0].numpy().tobytes())
@@ -69,12 +79,12 @@ def test_ops_are_used_in_graphs_and_not_when_disabled():
     assert got["ops"] == got["stock"]
 
 
-def test_ops_follow_the_environment_switch():
-    code = ("from horovod_sbc import kernels; from horovod_sbc.tensorflow import backend; "
-            "print(kernels.tf_ops() is None, type(backend.backend_for('CPU')).__name__)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "HOROVOD_SBC_KERNELS": "0"})
-    assert res.stdout.strip() == "True OpsBackend", res.stderr[-2000:]
+@pytest.mark.xdist_group("tf_ops_kernels_off")  # one worker starts the process below once
+def test_ops_follow_the_environment_switch(kernels_off_process):
+    """A process started with ``HOROVOD_SBC_KERNELS=0``: no kernel ops, the TF-ops backend on
+    the CPU (asked first thing in :data:`_KERNELS_OFF`'s process, before anything else ran)."""
+    got, res = kernels_off_process
+    assert got.get("switch") == [True, "OpsBackend"], (got.get("switch"), res.stderr[-2000:])
 
 
 def test_a_backend_is_chosen_once_per_device_type_and_switch():
@@ -189,8 +199,8 @@ def _fns(path, density, selection, layout, n_ranks, scale):
     if key not in _FNS:
         with dict(_paths())[path]():
             _FNS[key] = (
-                tf.function(lambda a, b: tfb.compress(a, b, density, True, selection)),
-                tf.function(lambda g: tfb.decode_gathered(g, layout, n_ranks, scale)))
+                _graph(lambda a, b: tfb.compress(a, b, density, True, selection)),
+                _graph(lambda g: tfb.decode_gathered(g, layout, n_ranks, scale)))
     return _FNS[key]
 
 
@@ -315,7 +325,7 @@ def test_decode_into_outputs_matches_the_stock_path(graph):
         with ctx():
             outs = [tf.constant(b) for b in bases]
             fn = lambda g, o0, o1: tfb.decode_gathered(g, layout, 3, 1 / 3, [o0, o1])  # noqa
-            res = (tf.function(fn) if graph else fn)(buf, *outs)
+            res = (_graph(fn) if graph else fn)(buf, *outs)
             got[path] = [x.numpy().tobytes() for x in res]
             assert [o.numpy().tobytes() for o in outs] == [b.tobytes() for b in bases]
     assert got["ops"] == got["stock"]
@@ -364,7 +374,7 @@ def test_the_tensor_op_path_has_no_int64_segment_reduction(mode):
     layout = [("a", (3000,)), ("b", (40,))]
     found = set()
     with kernels.disabled():
-        comp = tf.function(lambda u, r: tfb.compress(u, r, 0.01, mode))
+        comp = _graph(lambda u, r: tfb.compress(u, r, 0.01, mode))
         u = tf.constant(rng.standard_normal(3000).astype(np.float32))
         found |= _segment_dtypes(comp, u, tf.zeros([3000]))
         msgs = [[comp(u, tf.zeros([3000]))[0].numpy().tobytes(),
@@ -372,7 +382,7 @@ def test_the_tensor_op_path_has_no_int64_segment_reduction(mode):
                               tf.zeros([40]), 0.1, mode)[0].numpy().tobytes()]]
         for n_ranks in (1, 3):
             g = tf.constant(np.frombuffer(_step(msgs * n_ranks, layout), np.uint8))
-            dec = tf.function(lambda x, n=n_ranks: tfb.decode_gathered(x, layout, n, 0.5))
+            dec = _graph(lambda x, n=n_ranks: tfb.decode_gathered(x, layout, n, 0.5))
             found |= _segment_dtypes(dec, g)
             dec(g)  # and it runs
     assert found, "the trace holds no segment reduction: the test no longer sees the codec"
@@ -448,7 +458,7 @@ def test_the_step_is_framed_on_the_device_with_the_wire_bytes(graph):
     rng = np.random.default_rng(11)
     for n in (0, 1, 1023, 1024, 1025, 4096 * 3 + 7, 70_000):
         data = rng.integers(0, 256, n, dtype=np.uint8)
-        crc = tf.function(tfframe.crc32) if graph else tfframe.crc32
+        crc = _graph(tfframe.crc32) if graph else tfframe.crc32
         for bound in (2 ** 32 - 1, n, n + 5000):  # the combination sized by the bound
             assert int(crc(tf.constant(data), bound)) == zlib.crc32(data.tobytes()), (n, bound)
     names = ["a", "b/kernel:0", "c"]
@@ -466,7 +476,7 @@ def test_the_step_is_framed_on_the_device_with_the_wire_bytes(graph):
         def build(hs, bs, fs):
             step, pad = tfframe.frame(numels, hs, bs, layout_crc, capacity)
             return tfframe.step_or_error(step, pad, fs, names, layout_crc, rank, skip, capacity)
-        fn = tf.function(build) if graph else build
+        fn = _graph(build) if graph else build
         step, pad = fn([tf.constant(h) for h in headers], [tf.constant(b) for b in bodies],
                        [tf.constant(f) for f in finite])
         want, want_pad = tfhost.frame_host(names, numels, layout_crc, rank, skip, capacity,
@@ -474,60 +484,103 @@ def test_the_step_is_framed_on_the_device_with_the_wire_bytes(graph):
         assert step.numpy().tobytes() == want.tobytes() and int(pad) == want_pad, case
 
 
-_HOST_STEPS = textwrap.dedent("""
-    import json
+# One process with the kernels disabled by the environment (HOROVOD_SBC_KERNELS=0: the path GPU
+# tensors take) answers test_ops_follow_the_environment_switch and both cases of
+# test_an_exchange_has_one_host_step_and_none_before_the_allgather, one JSON line per part (each
+# part's failure reported as its own): a TensorFlow and Horovod start costs seconds of CPU each.
+_KERNELS_OFF = textwrap.dedent("""
+    import json, traceback
+
+
+    def report(part, fn):
+        try:
+            out = fn()
+        except Exception:
+            out = {"error": traceback.format_exc()}
+        print(json.dumps({"part": part, "result": out}), flush=True)
+
+
+    def switch():  # first, before anything else is imported or built
+        from horovod_sbc import kernels
+        from horovod_sbc.tensorflow import backend
+        return [kernels.tf_ops() is None, type(backend.backend_for("CPU")).__name__]
+
+
+    report("switch", switch)
     import numpy as np, tensorflow as tf, horovod.tensorflow as hvd
     hvd.init()
     from horovod_sbc.tensorflow.sync import exchange as tfx
     from horovod_sbc.tensorflow.backend import backend_for
-    names, shapes = ["a", "b", "c"], [(500,), (20,), (3, 7)]
 
-    def run(*t):
-        return tfx.exchange(backend_for("CPU"), names, shapes, list(t[:3]), list(t[3:]),
-                            density=0.05, skip=False, rank=0, size=1, scale=1.0, tag="t",
-                            capacity=CAPACITY)[1]
 
-    args = [tf.constant(np.random.default_rng(0).standard_normal(s).astype(np.float32))
-            for s in shapes] + [tf.zeros(s) for s in shapes]
-    graph = tf.function(run).get_concrete_function(*args).graph
-    nodes = {op.name: (op.type, [i.op.name for i in op.inputs] +
-                       [c.name for c in op.control_inputs]) for op in graph.get_operations()}
-    for f in graph.as_graph_def().library.function:  # nested functions: types only
-        for n in f.node_def:
-            nodes.setdefault(f.signature.name + "/" + n.name, (n.op, []))
-    gather = [k for k, (t, _) in nodes.items() if t == "HorovodAllgather"]
-    seen, todo = set(), list(gather)
-    while todo:  # everything the allgather waits for
-        k = todo.pop()
-        if k not in seen:
-            seen.add(k)
-            todo += nodes.get(k, ("", []))[1]
-    lib = {f.signature.name: f for f in graph.as_graph_def().library.function}
-    branches = {n.attr[a].func.name for f in [graph.as_graph_def()] + list(lib.values())
-                for n in (f.node if hasattr(f, "node") else f.node_def)
-                if n.op in ("If", "StatelessIf") for a in ("then_branch", "else_branch")}
-    host = [("main", op.name.split("/")[-1]) for op in graph.get_operations()
-            if op.type in ("PyFunc", "EagerPyFunc")]
-    host += [("branch" if fn in branches else "function", n.name.split("/")[-1])
-             for fn, f in lib.items() for n in f.node_def if n.op in ("PyFunc", "EagerPyFunc")]
-    print(json.dumps({"host": sorted({(w, n.rstrip("_0123456789")) for w, n in host}),
-                      "pyfunc": len(host),
-                      "before": sorted(nodes[k][0] for k in seen if "PyFunc" in nodes[k][0]),
-                      "gathers": len(gather)}))
+    def host_steps(capacity):  # what an exchange's graph runs on the host, what its
+        # allgather waits for (capacity: fixed-size steps or not)
+        names, shapes = ["a", "b", "c"], [(500,), (20,), (3, 7)]
+
+        def run(*t):
+            return tfx.exchange(backend_for("CPU"), names, shapes, list(t[:3]), list(t[3:]),
+                                density=0.05, skip=False, rank=0, size=1, scale=1.0, tag="t",
+                                capacity=capacity)[1]
+
+        args = [tf.constant(np.random.default_rng(0).standard_normal(s).astype(np.float32))
+                for s in shapes] + [tf.zeros(s) for s in shapes]
+        graph = tf.function(run).get_concrete_function(*args).graph
+        nodes = {op.name: (op.type, [i.op.name for i in op.inputs] +
+                           [c.name for c in op.control_inputs]) for op in graph.get_operations()}
+        for f in graph.as_graph_def().library.function:  # nested functions: types only
+            for n in f.node_def:
+                nodes.setdefault(f.signature.name + "/" + n.name, (n.op, []))
+        gather = [k for k, (t, _) in nodes.items() if t == "HorovodAllgather"]
+        seen, todo = set(), list(gather)
+        while todo:  # everything the allgather waits for
+            k = todo.pop()
+            if k not in seen:
+                seen.add(k)
+                todo += nodes.get(k, ("", []))[1]
+        lib = {f.signature.name: f for f in graph.as_graph_def().library.function}
+        branches = {n.attr[a].func.name for f in [graph.as_graph_def()] + list(lib.values())
+                    for n in (f.node if hasattr(f, "node") else f.node_def)
+                    if n.op in ("If", "StatelessIf") for a in ("then_branch", "else_branch")}
+        host = [("main", op.name.split("/")[-1]) for op in graph.get_operations()
+                if op.type in ("PyFunc", "EagerPyFunc")]
+        host += [("branch" if fn in branches else "function", n.name.split("/")[-1])
+                 for fn, f in lib.items() for n in f.node_def
+                 if n.op in ("PyFunc", "EagerPyFunc")]
+        return {"host": sorted({(w, n.rstrip("_0123456789")) for w, n in host}),
+                "pyfunc": len(host),
+                "before": sorted(nodes[k][0] for k in seen if "PyFunc" in nodes[k][0]),
+                "gathers": len(gather)}
+
+
+    for capacity in (None, 4000):
+        report(repr(capacity), lambda: host_steps(capacity))
 """)
 
 
+@pytest.fixture(scope="module")
+def kernels_off_process():
+    """({part: result} of :data:`_KERNELS_OFF`'s process, the finished process)."""
+    res = subprocess.run([sys.executable, "-c", _KERNELS_OFF], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, HOROVOD_SBC_KERNELS="0"))
+    got = {}
+    for line in res.stdout.splitlines():
+        if line.startswith('{"part": '):
+            d = json.loads(line)
+            got[d["part"]] = d["result"]
+    return got, res
+
+
+@pytest.mark.xdist_group("tf_ops_kernels_off")
 @pytest.mark.parametrize("capacity", [None, 4000], ids=["variable", "fixed-size"])
-def test_an_exchange_has_one_host_step_and_none_before_the_allgather(capacity):
+def test_an_exchange_has_one_host_step_and_none_before_the_allgather(capacity,
+                                                                      kernels_off_process):
     """On the ops backend (the path GPU tensors take) the step message is framed in TF ops on
     the device: nothing the allgather waits for runs on the host; the decode's parse is the
     exchange's one host step, and the stream verdict's host step lies only in the branch a
     failed verdict takes (to word its error)."""
-    out = subprocess.run([sys.executable, "-c", _HOST_STEPS.replace("CAPACITY", repr(capacity))],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, HOROVOD_SBC_KERNELS="0"))  # the GPU's path
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    parts, out = kernels_off_process  # HOROVOD_SBC_KERNELS=0: the GPU's path
+    got = parts.get(repr(capacity))
+    assert got is not None and "error" not in got, ((got or {}).get("error"), out.stderr[-3000:])
     # the parse on every step; the stream verdict's host step only in the branch a failed
     # verdict takes (its exact error message), the verdict itself in TF ops
     assert got == {"host": [["branch", "sbc_verdict"], ["main", "sbc_parse"]], "pyfunc": 2,
