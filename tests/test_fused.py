@@ -79,13 +79,19 @@ def test_many_random_layouts_match_the_per_tensor_encoder():
                                   ("tensor-op", "kernels"))
 
 
-def test_values_mode_matches_the_per_tensor_encoder():
-    rng = np.random.default_rng(4)
-    for trial in range(25):
+def _random_trials(seed: int, mode: str, trials: int = 25):
+    """``trials`` random layouts at random densities, fused against per tensor (the kernels'
+    encoder too on every other trial)."""
+    rng = np.random.default_rng(seed)
+    for trial in range(trials):
         xs = _random_layout(rng, int(rng.integers(1, 10)))
         density = float(rng.choice([1e-3, 1e-2, 5e-2, 0.5, 1.0]))
         _check_against_per_tensor(xs, density, ("tensor-op",) if trial % 2 else
-                                  ("tensor-op", "kernels"), mode="values")
+                                  ("tensor-op", "kernels"), mode=mode)
+
+
+def test_values_mode_matches_the_per_tensor_encoder():
+    _random_trials(4, "values")
     for xs in ([torch.zeros(0)], [torch.zeros(1), torch.zeros(5), torch.ones(3)],
                [torch.full((40,), -1.5), torch.tensor([0.0, -0.0, 2.0])]):
         for density in (0.01, 0.3, 1.0):  # zeros are kept when k exceeds the non-zeros
@@ -96,12 +102,7 @@ def test_stc_mode_matches_the_per_tensor_encoder_and_its_golden_vectors():
     """STC (the built-in ternary compressor, ``fused``): the fused codec writes the bytes and
     leaves the residual of STC's own per-tensor encoder (both torch backends), zeros never
     sent, and the golden vectors in one call."""
-    rng = np.random.default_rng(5)
-    for trial in range(25):
-        xs = _random_layout(rng, int(rng.integers(1, 10)))
-        density = float(rng.choice([1e-3, 1e-2, 5e-2, 0.5, 1.0]))
-        _check_against_per_tensor(xs, density, ("tensor-op",) if trial % 2 else
-                                  ("tensor-op", "kernels"), mode="stc")
+    _random_trials(5, "stc")
     sparse = torch.zeros(300)
     sparse[[3, 17, 18, 160, 299]] = torch.tensor([0.5, -2.0, 0.25, -0.125, 1.0])
     for xs in ([torch.zeros(0)], [torch.zeros(1), torch.zeros(5), torch.ones(3)],
