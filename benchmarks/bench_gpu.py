@@ -50,6 +50,7 @@ from . import bench_gpu_proxy as gp
 
 Layout = List[Tuple[str, Tuple[int, ...]]]
 DENSITIES = (1e-4, 1e-3, 1e-2, 5e-2)
+STC_DENSITY = 4e-2  # the reduce-scatter owners' default: STC at 4 x p = 0.01
 SPEED_DENSITIES = (0.01, 0.05)
 RANKS = 8
 SUMMARY_KEYS = ("encode_bytes_equal", "decode_ranks_equal", "mutation_verdicts_equal",
@@ -200,23 +201,25 @@ def compare_decode(backend, data: bytes, layout: Layout, n_ranks: int, device: s
 # correctness
 # ------------------------------------------------------------------------------------------------
 def reference_step(layout: Layout, updates: Sequence[np.ndarray], density: float,
-                   accumulate: bool = True):
+                   accumulate: bool = True, mode: str = "sbc"):
     """(step message, residuals) of the numpy reference; ``accumulate``: each update added to
     a zero residual first, as the sync driver does (``-0.0`` becomes ``+0.0``), else taken
     as it is (the drop-in's ``W - W_ref``)."""
     msgs, res = zip(*(reference.compress_np(u, np.zeros_like(u) if accumulate else None,
-                                            density) for u in updates)) if updates else ((), ())
+                                            density, mode=mode) for u in updates)) \
+        if updates else ((), ())
     return wire.step_message_bytes(b"".join(msgs), wire.layout_fingerprint(layout),
                                    len(layout)), list(res)
 
 
-def device_step(backend, layout: Layout, updates, density: float, device: str):
+def device_step(backend, layout: Layout, updates, density: float, device: str,
+                mode: str = "sbc"):
     """(step message, residuals after the commit) of the device's fused encoder; ``updates``
     numpy arrays or device tensors (flat float32)."""
     g = [u if isinstance(u, torch.Tensor) else torch.from_numpy(u).to(device) for u in updates]
     res = [torch.zeros_like(x) for x in g]
     fp = wire.layout_fingerprint(layout)
-    fs = backend.encode_many([Accumulate(r, x) for r, x in zip(res, g)], density, "sbc",
+    fs = backend.encode_many([Accumulate(r, x) for r, x in zip(res, g)], density, mode,
                              "paper", [n for n, _ in layout], fp)
     if fs is None:
         raise AssertionError("the device backend did not encode the sync at once (fused)")
@@ -226,13 +229,13 @@ def device_step(backend, layout: Layout, updates, density: float, device: str):
 
 
 def check_encode(backend, name: str, layout: Layout, density: float, device: str,
-                 updates: Sequence[np.ndarray]) -> Dict[str, object]:
-    ref_step, ref_res = reference_step(layout, updates, density)
-    step, res = device_step(backend, layout, updates, density, device)
+                 updates: Sequence[np.ndarray], mode: str = "sbc") -> Dict[str, object]:
+    ref_step, ref_res = reference_step(layout, updates, density, mode=mode)
+    step, res = device_step(backend, layout, updates, density, device, mode)
     d_bytes = diff_bytes(ref_step, _bytes(step))
     d_res = diff_arrays(ref_res, [r.cpu().numpy() for r in res])
     d_dec = compare_decode(backend, ref_step, layout, 1, device, 1.0)
-    return {"layout": name, "density": density, "bytes": len(ref_step),
+    return {"layout": name, "mode": mode, "density": density, "bytes": len(ref_step),
             "bytes_equal": d_bytes is None, "residual_equal": d_res is None,
             "decoded_equal": d_dec is None, "ok": d_bytes is None and d_res is None and
             d_dec is None, "detail": d_bytes or d_res or d_dec}
@@ -642,9 +645,10 @@ def run(device: str, quick: bool = False, progress: bool = True) -> Dict[str, ob
     rank_densities = (1e-3, 1e-2) if device == "cuda" else DENSITIES
     for name, layout in lays.items():
         ups = host_updates(layout, 0)
-        for d in DENSITIES:
-            corr["encode"].append(check_encode(backend, name, layout, d, device, ups))
-            say(f"encode {name} p={d:g}: {'ok' if corr['encode'][-1]['ok'] else 'DIFFERS'}")
+        for mode, d in [("sbc", d) for d in DENSITIES] + [("stc", STC_DENSITY)]:
+            corr["encode"].append(check_encode(backend, name, layout, d, device, ups, mode))
+            say(f"encode {mode} {name} p={d:g}: "
+                f"{'ok' if corr['encode'][-1]['ok'] else 'DIFFERS'}")
         for d in rank_densities if name == first_name or not quick else rank_densities[-1:]:
             corr["decode_ranks"].append(check_ranks(backend, name, layout, d, device, ups))
             say(f"decode {RANKS} ranks {name} p={d:g}: "

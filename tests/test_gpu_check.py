@@ -50,8 +50,10 @@ def test_gpu_check_on_the_cpu_agrees_and_writes_every_field(tmp_path):
     assert s["kernels_dropin"] is None and s["memory_max_allocated"] is None
     assert s["memory_flat"] is None and res["memory"]["flat"] is None
     corr = res["correctness"]
-    assert {r["density"] for r in corr["encode"]} == set(bg.DENSITIES)
-    assert len(corr["encode"]) == 2 * len(bg.DENSITIES) and all(r["ok"] for r in corr["encode"])
+    assert {(r["mode"], r["density"]) for r in corr["encode"]} == \
+        {("sbc", d) for d in bg.DENSITIES} | {("stc", bg.STC_DENSITY)}
+    assert len(corr["encode"]) == 2 * (len(bg.DENSITIES) + 1)
+    assert all(r["ok"] for r in corr["encode"])
     assert all(r["ranks"] == 8 and r["ok"] for r in corr["decode_ranks"])
     verdicts = {r["reference"] for r in corr["mutations"]}
     assert "ok" in verdicts and "invalid" in verdicts and len(corr["mutations"]) >= 15
