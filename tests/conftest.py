@@ -33,20 +33,29 @@ def pytest_runtest_protocol(item, nextitem):
 
 #: test files that start jobs, clusters or installs without the ``multirank`` marker
 _JOB_FILES = {"test_slurm.py", "test_package.py"}
+#: job files whose jobs take about one core or less (two small ranks, or ranks that mostly
+#: wait: their children's CPU time about their wall time, ``SBC_TEST_LOG``): a second lane of
+#: jobs, beside the single-process tests, while the heavy jobs keep the first
+_LIGHT_JOB_FILES = {"test_slurm.py", "test_package.py", "test_bench.py", "test_hierarchy.py",
+                    "test_bench_ddp.py", "test_outer_ranks.py", "test_fixed_size.py",
+                    "test_example_lm.py", "test_oneline.py", "test_fused.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """``scripts/test.sh`` runs the suite on 2 pytest-xdist workers (``--dist loadgroup``): the
     tests that start multi-process jobs stay together on one worker, in file order (their
-    shared jobs are started once per process, and two jobs at a time would fight for the
-    cores and the timeouts), while the single-process tests fill the other core. A job whose
-    ranks mostly sleep once started (``waits``: the hang and timeout tests) takes little CPU
-    and runs on the other worker, beside the jobs."""
+    shared jobs are started once per process, and two heavy jobs at a time would fight for
+    the cores and the timeouts), while the single-process tests fill the other core. The jobs
+    of :data:`_LIGHT_JOB_FILES` (about one core each) form a second group, which the other
+    worker takes beside the single-process tests: the heavy jobs use about 1.3 cores on
+    average, and alone they were the suite's wall time. A job whose ranks mostly sleep once
+    started (``waits``: the hang and timeout tests) runs on any worker."""
     for item in items:
         if (item.get_closest_marker("multirank") or item.path.name in _JOB_FILES) and \
                 not item.get_closest_marker("waits"):
-            item.add_marker(pytest.mark.xdist_group("jobs"))
+            light = item.path.name in _LIGHT_JOB_FILES
+            item.add_marker(pytest.mark.xdist_group("jobs-light" if light else "jobs"))
 
 
 def pytest_configure(config):
