@@ -452,6 +452,10 @@ TOPOLOGY8_SEEDS: Dict[str, List[tuple]] = {
     part: [(_s("sbc", 0.01, 1, api="stock"), S12),
            (_s("sbc", 0.01, 1, api="stock", downlink_density=0.04, **STC, **RS), S12)]
     for part in ("lm_docs8", "lm_iid8")}
+# seeds 1 and 2 of the allgather on mnist1d at 8 workers (``--study topology8_mnist_seeds``,
+# its own file; seed 0 is the topology study's), the reference of the reduce-scatter's 3 seeds
+TOPOLOGY8_MNIST_SEEDS: Dict[str, List[tuple]] = {part: [(_s("sbc", 0.01, 1), S12)]
+                                                 for part in ("iid8", "skewed8")}
 # the allgather's own gap at 8 workers: is it the binarization (one sign per tensor and sync)?
 # The ternary uplink sends both signs at one bit more per position
 for part in ("lm_docs8", "lm_iid8"):
@@ -462,7 +466,7 @@ STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPT
            "fold": FOLD, "freeze": FREEZE, "oneline": ONELINE,
            "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG,
            "code": CODE, "code_long": CODE_LONG, "topology8": TOPOLOGY8,
-           "topology8_seeds": TOPOLOGY8_SEEDS}
+           "topology8_seeds": TOPOLOGY8_SEEDS, "topology8_mnist_seeds": TOPOLOGY8_MNIST_SEEDS}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
