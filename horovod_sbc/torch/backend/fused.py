@@ -259,9 +259,12 @@ def _stats(vals, pos, gsel, c, c_host, lay: Layout, sides: int = 2,
     table = torch.zeros(c.numel(), hi - lo + 1, dtype=torch.int64, device=pos.device)
     shifted = gaps[:, None] >> shifts[None, :]
     table.index_add_(0, gsel, shifted if keep is None else shifted * keep[:, None])
-    n_kept = c[:0] if keep is None else torch.zeros_like(c).index_add_(0, gsel, keep.long())
-    row = torch.cat([sums.view(torch.int64), n_kept, table.view(-1)]).tolist()  # host read 2
-    n_sums, n_groups, nk = sums.numel(), c.numel(), n_kept.numel()
+    parts = [sums.view(torch.int64), table.view(-1)]
+    if keep is not None:  # the kept count per group, read with the tables
+        parts.insert(1, torch.zeros_like(c).index_add_(0, gsel, keep.long()))
+    row = torch.cat(parts).tolist()  # host read 2
+    n_sums, n_groups = sums.numel(), c.numel()
+    nk = 0 if keep is None else n_groups
     sums_host = struct.unpack(f"<{n_sums}d", struct.pack(f"<{n_sums}q", *row[:n_sums]))
     width = hi - lo + 1
     at = n_sums + nk
