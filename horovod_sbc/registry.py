@@ -75,8 +75,9 @@ class Compressor:
     #: the torch fused device codec encodes every tensor of a sync at once (a fixed number of
     #: ops and host reads, what a GPU needs): for the ``(message, sides)`` of
     #: :data:`FUSED_FORMS`, exactly as its ``encode_np`` (golden vectors hold the two equal);
-    #: every ``native_kernel`` compressor is ``fused``; the others' ``encode_torch`` still
-    #: runs where the fused codec does not (the C kernels, a single tensor)
+    #: every ``native_kernel`` compressor is ``fused``; the C kernels encode the ternary fused
+    #: form too (their top k, the rest per tensor), so its ``encode_torch`` runs only where
+    #: neither does (a CUDA tensor alone, a dtype the kernels do not take)
     fused: bool = False
 
     def capacity(self, numel: int, density: float) -> int:

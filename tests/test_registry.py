@@ -289,34 +289,55 @@ class _Spy:
             monkeypatch.setattr(cls, attr, spy)
 
 
+class _OwnSTC(stc_golden.STC):
+    """STC's encoders under another name, declared neither native nor fused: what a user's
+    new compressor is."""
+    name = "stc_own"
+    fused = False
+
+
+@pytest.fixture
+def own_stc():
+    registry.register(_OwnSTC())
+    yield "stc_own"
+    registry._REGISTRY.pop("stc_own")
+
+
 def test_a_compressor_without_native_kernel_runs_its_own_encoder_tensor_by_tensor(
-        monkeypatch):
-    """STC declares ``native_kernel=False``: every torch backend (C kernels on and off, every
-    kind of source) and every TF backend (kernel ops and TF ops, eager and in tf.function)
-    calls its ``encode_torch`` / ``encode_tf`` by keyword, and writes its reference bytes."""
-    assert not registry.get("stc").native_kernel
+        monkeypatch, own_stc):
+    """A compressor neither ``native_kernel`` nor ``fused``: every torch backend (C kernels on
+    and off, every kind of source) calls its ``encode_torch`` by keyword; STC, ``fused``, is
+    encoded by the C kernels (its own encoder is never called) and by its own encoder with
+    them off; every TF backend (kernel ops and TF ops, eager and in tf.function) calls STC's
+    ``encode_tf``; all write the reference's bytes."""
+    assert not registry.get("stc").native_kernel and registry.get("stc").fused
     spy = _Spy(monkeypatch)
     rng = np.random.default_rng(47)
     u = rng.standard_normal(500).astype(np.float32)
     r = rng.standard_normal(500).astype(np.float32)
+    u[20:] = -r[20:]  # A is 0 beyond 20 entries: 5 zeros among the top 25, never sent
     want = reference.compress_np(u, r, 0.05, mode="stc")[0]
     want_a = reference.compress_np(u + r, None, 0.05, mode="stc")[0]
     assert want == want_a  # A = R + dW in float32 either way
-    for kernels_on in (True, False):
-        with kernels.disabled() if not kernels_on else contextlib.nullcontext():
-            backend = tcodec.backend_for("cpu")
-            assert isinstance(backend, tcodec.KernelBackend) == kernels_on
-            sources = {
-                "in-place": torch.from_numpy(u + r),
-                "accumulate": tcodec.Accumulate(torch.from_numpy(r.copy()),
-                                                torch.from_numpy(u.copy())),
-                "difference": tcodec.Difference(torch.from_numpy(u + r), torch.zeros(500)),
-            }
-            for how, src in sources.items():
-                spy.calls.clear()
-                enc = backend.encode_tensor(src, 0.05, "stc", how)
-                assert enc.message.numpy().tobytes() == want, (kernels_on, how)
-                assert spy.calls == [("encode_torch", how)], (kernels_on, how)
+    assert wire.parse_tensor_header(want, 0).count == 20
+    for mode in (own_stc, "stc"):
+        for kernels_on in (True, False):
+            with kernels.disabled() if not kernels_on else contextlib.nullcontext():
+                backend = tcodec.backend_for("cpu")
+                assert isinstance(backend, tcodec.KernelBackend) == kernels_on
+                sources = {
+                    "in-place": torch.from_numpy(u + r),
+                    "accumulate": tcodec.Accumulate(torch.from_numpy(r.copy()),
+                                                    torch.from_numpy(u.copy())),
+                    "difference": tcodec.Difference(torch.from_numpy(u + r), torch.zeros(500)),
+                }
+                for how, src in sources.items():
+                    spy.calls.clear()
+                    enc = backend.encode_tensor(src, 0.05, mode, how)
+                    assert enc.message.numpy().tobytes() == want, (mode, kernels_on, how)
+                    own = mode == own_stc or not kernels_on
+                    assert spy.calls == ([("encode_torch", how)] if own else []), \
+                        (mode, kernels_on, how)
     tf = pytest.importorskip("tensorflow")
     from horovod_sbc.tensorflow import backend as tfb
     backends = [tfb.backend_for("CPU"), tfb.OpsBackend()]
@@ -336,7 +357,7 @@ def test_a_fused_compressor_is_encoded_by_the_fused_codec_for_a_whole_sync(monke
     """STC declares ``fused=True``: the tensor-op backend's ``encode_many`` (the device path)
     encodes every tensor at once without calling ``encode_torch`` (whose per-tensor host reads
     a GPU must not pay), with the reference's bytes and residuals; the C kernels' backend
-    leaves it to the per-tensor encoder."""
+    leaves it to its per-tensor path."""
     spy = _Spy(monkeypatch)
     rng = np.random.default_rng(48)
     us = [rng.standard_normal(n).astype(np.float32) for n in (500, 3, 1200)]

@@ -23,7 +23,7 @@ class STC(registry.Compressor):
     summary = "top-k positions + their signs + the mean magnitude (ternary top-k)"
     binarize = True
     message = registry.Message.SIGNS
-    fused = True  # the fused device codec; the C kernels and TF run the encoders below
+    fused = True  # the fused device codec and the C kernels; TF runs encode_tf below
 
     def capacity(self, numel, density):
         return wire.tensor_capacity(numel, reference.keep_count(numel, density), signs=True)

@@ -845,7 +845,8 @@ static int decisive(double s0, i64 n0, double s1, i64 n1) {
  * most negative ones), 1 magnitude split (the k largest |a|: side 0 their positive entries,
  * side 1 the negative ones), 2 magnitude (side 0 = the k largest |a|, zeros included). Ties at
  * the k-th score go to the lower position. counts[2]: the sides' sizes; sums[2] (modes 0, 1):
- * tree sums of a[P] and of -a[N]. The positions (ascending) stay in this thread's scratch until
+ * tree sums of a[P] and of -a[N]; mode 2: the tree sum of |a| over the k (zeros included, in
+ * position order) and the number of non-zeros among them. The positions (ascending) stay in this thread's scratch until
  * the next call: sbc_take copies a side out.
  *
  * dst (may be NULL; mode 0 only; room for k positions): when the sides' means are so far apart
@@ -949,8 +950,15 @@ static int select_impl(float *a, const addend *add, i64 n, i64 k, int mode, i64 
         sums[1] = tree_sum(vals, counts[1], x);
     } else {
         i64 c = keep_topk(p, k, tmp, fbits(t[0]), out0, NULL);
-        if (mode == 2) {
+        if (mode == 2) { /* STC's mean: the magnitudes' tree sum, zeros in their places */
+            i64 nz = 0;
+            for (i64 i = 0; i < c; i++) {
+                vals[i] = fabsf(added(g, a, out0[i]));
+                nz += vals[i] != 0.0f;
+            }
             counts[0] = c;
+            sums[0] = tree_sum(vals, c, x);
+            sums[1] = (double)nz;
         } else { /* split by sign: positives in place, their values and the negatives' */
             i64 np = 0, nn = 0;
             for (i64 i = 0; i < c; i++) {

@@ -4,7 +4,8 @@ On the CPU a handful of tensor ops per stage means several passes over the tenso
 temporaries for every bit; the kernels do each stage in one pass, so encoding and decoding cost a
 few passes over memory, like a ``torch.add`` of the same size. They take contiguous float32 CPU
 tensors of at most :data:`horovod_sbc.kernels.MAX_NUMEL` elements in the modes SBC and top-k
-values, and binary messages when decoding:
+values (and select STC's top k: the fused forms of :mod:`horovod_sbc.registry`), and streamed
+messages when decoding:
 
 * encode: the selection (``sbc_select``; forming ``A = R + g`` — and zeroing a consumed ``g`` —
   or ``A = W - W_ref`` in its own pass), the side and its Rice parameter, the streams;
@@ -58,7 +59,8 @@ _C_PAPER, _C_MAGNITUDE_SPLIT, _C_MAGNITUDE = 0, 1, 2
 @dataclass
 class _CSelection:
     """``sbc_select``'s result: the sides' sizes and fixed-order float64 tree sums (of ``a[P]``
-    and of ``-a[N]``); the positions wait in the kernel's scratch for :meth:`take`."""
+    and of ``-a[N]``; the magnitude mode: of ``|a|`` over the k, and the count of non-zeros);
+    the positions wait in the kernel's scratch for :meth:`take`."""
     lib: object
     counts: Tuple[int, int]
     sums: Tuple[float, float]
@@ -173,16 +175,49 @@ def _rice_encode_c(lib, pos: torch.Tensor, b: int, at: int, ubytes: int, rbytes:
 
 
 def encode_binary_c(lib, pos: torch.Tensor, numel: int, value: float, negative: bool,
-                    rice_b: Optional[int] = None, sum_q: Optional[int] = None) -> torch.Tensor:
+                    rice_b: Optional[int] = None, sum_q: Optional[int] = None,
+                    signs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A binary message of ``pos`` (int64, contiguous, on the CPU; count > 0): header and
-    streams written into one buffer by the kernel."""
+    streams written into one buffer by the kernel; ``signs`` (bool per position, True =
+    negative): a ternary message, its sign stream after the positions'."""
     b, sum_q = (rice_b, sum_q) if rice_b is not None else _rice_choice_c(lib, pos, numel)
     ubytes, rbytes = stream_sizes(pos.numel(), b, sum_q)
-    head = wire.tensor_header(numel, pos.numel(), b, ubytes, value, negative)
-    msg = torch.empty(len(head) + ubytes + rbytes, dtype=torch.uint8)
+    head = wire.tensor_header(numel, pos.numel(), b, ubytes, value, negative,
+                              has_signs=signs is not None)
+    sbytes = 0 if signs is None else (pos.numel() + 7) // 8
+    msg = torch.empty(len(head) + ubytes + rbytes + sbytes, dtype=torch.uint8)
     ctypes.memmove(msg.data_ptr(), head, len(head))
     _rice_encode_c(lib, pos, b, msg.data_ptr() + len(head), ubytes, rbytes)
+    if sbytes:
+        msg[-sbytes:] = torch.from_numpy(np.packbits(signs.numpy()))
     return msg
+
+
+def _kernel_form(comp: registry.Compressor) -> bool:
+    """The kernels encode ``comp``: a :data:`horovod_sbc.registry.NATIVE_FORMS` compressor, or
+    the fused ternary form of :data:`horovod_sbc.registry.FUSED_FORMS` (STC: the non-zero
+    entries among the top k of ``|A|`` as ``sign * mu``), whose top k the kernel selects."""
+    return comp.native_kernel or (comp.fused and comp.message is registry.Message.SIGNS)
+
+
+def _encode_signs_c(lib, a: torch.Tensor, k: int, name: str, source, positions):
+    """The fused ternary form: the kernel's top k of ``|A|`` (ties: lower index; ``A`` formed
+    in its pass from an :class:`Accumulate`), ``mu`` the fixed-order tree sum of their
+    magnitudes (zeros included, in position order) over the count of non-zeros, rounded once
+    to float32, the non-zeros sent with their signs (nothing when ``mu`` is 0): the bytes of
+    :class:`horovod_sbc.compressors.stc.STC`'s encoders."""
+    n = a.numel()
+    sel = _select_c(lib, a, k, _C_MAGNITUDE, name, source)  # sums: |a|'s, the non-zeros
+    top = sel.take(0, positions)
+    total, nonzero = sel.sums[0], int(sel.sums[1])
+    idx = top if nonzero == top.numel() else top[a[top] != 0]
+    mu = f32(total / nonzero) if nonzero else 0.0
+    if mu == 0.0:  # nothing non-zero, or subnormal magnitudes whose mean rounds to 0
+        empty = idx[:0]
+        return encode_positions(empty, n), empty, a.new_zeros(0)
+    neg = a[idx] < 0
+    return (encode_binary_c(lib, idx, n, mu, False, signs=neg), idx,
+            torch.where(neg, -mu, mu).to(a.dtype))
 
 
 def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
@@ -219,7 +254,7 @@ class KernelBackend(OpsBackend):
             a = target = src.weights if isinstance(src, Difference) else src.residual
         else:
             a, target = form(src)
-        lib = kernels_for(a) if comp.native_kernel and a.numel() else None
+        lib = kernels_for(a) if _kernel_form(comp) and a.numel() else None
         if lib is None:
             return self._encoded(src, target, mode, lambda: self.encode_formed(
                 a, density, mode, name, selection, generator))
@@ -228,10 +263,12 @@ class KernelBackend(OpsBackend):
 
     def _encode_c(self, lib, a: torch.Tensor, density: float, comp: registry.Compressor,
                   name: str, selection: str, source, positions):
-        """A ``native_kernel`` compressor's encoding in the kernels: top-k with values, or
-        SBC's binarized sides (:data:`horovod_sbc.registry.NATIVE_FORMS`)."""
+        """A compressor's encoding in the kernels (:func:`_kernel_form`): top-k with values,
+        SBC's binarized sides, or the fused ternary form."""
         n = a.numel()
         k = keep_count(n, density)
+        if comp.message is registry.Message.SIGNS:
+            return _encode_signs_c(lib, a, k, name, source, positions)
         if comp.message is registry.Message.VALUES:
             idx = _select_c(lib, a, k, _C_MAGNITUDE, name, source).take(0, positions)
             vals = a[idx].to(torch.float32)
@@ -372,7 +409,7 @@ def _in_pass(src, comp: registry.Compressor) -> bool:
     """Can the kernel form this source's ``A`` in its selection pass? Only for a compressor
     the kernels encode; a :class:`Difference` (``A`` formed in the weights) only when one value
     is sent for every position (a per-position one keeps ``A - sent`` of the formed ``A``)."""
-    if not comp.native_kernel:
+    if not _kernel_form(comp):
         return False
     if isinstance(src, Accumulate):
         return _flat_ok(src.residual, src.addend)
