@@ -15,7 +15,8 @@ resnet18  the 62 parameter tensors of a ResNet-18 (11.7M elements), encoded and 
 Per density p in {1e-4, 1e-3, 1e-2, 5e-2} and workload:
 
 compress_over_add   a whole compress step of one rank: ``R += g``, select, binarize, encode,
-                    frame the step message, ``R -= sent``
+                    frame the step message, ``R -= sent`` (as the package does it: with the
+                    C kernels every tensor in one call, ``KernelBackend.encode_many``)
 decode_over_add     decode 8 ranks' step messages and add their average into dense tensors
 topk_over_add       ``torch.topk(|a|, k)`` per tensor (what a plain top-k would pay to select)
 bits_per_position_over_entropy  position-stream bits / (numel * H(k / numel)), summed over the
@@ -116,6 +117,14 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
     buffers = [PositionBuffer() for _ in layout]  # per tensor, as the hook and sync keep
 
     def compress_step():
+        # the package's path (the drop-in's and the stock hook's): every tensor in one kernel
+        # call where the backend can, else tensor by tensor
+        sync = backend.encode_many([Accumulate(r, g) for g, r in zip(grads, residuals)],
+                                   density, "sbc", selection, names)
+        if sync is not None:
+            step = sync.frame(fp)
+            sync.commit()
+            return step
         msgs, commits = [], []
         for name, g, r, buf in zip(names, grads, residuals, buffers):  # r += g, then encode
             enc = backend.encode_tensor(Accumulate(r, g), density, "sbc", name, selection,

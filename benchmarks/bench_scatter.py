@@ -207,10 +207,15 @@ def tensor_topk_counts(states, layout: Layout, p: scatter.Plan, grads) -> List[i
     for r, (st, g) in enumerate(zip(states, grads)):
         res = [st.residual(n, t) for (n, _), t in zip(layout, g)]
         up = encode_tensors(st, layout, [Accumulate(a, b) for a, b in zip(res, g)], r)
-        if len(up.encoded) != len(layout):
+        whole = up.encoded[0][1] if len(up.encoded) == 1 else None
+        if hasattr(whole, "positions_of"):  # the C kernels: every tensor in one call
+            positions_of = whole.positions_of
+        elif len(up.encoded) == len(layout):
+            positions_of = lambda i: up.encoded[i][1].positions  # noqa: E731
+        else:
             raise RuntimeError("the backend encoded the sync at once: no per-tensor positions")
         for i, c in enumerate(p.pieces):
-            pos = up.encoded[c.tensor][1].positions
+            pos = positions_of(c.tensor)
             per_piece[i] += int(((pos >= c.start) & (pos < c.stop)).sum())
         for _, enc in up.encoded:
             enc.commit()

@@ -330,6 +330,120 @@ def test_consumed_addend_is_added_then_zeroed_even_when_rejected(mode, use_kerne
         assert not gt.any()
 
 
+def _batch_sources(rng, kind: str, xs):
+    """Fresh sources of ``kind`` over the updates ``xs`` (numpy), the same every call with
+    the same ``rng`` state."""
+    rs = [rng.standard_normal(x.size).astype(np.float32) for x in xs]
+    t = lambda v: torch.from_numpy(v.copy())  # noqa: E731
+    if kind == "plain":
+        return [t(x) for x in xs]
+    if kind == "difference":
+        return [Difference(t(x + r), t(r)) for x, r in zip(xs, rs)]
+    return [Accumulate(t(r), t(x), kind == "consume") for x, r in zip(xs, rs)]
+
+
+def _state(src):
+    if isinstance(src, torch.Tensor):
+        return [src]
+    if isinstance(src, Accumulate):
+        return [src.residual, src.addend]
+    return [src.weights, src.reference]
+
+
+@pytest.mark.parametrize("kind", ["plain", "accumulate", "consume", "difference"])
+def test_a_whole_sync_in_one_call_is_the_per_tensor_encoder(kind):
+    """``KernelBackend.encode_many`` (SBC, one kernel call for every tensor) writes the bytes
+    of ``encode_tensor`` tensor by tensor and, once committed, leaves every residual, addend
+    and weight bit for bit as the per-tensor encodings and commits do: both selections, every
+    density, layouts of empty, one-element, tied, one-signed, sparse, subnormal and
+    heavy-tailed tensors beside large ones (the sampled selection), sizes straddling the
+    exact/sampled switch."""
+    backend = backend_for("cpu")
+    assert isinstance(backend, ckernels.KernelBackend)
+    inputs = [a for _, _, a in _inputs()]
+    rng = np.random.default_rng(21)
+    for trial in range(24):
+        picks = rng.choice(len(inputs), int(rng.integers(1, 9)))
+        xs = [inputs[i] for i in picks] + ([np.zeros(0, np.float32)] if trial % 5 == 0 else [])
+        density = float(rng.choice([1e-4, 1e-2, 5e-2, 0.3, 1.0]))
+        selection = "paper" if trial % 3 else "magnitude"
+        names = [f"t{i}" for i in range(len(xs))]
+        seed = int(rng.integers(1 << 30))
+        many = _batch_sources(np.random.default_rng(seed), kind, xs)
+        one = _batch_sources(np.random.default_rng(seed), kind, xs)
+        sync = backend.encode_many(many, density, "sbc", selection, names)
+        assert isinstance(sync, ckernels.KernelSync)
+        encs = [backend.encode_tensor(s, density, "sbc", n, selection)
+                for s, n in zip(one, names)]
+        what = f"trial {trial}: {kind} {selection} p={density}"
+        assert [sync.message(i).numpy().tobytes() for i in range(len(xs))] == \
+            [e.message.numpy().tobytes() for e in encs], what
+        assert sync.positions.numel() == sum(e.positions.numel() for e in encs), what
+        sync.commit()
+        for e in encs:
+            e.commit()
+        for a, b in zip(many, one):
+            for x, y in zip(_state(a), _state(b)):
+                assert torch.equal(x.view(torch.int32), y.view(torch.int32)), what
+        framed = sync.frame(1234)
+        assert framed.numpy().tobytes() == frame.frame([e.message for e in encs], 1234,
+                                                       framed.device).numpy().tobytes()
+
+
+def test_a_whole_sync_in_one_call_declines_what_it_does_not_encode():
+    """Other compressors, sources the kernels do not form in their pass (another dtype, a
+    2-D addend), or the kernels off: None, and the caller encodes tensor by tensor."""
+    backend = backend_for("cpu")
+    ok = [Accumulate(torch.zeros(10), torch.ones(10))]
+    assert backend.encode_many(ok, 0.1, "sbc", "paper", ["a"]) is not None
+    assert backend.encode_many(ok, 0.1, "values", "paper", ["a"]) is None
+    assert backend.encode_many(ok, 0.1, "stc", "paper", ["a"]) is None
+    assert backend.encode_many(ok + [Accumulate(torch.zeros(4, dtype=torch.float64),
+                                                torch.ones(4, dtype=torch.float64))],
+                               0.1, "sbc", "paper", ["a", "b"]) is None
+    assert backend.encode_many(ok + [Accumulate(torch.zeros(6), torch.ones(2, 3))],
+                               0.1, "sbc", "paper", ["a", "b"]) is None
+    with kernels.disabled():
+        assert ckernels.KernelBackend().encode_many(ok, 0.1, "sbc", "paper", ["a"]) is None
+    with pytest.raises(ValueError, match="selection must be 'paper' or 'magnitude'"):
+        backend.encode_many(ok, 0.1, "sbc", "top", ["a"])
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_a_whole_sync_in_one_call_names_the_tensor_that_is_not_finite(consume):
+    """A NaN in the third tensor: ``NonFiniteError`` names it; the two before it are formed and
+    handed back encoded (``encoded``: what the per-tensor path has by then), the third is put
+    back as ``encode_tensor`` puts it back, the rest untouched: every tensor bit for bit as
+    after the per-tensor path's same failure."""
+    backend = backend_for("cpu")
+    rng = np.random.default_rng(8)
+    gs = [rng.standard_normal(n).astype(np.float32) for n in (3000, 20, 70_001, 500)]
+    rs = [rng.standard_normal(g.size).astype(np.float32) for g in gs]
+    gs[2][12_345] = np.nan
+    names = ["a", "b", "c", "d"]
+
+    def sources():
+        return [Accumulate(torch.from_numpy(r.copy()), torch.from_numpy(g.copy()), consume)
+                for r, g in zip(rs, gs)]
+    many, one = sources(), sources()
+    with pytest.raises(tb.NonFiniteError, match="the update of 'c' contains NaN or Inf") as e:
+        backend.encode_many(many, 0.01, "sbc", "paper", names)
+    done = []
+    with pytest.raises(tb.NonFiniteError, match="the update of 'c' contains NaN or Inf"):
+        for s, n in zip(one, names):
+            done.append(backend.encode_tensor(s, 0.01, "sbc", n))
+    assert [x.message.numpy().tobytes() for x in e.value.encoded] == \
+        [x.message.numpy().tobytes() for x in done]
+    for a, b in zip(many, one):
+        for x, y in zip(_state(a), _state(b)):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for x, y in zip(e.value.encoded, done):  # the encodings commit like the per-tensor ones
+        x.commit()
+        y.commit()
+    for a, b in zip(many[:2], one[:2]):
+        assert torch.equal(a.residual, b.residual)
+
+
 def test_commit_subtracts_exactly_what_was_sent():
     rng = np.random.default_rng(4)
     a0 = rng.standard_normal(200_000).astype(np.float32)

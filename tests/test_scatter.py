@@ -68,11 +68,17 @@ def test_plan_views_write_through_to_the_tensors():
 
 
 @pytest.mark.parametrize("size", [1, 3, 4, 9])
-def test_parts_framed_on_the_device_are_the_host_reframing_byte_for_byte(size):
-    """The tensor-op codec's parts (region messages built from the whole sync's encoding, no
-    host read) are the bytes the host re-framing of the step message gives."""
+@pytest.mark.parametrize("codec", ["tensor-op", "kernels"])
+def test_parts_framed_on_the_device_are_the_host_reframing_byte_for_byte(size, codec):
+    """The parts framed from the whole sync's encoding (the tensor-op codec's: no host read;
+    the C kernels': the encoded body cut on the host, no message parsed) are the bytes the
+    host re-framing of the step message gives."""
+    from horovod_sbc import kernels
     from horovod_sbc.torch.backend.base import Accumulate
+    from horovod_sbc.torch.backend.ckernels import KernelBackend, KernelSync
     from horovod_sbc.torch.backend.ops import OpsBackend
+    if codec == "kernels" and not kernels.available():
+        pytest.skip("no C kernels")
     layout = (("w", (60, 50)), ("b", (7,)), ("c", (3, 3, 4, 4)), ("e", (1,)), ("z", (900,)))
     p = scatter.Plan(layout, size)
     g = torch.Generator().manual_seed(size)
@@ -81,7 +87,9 @@ def test_parts_framed_on_the_device_are_the_host_reframing_byte_for_byte(size):
     srcs = [Accumulate(f[pc.start:pc.stop], torch.zeros(pc.stop - pc.start))
             for pc in p.pieces for f in (flats[pc.tensor],)]
     fp = wire.layout_fingerprint(p.layout)
-    whole = OpsBackend().encode_many(srcs, 0.05, "sbc", "paper", [n for n, _ in p.layout], fp)
+    backend = OpsBackend() if codec == "tensor-op" else KernelBackend()
+    whole = backend.encode_many(srcs, 0.05, "sbc", "paper", [n for n, _ in p.layout], fp)
+    assert isinstance(whole, KernelSync) == (codec == "kernels")
     step = whole.frame(fp)
     host, splits = scatter.region_parts(step, p, 0)
     dev, dev_splits = scatter.region_parts(step, p, 0, whole)

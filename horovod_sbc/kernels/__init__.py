@@ -201,6 +201,8 @@ _SIGNATURES = {
     "sbc_positions": ([_I64, _I64, _P], _INT),
     "sbc_scatter_add_groups": ([_I64] + [_P] * 6 + [_INT], _INT),
     "sbc_simd_level": ([], _INT),
+    "sbc_encode_binary_many": ([_I64] + [_P] * 5 + [_INT] + [_P] * 4 + [_I64] + [_P] * 6, _INT),
+    "sbc_commit_binary_many": ([_I64] + [_P] * 5, _NONE),
 }
 
 

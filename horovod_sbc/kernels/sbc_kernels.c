@@ -1123,6 +1123,143 @@ int sbc_rice_encode(const i64 *pos, i64 c, i64 b, uint8_t *unary, i64 ubytes, ui
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* A whole sync's SBC messages in one call                                                      */
+/* ------------------------------------------------------------------------------------------ */
+static i64 put_uvarint(uint8_t *o, u64 v) {
+    i64 n = 0;
+    while (v >= 0x80) {
+        o[n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    o[n++] = (uint8_t)v;
+    return n;
+}
+
+/* The tensor message header of horovod_sbc.wire (magic b"SB", version 1, flags, rice_b, the
+ * uvarints numel, count, unary_nbytes, the float32 value little-endian); its length. */
+static i64 put_header(uint8_t *o, i64 numel, i64 count, i64 b, i64 ubytes, float value,
+                      int negative) {
+    i64 h = 0;
+    o[h++] = 'S';
+    o[h++] = 'B';
+    o[h++] = 1;
+    o[h++] = negative ? 1 : 0;
+    o[h++] = (uint8_t)b;
+    h += put_uvarint(o + h, (u64)numel);
+    h += put_uvarint(o + h, (u64)count);
+    h += put_uvarint(o + h, (u64)ubytes);
+    u32 bits;
+    memcpy(&bits, &value, 4);
+    for (int j = 0; j < 4; j++) o[h++] = (uint8_t)(bits >> (8 * j));
+    return h;
+}
+
+#define SBC_MAX_HEADER 36 /* 5 fixed bytes, three uvarints of at most 9, the value */
+
+/* One sync's SBC messages (binarized, horovod_sbc.compressors.sbc), tensor after tensor, with
+ * the bytes of the per-tensor path (sbc_select, the side with the larger float32 mean as
+ * horovod_sbc.reference.choose_side takes it, wire.choose_rice_b, sbc_rice_encode). Tensor i:
+ * kind[i] 0 a[i] itself, 1 a[i] += b[i] in the selection's pass, 2 the same with b[i] zeroed
+ * (consumed), 3 A = a[i] - b[i] (weights minus reference, nothing written); n[i] elements, its
+ * top k[i] per side (mode 0, the paper's, or 1, the magnitude split); b*(count) =
+ * rice_b1[i] - #{rice_t[rice_off[i] .. rice_off[i + 1]) <= count} (horovod_sbc.wire.rice_table).
+ * Writes the messages back to back into out (out_cap bytes) and the positions sent, tensor
+ * after tensor, into pos (room for the sum of k); per tensor: msg_end (the offset after its
+ * message), count, mu (the magnitude sent) and negative. On a failure returns its code with
+ * *failed = the tensor (its A formed as sbc_select leaves it; the tensors before it encoded). */
+int sbc_encode_binary_many(i64 m, const i64 *kind, const i64 *pa, const i64 *pb, const i64 *n,
+                           const i64 *k, int mode, const i64 *rice_b1, const i64 *rice_off,
+                           const i64 *rice_t, uint8_t *out, i64 out_cap, i64 *pos,
+                           i64 *msg_end, i64 *count, float *mu, i64 *negative, i64 *failed) {
+    if (m < 0 || (mode != 0 && mode != 1)) return SBC_BADARG;
+    i64 o = 0, po = 0;
+    for (i64 i = 0; i < m; i++) {
+        *failed = i;
+        count[i] = 0;
+        mu[i] = 0.0f;
+        negative[i] = 0;
+        float *a = (float *)(intptr_t)pa[i];
+        const float *b = (const float *)(intptr_t)pb[i];
+        addend add = {NULL, NULL, NULL, NULL};
+        switch (kind[i]) {
+        case 0: break;
+        case 1: add.g = b; break;
+        case 2: add.g = b; add.consume = (float *)(intptr_t)pb[i]; break;
+        case 3: add.w = a; add.wref = b; a = NULL; break;
+        default: return SBC_BADARG;
+        }
+        i64 counts[2];
+        double sums[2];
+        int in_dst = -1;
+        i64 c = 0, rb = 0, ub = 0, sq = 0;
+        float v = 0.0f;
+        int neg = 0;
+        if (n[i] > 0) {
+            int rc = select_impl(a, &add, n[i], k[i], mode, counts, sums,
+                                 mode == 0 ? pos + po : NULL, mode == 0 ? &in_dst : NULL);
+            if (rc != SBC_OK) return rc;
+            float mp = counts[0] ? (float)(sums[0] / (double)counts[0]) : 0.0f;
+            float mn = counts[1] ? (float)(sums[1] / (double)counts[1]) : 0.0f;
+            int side = mp >= mn && mp > 0.0f ? 0 : mn > 0.0f ? 1 : -1;
+            if (side >= 0) {
+                if (in_dst >= 0 && in_dst != side) return SBC_BADARG; /* cannot happen */
+                c = counts[side];
+                if (in_dst < 0 && c) memcpy(pos + po, TLS.out[side].p, (size_t)c * sizeof(i64));
+                v = side ? mn : mp;
+                neg = side;
+            }
+        }
+        if (c) {
+            i64 b0 = rice_b1[i];
+            for (i64 j = rice_off[i]; j < rice_off[i + 1]; j++) b0 -= rice_t[j] <= c;
+            i64 bs[3], nb = 0, sums3[3];
+            for (i64 d = -1; d <= 1; d++)
+                if (b0 + d >= 0 && b0 + d <= 62) bs[nb++] = b0 + d;
+            sbc_gap_shift_sums(pos + po, c, bs, nb, sums3);
+            i64 best = -1;
+            for (i64 j = 0; j < nb; j++) {
+                i64 len = (sums3[j] + c + 7) / 8 + (i64)(((u128)c * (u64)bs[j] + 7) / 8);
+                if (best < 0 || len < best) {
+                    best = len;
+                    rb = bs[j];
+                    sq = sums3[j];
+                }
+            }
+            ub = (sq + c + 7) / 8;
+        }
+        i64 rbytes = (i64)(((u128)c * (u64)rb + 7) / 8);
+        uint8_t head[SBC_MAX_HEADER];
+        i64 h = put_header(head, n[i], c, rb, ub, v, neg);
+        if (o + h + ub + rbytes > out_cap) return SBC_BADARG;
+        memcpy(out + o, head, (size_t)h);
+        if (c) {
+            int rc = sbc_rice_encode(pos + po, c, rb, out + o + h, ub, out + o + h + ub, rbytes);
+            if (rc != SBC_OK) return rc;
+        }
+        o += h + ub + rbytes;
+        msg_end[i] = o;
+        count[i] = c;
+        mu[i] = v;
+        negative[i] = neg;
+        po += c;
+    }
+    *failed = -1;
+    return SBC_OK;
+}
+
+/* The error feedback of sbc_encode_binary_many's messages: t[i][pos] -= the value sent (-mu[i]
+ * with negative[i]), tensor after tensor (pos as it wrote them). */
+void sbc_commit_binary_many(i64 m, const i64 *pt, const i64 *pos, const i64 *count,
+                            const float *mu, const i64 *negative) {
+    i64 po = 0;
+    for (i64 i = 0; i < m; i++) {
+        if (count[i]) sbc_add_at((float *)(intptr_t)pt[i], pos + po, count[i],
+                                 negative[i] ? mu[i] : -mu[i]);
+        po += count[i];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Golomb-Rice decoding                                                                          */
 /* ------------------------------------------------------------------------------------------ */
 static inline u64 load_be64(const uint8_t *p, i64 len, i64 at) {

@@ -256,7 +256,9 @@ class Backend(abc.ABC):
         not grow with the number of tensors, framed by its ``frame(layout_crc, capacity)``
         (``layout_crc`` given here lets the step header travel with the encoder's own upload),
         or None when this backend encodes tensor by tensor or these sources do not qualify.
-        Nothing is written when it returns None."""
+        Nothing is written when it returns None. It may raise :class:`NonFiniteError` with
+        ``encoded``, the encodings of the tensors before the one named (what
+        :meth:`encode_tensor` one by one would have left: those formed, that one put back)."""
         return None
 
     def subtract_sent(self, a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ values (and select STC's top k: the fused forms of :mod:`horovod_sbc.registry`),
 messages when decoding:
 
 * encode: the selection (``sbc_select``; forming ``A = R + g`` — and zeroing a consumed ``g`` —
-  or ``A = W - W_ref`` in its own pass), the side and its Rice parameter, the streams;
+  or ``A = W - W_ref`` in its own pass), the side and its Rice parameter, the streams; for SBC
+  every tensor of a sync in one call (:meth:`KernelBackend.encode_many`, :class:`KernelSync`);
 * decode: every binary message's stream statistics and positions in one call, the protocol's
   verdict, then one call adds every tensor's ranks in rank order (also to a second output, or
   masking a momentum buffer, in the same walk).
@@ -22,6 +23,7 @@ differential tests).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -32,9 +34,9 @@ import torch
 from ... import kernels, protocol, registry, wire
 from ...reference import choose_side, keep_count
 from . import frame
-from .base import (Accumulate, DecodeJob, Difference, Encoded, NonFiniteError, PositionBuffer,
-                   Source, as_source, check_request)
-from .ops import OpsBackend, form, one_value
+from .base import (Accumulate, DecodeJob, Difference, Encoded, InPlace, NonFiniteError,
+                   PositionBuffer, Source, as_source, check_request)
+from .ops import OpsBackend, form, one_value, undo
 from .select import Binarized, f32, rice_candidates
 from .streams import encode_positions, stream_sizes
 
@@ -220,6 +222,142 @@ def _encode_signs_c(lib, a: torch.Tensor, k: int, name: str, source, positions):
             torch.where(neg, -mu, mu).to(a.dtype))
 
 
+# ------------------------------------------------------------------------------------------------
+# a whole sync's SBC messages in one kernel call
+# ------------------------------------------------------------------------------------------------
+_KIND_PLAIN, _KIND_ADD, _KIND_CONSUME, _KIND_DIFF = 0, 1, 2, 3
+
+
+def _batch_sources(srcs):
+    """(the kernel's kind per source and the tensors its error feedback is taken out of), or
+    (None, None) unless every source is one the kernels form in their pass."""
+    kinds, targets = [], []
+    for src in srcs:
+        if isinstance(src, Accumulate) and _flat_ok(src.residual, src.addend):
+            kinds.append(_KIND_CONSUME if src.consume else _KIND_ADD)
+            targets.append(src.residual)
+        elif isinstance(src, Difference) and _flat_ok(src.weights, src.reference):
+            kinds.append(_KIND_DIFF)
+            targets.append(src.weights)
+        elif isinstance(src, InPlace) and kernels_for(src.a) is not None:
+            kinds.append(_KIND_PLAIN)
+            targets.append(src.a.view(-1))
+        else:
+            return None, None
+    return kinds, targets
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_plan(numels: Tuple[int, ...], density: float):
+    """Per layout and density: k, the Rice tables (:func:`horovod_sbc.wire.rice_table`) as the
+    kernel reads them, and the most bytes the messages can take."""
+    ks = [keep_count(n, density) for n in numels]
+    b1, off, ts = [], [0], []
+    for n in numels:
+        b, t = wire.rice_table(n) if n else (0, ())
+        b1.append(b)
+        ts.extend(t)
+        off.append(len(ts))
+    cap = sum(wire.tensor_capacity(n, k) for n, k in zip(numels, ks))
+    arr = lambda x: np.ascontiguousarray(x, dtype=np.int64)  # noqa: E731
+    return arr(ks), arr(b1), arr(off), arr(ts or [0]), cap, sum(ks)
+
+
+def _encode_binary_many(lib, srcs, kinds, targets, density: float, selection: str, names,
+                        subtract) -> "KernelSync":
+    numels = tuple(t.numel() for t in targets)
+    ks, b1, off, ts, cap, room = _batch_plan(numels, float(density))
+    m = len(srcs)
+    pa = np.fromiter((s.weights.data_ptr() if k == _KIND_DIFF else t.data_ptr()
+                      for s, k, t in zip(srcs, kinds, targets)), np.int64, m)
+    pb = np.fromiter((0 if k == _KIND_PLAIN else s.reference.data_ptr() if k == _KIND_DIFF
+                      else s.addend.data_ptr() for s, k in zip(srcs, kinds)), np.int64, m)
+    kind, n = np.asarray(kinds, np.int64), np.asarray(numels, np.int64)
+    body = torch.empty(cap, dtype=torch.uint8)
+    pos = torch.empty(max(1, room), dtype=torch.int64)
+    ends, counts, neg = (np.zeros(m, np.int64) for _ in range(3))
+    mus = np.zeros(m, np.float32)
+    failed = np.zeros(1, np.int64)
+    ptr = lambda x: x.ctypes.data  # noqa: E731
+    rc = lib.sbc_encode_binary_many(
+        m, ptr(kind), ptr(pa), ptr(pb), ptr(n), ptr(ks), 0 if selection == "paper" else 1,
+        ptr(b1), ptr(off), ptr(ts), body.data_ptr(), cap, pos.data_ptr(), ptr(ends),
+        ptr(counts), ptr(mus), ptr(neg), ptr(failed))
+    sync = KernelSync(lib, body, pos, ends, counts, mus, neg, targets)
+    if rc != kernels.OK:
+        i = int(failed[0])
+        if rc == kernels.NONFINITE:
+            undo(srcs[i])
+        try:
+            _check_rc(rc, names[i], "the selection")
+        except NonFiniteError as e:
+            e.encoded = [sync.encoded(j, subtract) for j in range(i)]
+            raise
+    return sync
+
+
+class KernelSync:
+    """Every tensor of a sync encoded by one kernel call (:meth:`KernelBackend.encode_many`):
+    the messages back to back in ``body``, the positions sent tensor after tensor, and what
+    the error feedback takes out of each target once the sync succeeded (the interface of
+    :class:`horovod_sbc.torch.backend.ops.FusedSync`, framed on the host)."""
+
+    def __init__(self, lib, body, pos, ends, counts, mus, neg, targets):
+        self.lib, self.targets = lib, targets
+        self.ends, self.counts, self.mus, self.neg = ends, counts, mus, neg
+        self.starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+        self.pos_off = np.concatenate([[0], np.cumsum(counts)])
+        self.body = body[:int(ends.max()) if len(ends) else 0]  # after a failure: those done
+        self.positions = pos[:int(self.pos_off[-1])]
+        self.ptrs = np.fromiter((t.data_ptr() for t in targets), np.int64, len(targets))
+
+    @property
+    def encoding(self) -> "KernelSync":
+        return self
+
+    @property
+    def body_bytes(self) -> int:
+        return self.body.numel()
+
+    def message(self, i: int) -> torch.Tensor:
+        return self.body[int(self.starts[i]):int(self.ends[i])]
+
+    def positions_of(self, i: int) -> torch.Tensor:
+        """The positions sent of tensor ``i`` (ascending)."""
+        return self.positions[int(self.pos_off[i]):int(self.pos_off[i + 1])]
+
+    def encoded(self, i: int, subtract) -> Encoded:
+        """Tensor ``i`` as :meth:`KernelBackend.encode_tensor` returns it."""
+        pos = self.positions_of(i)
+        v = -float(self.mus[i]) if self.neg[i] else float(self.mus[i])
+        t = self.targets[i]
+        return Encoded(self.message(i), pos, one_value(v, pos.numel(), t), t, subtract)
+
+    def frame(self, layout_crc: int, capacity: Optional[int] = None) -> torch.Tensor:
+        return frame.frame_body(self.body, len(self.targets), layout_crc, capacity)
+
+    def frame_groups(self, groups: Sequence[int], layout_crcs: Sequence[int]
+                     ) -> Tuple[torch.Tensor, List[int]]:
+        """One step message per group of consecutive tensors (the reduce-scatter's regions),
+        back to back, and their lengths."""
+        host = memoryview(self.body.numpy())
+        starts = [int(x) for x in self.starts] + [int(self.ends[-1]) if len(self.ends) else 0]
+        msgs = []
+        for a, b, crc in zip(groups[:-1], groups[1:], layout_crcs):
+            part = host[starts[a]:starts[b]]
+            msgs += [wire.step_header_bytes(part, crc, b - a), part]
+        lens = [len(msgs[j]) + len(msgs[j + 1]) for j in range(0, len(msgs), 2)]
+        return frame.device_bytes(b"".join(msgs), self.body.device), lens
+
+    def commit(self) -> None:
+        """Error feedback: ``t[pos] -= sent`` in every target."""
+        ptr = lambda x: x.ctypes.data  # noqa: E731
+        self.lib.sbc_commit_binary_many(len(self.targets), ptr(self.ptrs),
+                                        self.positions.data_ptr() if self.positions.numel()
+                                        else None, ptr(self.counts), ptr(self.mus),
+                                        ptr(self.neg))
+
+
 def select_topk(a: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
     """:func:`horovod_sbc.torch.backend.select.select_topk` in the kernel (``a`` kernel-able)."""
     return _select_c(kernels.lib(), a, k, _C_MAGNITUDE, name).take(0)
@@ -280,7 +418,24 @@ class KernelBackend(OpsBackend):
         return msg, bz.pos, one_value(-bz.mu if bz.negative else bz.mu, bz.pos.numel(), a)
 
     def encode_many(self, sources, density, mode, selection, names, layout_crc=None):
-        return None  # tensor by tensor: each kernel call already runs at memory speed
+        """SBC (``native_kernel``, ``message=BINARY``) of every source in one kernel call
+        (:class:`KernelSync`): the bytes of :meth:`encode_tensor`, without its per-tensor
+        Python (about 30 us a tensor, what a reduce-scatter's many pieces pay); None where a
+        source is not one the kernels form in their pass (then tensor by tensor). A NaN/Inf
+        raises :class:`NonFiniteError` naming the tensor, its source put back as
+        :meth:`encode_tensor` does, with ``encoded``: the tensors before it, encoded."""
+        mode = check_request(mode, selection)
+        comp = registry.get(mode)
+        lib = kernels.lib()
+        if lib is None or not sources or not comp.native_kernel or \
+                comp.message is not registry.Message.BINARY:
+            return None
+        srcs = [as_source(s) for s in sources]
+        kinds, targets = _batch_sources(srcs)
+        if kinds is None:
+            return None
+        return _encode_binary_many(lib, srcs, kinds, targets, density, selection, list(names),
+                                   self.subtract_sent)
 
     def subtract_sent(self, a: torch.Tensor, pos: torch.Tensor, sent: torch.Tensor) -> None:
         """``a[pos] -= sent``; one value for every position (a stride-0 view) is subtracted by

@@ -224,13 +224,19 @@ def encode_uplink(state: SyncState, out: Outgoing, source_of: Callable[[int], ob
     encoding with."""
     cfg, dev, fp, cap = state.config, out.device, out.fingerprint, out.capacity
     backend = state.backend(dev)
-    fused = backend.encode_many(whole, cfg.density, cfg.mode, cfg.selection, list(out.names),
-                                fp if cap is None else None) if whole else None
+    keys = out.names if keys is None else keys
+    try:
+        fused = backend.encode_many(whole, cfg.density, cfg.mode, cfg.selection,
+                                    list(out.names), fp if cap is None else None) \
+            if whole else None
+    except NonFiniteError as e:  # the tensors before it encoded, as one by one
+        return Uplink(_error_frame(state, str(e), fp, cfg.nonfinite == "skip", dev, out.rank,
+                                   cap), list(zip(keys, e.encoded)), True)
     if fused is not None:
         _count_padding(state, cap, fused.body_bytes)
         return Uplink(functools.partial(fused.frame, fp, cap), [(None, fused)])
     encoded = []
-    for i, (key, name) in enumerate(zip(out.names if keys is None else keys, out.names)):
+    for i, (key, name) in enumerate(zip(keys, out.names)):
         try:
             enc = backend.encode_tensor(source_of(i), cfg.density, cfg.mode, name,
                                         cfg.selection, state.generator(dev),
