@@ -350,6 +350,13 @@ LONG: Dict[str, List[tuple]] = {part: [(r, S0) for r in LONG_ROWS] + [(r, S12) f
 # exchange; and the exchange at delay 1
 LONG["lm_docs3k"] += [(_s("none", steps=3000, freeze_variance_after=90), S0),
                       (_s("sbc", 0.01, 1, api="stock", steps=3000), S0)]
+# x1,000 spent on density instead of the delay (``--study long_density``, its own file; the
+# baselines and the delay-4 row are the long study's): SBC(0.0025) at delay 1 and SBC(0.005)
+# at delay 2, seed 0 first
+LONG_DENSITY: Dict[str, List[tuple]] = {
+    part: [(_s("sbc", 0.0025, 1, api="stock", steps=3000), S0),
+           (_s("sbc", 0.005, 2, api="stock", steps=3000), S0)]
+    for part in ("lm_docs3k", "lm_iid3k")}
 # The second language-model task (``--study code``): the transformer recipe on the standard
 # library's source, the one line with no knob (seed 0 of every row first, then seeds 1 and 2)
 CODE_ROWS = [_s("none"), _s("local"), _s("sbc", 0.01, 1, api="stock"),
@@ -474,7 +481,7 @@ STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPT
            "optimizers": OPTIMIZERS, "topology": TOPOLOGY, "downlink": DOWNLINK, "long": LONG,
            "code": CODE, "code_long": CODE_LONG, "topology8": TOPOLOGY8,
            "topology8_seeds": TOPOLOGY8_SEEDS, "topology8_mnist_seeds": TOPOLOGY8_MNIST_SEEDS,
-           "downlink_exact": DOWNLINK_EXACT}
+           "downlink_exact": DOWNLINK_EXACT, "long_density": LONG_DENSITY}
 
 
 def check_topology_study(study: Dict[str, List[tuple]] = TOPOLOGY) -> None:
