@@ -17,6 +17,7 @@ Per density p in {1e-4, 1e-3, 1e-2, 5e-2} and workload:
 compress_over_add   a whole compress step of one rank: ``R += g``, select, binarize, encode,
                     frame the step message, ``R -= sent`` (as the package does it: with the
                     C kernels every tensor in one call, ``KernelBackend.encode_many``)
+compress_per_tensor_over_add  the same step tensor by tensor (``encode_tensor``), beside it
 decode_over_add     decode 8 ranks' step messages and add their average into dense tensors
 topk_over_add       ``torch.topk(|a|, k)`` per tensor (what a plain top-k would pay to select)
 bits_per_position_over_entropy  position-stream bits / (numel * H(k / numel)), summed over the
@@ -125,6 +126,9 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
             step = sync.frame(fp)
             sync.commit()
             return step
+        return per_tensor_step()
+
+    def per_tensor_step():
         msgs, commits = [], []
         for name, g, r, buf in zip(names, grads, residuals, buffers):  # r += g, then encode
             enc = backend.encode_tensor(Accumulate(r, g), density, "sbc", name, selection,
@@ -137,6 +141,7 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
         return step
 
     t_comp = min_time(compress_step, reps)
+    t_per_tensor = min_time(per_tensor_step, reps)  # the same, one call per tensor (beside it)
     steps, pos_bits, entropy = [], 0, 0.0
     for rank in range(N_RANKS):
         msgs = []
@@ -162,6 +167,7 @@ def bench_sbc(layout, density: float, reps: int, t_add: float,
                       max(2, reps // 2))
     return {"compress_s": t_comp, "decode_s": t_dec, "topk_s": t_topk,
             "compress_over_add": t_comp / t_add, "decode_over_add": t_dec / t_add,
+            "compress_per_tensor_over_add": t_per_tensor / t_add,
             "topk_over_add": t_topk / t_add,
             "bits_per_position_over_entropy": pos_bits / entropy if entropy else float("nan"),
             "step_message_bytes": int(steps[0].numel()),
@@ -351,10 +357,12 @@ def run(densities: Sequence[float] = DENSITIES, workloads: Sequence[str] = WORKL
 
 
 def print_table(res: Dict[str, object]) -> None:
-    print(f"\n{'workload':<9}{'p':>8}{'compress':>10}{'decode x8':>11}{'topk':>7}"
-          f"{'bits/H':>8}{'rel.err':>9}{'bits/step':>12}   (time / torch.add, 1 thread)")
+    print(f"\n{'workload':<9}{'p':>8}{'compress':>10}{'per tensor':>11}{'decode x8':>11}"
+          f"{'topk':>7}{'bits/H':>8}{'rel.err':>9}{'bits/step':>12}"
+          "   (time / torch.add, 1 thread)")
     for r in res["densities"]:
         print(f"{r['workload']:<9}{r['p']:>8g}{r['compress_over_add']:>9.2f}x"
+              f"{r.get('compress_per_tensor_over_add', float('nan')):>10.2f}x"
               f"{r['decode_over_add']:>10.2f}x{r['topk_over_add']:>6.1f}x"
               f"{r['bits_per_position_over_entropy']:>8.3f}{r['relative_error']:>9.3f}"
               f"{r['bits_per_step']:>12,}")
