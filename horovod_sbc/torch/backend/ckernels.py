@@ -228,22 +228,23 @@ def _encode_signs_c(lib, a: torch.Tensor, k: int, name: str, source, positions):
 _KIND_PLAIN, _KIND_ADD, _KIND_CONSUME, _KIND_DIFF = 0, 1, 2, 3
 
 
-def _batch_sources(srcs):
+def _batch_sources(srcs, comp: registry.Compressor):
     """(the kernel's kind per source and the tensors its error feedback is taken out of), or
-    (None, None) unless every source is one the kernels form in their pass."""
+    (None, None) unless every source is one the kernels form in their pass (:func:`_in_pass`)
+    or a kernel-able tensor itself."""
     kinds, targets = [], []
     for src in srcs:
-        if isinstance(src, Accumulate) and _flat_ok(src.residual, src.addend):
-            kinds.append(_KIND_CONSUME if src.consume else _KIND_ADD)
-            targets.append(src.residual)
-        elif isinstance(src, Difference) and _flat_ok(src.weights, src.reference):
-            kinds.append(_KIND_DIFF)
-            targets.append(src.weights)
-        elif isinstance(src, InPlace) and kernels_for(src.a) is not None:
+        if isinstance(src, InPlace) and kernels_for(src.a) is not None:
             kinds.append(_KIND_PLAIN)
             targets.append(src.a.view(-1))
-        else:
+        elif not _in_pass(src, comp):
             return None, None
+        elif isinstance(src, Accumulate):
+            kinds.append(_KIND_CONSUME if src.consume else _KIND_ADD)
+            targets.append(src.residual)
+        else:
+            kinds.append(_KIND_DIFF)
+            targets.append(src.weights)
     return kinds, targets
 
 
@@ -431,7 +432,7 @@ class KernelBackend(OpsBackend):
                 comp.message is not registry.Message.BINARY:
             return None
         srcs = [as_source(s) for s in sources]
-        kinds, targets = _batch_sources(srcs)
+        kinds, targets = _batch_sources(srcs, comp)
         if kinds is None:
             return None
         return _encode_binary_many(lib, srcs, kinds, targets, density, selection, list(names),
