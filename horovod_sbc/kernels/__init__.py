@@ -10,7 +10,8 @@ unavailable or disabled. Both paths produce the same bytes and the same verdicts
 vectors and the differential test run through each. The entry points: ``sbc_select`` (and
 ``_diff``, ``_consume``), the exact selection and fixed-order means of
 :mod:`horovod_sbc.reference`; ``sbc_gap_shift_sums`` / ``sbc_rice_encode``, the Rice streams;
-``sbc_decode_batch``, a gathered step's positions and stream statistics; ``sbc_scatter_add_*``,
+``sbc_encode_binary_many`` / ``sbc_commit_binary_many``, a whole sync's SBC messages and their
+error feedback in one call each; ``sbc_decode_batch``, a gathered step's positions and stream statistics; ``sbc_scatter_add_*``,
 the rank-ordered sums. What each computes, the SIMD variants and the build:
 docs/design.md#the-cpu-kernels (``sbc_kernels.c`` has the details).
 
