@@ -479,7 +479,10 @@ DOWNLINK_EXACT: Dict[str, List[tuple]] = {
 # per rank close it (``--study topology8_density``, its own file; the baselines and the 0.01
 # row are topology8's; seed 0)?
 TOPOLOGY8_DENSITY: Dict[str, List[tuple]] = {
-    part: [(_s("sbc", 0.02, 1, api="stock"), S0)] for part in ("lm_docs8", "lm_iid8")}
+    part: [(_s("sbc", 0.02, 1, api="stock"), S0),
+           # seeds 1 and 2 of it and of dense (the 0.01 row's are topology8_seeds')
+           (_s("sbc", 0.02, 1, api="stock"), S12), (_s("none"), S12)]
+    for part in ("lm_docs8", "lm_iid8")}
 
 
 STUDIES = {"study": STUDY, "screen": SCREEN, "shared": SHARED, "adaptive": ADAPTIVE,
