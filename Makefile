@@ -33,6 +33,20 @@ bench: install
 	$(PY) -m benchmarks.quality --study oneline --parts lm_docs,lm_iid --resume --json benchmarks/results/quality_oneline.json
 	$(PY) -m benchmarks.quality --study optimizers --parts opt_iid --resume --json benchmarks/results/quality_optimizers.json
 	$(PY) -m benchmarks.bench gpu --device cpu --json benchmarks/results/gpu_check_cpu.json
+# issue 45 (the one line: 3,000-step and second-corpus targets) and 46 (the reduce-scatter)
+	$(PY) -m benchmarks.quality --study long --parts lm_docs3k,lm_iid3k --resume --json benchmarks/results/quality_long.json
+	$(PY) -m benchmarks.quality --study long_density --parts lm_docs3k,lm_iid3k --resume --json benchmarks/results/quality_long_density.json
+	$(PY) -m benchmarks.quality --study code --parts code_docs,code_iid --resume --json benchmarks/results/quality_code.json
+	$(PY) -m benchmarks.quality --study code_long --parts code_docs3k,code_iid3k --resume --json benchmarks/results/quality_code_long.json
+	$(PY) -m benchmarks.quality --study topology --parts iid,skewed,iid8,skewed8,lm_docs,lm_iid --resume --json benchmarks/results/quality_topology.json
+	$(PY) -m benchmarks.quality --study downlink --parts iid,lm_docs,lm_iid,skewed,iid8,skewed8 --resume --json benchmarks/results/quality_downlink.json
+	$(PY) -m benchmarks.quality --study downlink_exact --parts skewed --resume --json benchmarks/results/quality_downlink_exact.json
+	$(PY) -m benchmarks.quality --study skewed_seeds --parts skewed --resume --json benchmarks/results/quality_skewed_seeds.json
+	$(PY) -m benchmarks.quality --study topology8 --parts lm_docs8,lm_iid8 --resume --json benchmarks/results/quality_topology8.json
+	$(PY) -m benchmarks.quality --study topology8_seeds --parts lm_docs8,lm_iid8 --resume --json benchmarks/results/quality_topology8_seeds.json
+	$(PY) -m benchmarks.quality --study topology8_mnist_seeds --parts iid8,skewed8 --resume --json benchmarks/results/quality_topology8_mnist_seeds.json
+	$(PY) -m benchmarks.quality --study topology8_density --parts lm_docs8,lm_iid8 --resume --json benchmarks/results/quality_topology8_density.json
+	$(PY) -m benchmarks.bench scatter --reps 5 --json benchmarks/results/scatter_bench.json
 
 coverage: install
 	bash scripts/coverage.sh
