@@ -38,7 +38,8 @@ _JOB_FILES = {"test_slurm.py", "test_package.py"}
 #: jobs, beside the single-process tests, while the heavy jobs keep the first
 _LIGHT_JOB_FILES = {"test_slurm.py", "test_package.py", "test_bench.py", "test_hierarchy.py",
                     "test_bench_ddp.py", "test_outer_ranks.py", "test_fixed_size.py",
-                    "test_example_lm.py", "test_oneline.py", "test_fused.py"}
+                    "test_example_lm.py", "test_oneline.py", "test_fused.py",
+                    "test_tf_elastic.py", "test_gpu_check.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
