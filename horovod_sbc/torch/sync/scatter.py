@@ -14,8 +14,9 @@ al., arXiv 1805.08768) and the downlink error feedback of Zou et al. (arXiv 2209
    residual (``ResidualManager.server_residuals``, keyed by piece name).
 3. The N region messages are allgathered and every rank decodes them into the same average.
 
-Per rank and sync: upload about one message, download and decode about two messages' worth
-((N-1)/N of the parts and of the region messages), whatever N, plus 2N step headers. A
+Per rank and sync: upload about one message, download and decode (N-1)/N of the parts (one
+message's worth) and of the region messages (at the default STC at 4x the density, about 3.5
+uplink messages), whatever N, plus 2N step headers. A
 rank that cannot encode sends its ERROR/SKIP to every owner, every owner relays it, and every
 rank raises (or skips) with it; uplink and downlink error feedback are committed only after
 every region message decoded.
