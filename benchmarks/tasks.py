@@ -51,6 +51,12 @@ Every task is generated or read offline and deterministically: nothing is downlo
 ``digits_conv``
     scikit-learn's digits (shipped with scikit-learn) as 8x8 images and a conv + BatchNorm +
     linear net; the quick one the tests use.
+``regression``
+    An MLP regression on generated data: 20 standard-normal inputs, the target a fixed random
+    teacher network (two tanh layers of 32, numpy seed 1234) plus 10 % noise, 4,000 samples
+    for training and 2,000 for test; the student an MLP 20-128-128-1 (ReLU) trained with Adam.
+    Metric: test mean squared error over the targets' variance (lower is better). The group of
+    a sample (for the non-IID partition) is the decile of its target.
 
 Partitions (:meth:`Task.shard`): ``"iid"`` deals the training samples round-robin; ``"by_class"``
 (non-IID) gives rank r the samples whose group (class, or topic for ``text``) g has
@@ -70,7 +76,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import numpy as np
 
 PARTITIONS = ("iid", "by_class")
-TASKS = ("mnist1d", "mnist1d_long", "text", "transformer", "transformer_code", "digits_conv")
+TASKS = ("mnist1d", "mnist1d_long", "text", "transformer", "transformer_code", "digits_conv",
+         "regression")
 
 
 @dataclass(frozen=True)
@@ -120,13 +127,17 @@ class Task:
         return self.metric == "accuracy"
 
     def loss(self, model, x, y):
-        """Mean cross-entropy of a batch (per character for ``text``)."""
+        """Mean cross-entropy of a batch (per character for ``text``); the mean squared error
+        for ``regression`` (metric ``"mse"``)."""
         import torch.nn.functional as F
         out = model(x)
+        if self.metric == "mse":
+            return F.mse_loss(out.reshape(-1), y.reshape(-1))
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     def evaluate(self, model, batch: int = 500) -> float:
-        """Test accuracy (fraction) or test perplexity, model in eval mode (restored after)."""
+        """Test accuracy (fraction), test perplexity or test mean squared error over the
+        targets' variance (``"mse"``), model in eval mode (restored after)."""
         import torch
         import torch.nn.functional as F
         was = model.training
@@ -136,7 +147,10 @@ class Task:
             for i in range(0, len(self.x_test), batch):
                 x, y = self.x_test[i:i + batch], self.y_test[i:i + batch]
                 out = model(x)
-                if self.metric == "accuracy":
+                if self.metric == "mse":
+                    total += float(F.mse_loss(out.reshape(-1), y.reshape(-1), reduction="sum"))
+                    n += y.numel()
+                elif self.metric == "accuracy":
                     total += float((out.argmax(-1) == y).sum())
                     n += len(y)
                 else:
@@ -144,6 +158,8 @@ class Task:
                                                    reduction="sum"))
                     n += y.numel()
         model.train(was)
+        if self.metric == "mse":
+            return total / n / float(self.info.get("target_var", 1.0))
         return total / n if self.metric == "accuracy" else math.exp(total / n)
 
     def shard(self, rank: int, size: int, partition: str = "iid") -> Tuple[object, object]:
@@ -373,6 +389,48 @@ def _digits_conv(seed: int, width: int = 16, **_) -> Task:
                 Recipe(lr=0.1, momentum=0.9, batch_size=32, steps=240), "accuracy", info)
 
 
+# ------------------------------------------------------------------------------------------------
+# regression (generated: a random teacher network)
+# ------------------------------------------------------------------------------------------------
+def regression_arrays(n_train: int = 4000, n_test: int = 2000, dim: int = 20,
+                      teacher_width: int = 32, noise: float = 0.1, seed: int = 0):
+    """``(x_train, y_train, x_test, y_test)``: standard-normal inputs, the target a fixed random
+    teacher (two tanh layers, numpy seed 1234, the same for every data seed) plus Gaussian
+    noise of ``noise`` times the clean target's standard deviation; ``seed`` draws the inputs
+    and the noise."""
+    t = np.random.default_rng(1234)
+    w1 = t.standard_normal((dim, teacher_width)) / np.sqrt(dim)
+    w2 = t.standard_normal((teacher_width, teacher_width)) / np.sqrt(teacher_width)
+    w3 = t.standard_normal(teacher_width) / np.sqrt(teacher_width)
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n_train + n_test, dim))
+    clean = np.tanh(np.tanh(x @ w1 * 2.0) @ w2 * 2.0) @ w3
+    y = clean + noise * clean.std() * g.standard_normal(len(x))
+    x, y = x.astype(np.float32), y.astype(np.float32)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def regression_mlp(dim: int = 20, width: int = 128):
+    import torch.nn as nn
+    return nn.Sequential(nn.Linear(dim, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 1))
+
+
+def _regression(seed: int, n_train: int = 4000, width: int = 128, **_) -> Task:
+    import torch
+    xtr, ytr, xte, yte = regression_arrays(n_train=n_train, seed=seed)
+    deciles = np.searchsorted(np.quantile(ytr, np.linspace(0.1, 0.9, 9)), ytr)
+    info = {"source": "generated: a fixed random tanh teacher network plus 10 % noise "
+                      "(benchmarks.tasks.regression_arrays)", "train": len(xtr),
+            "test": len(xte), "data_seed": seed, "target_var": float(yte.var()),
+            "sha256": hashlib.sha256(xtr.tobytes() + ytr.tobytes()).hexdigest()}
+    t = [torch.from_numpy(a) for a in (xtr, ytr, xte, yte)]
+    return Task("regression", t[0], t[1], t[2], t[3], torch.from_numpy(deciles),
+                lambda: regression_mlp(xtr.shape[1], width),
+                Recipe(lr=1e-3, momentum=0.0, batch_size=32, steps=1000, optimizer="adam"),
+                "mse", info)
+
+
 def _mnist1d_long(seed: int, num_samples: int = 12000, width: int = 32, **_) -> Task:
     t = _mnist1d(seed, num_samples, width)
     return replace(t, name="mnist1d_long",
@@ -385,7 +443,7 @@ def _transformer_code(seed: int, **kw) -> Task:
 
 _BUILDERS = {"mnist1d": _mnist1d, "mnist1d_long": _mnist1d_long, "text": _text,
              "transformer": _transformer, "transformer_code": _transformer_code,
-             "digits_conv": _digits_conv}
+             "digits_conv": _digits_conv, "regression": _regression}
 _CACHE: Dict[tuple, Task] = {}
 
 
