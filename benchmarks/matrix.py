@@ -47,6 +47,13 @@ METHODS = ("dense", "none", "sbc", "sbc_delay4")
 VARIANTS: Dict[str, dict] = {
     "default": {"api": "stock", "knobs": {}},
     "dropin": {"api": "dropin", "knobs": {}},
+    # the momentum-SGD screen of issue 61 (stock one line; env: what every rank runs with)
+    "fold_noguard": {"api": "stock", "knobs": {}, "env": {"HOROVOD_SBC_FOLD_GUARD": "0"}},
+    "dgc": {"api": "stock", "knobs": {"momentum": "dgc"}},
+    "dgc_warmup": {"api": "stock", "knobs": {"momentum": "dgc"},
+                   "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
+    "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
+    "local_residual": {"api": "stock", "knobs": {"local_residual": True}},
 }
 
 
@@ -279,7 +286,8 @@ def run(jobs: List[dict], timeout: float, done: Dict[str, list], on_job=None) ->
             python_exe(), "-m", "benchmarks.matrix", "worker", json.dumps(job)]
         prog.start(f"{job['entry']['id']} W={job['workers']} lr={job['lr']:g}")
         try:
-            out = run_job(cmd, job_env(), timeout, prog.update)
+            out = run_job(cmd, job_env(VARIANTS[job["variant"]].get("env")), timeout,
+                          prog.update)
         except JobError as e:
             prog.end("FAILED")
             skipped.append({"job": key, "reason": str(e)[-3000:]})

@@ -381,12 +381,23 @@ def step_capacity(tensor_capacities: Sequence[int]) -> int:
     return STEP_HEADER_SIZE + sum(int(c) for c in tensor_capacities) + 1
 
 
+#: how a reason says that an update held NaN/Inf (the encoders' words, torch and TF)
+NONFINITE_REASON = "contains NaN or Inf"
+
+
 class PeerError(ValueError):
-    """A rank reported, through its step message, that it could not encode this sync."""
+    """A rank reported, through its step message, that it could not encode this sync. A
+    non-finite update stopping the job says which knob decided that and how to change it."""
 
     def __init__(self, rank: int, reason: str, skip: bool):
         self.rank, self.reason, self.skip = rank, reason, skip
-        super().__init__(f"rank {rank} could not encode this sync: {reason}")
+        msg = f"rank {rank} could not encode this sync: {reason}"
+        if not skip and NONFINITE_REASON in reason:
+            msg += ("; SBC's nonfinite policy is 'raise' (the default; dense Horovod would "
+                    "average the NaN/Inf in silently): pass SBC(..., nonfinite='skip') to skip "
+                    "such a sync on every rank instead (the healthy ranks keep their update "
+                    "for the next one)")
+        super().__init__(msg)
 
 
 # no per-message __dict__ where Python has dataclass slots (3.10+; setup.py allows 3.9): a step of

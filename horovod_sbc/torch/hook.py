@@ -31,9 +31,9 @@ from ..config import PLACEHOLDER_BITS, PLACEHOLDER_DTYPE
 from .. import policy
 from .adam import family
 from .backend import Accumulate, Targets, frame
-from .momentum import StockFold, check_choice, stock_fold
+from .momentum import StockFold, check_choice, guard_enabled, stock_fold
 from .optimizer import adopt
-from .owner import Owner, identify
+from .owner import Owner, global_process_set, horovod_parameter_name, identify
 from .sync import Outgoing, encode_uplink, exchange
 from .sync import plan_regions as sync_plan
 from .sync.state import SyncState
@@ -79,9 +79,17 @@ class StockHook:
             return "gradients"
         if id(opt) in self._modes:
             return self._modes[id(opt)]
+        if not global_process_set(opt):
+            raise ValueError(
+                f"SBC through hvd.DistributedOptimizer(process_set=...): {owner.name!r} would "
+                "be reduced over a process set, but SBC's messages travel by collectives over "
+                "every rank of the job; leave process_set at the global set (the default) or "
+                "use a separate job per group")
         cfg = self.state.config
         choice = policy.choose(family(opt), delay=cfg.delay, api="stock",
                                local_residual=cfg.local_residual)
+        if self.momentum == "dgc" and family(opt) == "sgd":  # screen: DGC in weight space
+            choice = policy.Choice("weights", False, False, False)
         if choice.exchange == "gradients":
             policy.refuse_weight_knobs(
                 cfg, f"{type(opt).__name__} through stock Horovod at delay 1 exchanges gradients "
@@ -162,6 +170,13 @@ class StockHook:
     def decompress(self, output: torch.Tensor, ctx: StockContext) -> torch.Tensor:
         """Horovod hook: the first call of a step exchanges every pending gradient; each call
         then reports the step's verdict and commits its own gradient's error feedback."""
+        if ctx is None:  # Horovod's own sparse allreduce: it never called compress()
+            name = horovod_parameter_name()
+            raise ValueError(
+                f"SBC: the gradient of {name or 'a parameter'!r} is sparse (e.g. "
+                "nn.Embedding(sparse=True)); Horovod averages sparse gradients itself, without "
+                "the compression: pass sparse_as_dense=True to hvd.DistributedOptimizer so "
+                "that SBC compresses it")
         if not ctx.done:
             pending, self._pending = self._pending, []
             exchange_step(self, pending if ctx in pending else pending + [ctx])
@@ -237,9 +252,11 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
                           elements_synced=sum(c.grad.numel() for c in ctxs))
     if hook.momentum == "fold":
         owners = [c.owner for c in ctxs]
-        if verdict is None:  # the fold's guard reads the decoded average, the same on every
-            hook._fold.observe(owners, [c.out for c in ctxs])  # rank (a skipped step: unread)
-        fold = hook._fold.plan(owners, state.manager.counters["steps"] - 1)  # compress() has
+        guarded = guard_enabled()
+        if verdict is None and guarded:  # the fold's guard reads the decoded average, the same
+            hook._fold.observe(owners, [c.out for c in ctxs])  # on every rank (skipped: unread)
+        fold = hook._fold.plan(owners, state.manager.counters["steps"] - 1,  # compress() has
+                               guard=guarded)
         # counted this step; a skipped step's zero gradient takes no stale velocity either
         stock_fold(fold, [c.out for c in ctxs] if verdict is None else None,
                    [c.owner.parameter for c in ctxs])

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 #: the stock hook's choices for the optimizer's momentum (``SBC(momentum=...)``)
-CHOICES = ("fold", "mask", "keep")
+CHOICES = ("fold", "mask", "keep", "dgc")
 
 
 def check_choice(momentum) -> str:
@@ -140,6 +140,12 @@ class FoldGuard:
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def guard_enabled() -> bool:
+    """Screen: ``HOROVOD_SBC_FOLD_GUARD=0`` turns the fold's guard off."""
+    import os
+    return os.environ.get("HOROVOD_SBC_FOLD_GUARD", "1") != "0"
+
+
 def guard_of(optimizer) -> FoldGuard:
     """The :class:`FoldGuard` of ``optimizer`` (created at its first folded step)."""
     g = _GUARDS.get(optimizer)
@@ -183,6 +189,8 @@ def folded(optimizer, step: Optional[int] = None, guard: Optional[FoldGuard] = N
     factor applies when a coordinate is sent)."""
     groups = _sgd_groups(optimizer)
     saved = [{k: g.get(k) for k in _FOLDED_KEYS} for g in groups]
+    if not guard_enabled():
+        guard = False
     if guard is None and groups:
         guard = guard_of(optimizer)
     try:

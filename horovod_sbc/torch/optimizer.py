@@ -62,6 +62,9 @@ class _SBCOptimizer:
         _refuse_stock_knobs(compression, api, type(self).__name__)
         choice = policy.choose(family(self), delay=compression.delay, api=api,
                                local_residual=cfg.local_residual)
+        self._sbc_dgc = getattr(compression, "momentum", None) == "dgc" and family(self) == "sgd"
+        if self._sbc_dgc:  # screen: DGC's momentum correction + masking in weight space
+            choice = policy.Choice("weights", False, False, False)
         local_residual = self._sbc_local_residual = choice.local_residual
         outer = cfg.outer
         if outer is None:
@@ -136,7 +139,7 @@ class _SBCOptimizer:
         """The user's optimizer step on this rank's gradients (AMP-aware, see above); at delay
         1 with the residual beside the weights, SGD's momentum folded into its learning rate
         (:mod:`horovod_sbc.torch.momentum`)."""
-        if self._sbc_local_residual or self._sbc.delay != 1:
+        if self._sbc_local_residual or self._sbc.delay != 1 or self._sbc_dgc:
             return self._user_step(closure)
         with folded(self, self._sbc.manager.counters["steps"],  # counted after this step
                     residuals=self._folded_residuals):
@@ -237,10 +240,20 @@ class _SBCOptimizer:
                         base_offset=res[name] if local and name in res and name not in kept
                         else None)
                  for name, p in self._sbc_params]
+        before = None
+        if self._sbc_dgc:  # screen: A = R + (W - W_ref), to find what was sent (masking)
+            before = {name: (res[name] if name in res else 0) + (p.detach() - ref[name]).view(-1)
+                      for name, p in self._sbc_params}
+            _dgc_warm_density(self._sbc)
         if self._sbc_outer.needs_buffer:
             self._outer_exchange(items, kept)
         else:
             self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
+        if before is not None:
+            for name, p in self._sbc_params:
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if isinstance(buf, torch.Tensor) and name in res:
+                    buf.view(-1).masked_fill_(before[name] != res[name], 0.0)
         shared = []  # the weights that continue from W_ref: one foreach copy for all
         for name, p in self._sbc_params:
             if name in kept:
@@ -465,10 +478,25 @@ def _world_size(compression) -> int:
         return 1
 
 
+def _dgc_warm_density(comp) -> None:
+    """Screen: DGC's density warm-up, from 0.25 geometrically down to the configured density
+    over the first ``HOROVOD_SBC_DGC_WARMUP`` steps (0: none)."""
+    import dataclasses
+    import os
+    n = int(os.environ.get("HOROVOD_SBC_DGC_WARMUP", "0"))
+    target = getattr(comp, "_dgc_target", None)
+    if target is None:
+        target = comp._dgc_target = comp.config.density
+    step = comp.manager.counters["steps"]
+    d = target if step >= n or target >= 0.25 else 0.25 * (target / 0.25) ** (step / n)
+    if d != comp.config.density:
+        comp.config = dataclasses.replace(comp.config, density=d)
+
+
 def _refuse_stock_knobs(compression, api: str, optimizer: str) -> None:
     """Knobs of the stock gradient exchange that do not apply here raise instead of being
     ignored."""
-    if getattr(compression, "_momentum_given", False):
+    if getattr(compression, "_momentum_given", False) and compression.momentum != "dgc":
         raise ValueError(
             f"SBC(momentum={compression.momentum!r}) applies to the gradient exchange (stock "
             f"hvd.DistributedOptimizer with torch SGD at delay 1); here {optimizer}'s steps "

@@ -92,6 +92,24 @@ def identify(tensor: torch.Tensor, named) -> Owner:
         "named_parameters= to SBC(...), or use horovod_sbc.torch.DistributedOptimizer.")
 
 
+def horovod_parameter_name(max_frames: int = 3) -> Optional[str]:
+    """The name of the parameter Horovod's optimizer is handling in a caller's frame (its
+    ``synchronize()`` loops over ``p``), or None: for errors about a tensor Horovod hands over
+    without having called ``compress()`` for it (a sparse gradient)."""
+    for f in _horovod_frames(sys._getframe(2), max_frames):
+        owner, p = f.f_locals.get("self"), f.f_locals.get("p")
+        names = getattr(owner, "_parameter_names", None)
+        if isinstance(names, dict) and isinstance(p, torch.Tensor) and p in names:
+            return names[p]
+    return None
+
+
+def global_process_set(optimizer) -> bool:
+    """Does Horovod's ``optimizer`` reduce over the whole job (its default ``process_set``)?"""
+    ps = getattr(optimizer, "process_set", None)
+    return ps is None or getattr(ps, "process_set_id", 0) in (0, None)
+
+
 def called_by_horovod_broadcast() -> bool:
     """Is ``step()`` being called by ``hvd.broadcast_optimizer_state``? It runs one step on zero
     gradients to create the optimizer state before broadcasting it; that is not a training step
