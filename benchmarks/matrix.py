@@ -53,6 +53,7 @@ VARIANTS: Dict[str, dict] = {
     "dgc_warmup": {"api": "stock", "knobs": {"momentum": "dgc"},
                    "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
     "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
+    "ef21": {"api": "stock", "knobs": {"momentum": "ef21"}},
     "local_residual": {"api": "stock", "knobs": {"local_residual": True}},
 }
 

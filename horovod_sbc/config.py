@@ -16,7 +16,7 @@ from . import registry
 
 NONFINITE = ("raise", "skip")
 #: ``momentum``: what the gradient exchange does with SGD's momentum
-MOMENTUM = ("fold", "mask", "keep", "dgc")
+MOMENTUM = ("fold", "mask", "keep", "dgc", "ef21")
 #: the outer steps of :mod:`horovod_sbc.outer`, by their ``kind``
 OUTER_KINDS = ("plain", "nesterov", "error_decay")
 #: the knobs of training with SBC (below the codec's in :class:`SBCConfig`)

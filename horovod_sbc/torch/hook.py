@@ -90,6 +90,8 @@ class StockHook:
                                local_residual=cfg.local_residual)
         if self.momentum == "dgc" and family(opt) == "sgd":  # screen: DGC in weight space
             choice = policy.Choice("weights", False, False, False)
+        if self.momentum == "ef21":  # screen: EF21 in weight space, any optimizer
+            choice = policy.Choice("weights", False, False, family(opt) == "adam")
         if choice.exchange == "gradients":
             policy.refuse_weight_knobs(
                 cfg, f"{type(opt).__name__} through stock Horovod at delay 1 exchanges gradients "

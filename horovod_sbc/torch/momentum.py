@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 #: the stock hook's choices for the optimizer's momentum (``SBC(momentum=...)``)
-CHOICES = ("fold", "mask", "keep", "dgc")
+CHOICES = ("fold", "mask", "keep", "dgc", "ef21")
 
 
 def check_choice(momentum) -> str:

@@ -65,6 +65,10 @@ class _SBCOptimizer:
         self._sbc_dgc = getattr(compression, "momentum", None) == "dgc" and family(self) == "sgd"
         if self._sbc_dgc:  # screen: DGC's momentum correction + masking in weight space
             choice = policy.Choice("weights", False, False, False)
+        self._sbc_ef21 = getattr(compression, "momentum", None) == "ef21"
+        if self._sbc_ef21:  # screen: EF21 (tracked average step) in weight space
+            choice = policy.Choice("weights", False, False, family(self) == "adam")
+        self._sbc_ef21_g = {}
         local_residual = self._sbc_local_residual = choice.local_residual
         outer = cfg.outer
         if outer is None:
@@ -139,7 +143,7 @@ class _SBCOptimizer:
         """The user's optimizer step on this rank's gradients (AMP-aware, see above); at delay
         1 with the residual beside the weights, SGD's momentum folded into its learning rate
         (:mod:`horovod_sbc.torch.momentum`)."""
-        if self._sbc_local_residual or self._sbc.delay != 1 or self._sbc_dgc:
+        if self._sbc_local_residual or self._sbc.delay != 1 or self._sbc_dgc or self._sbc_ef21:
             return self._user_step(closure)
         with folded(self, self._sbc.manager.counters["steps"],  # counted after this step
                     residuals=self._folded_residuals):
@@ -245,10 +249,24 @@ class _SBCOptimizer:
             before = {name: (res[name] if name in res else 0) + (p.detach() - ref[name]).view(-1)
                       for name, p in self._sbc_params}
             _dgc_warm_density(self._sbc)
+        ef21 = None
+        if self._sbc_ef21:  # screen: the window change dW and the shared weights before
+            ef21 = {name: ((p.detach() - ref[name]).view(-1), ref[name].view(-1).clone())
+                    for name, p in self._sbc_params}
         if self._sbc_outer.needs_buffer:
             self._outer_exchange(items, kept)
         else:
             self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
+        if ef21 is not None:
+            for name, p in self._sbc_params:
+                dw, old = ef21[name]
+                if name in res:  # EF21: the state -g_r takes only what was sent, not dW
+                    res[name].sub_(dw)
+                g = self._sbc_ef21_g.get(name)
+                if g is None:
+                    g = self._sbc_ef21_g[name] = torch.zeros_like(old)
+                g.add_(ref[name].view(-1) - old)   # G += the decoded average of this sync
+                ref[name].view(-1).copy_(old + g)  # the shared weights move by G
         if before is not None:
             for name, p in self._sbc_params:
                 buf = self.state.get(p, {}).get("momentum_buffer")
@@ -496,7 +514,7 @@ def _dgc_warm_density(comp) -> None:
 def _refuse_stock_knobs(compression, api: str, optimizer: str) -> None:
     """Knobs of the stock gradient exchange that do not apply here raise instead of being
     ignored."""
-    if getattr(compression, "_momentum_given", False) and compression.momentum != "dgc":
+    if getattr(compression, "_momentum_given", False) and compression.momentum not in ("dgc", "ef21"):
         raise ValueError(
             f"SBC(momentum={compression.momentum!r}) applies to the gradient exchange (stock "
             f"hvd.DistributedOptimizer with torch SGD at delay 1); here {optimizer}'s steps "
