@@ -54,6 +54,8 @@ VARIANTS: Dict[str, dict] = {
                    "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
     "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
     "ef21": {"api": "stock", "knobs": {"momentum": "ef21"}},
+    "dgc_nomask": {"api": "stock", "knobs": {"momentum": "dgc"},
+                   "env": {"HOROVOD_SBC_DGC_MASK": "0"}},
     "local_residual": {"api": "stock", "knobs": {"local_residual": True}},
 }
 

@@ -245,9 +245,12 @@ class _SBCOptimizer:
                         else None)
                  for name, p in self._sbc_params]
         before = None
-        if self._sbc_dgc:  # screen: A = R + (W - W_ref), to find what was sent (masking)
+        import os
+        if self._sbc_dgc and os.environ.get("HOROVOD_SBC_DGC_MASK", "1") != "0":
+            # screen: A = R + (W - W_ref), to find what was sent (masking)
             before = {name: (res[name] if name in res else 0) + (p.detach() - ref[name]).view(-1)
                       for name, p in self._sbc_params}
+        if self._sbc_dgc:
             _dgc_warm_density(self._sbc)
         ef21 = None
         if self._sbc_ef21:  # screen: the window change dW and the shared weights before
