@@ -53,6 +53,7 @@ VARIANTS: Dict[str, dict] = {
     "dgc_warmup": {"api": "stock", "knobs": {"momentum": "dgc"},
                    "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
     "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
+    "keep": {"api": "stock", "knobs": {"momentum": "keep"}},
     "ef21": {"api": "stock", "knobs": {"momentum": "ef21"}},
     "dgc_nomask": {"api": "stock", "knobs": {"momentum": "dgc"},
                    "env": {"HOROVOD_SBC_DGC_MASK": "0"}},
@@ -435,6 +436,66 @@ def markdown(m: dict, res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: how a screen picks (written before the screen's results were read): a candidate that needs
+#: a detector of its own blow-up is not eligible as a default; among the others the most cells
+#: meeting their target (``SBC(0.01)`` and ``delay=4`` counted apart) wins, then the most cells
+#: not below no communication, then the smaller mean gap (infinite gaps counted as 100)
+SCREEN_RULE = ("eligible: no detector of its own blow-up; then most cells meeting their target, "
+               "then most cells not below no communication, then the smallest mean gap")
+
+
+def screen_report(m: dict, controls: dict, screens: Dict[str, dict]) -> str:
+    """Every candidate's cells judged against the dense and no-communication runs of
+    ``controls`` (the same seeds), one column per candidate and method, and the ranking of
+    :data:`SCREEN_RULE`."""
+    base = [r for r in controls["runs"] if r["method"] in ("dense", "none")]
+    rows, score = {}, {}
+    for name, res in screens.items():
+        runs = base + [r for r in res["runs"] if r["method"] in m["targets"]]
+        for c in cells(m, runs):
+            for meth in m["targets"]:
+                if meth not in c or c[meth]["ok"] is None:
+                    continue
+                r = c["runs"][meth]
+                g = c[meth]["gap"]
+                n = c["runs"].get("none")
+                above = n is None or better(r, r["score"], n["score"])
+                rows.setdefault((c["id"], c["workers"], c["lr"]), {})[(name, meth)] = (
+                    g, c[meth]["ok"], r)
+                s = score.setdefault(name, [0, 0, 0.0, 0])
+                s[0] += int(c[meth]["ok"])
+                s[1] += int(above)
+                s[2] += min(g, 100.0)
+                s[3] += 1
+    names = list(screens)
+    head = "| task | W | lr | " + " | ".join(f"{n} `{meth}`" for n in names
+                                             for meth in m["targets"]) + " |"
+    lines = ["# Screen: " + ", ".join(names), "",
+             f"Rule: {SCREEN_RULE}. Gaps: accuracy points below dense (−) or the fraction "
+             "above dense perplexity / MSE; ✓ meets the target.", "", head,
+             "|---|---:|---:|" + "---:|" * (len(names) * len(m["targets"]))]
+    for (tid, w, lr), cols in rows.items():
+        out = []
+        for n in names:
+            for meth in m["targets"]:
+                v = cols.get((n, meth))
+                if v is None:
+                    out.append("—")
+                    continue
+                g, ok, r = v
+                gs = "diverged" if g == math.inf else (f"{-g:+.1f}" if _acc(r) else
+                                                       f"{100 * g:+.1f} %")
+                out.append(gs + (" ✓" if ok else " ✗"))
+        lines.append(f"| {tid} | {w} | {lr:g} | " + " | ".join(out) + " |")
+    rank = sorted(score, key=lambda n: (-score[n][0], -score[n][1], score[n][2] / score[n][3]))
+    lines += ["", "| candidate | cells meeting target | not below no communication | mean gap |",
+              "|---|---:|---:|---:|"]
+    for n in rank:
+        s = score[n]
+        lines.append(f"| {n} | {s[0]} of {s[3]} | {s[1]} of {s[3]} | {s[2] / s[3]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(m: dict, res: dict, path: str) -> None:
     """Score against upstream ratio (log x), one panel per task."""
     try:
@@ -481,6 +542,15 @@ def write(m: dict, res: dict, path: str) -> None:
     plot(m, res, path[:-5] + ".png" if path.endswith(".json") else path + ".png")
 
 
+def read_results(path: str) -> dict:
+    """A results file, or the ``.partial`` of a run still going (its finished jobs)."""
+    with open(path) as f:
+        d = json.load(f)
+    if "runs" not in d:  # FILE.partial: {job key: [runs]}
+        d = {"runs": [r for runs in d.values() for r in runs], "skipped": []}
+    return d
+
+
 def main(argv=None) -> int:
     if argv and argv[0] == "worker":
         return worker_main(argv[1:])
@@ -495,8 +565,24 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="default", choices=sorted(VARIANTS))
     p.add_argument("--quick", action="store_true", help="a few steps per run (smoke test)")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--screen", nargs="+", metavar="NAME=FILE",
+                   help="with --json CONTROLS: judge each screen's results against the dense "
+                        "and no-communication runs of CONTROLS; writes --screen-out")
+    p.add_argument("--screen-out", help="markdown file for --screen")
     a = p.parse_args(argv)
     m = load()
+    if a.screen:
+        controls = read_results(a.json)
+        screens = {}
+        for item in a.screen:
+            name, path = item.split("=", 1)
+            screens[name] = read_results(path)
+        text = screen_report(m, controls, screens)
+        if a.screen_out:
+            with open(a.screen_out, "w") as f:
+                f.write(text)
+        print(text)
+        return 0
     if a.report:
         with open(a.json) as f:
             res = json.load(f)
