@@ -47,6 +47,8 @@ bench: install
 	$(PY) -m benchmarks.quality --study topology8_mnist_seeds --parts iid8,skewed8 --resume --json benchmarks/results/quality_topology8_mnist_seeds.json
 	$(PY) -m benchmarks.quality --study topology8_density --parts lm_docs8,lm_iid8 --resume --json benchmarks/results/quality_topology8_density.json
 	$(PY) -m benchmarks.bench scatter --reps 5 --json benchmarks/results/scatter_bench.json
+# issue 61: the task matrix (the defaults, 3 seeds)
+	$(PY) -m benchmarks.matrix --resume --json benchmarks/results/matrix.json
 
 coverage: install
 	bash scripts/coverage.sh

@@ -54,6 +54,11 @@ VARIANTS: Dict[str, dict] = {
                    "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
     "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
     "keep": {"api": "stock", "knobs": {"momentum": "keep"}},
+    # the adaptive screen: outer steps in place of policy.outer_step's choice
+    "outer_plain": {"api": "stock", "knobs": {"outer": ["plain", 1.0]}},
+    "outer_diloco": {"api": "stock", "knobs": {"outer": ["nesterov", 0.7, 0.9]}},
+    "outer_mild": {"api": "stock", "knobs": {"outer": ["nesterov", 1.0, 0.5]}},
+    "outer_sparseloco": {"api": "stock", "knobs": {"outer": ["error_decay", 0.9]}},
     "ef21": {"api": "stock", "knobs": {"momentum": "ef21"}},
     "dgc_nomask": {"api": "stock", "knobs": {"momentum": "dgc"},
                    "env": {"HOROVOD_SBC_DGC_MASK": "0"}},
@@ -126,7 +131,12 @@ def build(model, base, method: str, variant: dict, density: float, delay: int, s
     if method == "none":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return base, None
-    comp = sbc.SBC(density, delay=delay, **variant.get("knobs", {}))
+    knobs = dict(variant.get("knobs", {}))
+    if "outer" in knobs:  # ["plain", lr] | ["nesterov", lr, momentum] | ["error_decay", decay]
+        kind, *args = knobs["outer"]
+        knobs["outer"] = {"plain": sbc.Plain, "nesterov": sbc.Nesterov,
+                          "error_decay": sbc.ErrorDecay}[kind](*args)
+    comp = sbc.SBC(density, delay=delay, **knobs)
     if variant.get("api", "stock") == "stock":
         return stock_horovod_optimizer(base, model, comp), comp
     opt = sbc.DistributedOptimizer(base, model.named_parameters(), compression=comp)
