@@ -37,6 +37,23 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam)
 
 
+def is_rmsprop(optimizer) -> bool:
+    """``torch.optim.RMSprop`` and its subclasses: a second moment, ``square_avg``, averaged
+    with weight ``1 - alpha``, which :func:`frozen_step` freezes as it does Adam's."""
+    return isinstance(optimizer, torch.optim.RMSprop)
+
+
+def freezable(optimizer) -> bool:
+    """Can :func:`frozen_step` hold this optimizer's second moment fixed?"""
+    return (is_adam(optimizer) or is_rmsprop(optimizer)) and not _unsupported_mode(optimizer)
+
+
+def variance_beta(group: dict) -> float:
+    """The weight of the old second moment in one step: Adam's ``beta2``, RMSprop's
+    ``alpha``."""
+    return float(group["betas"][1]) if "betas" in group else float(group["alpha"])
+
+
 class FreezeAt:
     """Freeze after a fixed number of steps ``K`` (``freeze_variance_after=K``)."""
     auto = False
@@ -77,7 +94,7 @@ class AutoFreeze:
         if rising or done == 0:
             self.warmup_end = done
             return False
-        beta2 = max(float(g["betas"][1]) for g in optimizer.param_groups)
+        beta2 = max(variance_beta(g) for g in optimizer.param_groups)
         if done >= auto_freeze_step(self.warmup_end, beta2):
             self.frozen_at = done
             return True
@@ -100,15 +117,13 @@ def check_freeze(freeze_after, optimizer):
     if freeze_after is None:
         return None
     if freeze_after == "auto" and isinstance(freeze_after, str):
-        if not is_adam(optimizer) or _unsupported_mode(optimizer):
-            return None
-        return AutoFreeze()
+        return AutoFreeze() if freezable(optimizer) else None
     if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
         raise ValueError(f"freeze_variance_after must be 'auto', None or an int >= 1, got "
                          f"{freeze_after!r}")
-    if not is_adam(optimizer):
-        raise ValueError(f"freeze_variance_after applies to torch.optim.Adam and AdamW, not "
-                         f"{type(optimizer).__name__}")
+    if not (is_adam(optimizer) or is_rmsprop(optimizer)):
+        raise ValueError(f"freeze_variance_after applies to torch.optim.Adam, AdamW and "
+                         f"RMSprop, not {type(optimizer).__name__}")
     if _unsupported_mode(optimizer):
         raise ValueError("freeze_variance_after does not support Adam's capturable, fused "
                          "or differentiable modes")
@@ -148,10 +163,55 @@ def _floor_variance(v: torch.Tensor, grad: torch.Tensor) -> None:
     v.copy_(torch.where(mean > 0, torch.maximum(v, mean * ADAM_VARIANCE_FLOOR), grad.square()))
 
 
+def _freeze_rmsprop(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """RMSprop's second moment, once per parameter: ``square_avg`` (minus the squared mean
+    gradient when ``centered``), floored as Adam's is; stored as ``square_avg``."""
+    if "square_avg" not in state:  # first gradient after the freeze
+        state["step"] = torch.tensor(0.0)
+        state["square_avg"] = grad.square()
+        if group.get("momentum", 0) > 0:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif group.get("centered", False):
+        state["square_avg"].addcmul_(state["grad_avg"], state["grad_avg"], value=-1)
+    _floor_variance(state["square_avg"], grad)
+    state["sbc_variance_frozen"] = torch.tensor(1.0)
+
+
+def _rmsprop_frozen_step(optimizer, group: dict, params, grads, states) -> None:
+    """RMSprop's step with ``square_avg`` held fixed (momentum and weight decay as RMSprop)."""
+    for p, g, st in zip(params, grads, states):
+        if "sbc_variance_frozen" not in st:
+            _freeze_rmsprop(p, g, st, group)
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    if wd:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    torch._foreach_add_([st["step"] for st in states], 1.0)
+    denom = torch._foreach_sqrt([st["square_avg"] for st in states])
+    torch._foreach_add_(denom, eps)
+    mu = float(group.get("momentum", 0))
+    if mu > 0:
+        bufs = [st["momentum_buffer"] for st in states]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_addcdiv_(bufs, grads, denom)
+        torch._foreach_add_(params, bufs, alpha=-lr)
+    else:
+        torch._foreach_addcdiv_(params, grads, denom, value=-lr)
+
+
 @torch.no_grad()
 def frozen_step(optimizer) -> None:
-    """One step of ``optimizer`` (torch Adam/AdamW) with the second moment held fixed."""
+    """One step of ``optimizer`` (torch Adam/AdamW or RMSprop) with the second moment held
+    fixed."""
     for group in optimizer.param_groups:
+        if is_rmsprop(optimizer):
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            if group.get("maximize", False):
+                grads = torch._foreach_neg(grads)
+            if params:
+                _rmsprop_frozen_step(optimizer, group, params, grads,
+                                     [optimizer.state[p] for p in params])
+            continue
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             continue
@@ -186,6 +246,6 @@ def family(optimizer) -> str:
     :func:`frozen_step` can freeze, ``"adaptive"`` for everything else."""
     if isinstance(optimizer, torch.optim.SGD):
         return "sgd"
-    if is_adam(optimizer) and not _unsupported_mode(optimizer):
+    if freezable(optimizer):
         return "adam"
     return "adaptive"
