@@ -15,10 +15,8 @@ same initial weights per seed:
                 longer than this whole run, and at 2 (the least PowerSGD allows with error
                 feedback: what it compresses without a dense warm-up);
 * ``sbc-hook``  :func:`horovod_sbc.torch.ddp.sbc_hook`, per parameter at p = 0.01 and 0.05, and
-                per bucket at p = 0.01 (the granularity comparison), all without the optimizer
-                (its momentum acts on the average); ``sbc-hook p=0.01 folded`` gives
-                ``SBCState`` the optimizer, whose momentum is then folded into its learning
-                rate (:mod:`horovod_sbc.torch.momentum`);
+                per bucket at p = 0.01 (the granularity comparison); the optimizer's momentum
+                acts on the average;
 * ``sbc-avg``   :class:`horovod_sbc.torch.ddp.SBCModelAverager` with ``PostLocalSGDOptimizer``
                 (no gradient exchange between averages), a few (p, n).
 
@@ -77,9 +75,6 @@ def methods(quick: bool, steps: int) -> List[Dict]:
     for p, g in hooks:
         out.append({"family": "sbc-hook", "label": f"sbc-hook p={p}" + (" bucket" if
                     g == "bucket" else ""), "density": p, "granularity": g})
-    if not quick:
-        out.append({"family": "sbc-hook", "label": "sbc-hook p=0.01 folded", "density": 0.01,
-                    "granularity": "parameter", "fold": True})
     for p, n in ([(0.01, 4)] if quick else [(0.01, 4), (0.05, 4), (0.01, 16)]):
         out.append({"family": "sbc-avg", "label": f"sbc-avg p={p} n={n}", "density": p,
                     "period": n})
@@ -146,8 +141,7 @@ def worker(cfg_path: str) -> None:
             model.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=m["rank"],
                                                    **kw), powerSGD_hook)
         elif fam == "sbc-hook":
-            state = SBCState(model, SBC(density=m["density"]), granularity=m["granularity"],
-                             optimizer=opt if m.get("fold") else None)
+            state = SBCState(model, SBC(density=m["density"]), granularity=m["granularity"])
             model.register_comm_hook(state, sbc_hook)
             stats = state.stats
         elif fam == "sbc-avg":
@@ -364,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int)
     ap.add_argument("--only", type=lambda v: [m for m in v.split(",") if m],
                     help="comma-separated method labels to run (with 'none'), e.g. "
-                         "'none,sbc-hook p=0.01,sbc-hook p=0.01 folded'")
+                         "'none,sbc-hook p=0.01,sbc-avg p=0.01 n=4'")
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ddp.json"))
     args = ap.parse_args(argv)
     if args.worker:

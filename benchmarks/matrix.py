@@ -54,6 +54,8 @@ VARIANTS: Dict[str, dict] = {
                    "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
     "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
     "keep": {"api": "stock", "knobs": {"momentum": "keep"}},
+    "local_residual_shared": {"api": "stock", "knobs": {"local_residual": True},
+                              "finish": "shared"},
     # the adaptive screen: outer steps in place of policy.outer_step's choice
     "outer_plain": {"api": "stock", "knobs": {"outer": ["plain", 1.0]}},
     "outer_diloco": {"api": "stock", "knobs": {"outer": ["nesterov", 0.7, 0.9]}},
@@ -182,7 +184,7 @@ def train_once(task, entry: dict, lr: float, method: str, variant: dict, density
         losses.append(float(loss))
     wall = time.perf_counter() - t0
     if hasattr(opt, "finish"):
-        opt.finish()
+        opt.finish(**({"average_residuals": False} if variant.get("finish") == "shared" else {}))
     score = task.evaluate(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     numel = flat.numel()

@@ -15,8 +15,6 @@ from . import registry
 
 
 NONFINITE = ("raise", "skip")
-#: ``momentum``: what the gradient exchange does with SGD's momentum
-MOMENTUM = ("fold", "mask", "keep", "dgc", "ef21")
 #: the outer steps of :mod:`horovod_sbc.outer`, by their ``kind``
 OUTER_KINDS = ("plain", "nesterov", "error_decay")
 #: the knobs of training with SBC (below the codec's in :class:`SBCConfig`)
@@ -198,28 +196,24 @@ class SBCConfig:
     :func:`horovod_sbc.policy.choose` says what the optimizer's steps exchange (where one does
     not apply, passing it raises ValueError there):
 
-    momentum: the gradient exchange (stock Horovod with SGD at delay 1): what happens to SGD's
-        momentum, which acts on the averaged sparse gradient, where a coordinate arrives every
-        ~1/p steps in one burst that a velocity replays for ~1/(1-m) more steps. ``"fold"``
-        (None: the default; :func:`horovod_sbc.torch.TopK`'s is ``"keep"``): the velocity
-        folded into the learning rate, SGD at ``lr / (1 - m)`` (docs/design.md, "The momentum
-        fold"); ``"mask"``: DGC's momentum factor masking (Lin et al., ICLR 2018), the velocity
-        zeroed where the average is non-zero; ``"keep"``: the optimizer's own momentum.
+    momentum: removed. SGD's momentum is the user's optimizer's own, on every rank, in the
+        weight exchange (:func:`horovod_sbc.policy.choose`); passing it raises ValueError.
     hierarchy: None (flat), ``"node"`` (Horovod's nodes) or groups of global ranks such as
         ``[[0, 1], [2, 3]]``: a dense reduce inside each node, SBC with error feedback between
         nodes (docs/topologies.md). The drop-in (weight exchange).
     local_residual: the weight exchange: True, every rank continues from the shared weights
         plus its own unsent residual (momentum and Adam see their own steps at once; ranks'
         weights differ by their residuals until ``finish``); False, every rank continues from
-        the shared weights, bit-identical after every sync. None (default): False for SGD at
-        delay 1 (its momentum then folded), True otherwise (:func:`horovod_sbc.policy.choose`).
+        the shared weights, bit-identical after every sync. None (default): True
+        (:func:`horovod_sbc.policy.choose`).
     outer: the weight exchange: the outer step that turns each sync's average into the change
         of the shared weights (:mod:`horovod_sbc.outer`: ``Plain``, ``Nesterov``,
         ``ErrorDecay``). None (default): :func:`horovod_sbc.policy.outer_step`: ``Plain()``;
         ``Nesterov(1.0, 0.5)`` for Adam/AdamW with a delay and the residual in the weights;
         ``Plain(lr=sqrt(N))`` for other adaptive optimizers at delay 1.
-    freeze_variance_after: the weight exchange with Adam/AdamW: when every rank's second moment
-        is frozen so that its steps are linear in the gradients (1-bit Adam, arXiv 2102.02888).
+    freeze_variance_after: the weight exchange with Adam/AdamW/RMSprop: when every rank's second
+        moment is frozen so that its steps are linear in the gradients (1-bit Adam, arXiv
+        2102.02888).
         ``"auto"`` (default): :func:`horovod_sbc.policy.auto_freeze_step`, from the run's
         learning-rate warm-up; K: after K steps; None: never. A number with another optimizer
         is an error.
@@ -278,9 +272,12 @@ class SBCConfig:
         if self.fixed_size and self.topology != "allgather":
             raise ValueError("fixed_size applies to topology='allgather' (the server's "
                              "messages are not padded)")
-        if self.momentum is not None and self.momentum not in MOMENTUM:
-            raise ValueError(f"momentum must be one of {', '.join(map(repr, MOMENTUM))}, "
-                             f"got {self.momentum!r}")
+        if self.momentum is not None:
+            raise ValueError(
+                f"SBC(momentum={self.momentum!r}) was removed: every optimizer now exchanges "
+                "weight changes and SGD's momentum is your optimizer's own (the momentum fold "
+                "and DGC's masking trained worse on the task matrix, docs/recipes.md); leave "
+                "momentum= out")
         set_("hierarchy", validate_hierarchy(self.hierarchy))
         if self.hierarchy is not None and self.topology == "server":
             raise ValueError(f"{describe_hierarchy(self.hierarchy)} cannot be combined with "

@@ -1,36 +1,31 @@
 """Which algorithm an optimizer gets: one framework-free rule, read by torch and TensorFlow.
 
-SBC can exchange two things. The *gradients*: every rank's gradient is compressed, the average
-decoded, and your optimizer steps on it (stock Horovod's contract). Or the *weight change*: every
-rank runs your optimizer on its own gradients and the change of its weights since the shared
-weights ``W_ref`` is compressed (the SBC paper's communication delay; DiLoCo, arXiv 2311.08105).
-Only an optimizer whose step is linear in the gradient (SGD) gives the same step either way; an
-adaptive one (Adam, RMSprop, ...) normalises each coordinate by its own history, so a coordinate
-that arrives late in one burst moves the weight by one learning rate instead of the sum of the
-steps it stands for: through the gradient exchange it trains worse than no communication
-(docs/recipes.md). So:
+SBC can exchange two things. The *gradients*: every rank's gradient is compressed with error
+feedback, the average decoded, and your optimizer steps on it (stock Horovod's contract). Or the
+*weight change*: every rank runs your optimizer on its own gradients and the change of its
+weights since the shared weights ``W_ref`` is compressed, the unsent rest staying in the rank's
+weights (the SBC paper's communication delay with error feedback; DiLoCo, arXiv 2311.08105,
+with ``delay`` local steps). Every optimizer whose step the package can wrap exchanges weight
+changes, at every ``delay``: an optimizer with state (SGD's velocity, Adam's moments) then sees
+its own steps at once instead of the average's late bursts, and the task matrix
+(``benchmarks/matrix.json``, docs/recipes.md) chose it over every gradient-exchange variant
+screened for momentum SGD. Per family:
 
-* SGD at delay 1: the gradients (stock hook), or in the drop-in the weight change with the
-  residual beside the shared weights; the momentum folded into the learning rate. An SGD whose
-  momentum the package cannot fold (a Keras SGD with decoupled ``weight_decay`` in the weight
-  exchange, or with gradient accumulation) is exchanged as the next item says, its velocity
-  kept local and nothing scaled.
-* everything else, and any optimizer with a delay: the weight change, the residual kept in
-  each rank's weights; Adam and AdamW with their second moment frozen automatically
-  (:func:`auto_freeze_step`), which makes their steps linear as SGD's are. Other adaptive
-  optimizers (RMSprop, Adagrad, Adamax, NAdam, RAdam, ...) keep normalising each rank's step
-  by its own statistics: where noise dominates, the average of N such steps is up to sqrt(N)
-  shorter than one step on the averaged gradient, so at delay 1 the average is applied
-  times sqrt(N) (``outer=Plain(lr=sqrt(N))``; docs/recipes.md measures it).
-* Adam and AdamW with a delay (the residual in the weights): the average is applied by a mild
-  Nesterov outer step, ``Nesterov(lr=1.0, momentum=0.5)`` (DiLoCo's outer step, arXiv
-  2311.08105, with less momentum): on the transformer over 3,000 steps (3 seeds) 0.2-0.5 %
-  better than the plain average at delay 4 and 10-22 % at delay 16 (docs/recipes.md). Not for
-  SGD: its steps are not normalised, and an outer momentum lengthens them (x2 in a steady
-  direction), which slowed momentum SGD on a small regression at delay 2.
+* SGD (with or without momentum, Nesterov, weight decay): the user's step, nothing changed;
+  the average applied as it is (``outer=Plain()``).
+* Adam, AdamW and RMSprop: their second moment frozen automatically (:func:`auto_freeze_step`;
+  1-bit Adam, arXiv 2102.02888), which makes their steps linear in the gradient as SGD's are;
+  with a delay the average is applied by ``Nesterov(lr=1.0, momentum=0.5)`` (DiLoCo's outer
+  step with less momentum).
+* other adaptive optimizers (Adagrad, Adamax, NAdam, RAdam, ...) keep normalising each rank's
+  step by its own statistics: where noise dominates the average of N such steps is up to
+  sqrt(N) shorter, so at delay 1 it is applied times sqrt(N) (``outer=Plain(lr=sqrt(N))``).
+* an optimizer the adapter was not given (TF's stock tape without ``SBC(optimizer=)``, torch's
+  stock hook given ``named_parameters`` alone): the gradients, the user's optimizer applying the
+  average as it would the dense one.
 
-:func:`choose` is the whole rule; the torch hook, the torch drop-in, the DDP hook and the
-TensorFlow adapters ask it and print its warning.
+:func:`choose` is the whole rule; the torch hook, the torch drop-in, the DDP averager and the
+TensorFlow adapters ask it.
 """
 from __future__ import annotations
 
@@ -39,8 +34,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 #: an optimizer's family, as the adapters describe it: ``"sgd"`` (step linear in the gradient,
-#: with or without momentum), ``"adam"`` (Adam/AdamW, whose variance the package can freeze),
-#: ``"adaptive"`` (any other optimizer with per-coordinate state: RMSprop, Adagrad, Adamax,
+#: with or without momentum), ``"adam"`` (Adam/AdamW/RMSprop, whose second moment the package
+#: can freeze), ``"adaptive"`` (any other optimizer with per-coordinate state: Adagrad, Adamax,
 #: NAdam, RAdam, LAMB-style, ...), ``"unknown"`` (an optimizer the adapter was not given: TF's
 #: ``sbc.step(variables)`` without one, or its stock tape without ``SBC(optimizer=)``)
 FAMILIES = ("sgd", "adam", "adaptive", "unknown")
@@ -59,41 +54,33 @@ class Choice:
     """What :func:`choose` decided for one optimizer."""
     exchange: str          # "gradients" or "weights"
     local_residual: bool   # weights: the unsent update stays in each rank's weights
-    fold_momentum: bool    # SGD's momentum folded into its learning rate
-    auto_freeze: bool      # Adam's second moment frozen at auto_freeze_step()
+    auto_freeze: bool      # the second moment frozen at auto_freeze_step()
     outer: str = "plain"   # weights: the outer step when SBC(outer=None), see outer_step()
 
 
 def choose(family: str, *, delay: int = 1, api: str = "stock",
-           local_residual: Optional[bool] = None, foldable: bool = True) -> Choice:
+           local_residual: Optional[bool] = None) -> Choice:
     """The algorithm for an optimizer of ``family`` at ``delay``, through ``api`` (``"stock"``:
     Horovod's optimizer or tape with ``compression=SBC``; ``"dropin"``: the package's own).
-    ``local_residual`` is the user's override (None: chosen here). ``foldable``: whether the
-    adapter can fold this SGD's momentum (true of every ``torch.optim.SGD`` and of any SGD
-    without momentum; see the module docstring). An ``"unknown"`` optimizer exchanges gradients
-    through the stock API (there is no step to wrap) and weight changes in the drop-in."""
+    ``local_residual`` is the user's override (None: in the weights). An ``"unknown"`` optimizer
+    exchanges gradients through the stock API (there is no step to wrap) and weight changes in
+    the drop-in."""
     if family not in FAMILIES:
         raise ValueError(f"optimizer family must be one of {FAMILIES}, got {family!r}")
     if api not in ("stock", "dropin"):
         raise ValueError(f"api must be 'stock' or 'dropin', got {api!r}")
     if family == "unknown" and api == "stock":
-        return Choice("gradients", False, False, False)
-    if family == "sgd" and delay == 1 and foldable:
-        if api == "stock" and not local_residual:
-            return Choice("gradients", False, True, False)
-        lr = False if local_residual is None else local_residual
-        return Choice("weights", lr, not lr, False)
+        return Choice("gradients", False, False)
     lr = True if local_residual is None else local_residual
     outer = "plain"
     if family == "adaptive" and delay == 1:
         outer = "sqrt_n"
     elif family == "adam" and delay > 1 and lr:
         outer = "nesterov"
-    return Choice("weights", lr, False, family == "adam", outer)
+    return Choice("weights", lr, family == "adam", outer)
 
 
-#: ``Choice.outer == "nesterov"``: DiLoCo's outer step with a milder momentum (DiLoCo's 0.9 did
-#: worse at delay 16 with SGD, and diverged with the residual beside the shared weights)
+#: ``Choice.outer == "nesterov"``: DiLoCo's outer step with a milder momentum
 NESTEROV_LR, NESTEROV_MOMENTUM = 1.0, 0.5
 
 
@@ -109,13 +96,15 @@ def outer_step(choice: Choice, ranks: int):
 
 
 def auto_freeze_step(warmup_end: int, beta2: float) -> int:
-    """The step after which Adam's second moment is frozen: ``FREEZE_TIME_CONSTANTS`` time
-    constants of its moving average after the learning-rate warm-up ended (``warmup_end``: the
-    last step whose learning rate was above the one before; 0 without a warm-up), at most
-    ``FREEZE_MAX_WAIT`` steps after it. 1-bit Adam (arXiv 2102.02888) freezes by hand after
-    15-25 % of training; this asks no total step count."""
+    """The step after which the second moment is frozen: ``FREEZE_TIME_CONSTANTS`` time
+    constants of its moving average (``beta2``: Adam's ``betas[1]``, RMSprop's ``alpha``) after
+    the learning-rate warm-up ended (``warmup_end``: the last step whose learning rate was above
+    the one before; 0 without a warm-up), at most ``FREEZE_MAX_WAIT`` steps after it. 1-bit Adam
+    (arXiv 2102.02888) freezes by hand after 15-25 % of training; this asks no total step
+    count."""
     if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Adam's beta2 must be in [0, 1) to freeze its variance, got {beta2!r}")
+        raise ValueError(f"the second moment's beta2 (RMSprop's alpha) must be in [0, 1) to "
+                         f"freeze it, got {beta2!r}")
     wait = min(FREEZE_MAX_WAIT, math.ceil(FREEZE_TIME_CONSTANTS / (1.0 - beta2) - 1e-6))
     return int(warmup_end) + max(1, wait)
 

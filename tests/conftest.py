@@ -39,7 +39,7 @@ _JOB_FILES = {"test_slurm.py", "test_package.py"}
 _LIGHT_JOB_FILES = {"test_slurm.py", "test_package.py", "test_bench.py", "test_hierarchy.py",
                     "test_bench_ddp.py", "test_outer_ranks.py", "test_fixed_size.py",
                     "test_example_lm.py", "test_oneline.py", "test_fused.py",
-                    "test_tf_elastic.py", "test_gpu_check.py"}
+                    "test_tf_elastic.py", "test_gpu_check.py", "test_patterns.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups

@@ -10,7 +10,7 @@ import torch
 
 import horovod_sbc.torch as sbc
 from horovod_sbc.config import ADAM_VARIANCE_FLOOR
-from horovod_sbc.torch.adam import frozen_step
+from horovod_sbc.torch.adam import check_freeze, family, frozen_step
 from test_outer import _PipeTransport, _model, spawn_two_ranks
 
 BETAS, LR, EPS = (0.9, 0.95), 0.01, 1e-8
@@ -109,6 +109,40 @@ def test_frozen_steps_are_linear_in_the_gradient():
     assert max((a - b).abs().max().item() for a, b in zip(mean, of_mean)) > 1e-3
 
 
+@pytest.mark.parametrize("kw", [{}, {"momentum": 0.9}, {"centered": True},
+                                {"momentum": 0.9, "weight_decay": 0.01}])
+def test_rmsprops_frozen_step_is_rmsprop_with_its_second_moment_held(kw):
+    """RMSprop joins the frozen family: after the freeze its step is RMSprop's with
+    ``square_avg`` (centered: minus the squared mean gradient) held at the freeze's value, the
+    momentum buffer and weight decay going on as RMSprop's; steps are then linear in g."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(50))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opt, want = (torch.optim.RMSprop([q], lr=0.01, **kw) for q in (p, ref))
+    for _ in range(5):
+        g = torch.randn(50)
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        want.step()
+    st = want.state[ref]
+    held = st["square_avg"] - (st["grad_avg"] ** 2 if kw.get("centered") else 0)
+    held = torch.maximum(held, held.mean() * 1e-3)  # the frozen variance's floor
+    buf = st.get("momentum_buffer")
+    for _ in range(3):
+        g = torch.randn(50)
+        p.grad = g.clone()
+        frozen_step(opt)
+        with torch.no_grad():
+            d = g + kw.get("weight_decay", 0) * ref
+            d = d / (held.sqrt() + 1e-8)
+            if buf is not None:
+                buf.mul_(0.9).add_(d)
+                d = buf
+            ref.sub_(0.01 * d)
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    assert family(opt) == "adam" and check_freeze("auto", opt) is not None
+
+
 def test_a_parameter_first_seen_after_the_freeze_steps_as_adams_first_step():
     ps = _params()
     opt = KINDS["adamw"](ps)
@@ -166,7 +200,7 @@ def test_a_coordinate_without_gradient_until_the_freeze_takes_the_floor():
 
 def test_freeze_variance_after_is_checked():
     model = _model()
-    with pytest.raises(ValueError, match="applies to torch.optim.Adam and AdamW, not SGD"):
+    with pytest.raises(ValueError, match="applies to torch.optim.Adam, AdamW and RMSprop, not SGD"):
         sbc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  model.named_parameters(),
                                  compression=sbc.SBC(freeze_variance_after=10))

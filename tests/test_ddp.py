@@ -11,7 +11,7 @@ pytestmark = pytest.mark.multirank
 CKPT = tempfile.mkdtemp(prefix="sbc-ddp-ckpt-")
 # the scenarios of 2 ranks in one job; 3 ranks; the checkpoint load in fresh processes
 JOBS = {2: SharedJob("ddp_sbc.py", 2, {"train": ["train"], "nan": ["nan"],
-                                        "save": ["save", f"ckpt={CKPT}"], "fold": ["fold"]},
+                                        "save": ["save", f"ckpt={CKPT}"], "exact": ["exact"]},
                      controller="torchrun", timeout=600),
         # with the C kernels off: the tensor-op backend CUDA tensors take, end to end, and
         # variable-size messages (the exchange of the lengths, then padding to the longest)
@@ -69,31 +69,33 @@ def test_hook_and_averager_train_a_non_iid_task_with_identical_ranks(np_):
     assert avg[0]["stats"]["steps"] == steps
 
 
-def test_the_hook_folds_sgd_momentum_given_the_optimizer():
+def test_the_hook_hands_the_optimizer_the_average_and_warns_about_its_momentum():
     """``SBCState(model, SBC(...), optimizer=opt)`` with torch SGD momentum 0.9 and weight decay
-    0.01: at step t every rank moves by ``-lr * (1 - 0.9^(t+1)) / (1 - 0.9) * (mean(g) + wd * W)``
-    (SGD without a velocity at the folded rate), per parameter and per bucket. Negative control:
-    without the optimizer its momentum acts on the average and the run moves elsewhere."""
+    0.01 on an exact exchange: every rank takes the heavy ball's step on the average gradient
+    (``v = 0.9 v + mean(g) + wd * W``, ``W -= lr v``), per parameter and per bucket, with or
+    without the optimizer given; given it, the hook warns once that momentum through a gradient
+    hook trains below dense and names the weight exchange to use."""
     import numpy as np
-    runs = JOBS[2]["fold"]
+    runs = JOBS[2]["exact"]
     lr, mu, wd = 0.1, 0.9, 0.01
-    for kind in ("fold", "fold_bucket", "kept"):
-        misses = 0
+    for kind in ("param", "bucket", "no_opt"):
+        v = None
         for t in range(4):
-            recs = [r[kind][t] for r in runs]
+            recs = [r[kind]["steps"][t] for r in runs]
             assert recs[0]["after"] == recs[1]["after"], (kind, t)
-            for i, before in enumerate(recs[0]["before"]):
-                before = np.asarray(before)
-                g = (np.asarray(recs[0]["g"][i]) + np.asarray(recs[1]["g"][i])) / 2
-                want = before - lr * (1 - mu ** (t + 1)) / (1 - mu) * (g + wd * before)
-                after = np.asarray(recs[0]["after"][i])
-                if kind == "kept":
-                    misses += not np.allclose(after, want, rtol=1e-4, atol=1e-6)
-                    continue
-                np.testing.assert_allclose(after, want, rtol=1e-4, atol=1e-6,
+            before = [np.asarray(b) for b in recs[0]["before"]]
+            g = [(np.asarray(a) + np.asarray(b)) / 2 for a, b in zip(recs[0]["g"], recs[1]["g"])]
+            d = [gi + wd * w for gi, w in zip(g, before)]
+            v = d if v is None else [mu * vi + di for vi, di in zip(v, d)]
+            for i, (w, vi) in enumerate(zip(before, v)):
+                np.testing.assert_allclose(np.asarray(recs[0]["after"][i]), w - lr * vi,
+                                           rtol=1e-4, atol=1e-6,
                                            err_msg=f"{kind} parameter {i} step {t}")
-        if kind == "kept":
-            assert misses > 0
+    for r in runs:
+        for kind in ("param", "bucket"):
+            msgs = r[kind]["warnings"]
+            assert len(msgs) == 1 and "SBCModelAverager" in msgs[0], msgs
+        assert r["no_opt"]["warnings"] == []
 
 
 def test_nonfinite_gradient_on_one_rank_raises_or_skips_on_every_rank():

@@ -263,13 +263,14 @@ def test_outer_state_in_the_checkpoint(runs):
         make(Plain()).load_state_dict(full)
 
 
-def _simulate_folded(steps, lr=0.1, m=0.9):
-    """Float64 hand computation of two ranks exchanging exactly at every step with SGD's
-    momentum folded: both ranks take their gradients at the shared weights, which move by
-    ``lr (1 - m^(t+1)) / (1 - m)`` times the average gradient at step t."""
+def _simulate(steps, lr=0.1, m=0.9, folded=False):
+    """Float64 hand computation of two ranks exchanging exactly at every step: momentum SGD on
+    the average gradient (the heavy ball, ``v = m v + g``, ``w -= lr v``), or with ``folded``
+    SGD without a velocity at ``lr (1 - m^(t+1)) / (1 - m)`` (the negative control)."""
     model = _model().double()
     gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
     w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    v = {n: torch.zeros_like(t) for n, t in w.items()}
     for t in range(steps):
         grads = []
         for g in gens:
@@ -279,35 +280,41 @@ def _simulate_folded(steps, lr=0.1, m=0.9):
             grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         with torch.no_grad():
             for n, p in model.named_parameters():
-                w[n] -= lr * (1 - m ** (t + 1)) / (1 - m) * (grads[0][n] + grads[1][n]) / 2
+                avg = (grads[0][n] + grads[1][n]) / 2
+                if folded:
+                    w[n] -= lr * (1 - m ** (t + 1)) / (1 - m) * avg
+                else:
+                    v[n] = m * v[n] + avg
+                    w[n] -= lr * v[n]
                 p.copy_(w[n])
     return {n: t.view(-1) for n, t in w.items()}
 
 
-def test_sgd_at_delay_1_defaults_to_the_folded_shared_step(runs):
-    """The drop-in's default for torch SGD at delay 1: the residual beside the shared weights
-    and the momentum folded into the learning rate (horovod_sbc.torch.momentum). With an exact
-    exchange the shared weights follow the float64 hand computation, both ranks hold exactly
-    them, and SGD keeps no velocity. Negative control: ``local_residual=True`` runs SGD's own
-    momentum and ends elsewhere."""
+def test_sgd_at_delay_1_with_an_exact_exchange_is_momentum_sgd_on_the_average(runs):
+    """The default for torch SGD at delay 1 (the residual in the weights, every rank its own
+    velocity): with an exact exchange the shared weights follow the float64 heavy ball on the
+    average gradient, both ranks hold exactly them (nothing is left unsent), and the default is
+    ``local_residual=True``. Negative control: the momentum fold this replaced ends elsewhere."""
     a, b = runs[("dense1", "plain", 4, None)]
     own, _ = runs[("dense1", "plain", 4, True)]
-    assert a["local_residual"] is False and own["local_residual"] is True
-    assert a["momentum_buffers"] == 0 and own["momentum_buffers"] > 0
-    expect = _simulate_folded(4)
+    assert a["local_residual"] is True and a["momentum_buffers"] > 0
+    expect, folded = _simulate(4), _simulate(4, folded=True)
     for name in expect:
         assert torch.equal(a["ref"][name], b["ref"][name]), name
+        assert torch.equal(a["ref"][name], own["ref"][name]), name
         for r in (a, b):
             assert torch.equal(r["weights"][name], a["ref"][name]), name
         assert torch.allclose(a["ref"][name].double(), expect[name], rtol=0, atol=2e-6), name
-    assert max((own["ref"][n] - a["ref"][n]).abs().max().item() for n in expect) > 1e-3
+    assert max((folded[n] - expect[n]).abs().max().item() for n in expect) > 1e-3
 
 
 def test_the_default_residual_placement_follows_the_optimizer_and_the_delay():
     model = _model()
     for base, comp, local in ((torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                               sbc.SBC(0.01), False),
-                              (torch.optim.SGD(model.parameters(), lr=0.1), sbc.SBC(0.01), False),
+                               sbc.SBC(0.01), True),
+                              (torch.optim.SGD(model.parameters(), lr=0.1), sbc.SBC(0.01), True),
+                              (torch.optim.SGD(model.parameters(), lr=0.1),
+                               sbc.SBC(0.01, local_residual=False), False),
                               (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                sbc.SBC(0.01, delay=4), True),
                               (torch.optim.AdamW(model.parameters(), lr=1e-3), sbc.SBC(0.01),

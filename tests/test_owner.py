@@ -103,69 +103,59 @@ def test_tf_owner_reads_horovods_locals_only():
         outside["allreduce_grads"]([g], [v], htf.Average)
 
 
-CHOICES = [  # optimizer -> (family, what the stock hook exchanges at delay 1 and at delay 4)
-    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam", "weights", "weights"),
-    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "adam", "weights", "weights"),
-    (lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False, capturable=True), "adaptive",
-     "weights", "weights"),
-    (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "adaptive", "weights", "weights"),
-    (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "adaptive", "weights", "weights"),
-    (lambda ps: torch.optim.Adamax(ps, lr=1e-3), "adaptive", "weights", "weights"),
-    (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), "adaptive", "weights", "weights"),
-    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9), "adaptive", "weights",
-     "weights"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd", "gradients", "weights"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "sgd", "gradients",
-     "weights"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "sgd", "gradients", "weights"),
+CHOICES = [  # optimizer -> its family (every one the hook finds exchanges weight changes)
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3), "adam"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False, capturable=True), "adaptive"),
+    (lambda ps: torch.optim.NAdam(ps, lr=1e-3), "adaptive"),
+    (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "adaptive"),
+    (lambda ps: torch.optim.Adamax(ps, lr=1e-3), "adaptive"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), "adaptive"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9), "adam"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True), "adam"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "sgd"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "sgd"),
 ]
 
 
-@pytest.mark.parametrize("make, fam, at1, at4", CHOICES)
-def test_the_stock_hook_picks_the_exchange_from_the_optimizer(make, fam, at1, at4):
-    """horovod_sbc.policy: SGD at delay 1 exchanges gradients (its momentum folded); every
-    other optimizer, and SGD with a delay, exchanges weight changes with the residual in the
-    weights; Adam and AdamW freeze their variance automatically."""
+@pytest.mark.parametrize("make, fam", CHOICES)
+def test_every_optimizer_the_hook_finds_exchanges_weight_changes(make, fam):
+    """horovod_sbc.policy: every optimizer, at every delay and through either API, exchanges
+    weight changes with the residual in the weights; Adam, AdamW and RMSprop freeze their
+    second moment automatically."""
     from horovod_sbc import policy
     from horovod_sbc.torch.adam import family
     opt = make([torch.nn.Parameter(torch.zeros(3))])
     assert family(opt) == fam
     one, four = (policy.choose(fam, delay=d, api="stock") for d in (1, 4))
-    assert (one.exchange, four.exchange) == (at1, at4)
+    for c in (one, four, policy.choose(fam, delay=1, api="dropin")):
+        assert c.exchange == "weights" and c.local_residual
+        assert c.auto_freeze == (fam == "adam")
     # the outer step left to the package: sqrt(N) x the average for the other adaptive ones at
-    # delay 1, DiLoCo's Nesterov (momentum 0.5) for Adam with a delay
+    # delay 1, DiLoCo's Nesterov (momentum 0.5) for the frozen family with a delay
     assert one.outer == ("sqrt_n" if fam == "adaptive" else "plain")
     assert four.outer == ("nesterov" if fam == "adam" else "plain")
     assert repr(policy.outer_step(one, 4)) == ("Plain(lr=2.0)" if fam == "adaptive" else "Plain()")
     assert (repr(policy.outer_step(four, 4)) ==
             ("Nesterov(lr=1.0, momentum=0.5)" if fam == "adam" else "Plain()"))
-    # ... and the plain average where the residual is beside the shared weights (Nesterov's
-    # momentum and the ranks' own compound there: docs/recipes.md)
+    # ... and the plain average where the residual is beside the shared weights
     assert policy.choose(fam, delay=4, api="stock", local_residual=False).outer == "plain"
-    for c in (one, four):
-        assert c.auto_freeze == (fam == "adam")
-        assert c.fold_momentum == (c.exchange == "gradients")
-        assert c.local_residual == (c.exchange == "weights")
-    # the drop-in: SGD at delay 1 keeps the residual beside the shared weights, folded
-    dropin = policy.choose(fam, delay=1, api="dropin")
-    assert dropin.exchange == "weights" and dropin.local_residual == (fam != "sgd")
 
 
-def test_an_sgd_whose_momentum_cannot_be_folded_and_an_optimizer_not_given():
-    """policy.choose: an SGD the adapter cannot fold exchanges weight changes with the residual
-    in the weights, nothing scaled (its velocity stays local); an optimizer the adapter was not
-    given exchanges gradients through the stock API and weight changes in the drop-in."""
+def test_an_optimizer_not_given_exchanges_gradients_through_the_stock_api():
     from horovod_sbc import policy
-    for api in ("stock", "dropin"):
-        c = policy.choose("sgd", delay=1, api=api, foldable=False)
-        assert c == policy.Choice("weights", True, False, False, outer="plain"), api
-        assert policy.choose("sgd", delay=1, api=api).fold_momentum  # the foldable one folds
-    beside = policy.choose("sgd", delay=1, api="dropin", foldable=False, local_residual=False)
-    assert beside == policy.Choice("weights", False, False, False)
-    assert policy.choose("unknown", api="stock") == policy.Choice("gradients", False, False, False)
-    assert policy.choose("unknown", api="dropin") == policy.Choice("weights", True, False, False)
+    assert policy.choose("unknown", api="stock") == policy.Choice("gradients", False, False)
+    assert policy.choose("unknown", api="dropin") == policy.Choice("weights", True, False)
     with pytest.raises(ValueError, match="family must be one of"):
         policy.choose("lamb")
+
+
+def test_the_momentum_knob_is_gone_with_a_clear_error():
+    from horovod_sbc.torch import SBC
+    for m in ("fold", "mask", "keep"):
+        with pytest.raises(ValueError, match="momentum=.* was removed.*leave momentum= out"):
+            SBC(0.01, momentum=m)
 
 
 def test_the_automatic_freeze_waits_for_the_warm_up_and_the_variance():
@@ -176,7 +166,7 @@ def test_the_automatic_freeze_waits_for_the_warm_up_and_the_variance():
     assert policy.auto_freeze_step(29, 0.95) == 29 + 60
     assert policy.auto_freeze_step(0, 0.999) == 100
     assert policy.auto_freeze_step(10, 0.0) == 13
-    with pytest.raises(ValueError, match="beta2 must be in"):
+    with pytest.raises(ValueError, match=r"beta2 \(RMSprop.s alpha\) must be in"):
         policy.auto_freeze_step(0, 1.0)
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([p], lr=1.0, betas=(0.9, 0.95))
@@ -199,34 +189,6 @@ def test_the_automatic_freeze_waits_for_the_warm_up_and_the_variance():
     assert again.frozen_at == auto.frozen_at and again.due(opt, 300)
 
 
-@pytest.mark.parametrize("make, momentum, expect", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "fold", None),  # folded
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "mask",
-     "SBC(momentum='mask') through stock hvd.DistributedOptimizer with SGD momentum"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "fold", None),
-])
-def test_stock_hook_warns_once_for_sgd_momentum_it_does_not_fold(make, momentum, expect):
-    """SGD's momentum left to masking trains below dense: the hook says so once per
-    compressor; plain SGD and SGD with its momentum folded are quiet."""
-    import warnings
-
-    from horovod_sbc.torch import SBC
-    from horovod_sbc.torch.hook import warn_momentum
-    p = torch.nn.Parameter(torch.zeros(3))
-    hook = SBC(0.01, momentum=momentum)
-    owner = towner.Owner("w", make([p]), p)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        warn_momentum(hook, owner)
-        warn_momentum(hook, owner)
-    msgs = [str(w.message) for w in seen]
-    if expect is None:
-        assert msgs == []
-        return
-    assert len(msgs) == 1 and expect in msgs[0], msgs
-    assert "SBC(momentum='fold') (the default)" in msgs[0], msgs[0]
-
-
 def test_knobs_that_do_not_apply_raise_where_they_are_passed():
     """One way to say each thing: the drop-in refuses the stock hook's knobs instead of
     ignoring them; top-k is TopK() or mode="values"; the drop-in takes an SBC, no shorthands."""
@@ -236,9 +198,6 @@ def test_knobs_that_do_not_apply_raise_where_they_are_passed():
     def dropin(comp, opt=None):
         return sbc.DistributedOptimizer(opt or torch.optim.SGD(model.parameters(), lr=0.1),
                                         model.named_parameters(), compression=comp)
-    with pytest.raises(ValueError, match=r"SBC\(momentum='mask'\) applies to the gradient "
-                                         r"exchange .* here SGD's steps exchange weight"):
-        dropin(sbc.SBC(0.1, momentum="mask"))
     with pytest.raises(ValueError, match="give named_parameters to horovod_sbc.torch"):
         dropin(sbc.SBC(0.1, named_parameters=model.named_parameters()))
     with pytest.raises(TypeError, match="delay"):
@@ -246,7 +205,5 @@ def test_knobs_that_do_not_apply_raise_where_they_are_passed():
                                  model.named_parameters(), delay=4)
     with pytest.raises(TypeError, match="binarize"):
         sbc.SBC(0.1, binarize=False)
-    # TopK's own momentum default is not the user's choice: the drop-in takes it
-    assert sbc.TopK(0.1).momentum == "keep" and dropin(sbc.TopK(0.1)) is not None
-    assert sbc.TopK(0.1, momentum="fold").momentum == "fold"
+    assert dropin(sbc.TopK(0.1)).compression.config.momentum is None  # a preset, nothing set after
     assert dropin(sbc.SBC(0.1, mode="values")).compression.mode == "values"

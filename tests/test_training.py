@@ -4,10 +4,8 @@ A small conv + BatchNorm + linear net (two 3x3 conv layers of 32 and 64 channels
 62k parameters) on scikit-learn's digits (8x8 images), 240 steps, the training loss logged
 every 8 steps (tests/workers/torch_train.py). Criterion for every SBC configuration: no logged
 loss after step 20 exceeds 1.5x the first step's loss, the final loss (mean of the last 8 steps)
-is below the first, and all ranks end with bit-identical weights. Before the fixes (drop-in
-continuing from the shared weights, no momentum masking in the stock hook) the drop-in runs with
-SGD momentum 0.9 at density 0.01 spiked to 2.2x the first loss on this net. All configurations
-of every torch test here run in one multi-rank job (one process start-up)."""
+is below the first, and all ranks end with bit-identical weights. All configurations of every
+torch test here run in one multi-rank job (one process start-up)."""
 import json
 
 import pytest
@@ -30,17 +28,14 @@ CONFIGS = {  # every test's configurations, run in one 2-rank job (one start-up)
                for opt in (SGD, ADAM) for p in (0.01, 0.001) for n in (1, 4)] + [
         dict(SGD, api="dropin", density=0.01, delay=1, nesterov=True, weight_decay=5e-4),
         dict(opt="adamw", lr=1e-3, api="dropin", density=0.01, delay=4),
-        # SGD's default keeps the residual beside the weights (momentum folded); the other way
-        dict(SGD, api="dropin", density=0.01, delay=4, local_residual=True)],
+        # the residual beside the shared weights instead of in them
+        dict(SGD, api="dropin", density=0.01, delay=4, local_residual=False)],
     # (stock TopK(0.01) with this SGD recipe is not in the list: it spikes to ~1.6x the first
     # loss around step 24 and then trains)
     "stock": [dict(opt, api="stock", density=p, delay=1)
               for opt in (SGD, ADAM) for p in (0.01, 0.001)] + [
         dict(SGD, api="stock", density=0.01, delay=1, nesterov=True, weight_decay=5e-4)],
-    "masking": [dict(SGD_BASE, api="stock"),
-                dict(SGD_BASE, api="stock", compressor={"momentum": "keep"}),
-                dict(SGD_BASE, api="local"),
-                dict(SGD_BASE, api="stock", compressor={"momentum": "mask"})],
+    "control": [dict(SGD_BASE, api="local")],
     "local_residual": [dict(SGD, api="dropin", density=0.01, delay=d, record_shared=True,
                             local_residual=lr) for d, lr in ((1, True), (3, True), (1, False))],
 }
@@ -107,14 +102,9 @@ def test_stock_hook_trains_stably_with_momentum_and_adam():
 
 
 @pytest.mark.slow
-def test_momentum_fold_and_masking_beat_the_optimizers_own_momentum():
-    """Negative controls: the stock hook leaving SGD's momentum as it is (``momentum="keep"``)
-    ends with a higher loss than folding it into the learning rate (the default) or masking it,
-    and a run without any exchange does not end with identical ranks (the check can fail)."""
-    (_, fold), (_, old), (_, local), (_, mask) = _job("masking")
-    tail = lambda runs: sum(runs[0]["losses"][-8:]) / 8  # noqa: E731
-    assert tail(fold) < tail(old), (fold[0]["losses"], old[0]["losses"])
-    assert tail(mask) < tail(old), (mask[0]["losses"], old[0]["losses"])
+def test_the_identical_ranks_check_can_fail():
+    """Negative control: a run without any exchange does not end with identical ranks."""
+    (_, local), = _job("control")
     assert local[0]["digest"] != local[1]["digest"]
 
 

@@ -76,7 +76,7 @@ class SBC(StockHook):
                            outer=outer, freeze_variance_after=freeze_variance_after)
         self.hierarchy = config.hierarchy
         self.state = SyncState(config, HorovodTransport())
-        StockHook.__init__(self, named_parameters, momentum)
+        StockHook.__init__(self, named_parameters)
 
     # -- the state the sync driver and the stock hook share --------------------------------
     manager = property(lambda self: self.state.manager)
@@ -112,13 +112,8 @@ class SBC(StockHook):
         return self.manager.stats()
 
     def state_dict(self):
-        """This rank's residuals, reference weights, counters (and TernGrad's generator); the
-        stock hook's momentum fold adds its guards' state (``"fold_guards"``)."""
-        st = self.state.state_dict()
-        guards = self._fold.guard_states()
-        if guards:
-            st["fold_guards"] = guards
-        return st
+        """This rank's residuals, reference weights, counters (and TernGrad's generator)."""
+        return self.state.state_dict()
 
     def load_state_dict(self, state) -> None:
         """Restore residuals and counters. Residuals are per rank: loading a checkpoint written
@@ -133,8 +128,7 @@ class SBC(StockHook):
         if isinstance(state, dict) and OPTIMIZER_STATE_KEY in state:
             self._optimizer_state = state[OPTIMIZER_STATE_KEY]
             return
-        self.state.load_state_dict(state)
-        self._fold.load_guard_states(state.get("fold_guards", []))
+        self.state.load_state_dict(state)  # a checkpoint's "fold_guards" (before 0.x) is unread
 
     def take_optimizer_state(self):
         """The drop-in state :meth:`load_state_dict` was given for an optimizer not adopted
@@ -161,12 +155,8 @@ def TopK(density: float = 0.01, delay: int = 1, **kw) -> SBC:
     float32 values are sent, positions Golomb-Rice coded like SBC's (``SBC(mode="values")``).
     Takes ``topology="server"`` and ``downlink_density`` like :class:`SBC` (the setting of
     "Downlink Compression Improves TopK Sparsification", Zou, De Sterck, Liu; arXiv
-    2209.15203). ``momentum`` is ``"keep"`` by default here: top-k sends exact values, and
-    the stock hook's measurements of it were made with the optimizer's own momentum."""
-    comp = SBC(density=density, delay=delay, mode="values", **kw)
-    if kw.get("momentum") is None:
-        comp.momentum = "keep"  # its default, not the user's choice
-    return comp
+    2209.15203)."""
+    return SBC(density=density, delay=delay, mode="values", **kw)
 
 
 def FedAvg(delay: int = 4, **kw) -> SBC:

@@ -36,10 +36,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from .. import policy
 from ..config import resolve_compression
-from .adam import family
 from .compressor import SBC
-from .momentum import StockFold, stock_fold
-from .owner import Owner
 from .sync import Update, named_parameters
 from .sync.transport import ProcessGroupTransport
 
@@ -73,17 +70,19 @@ def _make_compression(compression, density, what: str) -> SBC:
 
 
 def warn_gradient_exchange(optimizer) -> None:
-    """A gradient hook can only exchange gradients; where :func:`horovod_sbc.policy.choose`
-    picks the weight change for ``optimizer`` (every optimizer but SGD), say what to use."""
-    if policy.choose(family(optimizer), delay=1, api="stock").exchange == "gradients":
+    """A gradient hook can only exchange gradients; :func:`horovod_sbc.policy.choose` exchanges
+    weight changes for every optimizer it knows, so say what to use unless the optimizer has no
+    state a late, burst-like arrival of each coordinate would disturb (SGD without momentum)."""
+    groups = getattr(optimizer, "param_groups", [])
+    if isinstance(optimizer, torch.optim.SGD) and not any(g.get("momentum", 0) for g in groups):
         return
     warnings.warn(
         f"horovod_sbc: the DDP comm hook exchanges compressed gradients, and "
-        f"{type(optimizer).__name__} normalises each coordinate by its own history: a "
-        "coordinate that arrives late in one burst moves by one learning rate, which trains "
-        "below no communication (docs/recipes.md). For it, exchange weight changes: "
-        "horovod_sbc.torch.DistributedOptimizer (Horovod; Adam's variance frozen "
-        "automatically) or PostLocalSGDOptimizer with SBCModelAverager.", stacklevel=3)
+        f"{type(optimizer).__name__} keeps per-coordinate state (momentum, moments) that each "
+        "coordinate's late, burst-like arrival under error feedback disturbs: it trains well "
+        "below dense (docs/recipes.md). Exchange weight changes instead: PostLocalSGDOptimizer "
+        "with SBCModelAverager, or horovod_sbc.torch.DistributedOptimizer (Horovod).",
+        stacklevel=3)
 
 
 @dataclass
@@ -115,15 +114,9 @@ class SBCState:
         density: shorthand for ``compression=SBC(density=density)``.
         granularity: ``"parameter"`` (default) or ``"bucket"`` (see the module docstring).
         process_group: the group to exchange in (``None``: the default group).
-        optimizer: the optimizer that steps on the averaged gradients. With it, a
-            ``torch.optim.SGD``'s momentum is folded into its learning rate as the Horovod
-            hook folds it (``SBC(momentum="fold")``, the default;
-            :mod:`horovod_sbc.torch.momentum`): the hook scales the average and empties the
-            velocity, so the optimizer's step is SGD without a velocity at
-            ``lr * (1 - dampening) / (1 - momentum)``, reached as a constant gradient's
-            velocity reaches it. Without it (or with
-            ``SBC(momentum="keep")``) the optimizer's momentum acts on the averaged sparse
-            gradient, which trains worse (docs/design.md).
+        optimizer: the optimizer that steps on the averaged gradients (optional): given one
+            with state (SGD momentum, Adam, ...), the hook warns that it trains below dense and
+            names the weight exchange to use instead (:func:`warn_gradient_exchange`).
 
     Step messages are padded to their layout's capacity unless ``SBC(fixed_size=False)``:
     ``torch.distributed``'s all-gather takes one size from every rank, and a capacity known from
@@ -139,13 +132,7 @@ class SBCState:
     def __init__(self, model, compression: Optional[SBC] = None, density: Optional[float] = None,
                  granularity="parameter", process_group=None, optimizer=None):
         self.compression = _make_compression(compression, density, "SBCState")
-        if optimizer is not None and self.compression.momentum == "mask":
-            raise ValueError("SBCState: SBC(momentum='mask') (DGC's masking) is the Horovod "
-                             "hook's; the DDP hook folds the momentum ('fold', the default) or "
-                             "keeps it ('keep')")
         self.optimizer = optimizer
-        self._fold = StockFold() if optimizer is not None and \
-            self.compression.momentum == "fold" else None
         if optimizer is not None:
             warn_gradient_exchange(optimizer)
         if self.compression.delay != 1:
@@ -264,11 +251,6 @@ def _exchange_step(state: SBCState) -> None:
             b.fut.set_exception(e)
         raise
     comp.manager.add(dense_bits=32 * sum(b.buf.numel() for b in pending))
-    if state._fold is not None:  # before the optimizer steps on these gradients
-        parts = [part for b in pending for part in b.parts]
-        plan = state._fold.plan([Owner(n, state.optimizer, p) for n, p, _ in parts], state.iter)
-        stock_fold(plan, None if result is None else [v.view(p.shape) for _, p, v in parts],
-                   [p for _, p, _ in parts])
     state.iter += 1
     state.last_step_skipped = result is None
     if state.last_step_skipped:

@@ -100,9 +100,14 @@ class SBCHandler:
         refuse_elastic(self.sbc.config.hierarchy)
         self.value = optimizer
         self.models = list(models)
-        self.drop_in = _is_drop_in(optimizer)
         self.joined = False  # did this worker train in this job (is its state worth keeping)?
         self.save()
+
+    @property
+    def drop_in(self) -> bool:
+        """Does the optimizer run the drop-in's step (the drop-in, or stock Horovod's once the
+        stock hook adopted it at its first step: every optimizer it finds)?"""
+        return _is_drop_in(self.value)
 
     def set_value(self, value) -> None:
         """``state.optimizer = new_optimizer`` (``TorchState.__setattr__``): own it instead."""
@@ -142,11 +147,12 @@ class SBCHandler:
         for (_, v), w in zip(self.others(), self._others):
             v.copy_(w)
         sd = copy.deepcopy(self._optimizer)  # loaded state must not alias the saved copy
-        if self.drop_in:
+        if "horovod_sbc" in sd:  # committed by the drop-in's step
             sd["horovod_sbc"] = _own_state(sd["horovod_sbc"], self.sbc)
         self.value.load_state_dict(sd)  # stock Horovod's also drops its pending handles
-        if not self.drop_in:
+        if self._saved_sbc is not None:  # committed before stock Horovod's first step
             self.sbc.load_state_dict(_own_state(copy.deepcopy(self._saved_sbc), self.sbc))
+        if not self.drop_in:
             self.sbc.realign_steps()
 
     def renew_world(self) -> None:
@@ -187,25 +193,9 @@ class SBCHandler:
                                                   "sbc.elastic.local_steps")
         else:
             self.sbc.realign_steps()
-            self._sync_fold_guards(source)
         self.renew_world()
         self.joined = True
         return source
-
-    def _sync_fold_guards(self, source: int) -> None:
-        """The stock hook's momentum-fold guards from ``source``: the folded step depends on
-        them, and the weights it moves are shared (a new worker has met no optimizer yet; it
-        takes them at its first fold)."""
-        from .momentum import FoldGuard
-        keys = sorted(FoldGuard().state_dict())
-        mine = self.sbc._fold.guard_states()
-        n = _broadcast_int(len(mine), source, "sbc.elastic.guards")
-        if n == 0:
-            return
-        vals = torch.tensor([[float(g[k]) for k in keys] for g in mine] if len(mine) == n
-                            else [[0.0] * len(keys)] * n, dtype=torch.float64)
-        _hvd().broadcast_(vals, source, name="sbc.elastic.guard_values")
-        self.sbc._fold.load_guard_states([dict(zip(keys, row)) for row in vals.tolist()])
 
     def _shared_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         if not self.drop_in:

@@ -4,16 +4,17 @@ Horovod passes no name: the parameter is found by :func:`horovod_sbc.torch.owner
 (``SBC(named_parameters=...)`` first, then the name Horovod's optimizer gives it), and so is the
 optimizer. :func:`horovod_sbc.policy.choose` then says what that optimizer's steps exchange:
 
-* **gradients** (torch SGD at delay 1): ``compress()`` only records the gradient; the first
-  ``decompress()`` of a step (from ``optimizer.synchronize()``) encodes every gradient of the
-  step at once with its residual, allgathers one step message, decodes every rank's into the
-  gradients' buffers and commits the error feedback; SGD's momentum is folded into its
-  learning rate (:mod:`horovod_sbc.torch.momentum`). A NaN/Inf in any gradient fails (or,
-  with ``nonfinite="skip"``, skips) the whole step on every rank.
-* **weight changes** (every other optimizer, and any ``delay``): Horovod's optimizer is made
-  to run the drop-in's step (:func:`horovod_sbc.torch.optimizer.adopt`); ``decompress()`` hands
-  each local gradient back as it is, the user's optimizer steps on it, and every ``delay``
-  steps the change of the weights is exchanged (Adam's variance frozen automatically).
+* **weight changes** (every optimizer it finds): Horovod's optimizer is made to run the
+  drop-in's step (:func:`horovod_sbc.torch.optimizer.adopt`); ``decompress()`` hands each local
+  gradient back as it is (so ``optimizer.synchronize()`` then clipping clips this rank's own
+  gradient), the user's optimizer steps on it, and every ``delay`` steps the change of the
+  weights is exchanged (Adam's and RMSprop's second moment frozen automatically).
+* **gradients** (an optimizer it cannot find: ``SBC(named_parameters=...)`` used outside
+  Horovod's optimizer): ``compress()`` only records the gradient; the first ``decompress()`` of
+  a step encodes every gradient of the step at once with its residual, allgathers one step
+  message, decodes every rank's into the gradients' buffers and commits the error feedback. A
+  NaN/Inf in any gradient fails (or, with ``nonfinite="skip"``, skips) the whole step on every
+  rank.
 
 Horovod still allreduces a one-element float16 placeholder per gradient and step (counted in
 ``stats()``).
@@ -31,7 +32,6 @@ from ..config import PLACEHOLDER_BITS, PLACEHOLDER_DTYPE
 from .. import policy
 from .adam import family
 from .backend import Accumulate, Targets, frame
-from .momentum import StockFold, check_choice, guard_enabled, stock_fold
 from .optimizer import adopt
 from .owner import Owner, global_process_set, horovod_parameter_name, identify
 from .sync import Outgoing, encode_uplink, exchange
@@ -58,15 +58,10 @@ class StockHook:
 
     state: SyncState
 
-    def __init__(self, named_parameters=None, momentum: Optional[str] = None):
+    def __init__(self, named_parameters=None):
         self._named = list(named_parameters) if named_parameters is not None else None
-        self._momentum_given = momentum is not None  # a drop-in refuses it (does not apply)
-        momentum = "fold" if momentum is None else momentum
         self._calls: Dict[str, int] = {}  # compress() calls per tensor: a new step starts when
         self._max_calls = 0               # some tensor is compressed once more than before
-        self.momentum = check_choice(momentum)
-        self._fold = StockFold()
-        self._warned_momentum = False
         self._pending: List[StockContext] = []  # compressed, not yet exchanged
         self._modes: Dict[int, str] = {}  # id(optimizer) -> what its steps exchange
 
@@ -88,14 +83,6 @@ class StockHook:
         cfg = self.state.config
         choice = policy.choose(family(opt), delay=cfg.delay, api="stock",
                                local_residual=cfg.local_residual)
-        if self.momentum == "dgc" and family(opt) == "sgd":  # screen: DGC in weight space
-            choice = policy.Choice("weights", False, False, False)
-        if self.momentum == "ef21":  # screen: EF21 in weight space, any optimizer
-            choice = policy.Choice("weights", False, False, family(opt) == "adam")
-        if choice.exchange == "gradients":
-            policy.refuse_weight_knobs(
-                cfg, f"{type(opt).__name__} through stock Horovod at delay 1 exchanges gradients "
-                "(pass local_residual=True or delay > 1 to exchange weight changes)")
         if choice.exchange == "weights":
             if self.state.config.topology == "server":
                 raise ValueError(
@@ -116,10 +103,8 @@ class StockHook:
         cfg = self.state.config
         if getattr(self, "hierarchy", None) is not None:
             raise ValueError(f"SBC(hierarchy={self.hierarchy!r}) needs the per-sync exchange of "
-                             "weight changes: stock hvd.DistributedOptimizer sends one message "
-                             "per gradient, and runs that exchange only where it finds the "
-                             "optimizer (named_parameters=) and it is not SGD at delay 1 "
-                             "(local_residual=True makes it so); or use "
+                             "weight changes, which stock hvd.DistributedOptimizer runs where it "
+                             "finds the optimizer (give it named_parameters=); or use "
                              "horovod_sbc.torch.DistributedOptimizer")
         if cfg.delay != 1:
             raise ValueError(
@@ -153,7 +138,6 @@ class StockHook:
             ctx = StockContext(name, tensor, 0, owner, out=tensor, done=True)
             return self._placeholder(tensor), ctx
         self._check_stock()
-        warn_momentum(self, owner)
         size, _ = self.state.world()
         calls = self._calls[name] = self._calls.get(name, 0) + 1
         if calls > self._max_calls:  # the first tensor of a new step (stock path: sync = step)
@@ -225,10 +209,8 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
     for c in ctxs:
         c.out = c.grad if c.grad.is_contiguous() else \
             torch.empty_like(c.grad, memory_format=torch.contiguous_format)  # channels_last
-    masks = [momentum_buffer(c.owner, c.grad.numel()) if hook.momentum == "mask" else None
-             for c in ctxs]
     zeroed = all(src.consume for src in srcs) and not uplink.failed
-    targets = Targets.replace([c.out.view(-1) for c in ctxs], zeroed=zeroed, masks=masks)
+    targets = Targets.replace([c.out.view(-1) for c in ctxs], zeroed=zeroed)
     scales = {1.0 if c.owner.op_sum else 1.0 / c.size for c in ctxs}
     if len(scales) != 1:
         raise ValueError("SBC: the gradients of one step must all be averaged or all summed "
@@ -252,50 +234,5 @@ def exchange_step(hook: StockHook, ctxs: Sequence[StockContext]) -> None:
             enc.commit()
         state.manager.add(positions_sent=uplink.positions_sent(),
                           elements_synced=sum(c.grad.numel() for c in ctxs))
-    if hook.momentum == "fold":
-        owners = [c.owner for c in ctxs]
-        guarded = guard_enabled()
-        if verdict is None and guarded:  # the fold's guard reads the decoded average, the same
-            hook._fold.observe(owners, [c.out for c in ctxs])  # on every rank (skipped: unread)
-        fold = hook._fold.plan(owners, state.manager.counters["steps"] - 1,  # compress() has
-                               guard=guarded)
-        # counted this step; a skipped step's zero gradient takes no stale velocity either
-        stock_fold(fold, [c.out for c in ctxs] if verdict is None else None,
-                   [c.owner.parameter for c in ctxs])
     for c in ctxs:
         c.verdict = verdict
-
-
-def momentum_buffer(owner: Owner, numel: int) -> Optional[torch.Tensor]:
-    """For DGC's momentum factor masking (Lin et al., ICLR 2018) on the *global* buffer: the
-    flat ``optimizer.state[p]["momentum_buffer"]`` of the gradient's parameter, which the
-    decoder zeroes wherever the averaged update is non-zero, before the optimizer's step (see
-    ``SBC(momentum="mask")``); None for optimizers without that state (Adam, ...) and
-    before the first step. The buffer is the same on every rank, so ranks stay identical.
-    On-device, no host transfer."""
-    state = getattr(owner.optimizer, "state", None)
-    if state is None or owner.parameter is None:
-        return None
-    buf = state.get(owner.parameter, {}).get("momentum_buffer")
-    if isinstance(buf, torch.Tensor) and buf.numel() == numel:
-        return buf.view(-1)
-    return None
-
-
-def warn_momentum(hook, owner: Owner) -> None:
-    """Once per compressor: SGD momentum exchanged as gradients without the fold
-    (``SBC(momentum="mask")`` or ``"keep"`` with binarized SBC) trains below dense; say so."""
-    if hook._warned_momentum or owner.optimizer is None:
-        return
-    hook._warned_momentum = True
-    groups = getattr(owner.optimizer, "param_groups", [])
-    if not any(g.get("momentum", 0) for g in groups) or hook.momentum == "fold" or \
-            not hook.state.config.binarize:
-        return  # folded into the learning rate (horovod_sbc.torch.momentum); TopK's exact
-        # values were measured with their momentum
-    warnings.warn(
-        f"horovod_sbc: SBC(momentum={hook.momentum!r}) through stock hvd.DistributedOptimizer "
-        "with SGD momentum: the momentum then acts on the averaged sparse update, in which each "
-        "coordinate arrives late and in one burst, and trains below dense; "
-        "SBC(momentum='fold') (the default) runs SGD without its velocity at the learning rate "
-        "the velocity converges to, lr / (1 - momentum).", stacklevel=4)

@@ -7,9 +7,9 @@ as before. Every ``delay`` local steps the update ``A = W_local - W_ref`` of eac
 SBC-compressed, all tensors' messages go in one allgather, and every rank adds the decoded
 average to ``W_ref`` (bit-identical everywhere; ``outer=`` replaces that by another outer step,
 :mod:`horovod_sbc.torch.outer`). The residual ``R = A - sent`` stays in each rank's weights
-(``local_residual=True``: error feedback in weight space) or beside the shared weights
-(``False``); :func:`horovod_sbc.policy.choose` picks it per optimizer, and Adam/AdamW's second
-moment is frozen automatically (:mod:`horovod_sbc.torch.adam`). docs/design.md says why.
+(``local_residual=True``, the default: error feedback in weight space) or beside the shared
+weights (``False``); Adam's, AdamW's and RMSprop's second moment is frozen automatically
+(:mod:`horovod_sbc.torch.adam`; :func:`horovod_sbc.policy.choose`). docs/design.md says why.
 
 With the residual in float32/float64 weights nothing else stores it (``R = W - W_ref``): a sync
 reads the weights and ``W_ref`` once. fp16/bf16 weights keep a float32 residual beside them.
@@ -29,7 +29,6 @@ from .. import policy
 from ..config import OPTIMIZER_STATE_KEY
 from .adam import check_freeze, family, frozen_step
 from .hierarchy import Hierarchy
-from .momentum import folded, guard_of
 from .outer import check_kind, make as make_outer
 from .owner import called_by_horovod_broadcast
 from .sync import Update
@@ -62,13 +61,6 @@ class _SBCOptimizer:
         _refuse_stock_knobs(compression, api, type(self).__name__)
         choice = policy.choose(family(self), delay=compression.delay, api=api,
                                local_residual=cfg.local_residual)
-        self._sbc_dgc = getattr(compression, "momentum", None) == "dgc" and family(self) == "sgd"
-        if self._sbc_dgc:  # screen: DGC's momentum correction + masking in weight space
-            choice = policy.Choice("weights", False, False, False)
-        self._sbc_ef21 = getattr(compression, "momentum", None) == "ef21"
-        if self._sbc_ef21:  # screen: EF21 (tracked average step) in weight space
-            choice = policy.Choice("weights", False, False, family(self) == "adam")
-        self._sbc_ef21_g = {}
         local_residual = self._sbc_local_residual = choice.local_residual
         outer = cfg.outer
         if outer is None:
@@ -139,24 +131,6 @@ class _SBCOptimizer:
             if name not in ref:
                 ref[name] = p.detach().clone()
 
-    def _local_step(self, closure):
-        """The user's optimizer step on this rank's gradients (AMP-aware, see above); at delay
-        1 with the residual beside the weights, SGD's momentum folded into its learning rate
-        (:mod:`horovod_sbc.torch.momentum`)."""
-        if self._sbc_local_residual or self._sbc.delay != 1 or self._sbc_dgc or self._sbc_ef21:
-            return self._user_step(closure)
-        with folded(self, self._sbc.manager.counters["steps"],  # counted after this step
-                    residuals=self._folded_residuals):
-            return self._user_step(closure)
-
-    def _folded_residuals(self):
-        """The stored residuals (weight space) of the parameters whose SGD momentum is folded:
-        what a back-off of the fold rescales (:class:`horovod_sbc.torch.momentum.FoldGuard`)."""
-        res = self._sbc.manager.residuals
-        ids = {id(p) for g in self.param_groups
-               if g.get("momentum", 0) and not g.get("maximize", False) for p in g["params"]}
-        return [res[n] for n, p in self._sbc_params if id(p) in ids and n in res]
-
     def _user_step(self, closure):
         if "found_inf" not in self.__dict__:
             return self._inner_step(closure)
@@ -197,7 +171,7 @@ class _SBCOptimizer:
             self._sbc_load(st)
             self._sbc.manager.add(**counted)
         self._capture_reference()
-        loss = self._local_step(closure)
+        loss = self._user_step(closure)  # the user's step on this rank's gradients
         self._sbc_local_steps += 1
         numel = sum(p.numel() for _, p in self._sbc_params)
         self._sbc.manager.add(steps=1, dense_bits=32 * numel)
@@ -244,37 +218,10 @@ class _SBCOptimizer:
                         base_offset=res[name] if local and name in res and name not in kept
                         else None)
                  for name, p in self._sbc_params]
-        before = None
-        import os
-        if self._sbc_dgc and os.environ.get("HOROVOD_SBC_DGC_MASK", "1") != "0":
-            # screen: A = R + (W - W_ref), to find what was sent (masking)
-            before = {name: (res[name] if name in res else 0) + (p.detach() - ref[name]).view(-1)
-                      for name, p in self._sbc_params}
-        if self._sbc_dgc:
-            _dgc_warm_density(self._sbc)
-        ef21 = None
-        if self._sbc_ef21:  # screen: the window change dW and the shared weights before
-            ef21 = {name: ((p.detach() - ref[name]).view(-1), ref[name].view(-1).clone())
-                    for name, p in self._sbc_params}
         if self._sbc_outer.needs_buffer:
             self._outer_exchange(items, kept)
         else:
             self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
-        if ef21 is not None:
-            for name, p in self._sbc_params:
-                dw, old = ef21[name]
-                if name in res:  # EF21: the state -g_r takes only what was sent, not dW
-                    res[name].sub_(dw)
-                g = self._sbc_ef21_g.get(name)
-                if g is None:
-                    g = self._sbc_ef21_g[name] = torch.zeros_like(old)
-                g.add_(ref[name].view(-1) - old)   # G += the decoded average of this sync
-                ref[name].view(-1).copy_(old + g)  # the shared weights move by G
-        if before is not None:
-            for name, p in self._sbc_params:
-                buf = self.state.get(p, {}).get("momentum_buffer")
-                if isinstance(buf, torch.Tensor) and name in res:
-                    buf.view(-1).masked_fill_(before[name] != res[name], 0.0)
         shared = []  # the weights that continue from W_ref: one foreach copy for all
         for name, p in self._sbc_params:
             if name in kept:
@@ -424,7 +371,6 @@ class _SBCOptimizer:
         st["outer"] = self._sbc_outer.state_dict()
         if self._sbc_freeze is not None:
             st["freeze"] = self._sbc_freeze.state_dict()
-        st["fold_guard"] = guard_of(self).state_dict()
         sd[OPTIMIZER_STATE_KEY] = st
         return sd
 
@@ -455,8 +401,6 @@ class _SBCOptimizer:
             self._sbc_outer.load_state_dict(st["outer"])
         if "freeze" in st and self._sbc_freeze is not None:
             self._sbc_freeze.load_state_dict(st["freeze"])
-        if "fold_guard" in st:
-            guard_of(self).load_state_dict(st["fold_guard"])
         self._sbc_local_steps = int(st.get("local_steps", 0))
         ref = self._sbc.manager.reference
         bufs = self._sbc_outer.buffers()
@@ -499,30 +443,8 @@ def _world_size(compression) -> int:
         return 1
 
 
-def _dgc_warm_density(comp) -> None:
-    """Screen: DGC's density warm-up, from 0.25 geometrically down to the configured density
-    over the first ``HOROVOD_SBC_DGC_WARMUP`` steps (0: none)."""
-    import dataclasses
-    import os
-    n = int(os.environ.get("HOROVOD_SBC_DGC_WARMUP", "0"))
-    target = getattr(comp, "_dgc_target", None)
-    if target is None:
-        target = comp._dgc_target = comp.config.density
-    step = comp.manager.counters["steps"]
-    d = target if step >= n or target >= 0.25 else 0.25 * (target / 0.25) ** (step / n)
-    if d != comp.config.density:
-        comp.config = dataclasses.replace(comp.config, density=d)
-
-
 def _refuse_stock_knobs(compression, api: str, optimizer: str) -> None:
-    """Knobs of the stock gradient exchange that do not apply here raise instead of being
-    ignored."""
-    if getattr(compression, "_momentum_given", False) and compression.momentum not in ("dgc", "ef21"):
-        raise ValueError(
-            f"SBC(momentum={compression.momentum!r}) applies to the gradient exchange (stock "
-            f"hvd.DistributedOptimizer with torch SGD at delay 1); here {optimizer}'s steps "
-            "exchange weight changes (horovod_sbc.policy), where SGD's momentum is folded by "
-            "local_residual=False: leave momentum= out")
+    """Knobs of the stock hook that do not apply here raise instead of being ignored."""
     if api == "dropin" and getattr(compression, "_named", None) is not None:
         raise ValueError("SBC(named_parameters=...) is for stock hvd.DistributedOptimizer; "
                          "give named_parameters to horovod_sbc.torch.DistributedOptimizer")

@@ -218,19 +218,22 @@ def run_save_load():
     return out
 
 
-def run_fold():
-    """The hook with ``SBCState(..., optimizer=opt)``, SGD lr 0.1 momentum 0.9 weight decay 0.01,
-    on dense values (density 1, ``binarize=False``: the exchange is exact), one bucket per
-    parameter pair (``bucket_cap_mb`` small) and per bucket (``granularity="bucket"``): per step
-    the parameters before and after and this rank's own gradients (the module alone, outside
-    DDP). The negative control keeps the optimizer's momentum (no optimizer given)."""
+def run_exact():
+    """The hook with SGD lr 0.1 momentum 0.9 weight decay 0.01 on dense values (density 1,
+    ``mode="values"``: the exchange is exact), one bucket per parameter pair (``bucket_cap_mb``
+    small) and per bucket (``granularity="bucket"``), the optimizer given to ``SBCState`` or not:
+    per step the parameters before and after and this rank's own gradients (the module alone,
+    outside DDP), and the warnings ``SBCState`` gave."""
+    import warnings
     out = {}
-    for kind, give, granularity in (("fold", True, "parameter"), ("fold_bucket", True, "bucket"),
-                                    ("kept", False, "parameter")):
+    for kind, give, granularity in (("param", True, "parameter"), ("bucket", True, "bucket"),
+                                    ("no_opt", False, "parameter")):
         model = DDP(net(), bucket_cap_mb=0.01)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-        state = SBCState(model, SBC(density=1.0, mode="values"), granularity=granularity,
-                         optimizer=opt if give else None)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            state = SBCState(model, SBC(density=1.0, mode="values"), granularity=granularity,
+                             optimizer=opt if give else None)
         model.register_comm_hook(state, sbc_hook)
         steps = []
         for s in range(4):
@@ -243,12 +246,12 @@ def run_fold():
             step(model, opt, s)
             rec["after"] = [p.detach().double().flatten().tolist() for p in params]
             steps.append(rec)
-        out[kind] = steps
+        out[kind] = {"steps": steps, "warnings": [str(w.message) for w in seen]}
     return out
 
 
 MODES = {"train": run_train, "nan": run_nan, "kill": run_kill, "save": run_save_load,
-         "load": run_save_load, "fold": run_fold}
+         "load": run_save_load, "exact": run_exact}
 
 
 def run_scenario(mode, kw):

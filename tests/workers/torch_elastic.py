@@ -3,8 +3,7 @@
 Every rank trains two models side by side on one linear-regression task (each rank draws its own
 samples): one through the drop-in ``horovod_sbc.torch.DistributedOptimizer`` (SGD momentum 0.9,
 ``SBC(density=0.1, delay=2)``, the residual in the weights), one through stock
-``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (SGD momentum 0.9, folded, its
-guards synced at every reset; ``stock_topology=``
+``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (SGD momentum 0.9; ``stock_topology=``
 its topology, e.g. ``reduce_scatter``), both in one
 ``SBCState``, committed after every step. Every worker starts from its own random weights.
 

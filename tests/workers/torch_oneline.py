@@ -183,7 +183,7 @@ def run_train(kw):
     out = {how: _train_digits(name, how, steps, density) for how in ("dense", "alone", "sbc")}
     if kw.get("control"):
         real = policy.choose
-        policy.choose = lambda family, **k: policy.Choice("gradients", False, True, False)
+        policy.choose = lambda family, **k: policy.Choice("gradients", False, False)
         try:
             out["gradients"] = _train_digits(name, "sbc", steps, density)
         finally:
