@@ -44,24 +44,23 @@ def test_checkpoint_holds_the_state_of_torch_under_its_names(tmp_path):
 
 def test_the_default_residual_placement_is_torchs():
     """``SBC(local_residual=None)`` in weight mode chooses as the torch drop-in for the same
-    recipe: beside the shared weights (False) for SGD at delay 1, with momentum folded; in the
-    weights (True) for Adam-family optimizers, any delay > 1, and without the optimizer. TF
-    keeps Keras' decoupled weight decay unfolded, so SGD with ``weight_decay`` stays True."""
+    recipe: in the weights (True) for every optimizer at every delay, and without the
+    optimizer; an explicit choice stands."""
     import keras
     net = torch.nn.Linear(2, 2)
-    recipes = [  # (torch optimizer, Keras optimizer, delay, residual in the weights, folded)
+    recipes = [  # (torch optimizer, Keras optimizer, delay)
         (lambda: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-         lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1, False, True),
+         lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1),
         (lambda: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True),
-         lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), 1, False, True),
+         lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), 1),
         (lambda: torch.optim.SGD(net.parameters(), lr=0.1),
-         lambda: keras.optimizers.SGD(0.1), 1, False, False),
+         lambda: keras.optimizers.SGD(0.1), 1),
         (lambda: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-         lambda: keras.optimizers.SGD(0.1, momentum=0.9), 4, True, False),
+         lambda: keras.optimizers.SGD(0.1, momentum=0.9), 4),
         (lambda: torch.optim.AdamW(net.parameters(), lr=1e-3),
-         lambda: keras.optimizers.AdamW(1e-3), 1, True, False),
+         lambda: keras.optimizers.AdamW(1e-3), 1),
     ]
-    for make_torch, make_keras, delay, local, fold in recipes:
+    for make_torch, make_keras, delay in recipes:
         opt = make_torch()
         dist = hsbc_torch.DistributedOptimizer(
             opt, named_parameters=net.named_parameters(),
@@ -71,10 +70,10 @@ def test_the_default_residual_placement_is_torchs():
         assert sbc.local_residual is None  # not chosen before the first step
         sbc._settle(kopt)
         what = f"{type(kopt).__name__} delay {delay}"
-        assert dist._sbc_local_residual is local and sbc.local_residual is local, what
-        assert (sbc._fold is not None) is fold, what
-    # without the optimizer, and with Keras' decoupled weight decay: in the weights, unfolded
-    # (and at 4 ranks only a known adaptive optimizer has its average scaled by sqrt(4))
+        assert dist._sbc_local_residual is True and sbc.local_residual is True, what
+    # without the optimizer, and with Keras' decoupled weight decay: in the weights (and at 4
+    # ranks only an adaptive optimizer whose second moment is not frozen has its average scaled
+    # by sqrt(4): Keras' RMSprop, which TensorFlow does not freeze; torch's is frozen)
     for kopt, scaled in ((None, False),
                          (keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=5e-4), False),
                          (keras.optimizers.RMSprop(1e-3), True)):
@@ -82,7 +81,7 @@ def test_the_default_residual_placement_is_torchs():
         sbc._world_size = lambda: 4
         outer = sbc.outer
         sbc._settle(kopt)
-        assert sbc.local_residual is True and sbc._fold is None, kopt
+        assert sbc.local_residual is True, kopt
         # the same runner (a checkpoint restored before the first step finds it), its spec set
         assert sbc.outer is outer and repr(outer) == ("Plain(lr=2.0)" if scaled else "Plain()")
     # Adam with a delay: DiLoCo's Nesterov with momentum 0.5, as torch's policy.outer_step
@@ -90,10 +89,10 @@ def test_the_default_residual_placement_is_torchs():
         sbc = hsbc_tf.SBC(density=0.01, delay=delay)
         sbc._settle(keras.optimizers.AdamW(1e-3))
         assert repr(sbc.outer) == want, delay
-    # an explicit choice stands; False with a foldable SGD folds
-    sbc = hsbc_tf.SBC(density=0.01, local_residual=True)
+    # an explicit choice stands
+    sbc = hsbc_tf.SBC(density=0.01, local_residual=False)
     sbc._settle(keras.optimizers.SGD(0.1, momentum=0.9))
-    assert sbc.local_residual is True and sbc._fold is None
+    assert sbc.local_residual is False
     with pytest.raises(ValueError, match="local_residual must be None, True or False"):
         hsbc_tf.SBC(local_residual="yes")
 

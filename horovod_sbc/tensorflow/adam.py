@@ -162,3 +162,18 @@ def auto_freeze_steps(optimizer) -> int:
                 break
             warmup_end, last = step, lr
     return auto_freeze_step(warmup_end, float(optimizer.beta_2))
+
+
+def family(optimizer) -> str:
+    """The optimizer's family for :func:`horovod_sbc.policy.choose`: ``"sgd"`` for a Keras SGD,
+    ``"adam"`` for Keras Adam/AdamW (whose second moment this module freezes; Keras' RMSprop is
+    not frozen here and stays ``"adaptive"``), ``"unknown"`` for None (not given),
+    ``"adaptive"`` for anything else."""
+    import keras
+    if optimizer is None:
+        return "unknown"
+    if isinstance(optimizer, keras.optimizers.SGD):
+        return "sgd"
+    if is_keras_adam(optimizer) and not optimizer.amsgrad:
+        return "adam"
+    return "adaptive"

@@ -9,10 +9,7 @@ your own, unmodified optimizer, and after every batch the callback runs :meth:`S
 model's trainable variables — the communication-delay algorithm of the SBC paper (local steps,
 then the weight update is SBC-compressed, allgathered, averaged into the shared weights; every
 rank continues from the shared weights plus its own unsent residual, or from the shared weights
-alone with ``SBC(local_residual=False)``). ``delay=1`` synchronizes after every batch; there,
-by default, a Keras SGD with momentum has its momentum folded into its learning rate and the
-residual waits beside the shared weights (:mod:`horovod_sbc.tensorflow.momentum`), as in the
-torch drop-in.
+alone with ``SBC(local_residual=False)``). ``delay=1`` synchronizes after every batch.
 
 Rules of the road:
 
@@ -78,7 +75,8 @@ class SBCCallback(keras.callbacks.Callback):
             self.sbc.build(variables)
 
     def _optimizer(self):
-        """The model's optimizer when it steps once per batch end (the fold needs that)."""
+        """The model's optimizer when it steps once per batch end (the variance freeze counts
+        its steps)."""
         if int(getattr(self.model, "steps_per_execution", 1) or 1) != 1:
             return None
         return self.model.optimizer

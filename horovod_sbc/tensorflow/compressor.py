@@ -35,7 +35,7 @@ from ..residual import COUNTER_KEYS, ResidualManager
 from . import sync
 from .hook import StockHook
 from .adam import apply_freeze
-from .momentum import Fold, family
+from .adam import family
 from .outer import make as make_outer
 from .owner import entries, tf_variable
 from .sync.state import no_autograph, state_variable
@@ -64,19 +64,16 @@ class SBC(StockHook, WeightMode, tf.Module):
         fixed_size, momentum, hierarchy, local_residual, outer, freeze_variance_after: the
             knobs of :class:`horovod_sbc.config.SBCConfig`, documented there once and the same
             as torch's. Weight mode (the drop-in tape, :class:`SBCCallback`, and the stock tape
-            where ``optimizer`` makes it exchange weight changes) takes ``delay > 1``,
-            ``local_residual``, ``outer``, ``freeze_variance_after``; the stock tape's gradient
-            exchange takes ``momentum``; the stock tape refuses ``topology="server"``. Inside ``tf.function`` a ``ValueError`` arrives as
+            given ``optimizer``) takes ``delay > 1``, ``local_residual``, ``outer``,
+            ``freeze_variance_after``; the stock tape refuses ``topology="server"``. Inside
+            ``tf.function`` a ``ValueError`` arrives as
             ``tf.errors.InvalidArgumentError`` with the same text; TernGrad's draws are
             ``tf.random.stateless_uniform`` of (``seed``, rank, sync count, tensor).
         optimizer: the Keras optimizer that applies this rank's steps; torch's stock hook finds
             it, TensorFlow's tape is told. The stock tape then does what
-            :func:`horovod_sbc.policy.choose` says: a Keras SGD at delay 1 exchanges gradients
-            with its momentum folded (``momentum="fold"``) or masked (``"mask"``; build the
-            optimizer before the first step); every other optimizer, ``delay > 1`` or
-            ``local_residual=True`` exchanges weight changes after the optimizer's step (Adam's
-            variance frozen by ``freeze_variance_after``). Without it the stock tape exchanges
-            gradients and warns. Weight mode uses it when :meth:`step` is not given one. Not
+            :func:`horovod_sbc.policy.choose` says: every optimizer exchanges weight changes after
+            its step (Adam's variance frozen by ``freeze_variance_after``). Without it the stock
+            tape exchanges gradients and warns. Weight mode uses it when :meth:`step` is not given one. Not
             saved with this module (save the optimizer in your checkpoint, as usual).
         name: the ``tf.Module`` name.
     """
@@ -100,7 +97,6 @@ class SBC(StockHook, WeightMode, tf.Module):
                                 local_residual=local_residual, outer=outer,
                                 freeze_variance_after=freeze_variance_after)
         self._local_residual = local_residual  # None: chosen at the first weight-mode call
-        self._fold: Optional[Fold] = None
         self._settled = False
         self.mode = self.config.mode
         self.density, self.delay = self.config.density, self.config.delay

@@ -115,10 +115,10 @@ def of(sbc, what: Optional[str] = None) -> "Hierarchy":
     return hier
 
 
-def synchronize(sbc, entries, local_residual: bool, fold=None) -> tf.Tensor:
+def synchronize(sbc, entries, local_residual: bool) -> tf.Tensor:
     """Weight mode's sync through the hierarchy (what
     :func:`horovod_sbc.tensorflow.sync.synchronize_weights` is flat); whether it committed."""
-    return of(sbc).synchronize(sbc, entries, local_residual, fold)
+    return of(sbc).synchronize(sbc, entries, local_residual)
 
 
 class Hierarchy:
@@ -270,7 +270,7 @@ class Hierarchy:
                              f"one dtype, got {sorted(d.name for d in dtypes)}")
         return dtypes.pop()
 
-    def synchronize(self, sbc, entries, local_residual: bool, fold=None) -> tf.Tensor:
+    def synchronize(self, sbc, entries, local_residual: bool) -> tf.Tensor:
         """One sync of ``entries`` (``(name, variable, index)`` sorted by name) against the
         shared weights ``sbc.reference``; returns whether it committed (bool tensor). A rank's
         non-finite update raises ``ValueError`` on every rank (``InvalidArgumentError`` with
@@ -292,8 +292,6 @@ class Hierarchy:
         # 1. the update, its node-wide check and the node's average (shard `local`)
         flat = tf.concat([tf.reshape(v.read_value(), [-1]) for _, v, _ in entries], 0) - \
             tf.concat([tf.reshape(r.read_value(), [-1]) for r in refs], 0)
-        if fold is not None:  # counted steps are 1, 2, ...: the fold's step is one less
-            flat = flat * tf.cast(fold.scale(counters["steps"].read_value() - 1), dtype)
         finite = tf.math.is_finite(flat)
         first = tf.argmin(tf.cast(finite, tf.int32), output_type=tf.int64)  # first False
         ends = tf.constant(np.cumsum(lay.numels, dtype=np.int64))
@@ -307,8 +305,6 @@ class Hierarchy:
         intra_bits = 32 * (L - 1) + 8 * dtype.size * (
             s * (2 if local_residual else 1) + 1 + s) * (L - 1)
         ops = [counters["intra_node_bits"].assign_add(intra_bits)]
-        if fold is not None:
-            ops += fold.reset()
 
         # 2. SBC of this shard between nodes (a failing node sends its error instead)
         code, u, sent_ops = self._cross(sbc, lay, pieces, res, avg, status, dtype)

@@ -4,25 +4,21 @@
 :func:`horovod_sbc.policy.choose` says what the steps of the optimizer given as
 ``SBC(optimizer=opt)`` exchange, as torch's stock hook does (:mod:`horovod_sbc.torch.hook`):
 
-* **gradients** (a Keras SGD at delay 1, and every run whose optimizer SBC does not know).
-  Stock Horovod allreduces whatever ``compress()`` returns, and Sparse Binary Compression's
-  messages (Sattler et al., arXiv 1805.08768) cannot be summed: ``compress()`` hands Horovod a
-  1-element placeholder (counted in ``stats()``) and queues the gradient; the first
-  ``decompress()`` of a group encodes the queued gradients with their residuals, allgathers one
-  step message, decodes every rank's and commits the error feedback. With
-  ``hvd.DistributedGradientTape(..., num_groups=1)`` (or ``groups=``) that is one exchange per
-  step; without groups Horovod hands over one gradient at a time, each its own exchange (warned
-  once). The SGD's momentum is folded (``momentum="fold"``, the default:
-  :mod:`horovod_sbc.tensorflow.momentum`), masked (``"mask"``: DGC's momentum factor masking,
-  the velocity zeroed where the average is non-zero) or kept (``"keep"``). Without
-  ``optimizer=`` the average goes to whatever optimizer applies it, which with momentum or of
-  the Adam family can train worse than each rank alone (warned once).
-* **weight changes** (every other optimizer, any ``delay > 1``, ``local_residual=True``):
-  ``compress()`` hands Horovod the placeholder, ``decompress()`` hands back this rank's own
-  gradient, and the optimizer's step is followed by weight mode's sync
-  (:mod:`horovod_sbc.tensorflow.stock`): every ``delay`` steps the weight change is
-  compressed and exchanged, with ``local_residual``, ``outer`` and ``freeze_variance_after``
-  as in the drop-in tape (Adam's second moment frozen automatically).
+* **weight changes** (every optimizer given): ``compress()`` hands Horovod a 1-element
+  placeholder (counted in ``stats()``), ``decompress()`` hands back this rank's own gradient,
+  and the optimizer's step is followed by weight mode's sync (:mod:`horovod_sbc.tensorflow.stock`):
+  every ``delay`` steps the weight change is compressed and exchanged, with ``local_residual``,
+  ``outer`` and ``freeze_variance_after`` as in the drop-in tape (Adam's second moment frozen
+  automatically).
+* **gradients** (no ``optimizer=``: policy's "unknown"). Stock Horovod allreduces whatever
+  ``compress()`` returns, and Sparse Binary Compression's messages (Sattler et al., arXiv
+  1805.08768) cannot be summed: ``compress()`` hands Horovod the placeholder and queues the
+  gradient; the first ``decompress()`` of a group encodes the queued gradients with their
+  residuals, allgathers one step message, decodes every rank's and commits the error feedback.
+  With ``hvd.DistributedGradientTape(..., num_groups=1)`` (or ``groups=``) that is one exchange
+  per step; without groups Horovod hands over one gradient at a time, each its own exchange
+  (warned once). The average goes to whatever optimizer applies it, which with momentum or of
+  the Adam family trains worse than the weight exchange (warned once).
 
 Horovod passes no name: the variable is found by :func:`horovod_sbc.tensorflow.owner.identify`.
 ``topology="server"`` is refused in either exchange, ``hierarchy=`` in the gradient exchange
@@ -38,7 +34,7 @@ import tensorflow as tf
 from .. import policy, wire
 from ..config import PLACEHOLDER_BITS, PLACEHOLDER_DTYPE
 from . import stock
-from .momentum import Fold, Mask, family, foldable, linear, momentum_free
+from .adam import family
 from .owner import identify
 from .sync.exchange import tf_name
 from .sync.state import SyncState, no_autograph, state_variable, static_shape
@@ -85,20 +81,11 @@ class StockHook(SyncState):
     _optimizer: object  # holds .optimizer, the user's (not tracked by the checkpoint)
 
     def __init__(self, optimizer):
-        momentum = self.config.momentum or "fold"
         # what the optimizer's steps exchange (not given: the gradients, policy's "unknown")
         self._stock_choice = policy.choose(
             family(optimizer), delay=self.delay, api="stock",
-            local_residual=self.config.local_residual,
-            foldable=linear(optimizer, decay_apart=True))
-        grads = not self._stock_weights()
-        # the stock tape's fold: the gradient alone is scaled, Keras' decoupled decay is apart
-        self._stock_fold = Fold(optimizer, decay_apart=True) \
-            if grads and momentum == "fold" and foldable(optimizer, decay_apart=True) else None
-        # DGC's masking: a Keras SGD's velocity zeroed where the average is non-zero
-        self._stock_mask = Mask(optimizer) if grads and momentum == "mask" and \
-            optimizer is not None and not momentum_free(optimizer) else None
-        self._stock_first: Optional[str] = None  # the first gradient of a step (the fold's reset)
+            local_residual=self.config.local_residual)
+        self._stock_first: Optional[str] = None  # the first gradient of a step
         self._stock_batch: Optional[StockBatch] = None
         self._warned_stock = False
         self._alone: Optional[set] = set()  # gradients exchanged one at a time (None: warned)
@@ -131,30 +118,14 @@ class StockHook(SyncState):
             raise ValueError(
                 "SBC(hierarchy=...) needs the weight exchange, and stock "
                 "hvd.DistributedGradientTape exchanges gradients here: pass the optimizer as "
-                "SBC(..., optimizer=opt) (a Keras SGD at delay 1 with local_residual=True or "
-                "delay > 1; any other optimizer as it is), or use "
-                "horovod_sbc.tensorflow.DistributedGradientTape with sbc.step(), or SBCCallback")
+                "SBC(..., optimizer=opt), or use horovod_sbc.tensorflow.DistributedGradientTape "
+                "with sbc.step(), or SBCCallback")
         self._refuse_weight_knobs()
         name, op_sum = identify(tensor)
         self._use("stock")
         self._warn_stock()
         if self._stock_first is None:
             self._stock_first = name
-        fold = self._stock_fold
-        if fold is not None and not fold.optimizer.built:
-            # Horovod traces the exchange into a tf.function (eagerly too) once, before the
-            # optimizer's first step would create the velocities the fold sets to zero
-            raise ValueError(
-                f"SBC(optimizer={type(fold.optimizer).__name__}) folds its momentum, which does "
-                "not exist before its first step: call optimizer.build(model.trainable_variables)"
-                " before the first step")
-        if self.config.momentum == "mask":
-            if self._optimizer.optimizer is None:
-                raise ValueError("SBC(momentum='mask') zeroes the velocity of the Keras SGD "
-                                 "that applies the average: pass it as SBC(..., "
-                                 "momentum='mask', optimizer=opt)")
-            if self._stock_mask is not None:
-                self._stock_mask.velocity(name)  # built, and steps this variable
         if isinstance(tensor, tf.IndexedSlices):
             raise ValueError(f"SBC: gradient of {name!r} is sparse (tf.IndexedSlices); pass "
                              "sparse_as_dense=True to hvd.DistributedGradientTape")
@@ -192,15 +163,8 @@ class StockHook(SyncState):
             return tf.cast(tf.identity(batch.avg[i]), batch.dtypes[i])  # zeros if skipped
 
     def _refuse_weight_knobs(self) -> None:
-        """The gradient exchange: knobs of the weight exchange raise instead of being ignored,
-        naming what makes the stock tape exchange weight changes."""
-        opt = self._optimizer.optimizer
-        if opt is not None:  # a Keras SGD at delay 1
-            policy.refuse_weight_knobs(
-                self.config, f"{type(opt).__name__} through stock hvd.DistributedGradientTape at "
-                "delay 1 exchanges gradients (pass local_residual=True or delay > 1 to exchange "
-                "weight changes)")
-            return
+        """The gradient exchange (no optimizer given): knobs of the weight exchange raise
+        instead of being ignored, naming what makes the stock tape exchange weight changes."""
         knob = None
         if self.delay != 1:
             knob = f"delay={self.delay}"
@@ -230,12 +194,6 @@ class StockHook(SyncState):
             raise ValueError(f"SBC through stock hvd.DistributedGradientTape with {what} averages "
                              "the ranks' weight changes; op=hvd.Sum has no meaning there: use "
                              "op=hvd.Average (the default)")
-        if self.config.momentum is not None:
-            raise ValueError(
-                f"SBC(momentum={self.config.momentum!r}) applies to the gradient exchange (stock "
-                f"hvd.DistributedGradientTape with a Keras SGD at delay 1); here {what}'s steps "
-                "exchange weight changes (horovod_sbc.policy), where a Keras SGD's momentum is "
-                "folded by local_residual=False at delay 1: leave momentum= out")
         self._use("weights")
         stock.adopt(opt, self)
         if self._stock_first is None:
@@ -246,43 +204,20 @@ class StockHook(SyncState):
         return _placeholder(), _Own(tensor, counted)
 
     def _warn_stock(self) -> None:
-        """Once per object, where the stock tape exchanges sparse gradients (the optimizer not
-        given, or a Keras SGD whose velocity is kept or masked), which an optimizer with
-        momentum or of the Adam family reshapes badly; silent for a Keras SGD whose momentum is
-        folded (or which has none)."""
+        """Once per object, where the stock tape exchanges sparse gradients (no optimizer
+        given), which an optimizer with momentum or of the Adam family reshapes badly."""
         if self._warned_stock:
             return
         self._warned_stock = True
-        opt = self._optimizer.optimizer
-        if self._stock_fold is not None or momentum_free(opt):
-            return
-        if opt is None:
-            which = ("an optimizer that has momentum or is of the Adam family (pass it as "
-                     "SBC(..., optimizer=opt): the stock tape then exchanges weight changes "
-                     "after opt's step, or folds a Keras SGD's momentum)")
-            advice = (" Or use the drop-in horovod_sbc.tensorflow.DistributedGradientTape(tape, "
-                      "compression=SBC(0.01)) with sbc.step(variables, opt) after each optimizer "
-                      "step (or SBCCallback for Keras), which runs the optimizer on each rank's "
-                      "own gradients and compresses the weight change, as torch's one-line "
-                      "change does.")
-        elif family(opt) == "sgd":  # its velocity kept or masked ("keep", "mask")
-            which = f"{type(opt).__name__} and SBC(momentum={self.config.momentum!r})"
-            advice = (" SBC(momentum='fold') (the default) runs SGD without its velocity at the "
-                      "learning rate the velocity converges to, lr / (1 - momentum); "
-                      "horovod_sbc.tensorflow.DistributedGradientTape with sbc.step(variables, "
-                      "opt) exchanges weight changes instead.")
-        else:  # not reached through compress(): given, such an optimizer exchanges weights
-            which = type(opt).__name__
-            advice = (" Given as SBC(..., optimizer=opt), the stock tape exchanges its weight "
-                      "changes after its step instead.")
-        adam = (" With Adam or AdamW the weight exchange freezes its second moment by itself."
-                if opt is not None and family(opt) == "adam" else "")
         warnings.warn(
             "horovod_sbc: SBC through stock hvd.DistributedGradientTape exchanges sparse "
-            f"gradients; with {which}, the optimizer then acts on the averaged sparse update "
-            "(each coordinate arriving late and in bursts) and can train worse than each rank "
-            "alone (horovod_sbc.policy: such optimizers exchange weight changes)." + advice
-            + adam, stacklevel=3)
+            "gradients when it does not know the optimizer; an optimizer with momentum or of "
+            "the Adam family then acts on the averaged sparse update (each coordinate arriving "
+            "late and in bursts) and can train worse than each rank alone. Pass it as "
+            "SBC(..., optimizer=opt): the stock tape then runs opt on each rank's own gradients "
+            "and exchanges the weight change (horovod_sbc.policy), as torch's one-line change "
+            "does; or use horovod_sbc.tensorflow.DistributedGradientTape with "
+            "sbc.step(variables, opt), or SBCCallback for Keras.", stacklevel=3)
 
     def _warn_ungrouped(self, batch: StockBatch) -> None:
         """Once per object: Horovod hands the stock tape one gradient at a time (no groups), so
@@ -309,16 +244,6 @@ class StockHook(SyncState):
         code, avg, new_res, sent = self._exchange(
             batch.names, batch.shapes, batch.updates, batch.residuals,
             1.0 if batch.op_sum else 1.0 / size, tag, extra_up_bits=dummies)
-        fold = self._stock_fold
-        if fold is not None:  # compress() counted this step: the fold's step is one less
-            k = fold.scale(self.calls[batch.names[0]].read_value() - 1)
-            avg = [a * tf.cast(k, a.dtype) for a in avg]
-            if self._stock_first in batch.names:  # once per step: a zero velocity
-                with tf.control_dependencies(fold.reset()):
-                    avg = [tf.identity(a) for a in avg]
-        if self._stock_mask is not None:  # before the optimizer's step reads the velocities
-            with tf.control_dependencies(self._stock_mask.apply(batch.names, avg)):
-                avg = [tf.identity(a) for a in avg]
         batch.avg = avg
         batch.committed = self._commit(batch.residuals, batch.updates, code, new_res, sent)
         batch.done = True

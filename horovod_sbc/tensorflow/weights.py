@@ -13,8 +13,8 @@ own unsent residual, with ``local_residual``). The sync itself is
 :meth:`~WeightMode.step` after each optimizer step (the drop-in
 :func:`horovod_sbc.tensorflow.DistributedGradientTape`, :class:`horovod_sbc.tensorflow.SBCCallback`
 for Keras), :meth:`~WeightMode.finish` at the end. Its first call fixes where the residual lives
-and folds a Keras SGD's momentum at delay 1 (:mod:`horovod_sbc.tensorflow.momentum`) or freezes
-Adam's second moment (:mod:`horovod_sbc.tensorflow.adam`), as :mod:`horovod_sbc.policy` says.
+and freezes Adam's second moment (:mod:`horovod_sbc.tensorflow.adam`), as
+:mod:`horovod_sbc.policy` says.
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ import tensorflow as tf
 from .. import wire
 from .. import policy
 from ..config import describe_hierarchy
-from .adam import apply_freeze, is_frozen
-from .momentum import Fold, family, foldable, linear
+from .adam import apply_freeze, family, is_frozen
 from .owner import entries, tf_variable
 from .sync import synchronize_weights
 from .sync.exchange import tf_name
@@ -37,13 +36,12 @@ from .sync.state import SyncState, no_autograph, static_shape
 class WeightMode(SyncState):
     """Weight mode of :class:`horovod_sbc.tensorflow.SBC` (mixed into it). Besides the shared
     state it reads ``local_steps`` and ``pending`` (the delay window, checkpointed), the user's
-    optimizer (``_optimizer.optimizer``) and ``_local_residual``/``_fold``/``_settled``, which
+    optimizer (``_optimizer.optimizer``) and ``_local_residual``/``_settled``, which
     ``SBC.__init__`` sets and :meth:`_settle` decides."""
 
     pending: tf.Variable
     _optimizer: object  # holds .optimizer, the user's (not tracked by the checkpoint)
     _local_residual: Optional[bool]
-    _fold: Optional[Fold]
     _settled: bool
 
     @property
@@ -53,8 +51,7 @@ class WeightMode(SyncState):
         return self._local_residual
 
     def _settle(self, optimizer) -> None:
-        """Weight mode's first call fixes where the residual lives and whether ``optimizer``'s
-        momentum is folded (at delay 1 with the residual beside the shared weights only)."""
+        """Weight mode's first call fixes where the residual lives and the outer step."""
         if self._settled:
             return
         self._settled = True
@@ -62,8 +59,7 @@ class WeightMode(SyncState):
             from . import hierarchy
             hierarchy.of(self, describe_hierarchy(self.config.hierarchy))
         choice = policy.choose(family(optimizer), delay=self.delay, api="dropin",
-                               local_residual=self._local_residual,
-                               foldable=linear(optimizer))
+                               local_residual=self._local_residual)
         self._local_residual = choice.local_residual
         if self.config.outer is None:  # the same runner: a restored checkpoint finds it
             self.outer.set_spec(policy.outer_step(choice, self._world_size()))
@@ -77,8 +73,6 @@ class WeightMode(SyncState):
                 stacklevel=4)
         elif not tf.inside_function():
             apply_freeze(optimizer, self.config.freeze_variance_after)
-        if choice.fold_momentum and foldable(optimizer):  # nothing to fold without momentum
-            self._fold = Fold(optimizer)
 
     def _world_size(self) -> int:
         """The job's number of ranks (1 outside a job, as torch's drop-in)."""
@@ -124,9 +118,8 @@ class WeightMode(SyncState):
 
         Call it right after ``optimizer.apply_gradients`` on every step, on every rank (the
         drop-in tape needs it, :class:`SBCCallback` does it), with the ``optimizer`` that
-        stepped: it decides the default of ``local_residual`` at the first call, and a Keras
-        SGD with momentum at ``delay=1`` is then folded (:mod:`horovod_sbc.tensorflow.momentum`:
-        its velocity is set to zero after each step). Works eagerly and inside ``tf.function``.
+        stepped: it decides the outer step and Adam's variance freeze at the first call. Works
+        eagerly and inside ``tf.function``.
         At a sync, this window's update (+ residual) is SBC-compressed for every variable, all
         messages go in one allgather, and every rank sets ``W_ref += mean over ranks``
         (bit-identical everywhere) and ``W = W_ref + R`` (``local_residual=True``) or
@@ -156,8 +149,8 @@ class WeightMode(SyncState):
     def _synchronize(self, found):
         if self.config.hierarchy is not None:  # dense in the node, SBC between nodes
             from .hierarchy import synchronize as hierarchical
-            return hierarchical(self, found, self.local_residual, self._fold)
-        return synchronize_weights(self, found, self.local_residual, self._fold)
+            return hierarchical(self, found, self.local_residual)
+        return synchronize_weights(self, found, self.local_residual)
 
     @no_autograph
     def finish(self, variables, average_residuals: Optional[bool] = None):

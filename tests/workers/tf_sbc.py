@@ -473,110 +473,74 @@ def run_outer():
     return out
 
 
-def run_fold():
-    """The drop-in at delay 1 with Keras SGD momentum 0.9 passed to ``step`` and the default
-    ``local_residual``, on dense values (``mode="values"``, density 1: the exchange is exact):
-    per step this rank's gradients, ``W_ref`` before and after, its weights and the largest
-    velocity after. Heavy ball eagerly, Nesterov inside ``tf.function``; the negative control
-    keeps the residual in the weights (``local_residual=True``: no fold)."""
+def run_exact():
+    """Keras SGD momentum 0.9 through an exact exchange (``mode="values"``, density 1) with the
+    default placement of the residual, beside a dense replica on every rank (the same model and
+    optimizer stepping on Horovod's allreduce of the gradients) and a rank alone (its own
+    gradients): per step the largest difference of the SBC model from each, whether both ranks
+    hold the same SBC weights, and the SBC optimizer's largest velocity. The drop-in tape
+    (heavy ball eagerly, Nesterov in tf.function) and the stock tape given the optimizer (heavy
+    ball eagerly, Nesterov with weight decay in tf.function with ``groups=1``); the warnings."""
     out = {}
-    for kind, nesterov, fn, local in (("heavy", False, False, None),
-                                      ("nesterov", True, True, None),
-                                      ("kept", False, False, True)):
-        model = make_model(aux=False)
-        opt = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov)
-        sbc = hsbc.SBC(density=1.0, delay=1, mode="values", local_residual=local)
-        hsbc.broadcast_variables(model.variables, root_rank=0)
-        sbc.build(model.trainable_variables)
-        entries = tf_entries(model.trainable_variables)
-        snap = lambda d: {n: np.asarray(d[n].numpy(), np.float64).ravel().tolist()  # noqa: E731
-                          for n, _, _ in entries}
-        variables = {n: v for n, v, _ in entries}
-
-        def train(x, y):
-            with tf.GradientTape() as tape:
-                loss = LOSS(y, model(x))
-            grads = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
-                loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            sbc.step(model.trainable_variables, opt)
-            return grads
-
-        train = tf.function(train) if fn else train
-        steps = []
-        for s in range(4):
-            x, y = batch(s)
-            rec = {"ref_before": snap(sbc.reference)}
-            grads = train(x, y)
-            rec.update(g={n: np.asarray(grads[i], np.float64).ravel().tolist()
-                          for n, _, i in entries},
-                       ref_after=snap(sbc.reference), w=snap(variables),
-                       velocity=max(float(np.max(np.abs(m.numpy()))) for m in opt.momentums))
-            steps.append(rec)
-        out[kind] = {"steps": steps, "local_residual": sbc.local_residual}
-    out.update(run_stock_fold())
-    return out
-
-
-def run_stock_fold():
-    """The stock tape with ``SBC(optimizer=Keras SGD momentum 0.9)`` on dense values: per step
-    the weights before and after and this rank's own gradients (a second tape on the same
-    batch). Heavy ball eagerly, one gradient per exchange (no groups); Nesterov with weight
-    decay inside ``tf.function``, ``groups=1``; the negative control without the optimizer.
-    Also: the warnings, and the error when the optimizer is not built before the first step."""
-    out = {}
-    for kind, nesterov, fn, give, groups in (("stock_heavy", False, False, True, None),
-                                             ("stock_nesterov", True, True, True, 1),
-                                             ("stock_kept", False, False, False, None)):
-        model = make_model(aux=False)
+    for kind, nesterov, fn, stock in (("heavy", False, False, False),
+                                      ("nesterov", True, True, False),
+                                      ("stock_heavy", False, False, True),
+                                      ("stock_nesterov", True, True, True)):
         wd = 0.01 if kind == "stock_nesterov" else None
-        opt = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov, weight_decay=wd)
-        sbc = hsbc.SBC(density=1.0, mode="values", optimizer=opt if give else None)
-        hsbc.broadcast_variables(model.variables, root_rank=0)
-        variables = [v.value for v in model.trainable_variables]  # upstream #4290 workaround
-        if give:
-            opt.build(model.trainable_variables)  # the fold needs its velocities from the start
+        models = [make_model(aux=False) for _ in range(3)]  # SBC, dense replica, alone
+        for m in models[1:]:
+            m.set_weights(models[0].get_weights())
+        opts = [keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov, weight_decay=wd)
+                for _ in models]
+        sbc = hsbc.SBC(density=1.0, delay=1, mode="values",
+                       optimizer=opts[0] if stock else None)
+        for m in models:
+            hsbc.broadcast_variables(m.variables, root_rank=0)
+        if not stock:
+            sbc.build(models[0].trainable_variables)
+        variables = [[v.value for v in m.trainable_variables] for m in models]
 
         def train(x, y):
-            with tf.GradientTape() as tape:
-                loss = LOSS(y, model(x))
-            grads = hvd.DistributedGradientTape(tape, compression=sbc, groups=groups).gradient(
-                loss, variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+            grads = []
+            for i, (m, opt) in enumerate(zip(models, opts)):
+                with tf.GradientTape() as tape:
+                    loss = LOSS(y, m(x))
+                if i == 0 and stock:
+                    g = hvd.DistributedGradientTape(tape, compression=sbc, groups=1 if fn
+                                                    else None).gradient(loss, variables[0])
+                elif i == 0:
+                    g = hsbc.DistributedGradientTape(tape, compression=sbc).gradient(
+                        loss, m.trainable_variables)
+                else:
+                    g = tape.gradient(loss, variables[i])
+                    if i == 1:
+                        g = [hvd.allreduce(t, name=f"dense.{j}") for j, t in enumerate(g)]
+                opt.apply_gradients(zip(g, m.trainable_variables))
+                if i == 0 and not stock:
+                    sbc.step(m.trainable_variables, opt)
+                grads.append(g)
+            return grads
 
         train = tf.function(train) if fn else train
         steps = []
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for s in range(4):
-                x, y = batch(s)
-                with tf.GradientTape() as tape:
-                    own = tape.gradient(LOSS(y, model(x)), variables)
-                rec = {"w_before": {v.name: v.numpy().ravel().tolist() for v in variables},
-                       "g": {v.name: g.numpy().ravel().tolist() for v, g in zip(variables, own)}}
-                train(x, y)
-                rec["w_after"] = {v.name: v.numpy().ravel().tolist() for v in variables}
-                steps.append(rec)
-        out[kind] = {"steps": steps, "weight_decay": wd or 0.0,
-                     "momentum_warnings": [str(w.message) for w in seen
-                                           if "exchanges sparse" in str(w.message)]}
-    model = make_model(aux=False)
-    opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    sbc = hsbc.SBC(density=0.5, optimizer=opt)
-    variables = [v.value for v in model.trainable_variables]
-
-    def unbuilt(x, y):  # eagerly: Horovod traces the exchange all the same
-        with tf.GradientTape() as tape:
-            loss = LOSS(y, model(x))
-        grads = hvd.DistributedGradientTape(tape, compression=sbc).gradient(loss, variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-    out["unbuilt"] = catch(lambda: unbuilt(*batch(0)))
+                train(*batch(s))
+                w = [np.concatenate([v.numpy().ravel() for v in vs]) for vs in variables]
+                steps.append({"from_dense": float(np.max(np.abs(w[0] - w[1]))),
+                              "from_alone": float(np.max(np.abs(w[0] - w[2]))),
+                              "digest": digest(models[0]),
+                              "velocity": max(float(np.max(np.abs(m.numpy())))
+                                              for m in opts[0].momentums)})
+        out[kind] = {"steps": steps, "local_residual": sbc.local_residual,
+                     "warnings": [str(w.message) for w in seen
+                                  if "exchanges sparse" in str(w.message)]}
     return out
 
 
 MODES = {"train": run_train, "errors": run_errors, "save": run_save_load,
-         "load": run_save_load, "outer": run_outer, "fold": run_fold}
+         "load": run_save_load, "outer": run_outer, "exact": run_exact}
 
 
 def run_scenario(mode, kw):

@@ -1,9 +1,9 @@
 """The stock TensorFlow tape with the optimizer known: ``hvd.DistributedGradientTape(tape,
-compression=SBC(..., optimizer=opt))`` (horovod_sbc/tensorflow/hook.py, stock.py, momentum.py).
+compression=SBC(..., optimizer=opt))`` (horovod_sbc/tensorflow/hook.py, stock.py).
 argv: OUT --scenarios JSON (tests/workers/common.py); writes OUT/rank<R>.json.
 
 Scenarios (key=value: fn=0|1 (tf.function), delay, steps, density, local_residual=0|1,
-opt=adam|sgd, momentum):
+opt=adam|sgd):
   adam      stock tape + Keras Adam (or SGD), SBC(density, optimizer=opt[, delay, ...]):
             after every step the sha256 of the shared weights (SBC.reference) and of the
             model; then the same run through the drop-in tape + sbc.step (same seed, data):
@@ -11,14 +11,10 @@ opt=adam|sgd, momentum):
   resume    stock tape + Adam (local residual, delay 2): 4 steps straight, and 2 steps,
             tf.train.Checkpoint(model, opt, sbc) written, a fresh model/opt/SBC restored
             (no sbc.build) and 2 more steps: the digests of the weights and the reference.
-  mask      stock tape + Keras SGD momentum 0.9, SBC(0.05, momentum="mask"|"keep"): per step
-            the velocity before the step, the averaged gradient the tape returned and the
-            velocity after the masking (the optimizer's step replaced by a probe that records,
-            then steps).
   errors    what can not work: ranks starting apart (broadcast after the first step), a
-            forgotten apply_gradients, momentum= with Adam, mask without the optimizer,
-            mask with an unbuilt SGD, delay or outer without the optimizer, hierarchy in the
-            gradient exchange, op=hvd.Sum; SGD with local_residual=True and outer= works.
+            forgotten apply_gradients, the removed momentum= knob, delay or outer without the
+            optimizer, hierarchy in the gradient exchange, op=hvd.Sum; SGD with
+            local_residual=False and outer= works.
 """
 import hashlib
 import os
@@ -162,35 +158,6 @@ def run_resume():
     return {"straight": straight, "resumed": got}
 
 
-def run_mask():
-    fn = KW.get("fn") == "1"
-    model, opt = make_model(), keras.optimizers.SGD(0.05, momentum=0.9)
-    opt.build(model.trainable_variables)
-    sbc = hsbc.SBC(0.05, optimizer=opt, momentum=KW.get("momentum", "mask"))
-    hsbc.broadcast_variables(model.variables, root_rank=0)
-    variables = [v.value for v in model.trainable_variables]
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = LOSS(y, model(x))
-        grads = hvd.DistributedGradientTape(tape, compression=sbc, num_groups=1).gradient(
-            loss, variables)
-        # the velocity as the optimizer's step finds it (after the tape's masking)
-        masked = [tf.identity(m.value) for m in opt.momentums]
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return grads, masked
-
-    step = tf.function(step) if fn else step
-    recs = []
-    for s in range(4):
-        before = [m.numpy().ravel().tolist() for m in opt.momentums]
-        grads, masked = step(*batch(s))
-        recs.append({"before": before, "avg": [np.asarray(g).ravel().tolist() for g in grads],
-                     "masked": [np.asarray(m).ravel().tolist() for m in masked],
-                     "weights": digest(model.trainable_variables)})
-    return {"steps": recs, "stats": sbc.stats()}
-
-
 def run_errors():
     out = {}
 
@@ -213,9 +180,9 @@ def run_errors():
                              broadcast=broadcast)
 
     out["apart"] = catch(adam_case(broadcast=False))
-    out["momentum_adam"] = catch(adam_case(momentum="keep"))
+    out["momentum"] = catch(lambda: hsbc.SBC(0.05, momentum="fold"))
     model, opt = make_model(), keras.optimizers.SGD(0.05, momentum=0.9)
-    out["hierarchy"] = catch(lambda: stock(hsbc.SBC(0.05, optimizer=opt, hierarchy=[[0], [1]]),
+    out["hierarchy"] = catch(lambda: stock(hsbc.SBC(0.05, hierarchy=[[0], [1]]),
                                            opt, model, build=True))
     model, opt = make_model(), keras.optimizers.Adam(1e-2)
     sbc = hsbc.SBC(0.05, optimizer=opt)
@@ -228,24 +195,19 @@ def run_errors():
     model, opt = make_model(), keras.optimizers.Adam(1e-2)
     out["op_sum"] = catch(lambda: stock(hsbc.SBC(0.05, optimizer=opt), opt, model, op=hvd.Sum))
     model, opt = make_model(), keras.optimizers.SGD(0.05, momentum=0.9)
-    out["mask_no_opt"] = catch(lambda: stock(hsbc.SBC(0.05, momentum="mask"), opt, model))
-    model, opt = make_model(), keras.optimizers.SGD(0.05, momentum=0.9)
-    out["mask_unbuilt"] = catch(lambda: stock(hsbc.SBC(0.05, momentum="mask", optimizer=opt),
-                                              opt, model))
-    model, opt = make_model(), keras.optimizers.SGD(0.05, momentum=0.9)
     out["delay_no_opt"] = catch(lambda: stock(hsbc.SBC(0.05, delay=2), opt, model))
     model, opt = make_model(), keras.optimizers.Adam(1e-2)
     out["outer_no_opt"] = catch(lambda: stock(hsbc.SBC(0.05, outer=hsbc.Plain(lr=1.0)), opt,
                                               model))
-    # the knobs of the weight exchange are taken once it is: SGD with local_residual=True
+    # the knobs of the weight exchange are taken where it runs: SGD with local_residual=False
     model, opt = make_model(), keras.optimizers.SGD(0.05, momentum=0.9)
-    sbc = hsbc.SBC(0.05, optimizer=opt, local_residual=True, outer=hsbc.Plain(lr=1.0))
+    sbc = hsbc.SBC(0.05, optimizer=opt, local_residual=False, outer=hsbc.Plain(lr=1.0))
     out["sgd_local"] = catch(lambda: stock(sbc, opt, model))
     out["sgd_local_syncs"] = sbc.stats()["syncs"]
     return out
 
 
-MODES = {"adam": run_adam, "resume": run_resume, "mask": run_mask, "errors": run_errors}
+MODES = {"adam": run_adam, "resume": run_resume, "errors": run_errors}
 
 
 def run_scenario(mode, kw):

@@ -62,10 +62,9 @@ def exchange_gradients(state: SyncState, entries: Entries, gradients, size: int,
 
 
 def synchronize_weights(state: SyncState, entries: Entries, local_residual: bool,
-                        fold=None, tag: str = "sbc_sync") -> tf.Tensor:
+                        tag: str = "sbc_sync") -> tf.Tensor:
     """Weight mode's sync of ``entries``; whether it committed (bool tensor). ``local_residual``:
-    where ranks continue from (:func:`continue_from`); ``fold``: the momentum fold of
-    :mod:`horovod_sbc.tensorflow.momentum` (scales the window update, resets the velocity)."""
+    where ranks continue from (:func:`continue_from`)."""
     size, _ = state._world()
     names, shapes, upds, res, refs = [], [], [], [], []
     for name, v, _ in entries:
@@ -74,9 +73,6 @@ def synchronize_weights(state: SyncState, entries: Entries, local_residual: bool
         r = state._residual(name, shape, v.dtype)
         upds.append(window_update(v, ref, r, local_residual))
         names.append(name), shapes.append(shape), res.append(r), refs.append(ref)
-    if fold is not None:  # counted steps are 1, 2, ...: the fold's step is one less
-        k = fold.scale(state.counters["steps"].read_value() - 1)
-        upds = [u * tf.cast(k, u.dtype) for u in upds]
     plain = state.outer.decodes_into_reference
     if not plain:
         with tf.init_scope():
@@ -90,8 +86,6 @@ def synchronize_weights(state: SyncState, entries: Entries, local_residual: bool
     ops = [state._commit(res, upds, code, new_res, sent),
            state.counters["syncs"].assign_add(tf.cast(committed, tf.int64)),
            state.local_steps.assign(0)]
-    if fold is not None:
-        ops += fold.reset()
     if plain:
         new_refs = decoded
     else:
