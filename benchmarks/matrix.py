@@ -43,17 +43,12 @@ MATRIX = Path(__file__).resolve().parent / "matrix.json"
 METHODS = ("dense", "none", "sbc", "sbc_delay4")
 
 #: screen candidates: what the SBC methods run instead of the package's defaults
-#: (``api``: "stock" or "dropin"; ``knobs``: arguments of ``SBC``)
+#: (``api``: "stock" or "dropin"; ``knobs``: arguments of ``SBC``; ``env``: what every rank runs
+#: with; ``finish``: "shared" scores ``W_ref`` alone)
 VARIANTS: Dict[str, dict] = {
     "default": {"api": "stock", "knobs": {}},
     "dropin": {"api": "dropin", "knobs": {}},
-    # the momentum-SGD screen of issue 61 (stock one line; env: what every rank runs with)
-    "fold_noguard": {"api": "stock", "knobs": {}, "env": {"HOROVOD_SBC_FOLD_GUARD": "0"}},
-    "dgc": {"api": "stock", "knobs": {"momentum": "dgc"}},
-    "dgc_warmup": {"api": "stock", "knobs": {"momentum": "dgc"},
-                   "env": {"HOROVOD_SBC_DGC_WARMUP": "100"}},
-    "mask": {"api": "stock", "knobs": {"momentum": "mask"}},
-    "keep": {"api": "stock", "knobs": {"momentum": "keep"}},
+    "residual_beside": {"api": "stock", "knobs": {"local_residual": False}},
     "local_residual_shared": {"api": "stock", "knobs": {"local_residual": True},
                               "finish": "shared"},
     # the adaptive screen: outer steps in place of policy.outer_step's choice
@@ -61,11 +56,18 @@ VARIANTS: Dict[str, dict] = {
     "outer_diloco": {"api": "stock", "knobs": {"outer": ["nesterov", 0.7, 0.9]}},
     "outer_mild": {"api": "stock", "knobs": {"outer": ["nesterov", 1.0, 0.5]}},
     "outer_sparseloco": {"api": "stock", "knobs": {"outer": ["error_decay", 0.9]}},
-    "ef21": {"api": "stock", "knobs": {"momentum": "ef21"}},
-    "dgc_nomask": {"api": "stock", "knobs": {"momentum": "dgc"},
-                   "env": {"HOROVOD_SBC_DGC_MASK": "0"}},
-    "local_residual": {"api": "stock", "knobs": {"local_residual": True}},
 }
+
+#: the momentum-SGD screen of issue 61: candidates whose code lost and was deleted, and the
+#: commit each ran at (``git checkout COMMIT; python -m benchmarks.matrix --variant NAME ...``
+#: reruns it): today's fold with its guard ("default" at db348e6), the fold without it,
+#: DGC (momentum correction + masking; + its density warm-up; correction alone), EF21 with
+#: momentum, the heavy ball on the decoded average kept or masked, and the weight exchange with
+#: the residual in the weights (now the default of every optimizer)
+SCREENED = {"fold_guard": "db348e6", "fold_noguard": "a680148", "dgc": "9537d10",
+            "dgc_warmup": "a680148", "dgc_nomask": "a680148", "ef21": "dd9c97a",
+            "keep": "a680148", "mask": "a680148", "local_residual": "a680148",
+            "rmsprop_freeze": "ebd0d48"}
 
 
 def load(path: Path = MATRIX) -> dict:

@@ -73,8 +73,8 @@ class SBC(StockHook, WeightMode, tf.Module):
             it, TensorFlow's tape is told. The stock tape then does what
             :func:`horovod_sbc.policy.choose` says: every optimizer exchanges weight changes after
             its step (Adam's variance frozen by ``freeze_variance_after``). Without it the stock
-            tape exchanges gradients and warns. Weight mode uses it when :meth:`step` is not given one. Not
-            saved with this module (save the optimizer in your checkpoint, as usual).
+            tape exchanges gradients and warns. Weight mode uses it when :meth:`step` is not
+            given one. Not saved with this module (save the optimizer in your checkpoint).
         name: the ``tf.Module`` name.
     """
 
