@@ -28,7 +28,6 @@ bench: install
 	$(PY) -m benchmarks.quality --study screen --parts iid,skewed,lm_docs --resume --json benchmarks/results/quality_screen.json
 	$(PY) -m benchmarks.quality --study shared --parts iid,skewed --resume --json benchmarks/results/quality_shared.json
 	$(PY) -m benchmarks.quality --study adaptive --parts lm_docs,lm_iid,lm_iid8 --resume --json benchmarks/results/quality_adaptive.json
-	$(PY) -m benchmarks.quality --study fold --parts iid,skewed --resume --json benchmarks/results/quality_fold.json
 	$(PY) -m benchmarks.quality --study freeze --parts lm_docs,lm_iid --resume --json benchmarks/results/quality_freeze.json
 	$(PY) -m benchmarks.quality --study oneline --parts lm_docs,lm_iid --resume --json benchmarks/results/quality_oneline.json
 	$(PY) -m benchmarks.quality --study optimizers --parts opt_iid --resume --json benchmarks/results/quality_optimizers.json

@@ -759,10 +759,6 @@ def _task_compressor(spec: dict, seed: int):
              if k in spec}
     if "downlink_binarize" in spec:  # the rows of before SBC(downlink_mode=...)
         extra["downlink_mode"] = "sbc" if spec["downlink_binarize"] else "values"
-    if "stock_momentum" in spec:  # SBC(momentum=...); "momentum" is the optimizer's
-        extra["momentum"] = spec["stock_momentum"]
-    if "momentum_masking" in spec:  # the results of before SBC(momentum=...)
-        extra["momentum"] = "mask" if spec["momentum_masking"] else "keep"
     knobs = {k: spec[k] for k in ("local_residual", "freeze_variance_after") if k in spec}
     if spec.get("outer") is not None:
         knobs["outer"] = _task_outer(spec)
@@ -1087,7 +1083,6 @@ def task_jobs(task: str, quick: bool) -> List[dict]:
             {"workers": 4, "partition": "iid", "seeds": one,
              "runs": main + [_s("sbc", 0.1, 1), _s("sbc", 0.01, 1, local_residual=False),
                              _s("sbc", 0.01, 1, api="stock"), _s("sbc", 0.1, 1, api="stock"),
-                             _s("sbc", 0.1, 1, api="stock", momentum_masking=False),
                              _s("topk", 0.01, 1, api="stock"), _s("topk", 0.01, 1)]},
             {"workers": 4, "partition": "by_class", "seeds": one,
              "runs": [_s("none"), _s("local"), _s("sbc", 0.01, 1), _s("sbc", 0.01, 4),
