@@ -458,14 +458,16 @@ SCREEN_RULE = ("eligible: no detector of its own blow-up; then most cells meetin
                "then most cells not below no communication, then the smallest mean gap")
 
 
-def screen_report(m: dict, controls: dict, screens: Dict[str, dict]) -> str:
+def screen_report(m: dict, controls: dict, screens: Dict[str, dict], tasks=None,
+                  workers=None) -> str:
     """Every candidate's cells judged against the dense and no-communication runs of
     ``controls`` (the same seeds), one column per candidate and method, and the ranking of
-    :data:`SCREEN_RULE`."""
-    base = [r for r in controls["runs"] if r["method"] in ("dense", "none")]
-    rows, score = {}, {}
+    :data:`SCREEN_RULE` (cells counted per method too); only ``tasks`` / ``workers`` if given."""
+    keep = lambda r: (not tasks or r["id"] in tasks) and (not workers or r["workers"] in workers)  # noqa: E731
+    base = [r for r in controls["runs"] if r["method"] in ("dense", "none") and keep(r)]
+    rows, score, per = {}, {}, {}
     for name, res in screens.items():
-        runs = base + [r for r in res["runs"] if r["method"] in m["targets"]]
+        runs = base + [r for r in res["runs"] if r["method"] in m["targets"] and keep(r)]
         for c in cells(m, runs):
             for meth in m["targets"]:
                 if meth not in c or c[meth]["ok"] is None:
@@ -477,6 +479,9 @@ def screen_report(m: dict, controls: dict, screens: Dict[str, dict]) -> str:
                 rows.setdefault((c["id"], c["workers"], c["lr"]), {})[(name, meth)] = (
                     g, c[meth]["ok"], r)
                 s = score.setdefault(name, [0, 0, 0.0, 0])
+                pm = per.setdefault((name, meth), [0, 0])
+                pm[0] += int(c[meth]["ok"])
+                pm[1] += 1
                 s[0] += int(c[meth]["ok"])
                 s[1] += int(above)
                 s[2] += min(g, 100.0)
@@ -502,11 +507,15 @@ def screen_report(m: dict, controls: dict, screens: Dict[str, dict]) -> str:
                 out.append(gs + (" ✓" if ok else " ✗"))
         lines.append(f"| {tid} | {w} | {lr:g} | " + " | ".join(out) + " |")
     rank = sorted(score, key=lambda n: (-score[n][0], -score[n][1], score[n][2] / score[n][3]))
-    lines += ["", "| candidate | cells meeting target | not below no communication | mean gap |",
-              "|---|---:|---:|---:|"]
+    heads = " | ".join(f"`{meth}` met" for meth in m["targets"])
+    lines += ["", f"| candidate | cells meeting target | {heads} | not below no communication "
+              "| mean gap |", "|---|---:|" + "---:|" * len(m["targets"]) + "---:|---:|"]
     for n in rank:
         s = score[n]
-        lines.append(f"| {n} | {s[0]} of {s[3]} | {s[1]} of {s[3]} | {s[2] / s[3]:.2f} |")
+        each = " | ".join(f"{per[(n, meth)][0]} of {per[(n, meth)][1]}" if (n, meth) in per
+                          else "—" for meth in m["targets"])
+        lines.append(f"| {n} | {s[0]} of {s[3]} | {each} | {s[1]} of {s[3]} | "
+                     f"{s[2] / s[3]:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -585,13 +594,14 @@ def main(argv=None) -> int:
     p.add_argument("--screen-out", help="markdown file for --screen")
     a = p.parse_args(argv)
     m = load()
+    split = (lambda s, f=str: [f(x) for x in s.split(",")] if s else None)  # noqa: E731
     if a.screen:
         controls = read_results(a.json)
         screens = {}
         for item in a.screen:
             name, path = item.split("=", 1)
             screens[name] = read_results(path)
-        text = screen_report(m, controls, screens)
+        text = screen_report(m, controls, screens, split(a.tasks), split(a.workers, int))
         if a.screen_out:
             with open(a.screen_out, "w") as f:
                 f.write(text)
@@ -603,7 +613,6 @@ def main(argv=None) -> int:
         write(m, res, a.json)
         print(markdown(m, res))
         return 0
-    split = (lambda s, f=str: [f(x) for x in s.split(",")] if s else None)
     jobs = plan(m, split(a.tasks), split(a.workers, int), split(a.methods),
                 split(a.seeds, int), a.variant, a.quick)
     done: Dict[str, list] = {}
