@@ -292,6 +292,17 @@ def job_key(job: dict) -> str:
                        job["methods"], job["seeds"], job["variant"], job["matrix"]])
 
 
+def _covering(job: dict, done: Dict[str, list]) -> Optional[str]:
+    """The key of a finished job that ran ``job`` with a superset of its seeds, if any."""
+    want = json.loads(job_key(job))
+    for key in done:
+        have = json.loads(key)
+        if (have[:5] + have[6:] == want[:5] + want[6:]
+                and set(want[5]) <= set(have[5])):
+            return key
+    return None
+
+
 def run(jobs: List[dict], timeout: float, done: Dict[str, list], on_job=None) -> dict:
     runs, skipped = [], []
     prog = Progress(len(jobs), "task matrix")
@@ -299,6 +310,10 @@ def run(jobs: List[dict], timeout: float, done: Dict[str, list], on_job=None) ->
         key = job_key(job)
         if key in done:
             runs.extend(done[key])
+            continue
+        wider = _covering(job, done)
+        if wider is not None:  # a finished job ran these seeds and more: keep all of them
+            runs.extend(done[wider])
             continue
         cmd = launcher_prefix(job["workers"], "mpirun", ENV_NAMES) + [
             python_exe(), "-m", "benchmarks.matrix", "worker", json.dumps(job)]
