@@ -1,8 +1,8 @@
 """The stock tape's weight exchange: the optimizer's step followed by :meth:`SBC.step`.
 
 Through stock ``hvd.DistributedGradientTape(tape, compression=SBC(..., optimizer=opt))``,
-:func:`horovod_sbc.policy.choose` makes every optimizer but a Keras SGD at delay 1 (and that
-one too with ``local_residual=True``) exchange *weight changes*, as torch's stock hook makes
+:func:`horovod_sbc.policy.choose` makes every optimizer given exchange *weight changes*, at
+every ``delay`` (Keras SGD's momentum is its own), as torch's stock hook makes
 Horovod's optimizer the drop-in's: the hook's ``decompress()`` hands each rank its own gradient
 back, and the optimizer's step is followed by weight mode's :meth:`SBC.step`
 (:mod:`horovod_sbc.tensorflow.weights`), which every ``delay`` steps compresses and exchanges

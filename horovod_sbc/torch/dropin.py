@@ -21,9 +21,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             state and fix the message order (sorted by name on every rank).
         compression: an :class:`SBC` (default ``SBC()``) holding every knob: ``delay`` local
             steps between syncs, ``local_residual``, ``outer``, ``freeze_variance_after``,
-            ``hierarchy`` (:class:`horovod_sbc.config.SBCConfig`); the drop-in exchanges
-            weight changes whatever the optimizer, so SGD's ``momentum`` choice and
-            ``SBC(named_parameters=...)`` are refused here (the fold is ``local_residual``'s).
+            ``hierarchy`` (:class:`horovod_sbc.config.SBCConfig`). The drop-in exchanges
+            weight changes whatever the optimizer (SGD's momentum is the optimizer's own);
+            ``SBC(named_parameters=...)`` is refused here (pass ``named_parameters``).
 
     Stock Horovod helpers work as with any optimizer: ``hvd.broadcast_parameters`` and
     ``hvd.broadcast_optimizer_state`` before training (its internal initialisation step is not
