@@ -623,8 +623,7 @@ def main(argv=None) -> int:
         print(text)
         return 0
     if a.report:
-        with open(a.json) as f:
-            res = json.load(f)
+        res = read_results(a.json)
         write(m, res, a.json)
         print(markdown(m, res))
         return 0
