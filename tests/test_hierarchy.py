@@ -229,8 +229,10 @@ def test_every_rank_resumes_from_rank_0s_file(job, config):
 def test_a_nan_raises_or_skips_on_every_rank(job):
     for r in job:
         nf = r["nonfinite"]
-        assert nf["raise"]["error"] == ("SBC: rank 3 could not encode this sync: the update of "
-                                        "'2.bias' contains NaN or Inf")
+        assert nf["raise"]["error"].startswith(
+            "SBC: rank 3 could not encode this sync: the update of '2.bias' contains NaN or "
+            "Inf; SBC's nonfinite policy is 'raise'"), nf["raise"]["error"]
+        assert "SBC(..., nonfinite='skip')" in nf["raise"]["error"]
         assert nf["raise"]["unchanged"] and nf["skip"]["unchanged"]
         assert nf["skip"]["error"] is None and nf["skip"]["finite"] and nf["skip"]["synced_again"]
         assert any("rank 1 could not encode this sync: the update of '2.bias'" in w

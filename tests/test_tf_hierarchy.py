@@ -233,8 +233,10 @@ def test_a_nan_raises_or_skips_on_every_rank(key):
     res = job()
     for r in res:
         nf = r[key]
-        assert nf["raise"]["error"] == ("ValueError: SBC: rank 3 could not encode this sync: "
-                                        "the update of 'fc2/bias' contains NaN or Inf")
+        assert nf["raise"]["error"].startswith(
+            "ValueError: SBC: rank 3 could not encode this sync: the update of 'fc2/bias' "
+            "contains NaN or Inf; SBC's nonfinite policy is 'raise'"), nf["raise"]["error"]
+        assert "SBC(..., nonfinite='skip')" in nf["raise"]["error"]
         assert nf["raise"]["unchanged"] and nf["skip"]["unchanged"]
         assert nf["skip"]["error"] is None and nf["skip"]["finite"]
         assert nf["skip"]["syncs"] == 2  # the skipped sync is not counted, the next commits

@@ -142,11 +142,13 @@ class SBC(StockHook):
 
     # -- one fused sync (the drop-in optimizer, the DDP hook and averager) ------------------
     def exchange(self, items, out: Optional[List[torch.Tensor]] = None, tag: str = "sbc.sync",
-                 count_sync: bool = True, apply=None) -> Optional[List[torch.Tensor]]:
+                 count_sync: bool = True, apply=None,
+                 error=None) -> Optional[List[torch.Tensor]]:
         """Compress, exchange (one fused message), decode and average a set of updates
         (:class:`horovod_sbc.torch.sync.Update` or ``(name, value, shape[, base])`` tuples);
-        see :func:`horovod_sbc.torch.sync.synchronize` (``apply``: the outer step)."""
-        return sync.synchronize(self.state, items, out, tag, count_sync, apply)
+        see :func:`horovod_sbc.torch.sync.synchronize` (``apply``: the outer step; ``error``:
+        ``(rank, reason)`` this rank already knows fails the sync)."""
+        return sync.synchronize(self.state, items, out, tag, count_sync, apply, error)
 
 
 # -- baselines: presets of the same configuration -----------------------------------------------

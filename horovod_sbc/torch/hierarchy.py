@@ -162,14 +162,16 @@ class Hierarchy:
 
     @torch.no_grad()
     def synchronize(self, named: Sequence[Tuple[str, torch.Tensor]], ref: Dict[str, torch.Tensor],
-                    local_residual: bool, outer) -> bool:
+                    local_residual: bool, outer, failed: Optional[str] = None) -> bool:
         """One sync of the drop-in's parameters ``named`` (sorted by name) against the shared
         weights ``ref`` (updated in place). Returns False if the sync was skipped
-        (``nonfinite="skip"``); raises ValueError on every rank if any rank failed."""
+        (``nonfinite="skip"``); raises ValueError on every rank if any rank failed.
+        ``failed``: why this rank's window already failed (a non-finite gradient whose local
+        step was not taken)."""
         import horovod.torch as hvd
         lay = self._layout(named)
         flat = self._updates(named, ref, lay)
-        error = self._node_error(hvd, lay, flat)
+        error = self._node_error(hvd, lay, flat, failed)
         avg = hvd.reducescatter(flat, name="sbc.hierarchy.reduce", op=hvd.Average,
                                 process_set=self.intra)
         code, err = self._cross(lay, avg, error)
@@ -195,11 +197,15 @@ class Hierarchy:
         head.sub_(torch.cat([ref[name].reshape(-1) for name, _ in named]))
         return flat
 
-    def _node_error(self, hvd, lay: Layout, flat: torch.Tensor) -> Optional[Tuple[int, str]]:
-        """``(global rank, reason)`` of the first rank of this node whose update is not finite,
+    def _node_error(self, hvd, lay: Layout, flat: torch.Tensor,
+                    failed: Optional[str] = None) -> Optional[Tuple[int, str]]:
+        """``(global rank, reason)`` of the first rank of this node whose update is not finite
+        (or whose window ``failed``: a non-finite gradient, sent as ``-2 - tensor index``),
         else None: one allgather of one integer per local rank (and one host read)."""
         bad = -1
-        if not bool(torch.isfinite(flat).all()):
+        if failed is not None:
+            bad = -2 - lay.names.index(failed)
+        elif not bool(torch.isfinite(flat).all()):
             bad = next(i for i, (o, n) in enumerate(zip(lay.offsets, lay.numels))
                        if not bool(torch.isfinite(flat[o:o + n]).all()))
         got = hvd.allgather(torch.tensor([bad], dtype=torch.int32),
@@ -209,6 +215,9 @@ class Hierarchy:
             if b >= 0:
                 return (self.groups[self.node][i],
                         f"the update of {lay.names[b]!r} contains NaN or Inf")
+            if b <= -2:
+                return (self.groups[self.node][i],
+                        f"the gradient of {lay.names[-2 - b]!r} contains NaN or Inf")
         return None
 
     def _cross(self, lay: Layout, avg: torch.Tensor, error):

@@ -84,6 +84,7 @@ class _SBCOptimizer:
         self._sbc_params = sorted(ours, key=lambda t: t[0])
         self._sbc = compression
         self._sbc_local_steps = 0
+        self._sbc_failed = None  # nonfinite="skip": the first non-finite gradient's name
         self._sbc_bypass = False
         compression.manager.config.update(delay=compression.delay, local_residual=local_residual)
         self._sbc_hier = None  # the hierarchical exchange (SBC(hierarchy=...)), built on every rank
@@ -171,13 +172,33 @@ class _SBCOptimizer:
             self._sbc_load(st)
             self._sbc.manager.add(**counted)
         self._capture_reference()
-        loss = self._user_step(closure)  # the user's step on this rank's gradients
+        bad = self._nonfinite_gradient() if self._sbc.config.nonfinite == "skip" else None
+        if bad is not None:
+            # the user's optimizer never sees it (its momentum, its moments stay finite), and
+            # the window's sync is skipped on every rank, naming this rank and parameter
+            loss = None
+            if self._sbc_failed is None:
+                self._sbc_failed = bad
+        else:
+            loss = self._user_step(closure)  # the user's step on this rank's gradients
         self._sbc_local_steps += 1
         numel = sum(p.numel() for _, p in self._sbc_params)
         self._sbc.manager.add(steps=1, dense_bits=32 * numel)
         if self._sbc_local_steps % self._sbc.delay == 0:
             self._sbc_sync()
         return loss
+
+    def _nonfinite_gradient(self) -> Optional[str]:
+        """The name of the first parameter (in the canonical order) whose gradient holds NaN or
+        Inf, else None: one fused max-abs over every gradient and one host read."""
+        named = [(n, p.grad) for n, p in self._sbc_params
+                 if p.grad is not None and not p.grad.is_sparse]
+        if not named:
+            return None
+        peaks = torch._foreach_norm([g for _, g in named], float("inf"))
+        dev = peaks[0].device
+        finite = torch.isfinite(torch.stack([t.to(dev, torch.float32) for t in peaks])).tolist()
+        return next((n for (n, _), ok in zip(named, finite) if not ok), None)
 
     @property
     def local_residual(self) -> bool:
@@ -204,10 +225,13 @@ class _SBCOptimizer:
         self._capture_reference()
         res = self._sbc.manager.residuals
         local = self._sbc_local_residual
+        failed, self._sbc_failed = self._sbc_failed, None
+        reason = None if failed is None else f"the gradient of {failed!r} contains NaN or Inf"
         if self._sbc_hier is not None:  # dense in the node, SBC between nodes
-            self._sbc_hier.synchronize(self._sbc_params, ref, local, self._sbc_outer)
+            self._sbc_hier.synchronize(self._sbc_params, ref, local, self._sbc_outer, reason)
             self._sbc_local_steps = 0
             return
+        error = None if reason is None else (self._sbc.state.world()[1], reason)
         # local_residual=True: float32/float64 weights hold W_ref + R themselves, so the update
         # is W - W_ref, read once in the selection's pass; the decoded average moves W with
         # W_ref, and what this rank sent leaves W (sync.Update.in_weights, Encoded.commit).
@@ -219,9 +243,10 @@ class _SBCOptimizer:
                         else None)
                  for name, p in self._sbc_params]
         if self._sbc_outer.needs_buffer:
-            self._outer_exchange(items, kept)
+            self._outer_exchange(items, kept, error)
         else:
-            self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params])
+            self._sbc.exchange(items, out=[ref[name].view(-1) for name, _ in self._sbc_params],
+                               error=error)
         shared = []  # the weights that continue from W_ref: one foreach copy for all
         for name, p in self._sbc_params:
             if name in kept:
@@ -251,7 +276,7 @@ class _SBCOptimizer:
                                                               device=p.device)
         return buf
 
-    def _outer_exchange(self, items, kept) -> None:
+    def _outer_exchange(self, items, kept, error=None) -> None:
         """One sync through the outer step: the average ``U`` is decoded into dense buffers,
         the outer step turns it into ``D`` (in place), ``D`` is added to ``W_ref`` and to the
         weights that hold their residual, and then this rank's sent update leaves those
@@ -270,7 +295,7 @@ class _SBCOptimizer:
             if moved:
                 torch._foreach_add_([w for w, _ in moved], [d for _, d in moved])
 
-        if self._sbc.exchange(items, out=bufs, apply=apply) is None:
+        if self._sbc.exchange(items, out=bufs, apply=apply, error=error) is None:
             return  # skipped: nothing was applied
         pairs = [(p.detach().view(-1), r, True) for (name, p), r in zip(self._sbc_params, refs)
                  if name in kept]
