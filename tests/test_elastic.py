@@ -1,8 +1,9 @@
 """Elastic Horovod with SBC (``horovod_sbc.torch.elastic.SBCState``) on one real ``horovodrun``
 elastic job on localhost (Gloo): 3 ranks shrink to 2, grow to 3 again, and then the third rank
 dies inside a drop-in sync and its host is blacklisted; the job ends on 2 ranks. The stock
-optimizer exchanges by the sparse reduce-scatter (``SBC(topology="reduce_scatter")``), whose
-downlink residuals survivors keep and new workers start at zero.
+optimizer (adopted by ``SBCState``: it exchanges weight changes with the residual in the weights,
+as the drop-in does) exchanges by the sparse reduce-scatter (``SBC(topology="reduce_scatter")``),
+whose downlink residuals survivors keep and new workers start at zero.
 
 The discovery script is a file this test rewrites whenever rank 0 reports that it waits for a
 host change ("localhost" holds 2 slots; "127.0.0.1", a second name for this machine, is the
@@ -121,8 +122,8 @@ def test_survivors_keep_their_residuals_and_new_workers_start_from_zero(job):
             if e["wid"] in seen:  # a survivor: exactly its last committed state
                 survivors += 1
                 assert e["last"] is not None
-                for k in ("wref", "res", "weights", "stock_w", "stock_res", "stock_down",
-                          "local_steps"):
+                for k in ("wref", "res", "weights", "stock_w", "stock_res", "stock_weights",
+                          "stock_down", "local_steps"):
                     assert e[k] == e["last"][k], (i, k, e)
                 assert e["res_max"] > 0 and e["stock_res_max"] > 0  # a residual to keep
                 assert e["stock_down_max"] > 0  # every rank owns a region
@@ -130,7 +131,7 @@ def test_survivors_keep_their_residuals_and_new_workers_start_from_zero(job):
                 newcomers += 1
                 assert e["last"] is None and e["res_max"] == 0 and e["stock_res_max"] == 0, e
                 assert e["stock_down_max"] == 0, e
-                assert e["weights"] == e["wref"]
+                assert e["weights"] == e["wref"] and e["stock_weights"] == e["stock_w"]
                 assert e["stats"][0]["syncs"] == 0 and e["stats"][1]["syncs"] == 0
         seen |= {e["wid"] for e in g}
     # 3 at the start, 1 at the grow; survivors: 2 + 2 + 2 after the three resets

@@ -4,7 +4,8 @@ Every rank trains two models side by side on one linear-regression task (each ra
 samples): one through the drop-in ``horovod_sbc.torch.DistributedOptimizer`` (SGD momentum 0.9,
 ``SBC(density=0.1, delay=2)``, the residual in the weights), one through stock
 ``hvd.DistributedOptimizer(compression=SBC(density=0.1))`` (SGD momentum 0.9; ``stock_topology=``
-its topology, e.g. ``reduce_scatter``), both in one
+its topology, e.g. ``reduce_scatter``; the stock hook makes it exchange weight changes with the
+residual in the weights too, adopted by ``SBCState``), both in one
 ``SBCState``, committed after every step. Every worker starts from its own random weights.
 
 The schedule, by the step counter that ``SBCState`` carries across resets (the job starts on
@@ -83,11 +84,15 @@ def residual_max(tensors):
 def snapshot():
     """What each rank must keep or agree on (names sorted: the same order on every rank)."""
     ref, res = drop.compression.manager.reference, drop.residuals()
-    sres, sdown = STOCK_SBC.manager.residuals, STOCK_SBC.manager.server_residuals
+    # the stock optimizer runs the drop-in's step (SBCState adopted it): its shared weights,
+    # its residual W - W_ref, the reduce-scatter's downlink residuals of the regions it owns
+    sref, sres = STOCK_SBC.manager.reference, stock.residuals()
+    sdown = STOCK_SBC.manager.server_residuals
     return {"wref": digest([ref[k] for k in sorted(ref)]),
             "res": digest([res[k] for k in sorted(res)]),
             "res_max": residual_max(res.values()),
-            "stock_w": digest(stock_model.parameters()),
+            "stock_w": digest([sref[k] for k in sorted(sref)]),
+            "stock_weights": digest([p for _, p in sorted(stock_named)]),
             "stock_res": digest([sres[k] for k in sorted(sres)]),
             "stock_res_max": residual_max(sres.values()),
             "stock_down": digest([sdown[k] for k in sorted(sdown)]),
@@ -121,7 +126,9 @@ def losses():
     y = EVAL_X @ TEACHER
     with torch.no_grad(), drop.shared_weights():
         a = float(torch.nn.functional.mse_loss(drop_model(EVAL_X), y))
-    return a, float(torch.nn.functional.mse_loss(stock_model(EVAL_X), y))
+    with torch.no_grad(), stock.shared_weights():
+        b = float(torch.nn.functional.mse_loss(stock_model(EVAL_X), y))
+    return a, b
 
 
 def wait_for_hosts(state, name):
@@ -168,6 +175,7 @@ def train(state):
         last_commit = snapshot()
         state.commit()
     drop.finish()
+    stock.finish()
     emit("done", step=state.step, loss=losses(), weights=digest(drop_model.parameters()),
          stock_w=digest(stock_model.parameters()), stats=[drop.stats(), STOCK_SBC.stats()])
 

@@ -127,6 +127,17 @@ def train_step(model, opt, step, nan=False):
     return loss.item()
 
 
+def shared_digest(model, opt):
+    """The weights every rank must share: the shared weights of an optimizer that keeps each
+    rank's residual in its weights (the drop-in, or stock Horovod's once SBC adopted it at its
+    first step: SGD exchanges weight changes), else the weights themselves."""
+    shared = getattr(opt, "shared_weights", None)
+    if shared is None:
+        return digest(model)
+    with shared():
+        return digest(model)
+
+
 def run_train():
     api = KW.get("api", "dropin")
     density, delay = float(KW.get("density", 0.05)), int(KW.get("delay", 1))
@@ -141,11 +152,14 @@ def run_train():
         comp = sbc.SBC(density=density, delay=delay, mode=KW["mode"],
                        local_residual=LOCAL_RESIDUAL)
     model, opt, stats = build(api, density, delay, comp=comp)
-    digests = [digest(model)]
+    # the drop-in here keeps the residual beside the weights (LOCAL_RESIDUAL): its weights are
+    # what ranks share after a sync and train apart between syncs
+    seen = (lambda: shared_digest(model, opt)) if api == "stock" else (lambda: digest(model))
+    digests = [seen()]
     losses = []
     for s in range(steps):
         losses.append(train_step(model, opt, s))
-        digests.append(digest(model))
+        digests.append(seen())
     st = stats()
     from horovod_sbc.torch.backend import backend_for
     return {"digests": digests, "losses": losses, "stats": st, "gathered": dict(GATHERED),
@@ -280,10 +294,7 @@ def run_many():
         opt.step()
 
     own = digest(params)
-    if KW["api"] == "stock":
-        return {"tensors": len(named), "shared": own, "own": own,
-                "backend": backend_for("cpu").name}
-    with opt.shared_weights():
+    with opt.shared_weights():  # stock Horovod's optimizer too: SBC adopted it (SGD)
         shared = digest(params)
     return {"tensors": len(named), "shared": shared, "own": own,
             "backend": backend_for("cpu").name}
