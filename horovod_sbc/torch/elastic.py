@@ -4,15 +4,16 @@ surviving rank's residual across a reset.
 Plain ``TorchState`` broadcasts rank 0's weights (which hold rank 0's residual with the drop-in)
 and optimizer state, and keeps the stock hook's ``SBC`` object by reference, never rolling its
 residuals back (docs/elastic.md). ``SBCState`` gives each SBC optimizer (the drop-in, or stock
-``hvd.DistributedOptimizer`` with ``compression=SBC(...)``) one :class:`SBCHandler` that owns
-it and the models holding its parameters:
+``hvd.DistributedOptimizer`` with ``compression=SBC(...)``, which it has the stock hook adopt at
+once: the drop-in's step, on every rank from the start) one :class:`SBCHandler` that owns it and
+the models holding its parameters:
 
 * ``save()`` (``state.commit()``) deep-copies the weights, the models' other tensors and the
   optimizer's state, SBC's residuals, shared weights ``W_ref``, counters and delay-window
   position included; ``restore()`` copies them back (as this worker's own state, whatever rank
   it has now), so error feedback of steps after the commit is rolled back with them;
 * ``sync()``: the *source* is the lowest rank that trained in this job (one flag exchanged).
-  The shared weights (the weights for the stock hook), the models' buffers and untrained
+  The shared weights ``W_ref``, the models' buffers and untrained
   tensors, the delay-window position, the outer-step state and the user's other attributes come
   from it by Horovod's broadcasts. A survivor whose shared weights equal the source's keeps its
   residual, weights and optimizer state; any other worker takes the source's optimizer state
@@ -98,6 +99,11 @@ class SBCHandler:
                              "horovod_sbc.torch.DistributedOptimizer(...) or "
                              "hvd.DistributedOptimizer(..., compression=SBC(...))")
         refuse_elastic(self.sbc.config.hierarchy)
+        if not _is_drop_in(optimizer):
+            # stock Horovod's: adopted now rather than at its first step (the hook's choice,
+            # the same on every rank), so that a worker that joins later runs the same sync
+            # as the survivors, whose optimizers have stepped
+            self.sbc.exchange_for(optimizer)
         self.value = optimizer
         self.models = list(models)
         self.joined = False  # did this worker train in this job (is its state worth keeping)?
@@ -105,8 +111,8 @@ class SBCHandler:
 
     @property
     def drop_in(self) -> bool:
-        """Does the optimizer run the drop-in's step (the drop-in, or stock Horovod's once the
-        stock hook adopted it at its first step: every optimizer it finds)?"""
+        """Does the optimizer run the drop-in's step (the drop-in, or stock Horovod's adopted
+        by the stock hook, which ``__init__`` asks for)?"""
         return _is_drop_in(self.value)
 
     def set_value(self, value) -> None:
@@ -210,8 +216,10 @@ class SBCHandler:
         drop-in does not count it); a kept rank's weights and gradients are put back after it
         (weight decay would move them)."""
         opt = self.value
-        base = super(type(opt), opt)  # the user's optimizer class
-        own = copy.deepcopy(base.state_dict()) if keep else None
+        # the user's optimizer class (an adopted stock optimizer's own super() is the drop-in's,
+        # whose state_dict() holds SBC's state: not to be loaded back over the broadcasts)
+        base = opt._sbc_base if self.drop_in else type(opt).__mro__[1]
+        own = copy.deepcopy(base.state_dict(opt)) if keep else None
         params = [p for g in opt.param_groups for p in g["params"]]
         weights = [p.detach().clone() for p in params] if keep and not own["state"] else None
         grads = [p.grad for p in params]
@@ -220,7 +228,7 @@ class SBCHandler:
         for p, g in zip(params, grads):
             p.grad = g
         if own is not None:
-            base.load_state_dict(own)
+            base.load_state_dict(opt, own)
         if weights is not None:
             for p, w in zip(params, weights):
                 p.copy_(w)

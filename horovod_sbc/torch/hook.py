@@ -33,7 +33,8 @@ from .. import policy
 from .adam import family
 from .backend import Accumulate, Targets, frame
 from .optimizer import adopt
-from .owner import Owner, global_process_set, horovod_parameter_name, identify
+from .owner import (Owner, global_process_set, horovod_op_sum, horovod_parameter_name,
+                    identify)
 from .sync import Outgoing, encode_uplink, exchange
 from .sync import plan_regions as sync_plan
 from .sync.state import SyncState
@@ -69,14 +70,25 @@ class StockHook:
         """What the step of ``owner``'s optimizer exchanges (:func:`horovod_sbc.policy.choose`,
         decided once per optimizer): ``"gradients"``, or ``"weights"``, for which Horovod's
         optimizer is made the drop-in's on the spot (:func:`adopt`)."""
-        opt = owner.optimizer
-        if opt is None:  # found by named_parameters alone: nothing to step locally
+        if owner.optimizer is None:  # found by named_parameters alone: nothing to step locally
             return "gradients"
+        return self.exchange_for(owner.optimizer, owner.name, owner.op_sum)
+
+    def exchange_for(self, opt, name: Optional[str] = None,
+                     op_sum: Optional[bool] = None) -> str:
+        """What the steps of Horovod's optimizer ``opt`` exchange, decided once per optimizer
+        (the first ``compress()`` of its first step asks, with the parameter's ``name`` and
+        the ``op_sum`` read from Horovod's frame; ``SBCState`` asks when it takes ``opt``, so
+        that every rank of an elastic job, also one that joins later, runs the same step and
+        the same syncs): ``"weights"`` adopts ``opt`` (:func:`adopt`)."""
         if id(opt) in self._modes:
             return self._modes[id(opt)]
+        if op_sum is None:
+            op_sum = horovod_op_sum(opt)
         if not global_process_set(opt):
+            what = repr(name) if name is not None else "every parameter"
             raise ValueError(
-                f"SBC through hvd.DistributedOptimizer(process_set=...): {owner.name!r} would "
+                f"SBC through hvd.DistributedOptimizer(process_set=...): {what} would "
                 "be reduced over a process set, but SBC's messages travel by collectives over "
                 "every rank of the job; leave process_set at the global set (the default) or "
                 "use a separate job per group")
@@ -90,7 +102,7 @@ class StockHook:
                     f"{type(opt).__name__} exchanges weight changes; its topology='server' "
                     "needs horovod_sbc.torch.DistributedOptimizer(optimizer, "
                     "named_parameters, compression=SBC(...))")
-            if owner.op_sum:
+            if op_sum:
                 raise ValueError(
                     f"SBC through stock hvd.DistributedOptimizer with {type(opt).__name__} "
                     "averages the ranks' weight changes; op=hvd.Sum has no meaning there: "

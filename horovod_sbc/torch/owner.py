@@ -53,21 +53,28 @@ def _horovod_owner(tensor: torch.Tensor, max_frames: int = 3) -> Optional[Owner]
         loc = f.f_locals
         owner = loc.get("self")
         if owner is not None and hasattr(owner, "_parameter_names"):
-            if hasattr(owner, "_starting_models"):  # horovod's _DistributedAdasumOptimizer
-                raise ValueError(
-                    "SBC cannot be combined with op=hvd.Adasum: Adasum combines dense vectors "
-                    "pairwise. Use op=hvd.Average (the default) or "
-                    "horovod_sbc.torch.DistributedOptimizer.")
-            import horovod.torch as hvd
-            op = getattr(owner, "op", hvd.Average)
-            if op not in (hvd.Average, hvd.Sum):
-                raise ValueError(f"SBC supports op=hvd.Average or hvd.Sum, not {op!r}")
+            op_sum = horovod_op_sum(owner)
             p = loc.get("p")
             if p is not None and _matches(p, tensor):
                 name = owner._parameter_names.get(p)
                 if name is not None:
-                    return Owner(name, owner, p, op == hvd.Sum)
+                    return Owner(name, owner, p, op_sum)
     return None
+
+
+def horovod_op_sum(optimizer) -> bool:
+    """Does Horovod's ``optimizer`` sum (``op=hvd.Sum``) rather than average? Any other ``op``
+    (Adasum) raises ValueError."""
+    if hasattr(optimizer, "_starting_models"):  # horovod's _DistributedAdasumOptimizer
+        raise ValueError(
+            "SBC cannot be combined with op=hvd.Adasum: Adasum combines dense vectors "
+            "pairwise. Use op=hvd.Average (the default) or "
+            "horovod_sbc.torch.DistributedOptimizer.")
+    import horovod.torch as hvd
+    op = getattr(optimizer, "op", hvd.Average)
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"SBC supports op=hvd.Average or hvd.Sum, not {op!r}")
+    return op == hvd.Sum
 
 
 def _matches(p: torch.Tensor, tensor: torch.Tensor) -> bool:
