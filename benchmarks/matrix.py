@@ -418,7 +418,8 @@ def markdown(m: dict, res: dict) -> str:
     lines = ["# The task matrix", "",
              f"Declared in `benchmarks/matrix.json` (hash `{digest(m)}`); seeds "
              f"{', '.join(map(str, sorted({s for r in res['runs'] for s in r['seeds']})))}; "
-             f"density {m['density']}. Scores are the mean ± std over seeds; a gap is "
+             f"density {m['density']}. Scores are the mean ± std over seeds (a cell run on one "
+             "seed names it); a gap is "
              "accuracy points below dense, or the fraction above dense's perplexity / MSE; "
              "×N is dense upstream bits over SBC's. ✓ / ✗: the cell meets / misses its target "
              "(`SBC(0.01)`: within 1 point or 3 % of dense and not below no communication; "
@@ -442,7 +443,9 @@ def markdown(m: dict, res: dict) -> str:
                 if r is None:
                     row.append("—")
                     continue
-                s = _fmt(r, r["score"], r["score_std"])
+                one = len(r["seeds"]) == 1  # no spread to show: the seed is named
+                s = _fmt(r, r["score"], None if one else r["score_std"])
+                s += f" (seed {r['seeds'][0]})" if one else ""
                 if meth in m["targets"] and meth in c:
                     g = c[meth]["gap"]
                     gs = "diverged" if g == math.inf else (
