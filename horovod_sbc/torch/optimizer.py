@@ -197,7 +197,9 @@ class _SBCOptimizer:
             return None
         peaks = torch._foreach_norm([g for _, g in named], float("inf"))
         dev = peaks[0].device
-        finite = torch.isfinite(torch.stack([t.to(dev, torch.float32) for t in peaks])).tolist()
+        if any(t.device != dev for t in peaks):  # a model split over devices: gather them
+            peaks = [t.to(dev) for t in peaks]
+        finite = torch.isfinite(torch.stack(peaks)).tolist()  # stack promotes the dtypes
         return next((n for (n, _), ok in zip(named, finite) if not ok), None)
 
     @property
