@@ -61,3 +61,20 @@ def tensor_digest(tensors) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().reshape(-1).numpy().tobytes())
     return h.hexdigest()
+
+
+def toy_mlp(width: int):
+    """The workers' small classifier (torch): 20 inputs, ``width`` hidden units, 5 classes."""
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 5))
+
+
+def toy_batch(step: int, rank: int, n: int):
+    """A batch of ``toy_mlp``'s task for ``rank`` at ``step`` (the label: the largest of the
+    first five inputs); every rank draws its own."""
+    import torch
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 20, generator=g)
+    return x, x[:, :5].argmax(1)

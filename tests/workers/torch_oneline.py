@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common import scenarios, write_result  # noqa: E402
+from common import scenarios, toy_batch, toy_mlp, write_result  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -43,14 +43,11 @@ def digest(tensors) -> str:
 
 
 def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    return toy_mlp(32)
 
 
 def batch(step, n=16):
-    g = torch.Generator().manual_seed(1000 * step + RANK)
-    x = torch.randn(n, 20, generator=g)
-    return x, x[:, :5].argmax(1)
+    return toy_batch(step, RANK, n)
 
 
 def warmup_decay(s, warm=5, total=40):

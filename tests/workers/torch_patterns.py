@@ -26,7 +26,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import catch, end_job, scenarios, tensor_digest  # noqa: E402
+from common import catch, end_job, scenarios, tensor_digest, toy_batch, toy_mlp  # noqa: E402
 
 import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
@@ -39,14 +39,11 @@ RANK, SIZE = hvd.rank(), hvd.size()
 
 
 def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    return toy_mlp(64)
 
 
 def batch(step, n=32):
-    g = torch.Generator().manual_seed(1000 * step + RANK)
-    x = torch.randn(n, 20, generator=g)
-    return x, x[:, :5].argmax(1)
+    return toy_batch(step, RANK, n)
 
 
 def build(kw, model, **hvd_kw):
